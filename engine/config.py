@@ -1,0 +1,99 @@
+"""Configuration dataclasses, validated on construction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # Hugging Face directory of a Llama-family model; None: embedded SmolLM2
+    reranker: str | None = None  # cross-encoder directory; None: the causal LM judges relevance
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_bytes: int = 256 * 2**20  # memory budget for the paged KV pool
+    num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set
+    max_num_batched_tokens: int = 512  # token budget of one step
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # None: the model's own context length
+    enable_prefix_caching: bool = True
+    rerank_share: float = 0.5  # share of the step budget rerank pairs get when generation also waits
+    max_rerank_documents: int = 1000
+    priority_aging_steps: int = 64  # a waiting request gains one priority level per this many steps
+    scheduling: Literal["continuous", "static"] = "continuous"
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes",
+                  "max_rerank_documents", "priority_aging_steps")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.rerank_share <= 1.0:
+            raise ValueError(f"rerank_share must be in (0, 1], got {self.rerank_share}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    priority: int = 0  # lower runs first, as in vLLM
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+        if not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class RerankParams:
+    top_n: int | None = None  # None: all documents
+    truncate: Literal["end", "none"] = "end"  # "end": cut the document to fit; "none": reject
+    return_documents: bool = False
+    instruction: str | None = None  # None: the default relevance instruction
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if self.top_n is not None and (not isinstance(self.top_n, int) or self.top_n < 1):
+            raise ValueError(f"top_n must be >= 1, got {self.top_n!r}")
+        if self.truncate not in ("end", "none"):
+            raise ValueError(f"truncate must be 'end' or 'none', got {self.truncate!r}")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

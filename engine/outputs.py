@@ -1,0 +1,58 @@
+"""What the engine hands out: per-step deltas, finished results, and one record per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One request's progress in one step. Generation: new tokens/text; rerank: scores when finished."""
+    request_id: str
+    kind: str  # "generate" | "rerank"
+    new_token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # text delta, never a broken UTF-8 sequence or a partial stop string
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # set with finish_reason "error"
+    scores: list[float] | None = None  # rerank: one per document, input order, only when finished
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_time: float | None = None  # time.monotonic() of the first generated token
+    arrival_time: float = 0.0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished generation, as `LLM.generate` returns it."""
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one engine step did; the service turns it into a span and metrics."""
+    step: int
+    start_time: float  # time.monotonic()
+    duration_s: float
+    decode_tokens: int
+    prefill_tokens: int
+    cached_tokens: int  # prompt tokens newly admitted from the prefix cache this step
+    rerank_pairs: int
+    rerank_tokens: int
+    num_seqs: int
+    budget: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    preempted: int
+    request_ids: list[str]  # every request (generation or rerank job) this step served
+    decode_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def budget_used(self) -> int:
+        return self.decode_tokens + self.prefill_tokens + self.rerank_tokens
