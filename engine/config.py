@@ -13,7 +13,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     block_size: int = 16
-    kv_cache_bytes: int = 256 * 2**20  # memory budget for the paged KV pool
+    kv_cache_bytes: int = 1024 * 2**20  # memory budget for the paged KV pool
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set
     max_num_batched_tokens: int = 512  # token budget of one step
     max_num_seqs: int = 128

@@ -1,0 +1,8 @@
+"""The synchronous engine: scheduler, paged KV cache, model runner, sampling. No gRPC here."""
+from engine.config import EngineConfig, RerankParams, SamplingParams
+from engine.engine import LLMEngine
+from engine.llm import LLM
+from engine.outputs import RequestOutput, StepOutput, StepRecord
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RerankParams",
+           "RequestOutput", "StepOutput", "StepRecord"]

