@@ -1,0 +1,81 @@
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.models.loader import default_model_dir
+
+GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0)
+
+# Sixteen prompts of very different lengths (5 to ~200 tokens), plain and chat-formatted.
+_TOPICS = ["the ocean", "a lighthouse keeper", "prime numbers", "bread baking", "the Roman empire",
+           "a robot learning to paint", "volcanoes", "chess openings"]
+
+
+def _prompts(tokenizer) -> list[str]:
+    out = ["Hi", "The capital of France is", "Once upon a time,"]
+    for i, topic in enumerate(_TOPICS):
+        out.append(f"Write a short paragraph about {topic}. " + "Be vivid and specific. " * (i * 3))
+    for topic in _TOPICS[:5]:
+        msgs = [{"role": "user", "content": f"Explain {topic} to a child in two sentences."}]
+        out.append(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer) -> list[str]:
+    return _prompts(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model, tokenizer, prompts) -> list[list[int]]:
+    """transformers `generate`, one prompt at a time, greedy, 32 new tokens: the reference outputs."""
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = tokenizer(p, return_tensors="pt").input_ids
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                                    pad_token_id=tokenizer.eos_token_id)
+            refs.append(out[0, ids.shape[1]:].tolist())
+    return refs
+
+
+@pytest.fixture(scope="session")
+def llm() -> LLM:
+    """The default engine (embedded model, CPU, fp32), shared by tests that leave it idle."""
+    return LLM()
+
+
+def make_llm(**overrides) -> LLM:
+    return LLM(EngineConfig(**overrides))
+
+
+def record_steps(llm: LLM) -> list:
+    records = []
+    llm.engine.add_observer(records.append)
+    return records
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    assert all(rc == 0 for rc in llm.engine.pool.ref_counts)
