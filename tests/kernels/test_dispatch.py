@@ -1,0 +1,79 @@
+"""The dispatcher routes each op per TANDEM_KERNELS (torch | triton | auto = Triton on CUDA tensors)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kernels
+from kernels import dispatch, reference, triton_kv_cache, triton_paged_attention, triton_varlen_attention
+from tests.kernels.batches import paged_batch, varlen_batch
+
+_OPS = [
+    ("paged_attention", triton_paged_attention),
+    ("varlen_attention", triton_varlen_attention),
+    ("write_kv_cache", triton_kv_cache),
+]
+
+
+def _inputs(op: str) -> tuple:
+    if op == "varlen_attention":
+        q, k, v, cu = varlen_batch([3, 5], num_heads=2, head_dim=16)
+        return q, k, v, cu, 0.25
+    batch = paged_batch([(4, 2), (9, 1)], block_size=16, num_kv_heads=1, group=1, head_dim=16)
+    if op == "paged_attention":
+        return batch.args()
+    key = torch.randn(2, 1, 16)
+    return key, key, batch.k_cache, batch.v_cache, torch.tensor([0, -1])
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Replace both implementations of every op with recorders that still run the real op."""
+    seen: list[str] = []
+
+    def spy(label: str, fn):
+        def wrapper(*args):
+            seen.append(label)
+            return fn(*args)
+        return wrapper
+
+    for op, module in _OPS:
+        monkeypatch.setattr(reference, op, spy(f"torch:{op}", getattr(reference, op)))
+        monkeypatch.setattr(module, op, spy(f"triton:{op}", getattr(module, op)))
+    return seen
+
+
+@pytest.mark.parametrize("mode,expected", [("torch", "torch"), ("triton", "triton"), ("auto", "torch"), (None, "torch")])
+def test_env_picks_the_implementation_on_cpu(
+    mode: str | None, expected: str, calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if mode is None:
+        monkeypatch.delenv("TANDEM_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("TANDEM_KERNELS", mode)
+    for op, _ in _OPS:
+        getattr(kernels, op)(*_inputs(op))
+    assert calls == [f"{expected}:{op}" for op, _ in _OPS]
+
+
+def test_auto_picks_triton_for_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_KERNELS", "auto")
+    assert dispatch.backend(SimpleNamespace(is_cuda=True)) == "triton"
+    assert dispatch.backend(SimpleNamespace(is_cuda=False)) == "torch"
+    monkeypatch.setenv("TANDEM_KERNELS", "torch")
+    assert dispatch.backend(SimpleNamespace(is_cuda=True)) == "torch"
+
+
+def test_unknown_mode_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="TANDEM_KERNELS"):
+        kernels.paged_attention(*_inputs("paged_attention"))
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        dispatch.backend(torch.zeros(1))
