@@ -16,6 +16,7 @@ from engine.models.llama import LlamaArgs, LlamaForCausalLM
 from engine.models.loader import load_state_dict, read_config, resolve_model_dir
 from engine.outputs import StepOutput, StepRecord
 from engine.request import Sequence, SequenceStatus, SeqKind
+from engine.rerank import JudgePrompt, RerankJob
 from engine.runner import DTYPES, ModelRunner, RunnerOutput
 from engine.scheduler import Batch, Scheduler
 
@@ -51,7 +52,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, config.dtype)
         self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer)
-        self._requests: dict[str, Generation] = {}
+        self._judge: JudgePrompt | None = None
+        self._requests: dict[str, Generation | RerankJob] = {}
         self._arrivals = itertools.count()
         self._pending: list[StepOutput] = []
         self._observers: list[Callable[[StepRecord], None]] = []
@@ -76,14 +78,71 @@ class LLMEngine:
         self._requests[request_id] = Generation(request_id, seq, TextStream(self.tokenizer, params.stop))
         self.scheduler.add(seq)
 
+    def add_rerank(self, request_id: str, query: str, documents: list[str],
+                   params: RerankParams | None = None) -> None:
+        """Queue a rerank job: one prefill-only pair per document, scored in the same steps as generation."""
+        params = params if params is not None else RerankParams()
+        if not isinstance(params, RerankParams):
+            raise ValueError("params must be a RerankParams")
+        self._check_new_id(request_id)
+        if not isinstance(query, str) or not query.strip():
+            raise ValueError("query must be a non-empty string")
+        if not isinstance(documents, (list, tuple)) or not documents:
+            raise ValueError("documents must be a non-empty list of strings")
+        if len(documents) > self.config.max_rerank_documents:
+            raise ValueError(f"documents has {len(documents)} items; max_rerank_documents is "
+                             f"{self.config.max_rerank_documents}")
+        if any(not isinstance(d, str) for d in documents):
+            raise ValueError("documents must all be strings")
+        pair_ids = self._judge_pairs(query, list(documents), params)
+        job = RerankJob(request_id, query, list(documents), params, arrival_time=time.monotonic(),
+                        scores=[None] * len(documents), remaining=len(documents))
+        for i, ids in enumerate(pair_ids):
+            pair = Sequence(request_id=request_id, token_ids=ids, num_prompt_tokens=len(ids), params=params,
+                            arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.RERANK,
+                            priority=params.priority, owner=job, pair_index=i,
+                            wait_for=job.pairs[0] if job.pairs and self.config.enable_prefix_caching else None)
+            job.pairs.append(pair)
+        self._requests[request_id] = job
+        for pair in job.pairs:
+            self.scheduler.add(pair)
+
+    def _judge_pairs(self, query: str, documents: list[str], params: RerankParams) -> list[list[int]]:
+        if self._judge is None:
+            self._judge = JudgePrompt(self.tokenizer)
+            self.runner.judge_token_ids = (self._judge.yes_id, self._judge.no_id)
+        prefix, suffix = self._judge.split(query, params.instruction)
+        # A pair is atomic: it must fit one step's budget as well as the context.
+        limit = min(self.max_model_len - 1, self.scheduler.budget)
+        room = limit - len(prefix) - len(suffix)
+        if room < 1:
+            raise ValueError(f"query is too long: the rendered prompt leaves no room for a document "
+                             f"(limit {limit} tokens)")
+        pairs = []
+        for i, doc in enumerate(documents):
+            doc_ids = self._judge.document_ids(doc)
+            if len(doc_ids) > room:
+                if params.truncate == "none":
+                    raise ValueError(f"documents[{i}] with the query is {len(prefix) + len(doc_ids) + len(suffix)} "
+                                     f"tokens, over the limit of {limit}; shorten it or use truncate='end'")
+                doc_ids = doc_ids[:room]
+            pairs.append(prefix + doc_ids + suffix)
+        return pairs
+
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks are freed now, its final output comes with the next step."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        self.scheduler.finish(req.seq, SequenceStatus.FINISHED_ABORTED)
+        for seq in self._seqs_of(req):
+            if not seq.status.finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         self._pending.append(self._final_output(req, "abort"))
         return True
+
+    @staticmethod
+    def _seqs_of(req: Generation | RerankJob) -> list[Sequence]:
+        return req.pairs if isinstance(req, RerankJob) else [req.seq]
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._pending)
@@ -139,6 +198,9 @@ class LLMEngine:
     def _process(self, batch: Batch, result: RunnerOutput) -> list[StepOutput]:
         outputs = []
         now = time.monotonic()
+        for seq, score in zip(batch.seqs, result.scores):
+            if score is not None:
+                outputs.extend(self._record_score(seq, score))
         for seq, token in zip(batch.seqs, result.sampled):
             if token is None or seq.status is not SequenceStatus.RUNNING:
                 continue
@@ -162,6 +224,16 @@ class LLMEngine:
             outputs.append(out)
         return outputs
 
+    def _record_score(self, pair: Sequence, score: float) -> list[StepOutput]:
+        job: RerankJob = pair.owner
+        self.scheduler.finish(pair, SequenceStatus.FINISHED_STOPPED)
+        job.scores[pair.pair_index] = score
+        job.remaining -= 1
+        if job.remaining:
+            return []
+        del self._requests[job.request_id]
+        return [self._final_output(job, "stop")]
+
     def _stop_status(self, seq: Sequence, token: int, stream: TextStream) -> SequenceStatus | None:
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids or stream.stopped:
@@ -170,7 +242,12 @@ class LLMEngine:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _final_output(self, req: Generation, reason: str, error: str | None = None) -> StepOutput:
+    def _final_output(self, req: Generation | RerankJob, reason: str, error: str | None = None) -> StepOutput:
+        if isinstance(req, RerankJob):
+            return StepOutput(request_id=req.request_id, kind="rerank", finished=True, finish_reason=reason,
+                              error=error, scores=list(req.scores) if reason == "stop" else None,
+                              prompt_tokens=req.prompt_tokens, cached_tokens=req.cached_tokens,
+                              arrival_time=req.arrival_time)
         seq = req.seq
         return StepOutput(request_id=req.request_id, kind="generate", text=req.stream.finish(),
                           finished=True, finish_reason=reason, error=error,
@@ -184,7 +261,9 @@ class LLMEngine:
             req = self._requests.pop(seq.request_id, None)
             if req is None:
                 continue
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+            for s in self._seqs_of(req):
+                if not s.status.finished:
+                    self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
             outputs.append(self._final_output(req, "error", message))
         return outputs
 
@@ -199,8 +278,7 @@ class LLMEngine:
             kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
             kv_blocks_cached=self.pool.num_cached, preempted=len(batch.preempted),
             request_ids=list(dict.fromkeys(s.request_id for s in batch.seqs)),
-            decode_request_ids=[s.request_id for s, n in zip(batch.seqs, batch.num_new_tokens)
-                                if s.kind is SeqKind.GENERATE and n == 1 and s.num_output_tokens > 1])
+            decode_request_ids=batch.decode_request_ids)
         for fn in self._observers:
             fn(record)
 

@@ -5,7 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.config import SamplingParams
+from engine.config import RerankParams, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +49,7 @@ class Sequence:
     request_id: str
     token_ids: list[int]  # prompt followed by generated tokens
     num_prompt_tokens: int
-    params: SamplingParams
+    params: SamplingParams | RerankParams
     arrival: int  # admission order, for FIFO within a priority class
     arrival_time: float
     kind: SeqKind = SeqKind.GENERATE
@@ -65,6 +65,7 @@ class Sequence:
     generator: "torch.Generator | None" = None
     owner: Any = None  # the request state (generation or rerank job) this sequence belongs to
     pair_index: int = 0  # rerank: which document
+    wait_for: "Sequence | None" = None  # admitted only after this one finishes (it fills the shared prefix)
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,7 @@ class Batch:
     num_rerank_pairs: int = 0
     num_rerank_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
+    decode_request_ids: list[str] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -35,6 +36,7 @@ class Batch:
             self.num_rerank_tokens += n
         elif n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1:
             self.num_decode_tokens += 1
+            self.decode_request_ids.append(seq.request_id)
         else:
             self.num_prefill_tokens += n
 
@@ -195,7 +197,7 @@ class Scheduler:
         used = 0
         while used < budget and len(self.running) < self.max_seqs:
             seq = queue.peek(self.step)
-            if seq is None:
+            if seq is None or (seq.wait_for is not None and not seq.wait_for.status.finished):
                 break
             cached = self.kv.match_prefix(seq)
             n = seq.num_uncomputed_tokens
