@@ -1,0 +1,187 @@
+"""Load a cross-encoder from a Hugging Face directory; tokenize (query, document) pairs; score packed batches."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from engine.models.bert import EncoderArgs, SequenceClassifier, build_model, pack_pairs
+
+Pair = tuple[list[int], list[int]]  # (input_ids, token_type_ids) of one tokenized (query, document) pair
+Truncate = Literal["end", "none"]
+
+# sentence-transformers stores the activation as an import path; we accept only these, never import the string.
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "Sigmoid": torch.sigmoid, "Identity": lambda x: x, "Tanh": torch.tanh,
+}
+# Buffers some checkpoints serialize; the packed forward computes them instead.
+_IGNORED_SUFFIXES = (".position_ids", ".token_type_ids")
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All *.safetensors in the directory merged (a bare encoder's head may live in its own file), else *.bin."""
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        return state
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {str(path)!r}")
+    state = {}
+    for f in bins:
+        state.update(torch.load(f, map_location="cpu", weights_only=True))
+    return state
+
+
+def normalize_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Map checkpoint keys to our module names: add the base-model prefix ("bert" or "roberta") to bare encoders,
+    rename old LayerNorm gamma/beta."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if key.endswith(_IGNORED_SUFFIXES):
+            continue
+        if key.endswith(".gamma") or key.endswith(".beta"):
+            key = key[: key.rfind(".")] + (".weight" if key.endswith(".gamma") else ".bias")
+        if key.split(".", 1)[0] in ("embeddings", "encoder", "pooler"):
+            key = f"{prefix}.{key}"
+        out[key] = value
+    if prefix == "roberta":  # RoBERTa classifiers have no pooler; checkpoints saved from RobertaModel may carry one
+        out = {k: v for k, v in out.items() if not k.startswith("roberta.pooler.")}
+    return out
+
+
+def _num_labels(state: dict[str, torch.Tensor], family: str, path: Path) -> int:
+    head = "classifier.weight" if family == "bert" else "classifier.out_proj.weight"
+    if head not in state:
+        raise ValueError(f"{str(path)!r} has no classification head ({head}); a bare encoder needs its head "
+                         "weights in another *.safetensors file in the same directory")
+    return state[head].shape[0]
+
+
+def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def load_encoder(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32
+                 ) -> tuple[SequenceClassifier, EncoderArgs, dict]:
+    """The sequence classifier in eval mode on `device`/`dtype`, its args, and the raw config.json dict."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"cross-encoder path {str(path)!r} is not a Hugging Face model directory "
+                                "(no config.json)")
+    cfg = json.loads(config_file.read_text())
+    args = EncoderArgs.from_hf_config(cfg, num_labels=1)  # the real label count comes from the head's weights
+    state = normalize_state_dict(read_state_dict(path), args.family)
+    args = dataclasses.replace(args, num_labels=_num_labels(state, args.family, path))
+    with torch.device("meta"):
+        model = build_model(args)
+    try:
+        result = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # shape mismatches between config.json and the weights
+        raise ValueError(f"weights in {str(path)!r} do not fit its config.json: {e}") from e
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(f"weights in {str(path)!r} do not match a {cfg.get('model_type')} sequence classifier: "
+                         f"missing {result.missing_keys[:8]}, unexpected {result.unexpected_keys[:8]}")
+    return model.to(device=device, dtype=_torch_dtype(dtype)).eval(), args, cfg
+
+
+def score_activation(cfg: dict, num_labels: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """logits [B, num_labels] -> one relevance score per pair [B].
+
+    num_labels == 1: the activation sentence-transformers' CrossEncoder applies: the one named in config.json
+    (`sentence_transformers.activation_fn`, or the older `sbert_ce_default_activation_function`), else sigmoid.
+    num_labels == 2: softmax probability of label 1 (sentence-transformers would return both raw logits; a rerank
+    score needs one number, and label 1 is "relevant" in two-way classifiers). More labels: rejected.
+    """
+    if num_labels == 2:
+        return lambda logits: torch.softmax(logits.float(), dim=-1)[:, 1]
+    if num_labels != 1:
+        raise ValueError(f"a cross-encoder with {num_labels} labels gives no single relevance score")
+    name = (cfg.get("sentence_transformers") or {}).get("activation_fn") or cfg.get(
+        "sbert_ce_default_activation_function") or "torch.nn.modules.activation.Sigmoid"
+    act = _ACTIVATIONS.get(name.rsplit(".", 1)[-1]) if name.startswith("torch.") else None
+    if act is None:
+        raise ValueError(f"unsupported cross-encoder activation {name!r}; supported: torch.nn "
+                         f"{', '.join(_ACTIVATIONS)}")
+    return lambda logits: act(logits.float())[:, 0]
+
+
+class CrossEncoder:
+    """A BERT / RoBERTa / XLM-R cross-encoder: pairs packed into one ragged batch, varlen attention, no padding."""
+
+    def __init__(self, model: SequenceClassifier, args: EncoderArgs, tokenizer, activation: Callable,
+                 device: torch.device) -> None:
+        self.model, self.args, self.tokenizer, self.activation, self.device = model, args, tokenizer, activation, device
+        self.num_labels = args.num_labels
+        self.max_length = min(int(getattr(tokenizer, "model_max_length", args.max_tokens)), args.max_tokens)
+        self._specials = tokenizer.num_special_tokens_to_add(pair=True)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | str = torch.float32) -> "CrossEncoder":
+        from transformers import AutoTokenizer
+
+        model, args, cfg = load_encoder(path, device, dtype)
+        activation = score_activation(cfg, args.num_labels)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return cls(model, args, tokenizer, activation, torch.device(device))
+
+    def tokenize_pairs(self, query: str, docs: Sequence[str], max_length: int | None = None,
+                       truncate: Truncate = "end") -> list[Pair]:
+        """Token ids as `tokenizer(query, doc)` gives them; over `max_length` (capped at the model's limit):
+        "end" truncates the document ('only_second'), "none" raises ValueError naming the pair index."""
+        if truncate not in ("end", "none"):
+            raise ValueError(f"truncate must be 'end' or 'none', got {truncate!r}")
+        limit = self.max_length if max_length is None else min(max_length, self.max_length)
+        if not docs:
+            return []
+        queries = [query] * len(docs)
+        if truncate == "end":
+            query_len = len(self.tokenizer(query, add_special_tokens=False)["input_ids"])
+            if query_len + self._specials >= limit:
+                raise ValueError(f"the query is {query_len} tokens: with special tokens it leaves no room for a "
+                                 f"document within max_length {limit}")
+            enc = self.tokenizer(queries, list(docs), truncation="only_second", max_length=limit,
+                                 return_attention_mask=False)
+        else:
+            enc = self.tokenizer(queries, list(docs), truncation=False, return_attention_mask=False, verbose=False)
+        ids = enc["input_ids"]
+        types = enc.get("token_type_ids") or [[0] * len(x) for x in ids]
+        for i, x in enumerate(ids):
+            if len(x) > limit:
+                raise ValueError(f"pair {i} is {len(x)} tokens, over the maximum of {limit}; "
+                                 "shorten the document or use truncate='end'")
+        return [(list(x), list(t)) for x, t in zip(ids, types)]
+
+    @torch.inference_mode()
+    def logits(self, pairs: Sequence[Pair]) -> torch.Tensor:
+        """Raw classifier logits [B, num_labels] for tokenized pairs, one packed forward."""
+        for i, (ids, types) in enumerate(pairs):
+            if not 0 < len(ids) <= self.max_length or len(types) != len(ids):
+                raise ValueError(f"pair {i}: {len(ids)} input ids and {len(types)} token type ids; expected "
+                                 f"1..{self.max_length} of each")
+        if not pairs:
+            return torch.empty(0, self.num_labels, device=self.device)
+        input_ids, token_type_ids, cu_seqlens = pack_pairs(list(pairs), self.device)
+        return self.model(input_ids, token_type_ids, cu_seqlens)
+
+    def score(self, pairs: Sequence[Pair]) -> list[float]:
+        """One relevance score per pair (see `score_activation`), in input order."""
+        return self.activation(self.logits(pairs)).tolist()
+
+    def rerank(self, query: str, docs: Sequence[str], truncate: Truncate = "end") -> list[float]:
+        """Tokenize and score all documents against the query in one packed batch."""
+        return self.score(self.tokenize_pairs(query, docs, truncate=truncate))
