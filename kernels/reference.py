@@ -58,13 +58,14 @@ def paged_attention(
             continue
         k = _gather_context(k_cache, block_tables[b], ctx).transpose(0, 1)  # [Hkv, ctx, D]
         v = _gather_context(v_cache, block_tables[b], ctx).transpose(0, 1)
-        q = query[q0:q1].transpose(0, 1)  # [Hq, q_len, D]
         q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
         mask = torch.arange(ctx, device=query.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=n_heads != n_kv
-        )
-        out[q0:q1] = o.transpose(0, 1)
+        # GQA without enable_gqa (slow on CPU): the heads sharing a KV head are folded into the query axis.
+        group = n_heads // n_kv
+        q = query[q0:q1].transpose(0, 1).reshape(n_kv, group * q_len, -1)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask.repeat(group, 1),
+                                           scale=scale)
+        out[q0:q1] = o.view(n_heads, q_len, -1).transpose(0, 1)
     return out
 
 
@@ -78,17 +79,18 @@ def _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, decod
     tables = block_tables[idx, :n_blocks].long()  # [Bd, n_blocks]
     k = k_cache[tables].flatten(1, 2)[:, :max_ctx]  # [Bd, max_ctx, Hkv, D]
     v = v_cache[tables].flatten(1, 2)[:, :max_ctx]
-    q = query[torch.tensor([starts[b] for b in decodes], device=query.device)]  # [Bd, Hq, D]
+    rows = torch.tensor([starts[b] for b in decodes], device=query.device)
+    q = query[rows]  # [Bd, Hq, D]
+    n_kv = k.shape[2]
     mask = torch.arange(max_ctx, device=query.device)[None, :] < ctx[:, None]  # [Bd, max_ctx]
     o = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [Bd, Hq, 1, D]
+        q.view(q.shape[0], n_kv, -1, q.shape[-1]),  # the query heads of a KV head act as its query rows
         k.transpose(1, 2).to(q.dtype),
         v.transpose(1, 2).to(q.dtype),
         attn_mask=mask[:, None, None, :],
         scale=scale,
-        enable_gqa=q.shape[1] != k.shape[2],
     )
-    out[torch.tensor([starts[b] for b in decodes], device=query.device)] = o.squeeze(2)
+    out[rows] = o.reshape(q.shape)
 
 
 def varlen_attention(
