@@ -1,0 +1,248 @@
+"""AsyncClient: generations multiplexed over one shared Generate stream, reranks with retries."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import uuid
+from typing import Any, AsyncIterator, Sequence
+
+import grpc
+
+from clients.types import FINISH_REASONS, Delta, RerankResult, RerankResults, TandemError, Usage, status_code
+from proto import tandem_pb2 as pb
+from proto import tandem_pb2_grpc as pb_grpc
+
+
+class _SharedStream:
+    """One open Generate call: a send queue feeding it and a reader routing replies by request id."""
+
+    def __init__(self, stub: pb_grpc.TandemStub, metadata: tuple) -> None:
+        self._outgoing: asyncio.Queue = asyncio.Queue()
+        self._routes: dict[str, asyncio.Queue] = {}
+        self.closed = False
+        self._call = stub.Generate(self._requests(), metadata=metadata)
+        self._reader = asyncio.create_task(self._read())
+
+    def register(self, request_id: str) -> asyncio.Queue:
+        if request_id in self._routes:
+            raise ValueError(f"request_id {request_id!r} is already in use on this client")
+        self._routes[request_id] = queue = asyncio.Queue()
+        return queue
+
+    def unregister(self, request_id: str) -> None:
+        self._routes.pop(request_id, None)
+
+    def send(self, message: pb.GenerateClientMessage) -> None:
+        if not self.closed:
+            self._outgoing.put_nowait(message)
+
+    async def close(self) -> None:
+        self._outgoing.put_nowait(None)
+        self._call.cancel()
+        self._reader.cancel()
+
+    async def _requests(self) -> AsyncIterator[pb.GenerateClientMessage]:
+        while True:
+            message = await self._outgoing.get()
+            if message is None:
+                return
+            yield message
+
+    async def _read(self) -> None:
+        error = TandemError(grpc.StatusCode.UNAVAILABLE, "the Generate stream ended before this request finished")
+        try:
+            async for message in self._call:
+                queue = self._routes.get(message.request_id)
+                if queue is not None:
+                    queue.put_nowait(message)
+        except grpc.aio.AioRpcError as exc:
+            error = TandemError.from_rpc(exc)
+        except asyncio.CancelledError:
+            error = TandemError(grpc.StatusCode.CANCELLED, "the client closed the stream")
+            raise
+        finally:
+            self.closed = True
+            self._outgoing.put_nowait(None)
+            for queue in self._routes.values():
+                queue.put_nowait(error)
+
+
+class AsyncClient:
+    """Async tandem client. Create and use it inside one event loop.
+
+    `generate` yields Delta objects; leaving the loop early (break, exception,
+    task cancellation) cancels the request on the server. `rerank` retries
+    UNAVAILABLE with exponential backoff and jitter.
+    """
+
+    def __init__(self, target: str = "localhost:50051", *, token: str | None = None, tls: bool = False,
+                 root_certificates: bytes | None = None, options: Sequence[tuple[str, Any]] = (),
+                 max_retries: int = 4, backoff_s: float = 0.1, max_backoff_s: float = 2.0,
+                 retry_codes: Sequence[grpc.StatusCode] = (grpc.StatusCode.UNAVAILABLE,)) -> None:
+        self.target = target
+        self._metadata: tuple = (("authorization", f"Bearer {token}"),) if token else ()
+        self._tls = tls or root_certificates is not None
+        self._root_certificates = root_certificates
+        self._options = list(options)
+        self._max_retries = max_retries
+        self._backoff_s = backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._retry_codes = tuple(retry_codes)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.TandemStub | None = None
+        self._stream: _SharedStream | None = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channel; the server cancels whatever was still running on it."""
+        if self._stream is not None:
+            await self._stream.close()
+            self._stream = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    @property
+    def stub(self) -> pb_grpc.TandemStub:
+        if self._stub is None:
+            if self._tls:
+                creds = grpc.ssl_channel_credentials(root_certificates=self._root_certificates)
+                self._channel = grpc.aio.secure_channel(self.target, creds, options=self._options)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            self._stub = pb_grpc.TandemStub(self._channel)
+        return self._stub
+
+    def _shared_stream(self) -> _SharedStream:
+        if self._stream is None or self._stream.closed:
+            self._stream = _SharedStream(self.stub, self._metadata)
+        return self._stream
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+                       token_ids: Sequence[int] | None = None, max_tokens: int | None = None,
+                       temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                       seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                       ignore_eos: bool = False, priority: int = 0, model: str = "", timeout: float | None = None,
+                       request_id: str | None = None) -> AsyncIterator[Delta]:
+        """Stream one generation. Give exactly one of prompt, messages (chat) or token_ids.
+
+        timeout (seconds) becomes the request's server-side timeout_ms: past it the server aborts the work and
+        this raises TandemError(DEADLINE_EXCEEDED). Refusals raise TandemError with the server's code and message.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        request = _generate_request(request_id, prompt, messages, token_ids, model, timeout,
+                                    pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                                      top_k=top_k, seed=seed, stop=list(stop),
+                                                      stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                                                      priority=priority))
+        stream = self._shared_stream()
+        replies = stream.register(request_id)
+        done = False
+        try:
+            stream.send(pb.GenerateClientMessage(request=request))
+            while not done:
+                reply = await replies.get()
+                if isinstance(reply, TandemError):
+                    done = True
+                    raise TandemError(reply.code, reply.message, request_id)
+                kind = reply.WhichOneof("kind")
+                if kind == "delta":
+                    yield Delta(request_id, reply.delta.text, list(reply.delta.token_ids))
+                elif kind == "final":
+                    done = True
+                    final = reply.final
+                    yield Delta(request_id, final.text, list(final.token_ids),
+                                FINISH_REASONS.get(final.finish_reason, "unknown"), Usage.from_proto(final.usage))
+                else:
+                    done = True
+                    raise TandemError(status_code(reply.error.code), reply.error.message, request_id)
+        finally:
+            stream.unregister(request_id)
+            if not done:
+                stream.send(pb.GenerateClientMessage(cancel=pb.CancelRequest(request_id=request_id)))
+
+    def chat(self, messages: Sequence[dict], **kwargs) -> AsyncIterator[Delta]:
+        """generate() with chat messages ({"role": ..., "content": ...}), rendered by the model's template."""
+        return self.generate(messages=messages, **kwargs)
+
+    async def complete(self, prompt: str | None = None, **kwargs) -> Delta:
+        """Run a generation to the end; one Delta with the whole text, token ids, finish reason and usage."""
+        texts, ids, last = [], [], None
+        async for last in self.generate(prompt, **kwargs):
+            texts.append(last.text)
+            ids.extend(last.token_ids)
+        return Delta(last.request_id, "".join(texts), ids, last.finish_reason, last.usage)
+
+    def cancel(self, request_id: str) -> None:
+        """Ask the server to stop a running generation; its generate() then ends with finish_reason "abort"."""
+        if self._stream is not None:
+            self._stream.send(pb.GenerateClientMessage(cancel=pb.CancelRequest(request_id=request_id)))
+
+    # ---- rerank ----------------------------------------------------------------------------------
+
+    async def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
+                     return_documents: bool = False, truncate: str = "end", instruction: str | None = None,
+                     priority: int = 0, model: str = "", timeout: float | None = None) -> RerankResults:
+        """Scores sorted highest first (.index into documents, .score, .document if return_documents)."""
+        if truncate not in ("end", "none"):
+            raise ValueError(f"truncate must be 'end' or 'none', got {truncate!r}")
+        request = pb.RerankRequest(query=query, documents=list(documents), top_n=top_n,
+                                   return_documents=return_documents, instruction=instruction, priority=priority,
+                                   model=model, truncate=pb.TRUNCATE_NONE if truncate == "none" else pb.TRUNCATE_END)
+        metadata = self._metadata + (("x-tandem-prefix", prefix_key(instruction or "", query)),)
+        response = await self._with_retries(lambda remaining: self.stub.Rerank(request, timeout=remaining,
+                                                                               metadata=metadata), timeout)
+        results = RerankResults(RerankResult(r.index, r.score, r.document if r.HasField("document") else None)
+                                for r in response.results)
+        results.usage = Usage.from_proto(response.usage)
+        return results
+
+    async def model_info(self) -> pb.ModelInfoResponse:
+        return await self._with_retries(lambda remaining: self.stub.ModelInfo(
+            pb.ModelInfoRequest(), timeout=remaining, metadata=self._metadata), None)
+
+    async def _with_retries(self, call, timeout: float | None):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout if timeout is not None else None
+        delay = self._backoff_s
+        for attempt in range(self._max_retries + 1):
+            remaining = None if deadline is None else max(0.0, deadline - loop.time())
+            try:
+                return await call(remaining)
+            except grpc.aio.AioRpcError as exc:
+                pause = min(delay, self._max_backoff_s) * random.uniform(0.5, 1.5)
+                out_of_time = deadline is not None and loop.time() + pause >= deadline
+                if exc.code() not in self._retry_codes or attempt == self._max_retries or out_of_time:
+                    raise TandemError.from_rpc(exc) from None
+                await asyncio.sleep(pause)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+
+def prefix_key(*parts: str) -> str:
+    """A short hash of what requests share (x-tandem-prefix): a load balancer hashes it to pick a replica."""
+    return hashlib.blake2b("\x00".join(parts).encode(), digest_size=8).hexdigest()
+
+
+def _generate_request(request_id: str, prompt, messages, token_ids, model: str, timeout: float | None,
+                      params: pb.SamplingParams) -> pb.GenerateRequest:
+    given = [x is not None for x in (prompt, messages, token_ids)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of prompt, messages or token_ids")
+    request = pb.GenerateRequest(request_id=request_id, params=params, model=model,
+                                 timeout_ms=max(1, round(timeout * 1000)) if timeout is not None else 0)
+    if prompt is not None:
+        request.prompt = prompt
+    elif messages is not None:
+        request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    else:
+        request.token_ids.ids.extend(token_ids)
+    return request

@@ -1,0 +1,351 @@
+"""EngineBridge: the engine runs in its own thread; the event loop talks to it through a command queue.
+
+The engine is synchronous and not thread-safe, so exactly one thread (started
+here) ever touches it. The loop side submits requests and aborts as commands on
+a thread-safe queue; the engine thread applies them between steps, runs
+`step()`, and hands each step's outputs back with one
+`loop.call_soon_threadsafe`. Nothing here blocks the loop.
+
+Admission: `max_waiting` bounds the requests that are admitted but not yet
+served by any engine step (RESOURCE_EXHAUSTED beyond it); running work is
+bounded by the engine itself (max_num_seqs, the KV pool).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import grpc
+
+from service.errors import ServiceError, draining
+from service.lifecycle import LifecycleHooks, RequestLifecycle
+
+if TYPE_CHECKING:
+    from engine import LLMEngine, RerankParams, SamplingParams
+    from engine.outputs import StepOutput, StepRecord
+
+log = logging.getLogger("tandem.bridge")
+
+Event = Any  # StepOutput | ServiceError: what a request's sink receives
+Sink = Callable[[Event], None]
+
+
+@dataclass(slots=True, eq=False)
+class _Handle:
+    """Loop-side state of one admitted request."""
+    lifecycle: RequestLifecycle
+    sink: Sink
+    timer: asyncio.TimerHandle | None = None
+    timeout_ms: int = 0
+    expired: bool = False
+
+
+@dataclass(slots=True)
+class _Add:
+    engine_id: str
+    kind: str
+    args: tuple
+    kwargs: dict
+
+
+@dataclass(slots=True)
+class _Abort:
+    engine_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[Any], Any]
+    future: asyncio.Future
+
+
+class _Stop:
+    pass
+
+
+class EngineBridge:
+    def __init__(self, engine: "LLMEngine", *, max_waiting: int = 256,
+                 hooks: Iterable[LifecycleHooks] = ()) -> None:
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.hooks: list[LifecycleHooks] = list(hooks)
+        self.draining = False
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._handles: dict[str, _Handle] = {}  # loop only
+        self._waiting: set[str] = set()  # loop only: admitted, not yet served by a step
+        self._records: list["StepRecord"] = []  # engine thread only
+        self._live: set[str] = set()  # engine thread only: ids the engine accepted and has not finished
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._idle: asyncio.Event | None = None
+        engine.add_observer(self._records.append)
+
+    # ---- lifecycle of the bridge -----------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs go to `loop` (default: the running loop)."""
+        self._loop = loop or asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Fail what is still live with UNAVAILABLE and end the engine thread."""
+        if self._thread is None:
+            return
+        for engine_id in list(self._handles):
+            self._commands.put(_Abort(engine_id))
+            self._finish_error(engine_id, draining())
+        self._commands.put(_Stop())
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    @property
+    def num_live(self) -> int:
+        return len(self._handles)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    async def wait_idle(self) -> None:
+        """Return once no admitted request is live."""
+        await self._idle.wait()
+
+    async def call(self, fn: Callable[["LLMEngine"], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        future = self._loop.create_future()
+        self._commands.put(_Call(fn, future))
+        return await future
+
+    async def stats(self) -> dict:
+        """The engine's stats plus the bridge's own counts."""
+        stats = await self.call(lambda engine: engine.stats())
+        return {**stats, "bridge_live": self.num_live, "bridge_waiting": self.num_waiting}
+
+    # ---- requests (loop side) --------------------------------------------------------------------
+
+    def submit_generate(self, client_id: str, sink: Sink, *, params: "SamplingParams",
+                        prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+                        timeout_ms: int = 0, metadata: dict[str, str] | None = None) -> RequestLifecycle:
+        """Admit a generation; its outputs (or a ServiceError) go to sink on the loop. Raises ServiceError."""
+        return self._submit("generate", client_id, sink, (prompt, params), {"messages": messages},
+                            timeout_ms, metadata)
+
+    def submit_rerank(self, client_id: str, sink: Sink, *, query: str, documents: list[str],
+                      params: "RerankParams", timeout_ms: int = 0,
+                      metadata: dict[str, str] | None = None) -> RequestLifecycle:
+        """Admit a rerank job; one StepOutput with scores (or a ServiceError) goes to sink. Raises ServiceError."""
+        return self._submit("rerank", client_id, sink, (query, documents, params), {}, timeout_ms, metadata)
+
+    def abort(self, engine_id: str) -> None:
+        """Ask the engine to stop a request; its final output (finish reason "abort") still reaches its sink."""
+        if engine_id in self._handles:
+            self._commands.put(_Abort(engine_id))
+
+    def abort_all(self) -> None:
+        for engine_id in list(self._handles):
+            self.abort(engine_id)
+
+    def _submit(self, kind: str, client_id: str, sink: Sink, args: tuple, kwargs: dict, timeout_ms: int,
+                metadata: dict[str, str] | None) -> RequestLifecycle:
+        if self.draining or self._thread is None:
+            raise draining()
+        if len(self._waiting) >= self.max_waiting:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"server is at capacity: {len(self._waiting)} requests are waiting for the engine "
+                               f"(limit {self.max_waiting}, --max-waiting); retry with backoff or use another replica")
+        engine_id = f"{kind[0]}{next(self._ids)}"
+        lc = RequestLifecycle(engine_id=engine_id, client_id=client_id, kind=kind, metadata=dict(metadata or {}))
+        handle = _Handle(lc, sink, timeout_ms=timeout_ms)
+        if timeout_ms > 0:
+            handle.timer = self._loop.call_later(timeout_ms / 1000, self._expire, engine_id)
+        self._handles[engine_id] = handle
+        self._waiting.add(engine_id)
+        self._idle.clear()
+        self._emit("on_arrival", lc)
+        self._commands.put(_Add(engine_id, kind, args, kwargs))
+        return lc
+
+    def _expire(self, engine_id: str) -> None:
+        handle = self._handles.get(engine_id)
+        if handle is not None:
+            handle.expired = True
+            self.abort(engine_id)
+
+    # ---- the engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        idle_step = False  # the last step served nothing: wait a little for commands instead of spinning
+        while True:
+            commands = []
+            if not engine.has_unfinished():
+                commands.append(self._commands.get())
+            elif idle_step:
+                try:
+                    commands.append(self._commands.get(timeout=0.005))
+                except queue.Empty:
+                    pass
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            failures: list[tuple[str, ServiceError]] = []
+            stop = False
+            for cmd in commands:
+                if isinstance(cmd, _Stop):
+                    stop = True
+                else:
+                    self._apply(cmd, failures)
+            outputs: list = []
+            if not stop and engine.has_unfinished():
+                outputs = self._step(failures)
+            records, self._records = self._records, []
+            idle_step = not outputs and all(r.num_seqs == 0 for r in records)
+            if outputs or failures or records:
+                self._post(self._dispatch, outputs, failures, records)
+            if stop:
+                return
+
+    def _apply(self, cmd, failures: list[tuple[str, ServiceError]]) -> None:
+        engine = self.engine
+        if isinstance(cmd, _Add):
+            try:
+                if cmd.kind == "generate":
+                    engine.add_request(cmd.engine_id, *cmd.args, **cmd.kwargs)
+                else:
+                    engine.add_rerank(cmd.engine_id, *cmd.args, **cmd.kwargs)
+                self._live.add(cmd.engine_id)
+            except ValueError as exc:
+                failures.append((cmd.engine_id, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))))
+            except Exception as exc:  # a bug, not bad input: fail this request, keep serving
+                log.exception("add %s failed", cmd.engine_id)
+                failures.append((cmd.engine_id, ServiceError(grpc.StatusCode.INTERNAL, f"could not admit: {exc!r}")))
+        elif isinstance(cmd, _Abort):
+            engine.abort(cmd.engine_id)
+        elif isinstance(cmd, _Call):
+            try:
+                result, error = cmd.fn(engine), None
+            except Exception as exc:
+                result, error = None, exc
+            self._post(_resolve, cmd.future, result, error)
+
+    def _step(self, failures: list[tuple[str, ServiceError]]) -> list:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # the engine catches model errors itself; this is a last resort
+            log.exception("engine step raised")
+            for engine_id in list(self._live):
+                self.engine.abort(engine_id)
+                failures.append((engine_id, ServiceError(grpc.StatusCode.INTERNAL, f"engine step failed: {exc!r}")))
+            self._live.clear()
+            return []
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        return outputs
+
+    def _post(self, fn: Callable, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            pass
+
+    # ---- back on the loop ------------------------------------------------------------------------
+
+    def _dispatch(self, outputs: list["StepOutput"], failures: list[tuple[str, ServiceError]],
+                  records: list["StepRecord"]) -> None:
+        for record in records:
+            for engine_id in record.request_ids:
+                self._mark_scheduled(engine_id, record.start_time)
+            self._emit("on_step", record)
+        for engine_id, error in failures:
+            self._finish_error(engine_id, error)
+        for out in outputs:
+            self._deliver(out)
+
+    def _mark_scheduled(self, engine_id: str, when: float) -> None:
+        self._waiting.discard(engine_id)
+        handle = self._handles.get(engine_id)
+        if handle is not None and handle.lifecycle.scheduled is None:
+            handle.lifecycle.scheduled = when
+
+    def _deliver(self, out: "StepOutput") -> None:
+        handle = self._handles.get(out.request_id)
+        if handle is None:
+            return
+        lc = handle.lifecycle
+        self._waiting.discard(out.request_id)
+        lc.prompt_tokens, lc.cached_tokens = out.prompt_tokens, out.cached_tokens
+        lc.completion_tokens = max(lc.completion_tokens, out.completion_tokens)
+        if out.first_token_time is not None and lc.first_token is None:
+            lc.first_token = out.first_token_time
+            self._emit("on_first_token", lc)
+        if not out.finished:
+            self._send(handle, out)
+            return
+        if handle.expired and out.finish_reason == "abort":
+            self._finish_error(out.request_id, ServiceError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"request exceeded its timeout_ms of {handle.timeout_ms} ms"))
+        elif out.finish_reason == "error":
+            self._finish_error(out.request_id, ServiceError(grpc.StatusCode.INTERNAL, out.error or "engine error"))
+        else:
+            self._close(out.request_id, out.finish_reason)
+            self._send(handle, out)
+
+    def _finish_error(self, engine_id: str, error: ServiceError) -> None:
+        handle = self._handles.get(engine_id)
+        if handle is None:
+            return
+        reason = "deadline" if error.code is grpc.StatusCode.DEADLINE_EXCEEDED else "error"
+        self._close(engine_id, reason, error.code.name)
+        self._send(handle, error)
+
+    def _close(self, engine_id: str, reason: str, error: str | None = None) -> None:
+        handle = self._handles.pop(engine_id)
+        self._waiting.discard(engine_id)
+        if handle.timer is not None:
+            handle.timer.cancel()
+        lc = handle.lifecycle
+        lc.finished, lc.finish_reason, lc.error = time.monotonic(), reason, error
+        if not self._handles:
+            self._idle.set()
+        self._emit("on_finish", lc)
+
+    @staticmethod
+    def _send(handle: _Handle, event: Event) -> None:
+        try:
+            handle.sink(event)
+        except Exception:
+            log.exception("sink of %s raised", handle.lifecycle.engine_id)
+
+    def _emit(self, name: str, arg) -> None:
+        for hooks in self.hooks:
+            fn = getattr(hooks, name, None)
+            if fn is None:
+                continue
+            try:
+                fn(arg)
+            except Exception:
+                log.exception("lifecycle hook %s raised", name)
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,118 @@
+"""The `tandem` command: `serve` (loads torch lazily) and the client commands from clients.cli.
+
+Every `serve` flag also reads an environment variable: --max-num-seqs <- TANDEM_MAX_NUM_SEQS, and so on.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+from clients import cli as client_cli
+
+# (flag, type, default, help). The engine's own defaults apply where the default is None.
+_ENGINE_FLAGS = [
+    ("--model", str, None, "Hugging Face directory of a Llama-family model (default: embedded SmolLM2-135M)"),
+    ("--reranker", str, None, "cross-encoder directory (default: the LLM judges relevance)"),
+    ("--device", str, None, "cpu | cuda | cuda:N"),
+    ("--dtype", str, None, "float32 | float16 | bfloat16"),
+    ("--max-num-batched-tokens", int, None, "token budget of one engine step"),
+    ("--max-num-seqs", int, None, "sequences one step may serve"),
+    ("--kv-cache-bytes", "bytes", None, "KV cache budget, e.g. 1073741824 or 2GiB"),
+    ("--num-kv-blocks", int, None, "KV blocks (overrides --kv-cache-bytes)"),
+    ("--max-model-len", int, None, "context length cap"),
+    ("--block-size", int, None, "tokens per KV block"),
+    ("--rerank-share", float, None, "share of a step's budget rerank gets while generation also waits"),
+    ("--num-threads", int, None, "torch CPU threads"),
+]
+_SERVER_FLAGS = [
+    ("--host", str, "127.0.0.1", "address to bind (0.0.0.0 for all interfaces)"),
+    ("--port", int, 50051, "port to bind (0: any free port; the address is printed)"),
+    ("--max-waiting", int, 256, "requests that may wait for the engine before RESOURCE_EXHAUSTED"),
+    ("--max-documents", int, 1000, "documents per rerank request"),
+    ("--max-message-bytes", "bytes", 4 * 2**20, "largest client message"),
+    ("--drain-timeout", float, 30.0, "seconds in-flight work gets after SIGTERM"),
+    ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
+    ("--tls-key", str, None, "PEM private key"),
+    ("--auth-token", str, None, "require 'authorization: Bearer <token>' (health checks stay open)"),
+    ("--replica", str, None, "name sent as x-tandem-replica (default host:port)"),
+    ("--log-level", str, "INFO", "logging level"),
+]
+_UNITS = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512MiB', '2GiB', '1.5G' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 1073741824, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _env_name(flag: str) -> str:
+    return "TANDEM_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _add_flags(p: argparse.ArgumentParser, flags: list) -> None:
+    for flag, kind, default, help_text in flags:
+        env = _env_name(flag)
+        convert = parse_bytes if kind == "bytes" else kind
+        value = os.environ.get(env)
+        p.add_argument(flag, type=convert, default=convert(value) if value is not None else default,
+                       help=f"{help_text} (env {env})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="LLM generation and reranking over gRPC.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the model over gRPC", description="Serve over gRPC.")
+    _add_flags(serve, _ENGINE_FLAGS)
+    _add_flags(serve, _SERVER_FLAGS)
+    serve.set_defaults(run=None)
+    client_cli.add_commands(sub)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import uvloop
+
+    from engine import EngineConfig
+    from service.serve import serve
+    from service.server import ServerConfig
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_kwargs = {flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
+                     for flag, *_ in _ENGINE_FLAGS}
+    engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
+    engine_kwargs["max_rerank_documents"] = args.max_documents
+    try:
+        engine_config = EngineConfig(**engine_kwargs)
+        server_config = ServerConfig(host=args.host, port=args.port, max_documents=args.max_documents,
+                                     max_message_bytes=args.max_message_bytes, drain_timeout_s=args.drain_timeout,
+                                     tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=args.auth_token,
+                                     replica=args.replica)
+    except ValueError as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 2
+
+    def ready(address: str) -> None:
+        print(f"tandem listening on {address}", flush=True)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(serve(engine_config, server_config, max_waiting=args.max_waiting, ready=ready))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return client_cli.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

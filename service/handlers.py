@@ -1,0 +1,58 @@
+"""Registers the Tandem servicer with deserializers that turn unparseable bytes into a value, not a crash.
+
+grpc's generated registration parses with `FromString`; a message with invalid
+UTF-8 in a string field then fails inside grpc with an opaque status. Here a
+parse failure becomes an `Unparseable` the servicer answers with
+INVALID_ARGUMENT and a message saying what was wrong.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from proto import tandem_pb2 as pb
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tandem"].full_name
+
+
+class Unparseable:
+    """Bytes that are not a valid message of the expected type."""
+
+    def __init__(self, type_name: str, error: str) -> None:
+        self.type_name = type_name
+        self.error = error
+
+    def describe(self) -> str:
+        return (f"could not parse {self.type_name}: string fields must be valid UTF-8 and the bytes valid protobuf "
+                f"({self.error})")
+
+
+def _lenient(cls: type[Message]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Message | Unparseable:
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return Unparseable(cls.DESCRIPTOR.full_name, str(exc))
+    return parse
+
+
+def add_tandem_servicer(servicer: Any, server: grpc.aio.Server) -> None:
+    """Like the generated add_TandemServicer_to_server, with lenient request parsing."""
+    handlers = {
+        "Generate": grpc.stream_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_lenient(pb.GenerateClientMessage),
+            response_serializer=pb.GenerateServerMessage.SerializeToString),
+        "Rerank": grpc.unary_unary_rpc_method_handler(
+            servicer.Rerank, request_deserializer=_lenient(pb.RerankRequest),
+            response_serializer=pb.RerankResponse.SerializeToString),
+        "RerankStream": grpc.stream_stream_rpc_method_handler(
+            servicer.RerankStream, request_deserializer=_lenient(pb.RerankRequest),
+            response_serializer=pb.RerankStreamResponse.SerializeToString),
+        "ModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.ModelInfo, request_deserializer=_lenient(pb.ModelInfoRequest),
+            response_serializer=pb.ModelInfoResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -1,0 +1,56 @@
+"""One real engine and one in-process server shared by the service tests; offline references computed first."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from service.server import ServerConfig
+from tests.service.harness import ServerThread
+
+_TOPICS = ["the ocean", "a lighthouse keeper", "prime numbers", "bread baking", "the Roman empire",
+           "a robot learning to paint", "volcanoes", "chess openings"]
+# Thirty-two prompts of different lengths (2 to ~60 tokens), so batches mix prefill and decode.
+PROMPTS = [f"{lead} {topic}." + " Please be specific." * (i % 5)
+           for i, (lead, topic) in enumerate((lead, topic) for lead in
+                                             ("Tell me about", "Write a poem on", "Explain", "A fact about")
+                                             for topic in _TOPICS)]
+GREEDY_8 = SamplingParams(max_tokens=8, temperature=0.0)
+LONG_12 = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+QUERY = "What is the capital of France?"
+DOCUMENTS = ["Paris is the capital and largest city of France.",
+             "Bananas are rich in potassium.",
+             "The Eiffel Tower is in Paris.",
+             "Berlin is the capital of Germany.",
+             "France is a country in Western Europe."]
+MAX_DOCUMENTS = 8
+MAX_MESSAGE_BYTES = 256 * 1024
+NUM_KV_BLOCKS = 512
+
+
+@dataclass
+class Offline:
+    """Outputs of the offline LLM on the same engine, computed before the server takes the engine over."""
+    llm: LLM
+    greedy: list  # RequestOutput per PROMPTS entry, GREEDY_8
+    long: object  # PROMPTS[1] with LONG_12
+    chat: object  # CHAT with GREEDY_8
+    scores: list[float]  # DOCUMENTS against QUERY
+
+
+@pytest.fixture(scope="session")
+def offline() -> Offline:
+    llm = LLM(EngineConfig(num_kv_blocks=NUM_KV_BLOCKS, max_rerank_documents=MAX_DOCUMENTS))
+    return Offline(llm=llm, greedy=llm.generate(PROMPTS, GREEDY_8), long=llm.generate(PROMPTS[1], LONG_12)[0],
+                   chat=llm.chat(CHAT, GREEDY_8)[0], scores=llm.rerank(QUERY, DOCUMENTS))
+
+
+@pytest.fixture(scope="session")
+def served(offline: Offline) -> ServerThread:
+    """A server on an ephemeral localhost port over the offline LLM's engine (the LLM is not used after this)."""
+    server = ServerThread(offline.llm.engine, ServerConfig(host="127.0.0.1", port=0, max_documents=MAX_DOCUMENTS,
+                                                           max_message_bytes=MAX_MESSAGE_BYTES))
+    yield server
+    server.close()
