@@ -53,6 +53,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, config.dtype)
         self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer)
         self._judge: JudgePrompt | None = None
+        self.cross_encoder = None
+        if config.reranker:
+            from engine.models.encoder_loader import CrossEncoder
+
+            self.cross_encoder = CrossEncoder.from_pretrained(resolve_model_dir(config.reranker), config.device,
+                                                              DTYPES[config.dtype])
+            self.runner.cross_encoder = self.cross_encoder
         self._requests: dict[str, Generation | RerankJob] = {}
         self._arrivals = itertools.count()
         self._pending: list[StepOutput] = []
@@ -94,18 +101,28 @@ class LLMEngine:
                              f"{self.config.max_rerank_documents}")
         if any(not isinstance(d, str) for d in documents):
             raise ValueError("documents must all be strings")
-        pair_ids = self._judge_pairs(query, list(documents), params)
         job = RerankJob(request_id, query, list(documents), params, arrival_time=time.monotonic(),
                         scores=[None] * len(documents), remaining=len(documents))
-        for i, ids in enumerate(pair_ids):
+        if self.cross_encoder is not None:
+            pairs = self._encoder_pairs(query, job.documents, params)
+        else:
+            pairs = [(ids, None) for ids in self._judge_pairs(query, job.documents, params)]
+        share_prefix = self.cross_encoder is None and self.config.enable_prefix_caching
+        for i, (ids, types) in enumerate(pairs):
             pair = Sequence(request_id=request_id, token_ids=ids, num_prompt_tokens=len(ids), params=params,
                             arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.RERANK,
                             priority=params.priority, owner=job, pair_index=i,
-                            wait_for=job.pairs[0] if job.pairs and self.config.enable_prefix_caching else None)
+                            wait_for=job.pairs[0] if job.pairs and share_prefix else None,
+                            uses_kv=self.cross_encoder is None, token_type_ids=types)
             job.pairs.append(pair)
         self._requests[request_id] = job
         for pair in job.pairs:
             self.scheduler.add(pair)
+
+    def _encoder_pairs(self, query: str, documents: list[str], params: RerankParams):
+        # A pair is atomic, so it must also fit one step's token budget.
+        return self.cross_encoder.tokenize_pairs(query, documents, max_length=self.scheduler.budget,
+                                                 truncate=params.truncate)
 
     def _judge_pairs(self, query: str, documents: list[str], params: RerankParams) -> list[list[int]]:
         if self._judge is None:

@@ -66,6 +66,8 @@ class Sequence:
     owner: Any = None  # the request state (generation or rerank job) this sequence belongs to
     pair_index: int = 0  # rerank: which document
     wait_for: "Sequence | None" = None  # admitted only after this one finishes (it fills the shared prefix)
+    uses_kv: bool = True  # False for cross-encoder pairs: no KV blocks at all
+    token_type_ids: list[int] | None = None  # cross-encoder segment ids
 
     @property
     def num_tokens(self) -> int:

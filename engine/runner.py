@@ -7,7 +7,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
-from engine.request import SeqKind
+from engine.request import Sequence, SeqKind
 from engine.sampling import sample
 from engine.scheduler import Batch
 
@@ -40,13 +40,15 @@ class ModelRunner:
             (a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim),
             dtype=DTYPES[dtype], device=self.device)
         self.judge_token_ids = judge_token_ids  # ("yes", "no") ids for LLM-as-reranker scores
+        self.cross_encoder = None  # set when the engine serves a cross-encoder reranker
 
     @staticmethod
     def kv_bytes_per_block(model_args, block_size: int, dtype: str) -> int:
         a = model_args
         return a.num_layers * 2 * block_size * a.num_kv_heads * a.head_dim * DTYPES[dtype].itemsize
 
-    def prepare(self, batch: Batch) -> PreparedBatch:
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> PreparedBatch:
+        """Flat tensors for the sequences that run through the LLM (each computes its next n tokens)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -56,7 +58,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         last_rows: list[int] = []
         completing: list[int] = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -83,28 +85,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> RunnerOutput:
-        prepared = self.prepare(batch)
-        hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
         sampled: list[int | None] = [None] * len(batch)
         scores: list[float | None] = [None] * len(batch)
+        llm_rows = [i for i, s in enumerate(batch.seqs) if s.uses_kv]
+        encoder_rows = [i for i, s in enumerate(batch.seqs) if not s.uses_kv]
+        if llm_rows:
+            self._run_llm(batch, llm_rows, sampled, scores)
+        if encoder_rows:
+            pairs = [(batch.seqs[i].token_ids, batch.seqs[i].token_type_ids) for i in encoder_rows]
+            for i, score in zip(encoder_rows, self.cross_encoder.score(pairs)):
+                scores[i] = score
+        return RunnerOutput(sampled=sampled, scores=scores)
+
+    def _run_llm(self, batch: Batch, rows: list[int], sampled: list, scores: list) -> None:
+        seqs = [batch.seqs[i] for i in rows]
+        prepared = self.prepare(seqs, [batch.num_new_tokens[i] for i in rows])
+        hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
         gen_rows, gen_seqs, judge_rows, judge_seqs = [], [], [], []
-        for row, i in zip(prepared.last_token_rows, prepared.completing):
-            if batch.seqs[i].kind is SeqKind.RERANK:
+        for row, j in zip(prepared.last_token_rows, prepared.completing):
+            if seqs[j].kind is SeqKind.RERANK:
                 judge_rows.append(row)
-                judge_seqs.append(i)
+                judge_seqs.append(rows[j])
             else:
                 gen_rows.append(row)
-                gen_seqs.append(i)
+                gen_seqs.append(rows[j])
         if gen_rows:
             logits = self.model.compute_logits(hidden[gen_rows])
-            seqs = [batch.seqs[i] for i in gen_seqs]
-            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            chosen = [batch.seqs[i] for i in gen_seqs]
+            tokens = sample(logits, [s.params for s in chosen], [s.generator for s in chosen])
             for i, t in zip(gen_seqs, tokens):
                 sampled[i] = t
         if judge_rows:
             for i, s in zip(judge_seqs, self.judge_scores(hidden[judge_rows])):
                 scores[i] = s
-        return RunnerOutput(sampled=sampled, scores=scores)
 
     def judge_scores(self, hidden: torch.Tensor) -> list[float]:
         """P(yes) / (P(yes) + P(no)) from the last position, using only the two lm_head rows needed."""

