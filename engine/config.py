@@ -28,8 +28,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes",
                   "max_rerank_documents", "priority_aging_steps")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
         if not 0.0 < self.rerank_share <= 1.0:
             raise ValueError(f"rerank_share must be in (0, 1], got {self.rerank_share}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
@@ -53,19 +55,27 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        self.stop = [] if self.stop is None else self.stop
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
-        if not isinstance(self.priority, int):
+        if not _is_int(self.priority):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
 
     @property
@@ -82,10 +92,14 @@ class RerankParams:
     priority: int = 0
 
     def __post_init__(self) -> None:
-        if self.top_n is not None and (not isinstance(self.top_n, int) or self.top_n < 1):
+        if self.top_n is not None and (not _is_int(self.top_n) or self.top_n < 1):
             raise ValueError(f"top_n must be >= 1, got {self.top_n!r}")
         if self.truncate not in ("end", "none"):
             raise ValueError(f"truncate must be 'end' or 'none', got {self.truncate!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x) -> bool:
@@ -95,5 +109,5 @@ def _finite(x) -> bool:
 def _positive(obj, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if not isinstance(value, int) or value < 1:
+        if not _is_int(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -47,6 +47,8 @@ class LLMEngine:
                                  self.model_args.max_position_embeddings)
         per_block = ModelRunner.kv_bytes_per_block(self.model_args, config.block_size, config.dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+        # A sequence must fit the whole pool, or it would be preempted forever once it outgrew it.
+        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
@@ -340,9 +342,6 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
-        if self.kv.blocks_needed(len(token_ids) + 1) > self.pool.num_blocks:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than the KV cache can ever hold "
-                             f"({self.pool.num_blocks} blocks of {self.config.block_size})")
 
 
 def _build_model(args: LlamaArgs, state: dict, device: str, dtype: str) -> LlamaForCausalLM:

@@ -13,14 +13,14 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [T] int64, slot = block * block_size + offset; -1 = skip
 ) -> None:
     """Scatter each token's K/V into its cache slot, in place."""
-    block_size = k_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    if slots.numel() == 0:
+    if slot_mapping.numel() == 0:
         return
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    # The cache viewed as one row per slot: a single index_copy_ instead of advanced-index assignment.
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
