@@ -67,7 +67,7 @@ def test_sampling_params_default_lists_are_not_shared():
 
 
 @pytest.mark.parametrize("field", ["stop", "stop_token_ids"])
-def test_bug_sampling_params_none_lists_are_accepted_or_named(field):
+def test_sampling_params_none_lists_are_accepted_or_named(field):
     """vLLM users pass stop=None / stop_token_ids=None; that must mean 'none', or at worst be a
     ValueError naming the field, never a bare TypeError from iterating None."""
     try:
@@ -79,7 +79,7 @@ def test_bug_sampling_params_none_lists_are_accepted_or_named(field):
 
 
 @pytest.mark.parametrize("value", ["1", 1.5])
-def test_bug_sampling_params_rejects_non_integer_seed(value):
+def test_sampling_params_rejects_non_integer_seed(value):
     """A non-integer seed is accepted here and only blows up later, in add_request (RuntimeError from Generator.manual_seed)."""
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=value)
@@ -127,7 +127,7 @@ def test_engine_config_defaults_and_boundaries_are_valid():
 
 
 @pytest.mark.parametrize("value", [0, -1])
-def test_bug_engine_config_rejects_non_positive_max_model_len(value):
+def test_engine_config_rejects_non_positive_max_model_len(value):
     """max_model_len is not validated: -1 makes every request fail later with a confusing message,
     and 0 silently means 'the model's own length' (the engine does `max_model_len or ...`)."""
     with pytest.raises(ValueError, match="max_model_len"):

@@ -505,7 +505,7 @@ def test_rerank_pairs_are_atomic_and_leave_no_blocks(uses_kv):
 # ---- a sequence that outgrows the whole KV pool ------------------------------------------------------
 
 
-def test_bug_generation_longer_than_the_kv_pool_finishes_instead_of_hanging():
+def test_generation_longer_than_the_kv_pool_finishes_instead_of_hanging():
     """2 blocks of 4 hold 8 tokens. A 5-token prompt with max_tokens=100 passes admission (the prompt
     fits), decodes to 8 tokens, then needs a 3rd block: the scheduler preempts it (it is the only
     victim) and can never re-admit it (3 blocks > 2), so the engine steps forever with the request
