@@ -200,6 +200,9 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         start = time.monotonic()
         batch = self.scheduler.schedule()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = start
         outputs, self._pending = self._pending, []
         if batch.seqs:
             try:
@@ -263,16 +266,20 @@ class LLMEngine:
 
     def _final_output(self, req: Generation | RerankJob, reason: str, error: str | None = None) -> StepOutput:
         if isinstance(req, RerankJob):
+            started = [p.first_scheduled_time for p in req.pairs if p.first_scheduled_time is not None]
             return StepOutput(request_id=req.request_id, kind="rerank", finished=True, finish_reason=reason,
                               error=error, scores=list(req.scores) if reason == "stop" else None,
                               prompt_tokens=req.prompt_tokens, cached_tokens=req.cached_tokens,
-                              arrival_time=req.arrival_time)
+                              arrival_time=req.arrival_time,
+                              queue_time_s=min(started) - req.arrival_time if started else None)
         seq = req.seq
         return StepOutput(request_id=req.request_id, kind="generate", text=req.stream.finish(),
                           finished=True, finish_reason=reason, error=error,
                           prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
                           completion_tokens=seq.num_output_tokens, first_token_time=seq.first_token_time,
-                          arrival_time=seq.arrival_time)
+                          arrival_time=seq.arrival_time,
+                          queue_time_s=(seq.first_scheduled_time - seq.arrival_time
+                                        if seq.first_scheduled_time is not None else None))
 
     def _fail_batch(self, batch: Batch, message: str) -> list[StepOutput]:
         outputs = []

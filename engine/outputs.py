@@ -19,7 +19,8 @@ class StepOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0
     first_token_time: float | None = None  # time.monotonic() of the first generated token
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # time.monotonic() when the engine accepted the request
+    queue_time_s: float | None = None  # arrival until it first rode in a step
 
 
 @dataclass(slots=True)

@@ -61,6 +61,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     waiting_since_step: int = 0
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() when it first rode in a step
     first_token_time: float | None = None
     generator: "torch.Generator | None" = None
     owner: Any = None  # the request state (generation or rerank job) this sequence belongs to

@@ -116,3 +116,17 @@ def test_unknown_model_path_names_the_path(tmp_path):
 def test_bad_engine_config_names_the_field():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_batched_tokens=0)
+
+
+def test_final_outputs_report_usage_and_timings(llm):
+    eng = llm.engine
+    eng.add_request("timed", "Hello there", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    eng.add_rerank("scored", "greeting", ["hello", "goodbye"])
+    outs = _drain(eng)
+    gen = next(o for o in outs if o.request_id == "timed" and o.finished)
+    job = next(o for o in outs if o.request_id == "scored")
+    assert gen.completion_tokens == 3 and gen.prompt_tokens == len(llm.tokenizer("Hello there").input_ids)
+    assert gen.queue_time_s is not None and gen.queue_time_s >= 0
+    assert gen.first_token_time is not None and gen.first_token_time >= gen.arrival_time
+    assert job.queue_time_s is not None and job.queue_time_s >= 0 and job.prompt_tokens > 0
+    assert_no_leaks(llm)
