@@ -303,6 +303,7 @@ class LLMEngine:
             rerank_tokens=batch.num_rerank_tokens, num_seqs=len(batch), budget=self.scheduler.budget,
             kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
             kv_blocks_cached=self.pool.num_cached, preempted=len(batch.preempted),
+            num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
             request_ids=list(dict.fromkeys(s.request_id for s in batch.seqs)),
             decode_request_ids=batch.decode_request_ids)
         for fn in self._observers:

@@ -51,6 +51,8 @@ class StepRecord:
     kv_blocks_free: int
     kv_blocks_cached: int
     preempted: int
+    num_running: int  # sequences holding KV after the step (rerank pairs excluded once scored)
+    num_waiting: int
     request_ids: list[str]  # every request (generation or rerank job) this step served
     decode_request_ids: list[str] = field(default_factory=list)
 

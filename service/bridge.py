@@ -87,7 +87,7 @@ class EngineBridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._idle: asyncio.Event | None = None
-        engine.add_observer(self._records.append)
+        engine.add_observer(self._on_record)
 
     # ---- lifecycle of the bridge -----------------------------------------------------------------
 
@@ -166,7 +166,8 @@ class EngineBridge:
                                f"server is at capacity: {len(self._waiting)} requests are waiting for the engine "
                                f"(limit {self.max_waiting}, --max-waiting); retry with backoff or use another replica")
         engine_id = f"{kind[0]}{next(self._ids)}"
-        lc = RequestLifecycle(engine_id=engine_id, client_id=client_id, kind=kind, metadata=dict(metadata or {}))
+        lc = RequestLifecycle(engine_id=engine_id, client_id=client_id, kind=kind, metadata=dict(metadata or {}),
+                              documents=len(args[1]) if kind == "rerank" else 0)
         handle = _Handle(lc, sink, timeout_ms=timeout_ms)
         if timeout_ms > 0:
             handle.timer = self._loop.call_later(timeout_ms / 1000, self._expire, engine_id)
@@ -218,6 +219,10 @@ class EngineBridge:
                 self._post(self._dispatch, outputs, failures, records)
             if stop:
                 return
+
+    def _on_record(self, record: "StepRecord") -> None:
+        # Not bound to one list's append: the loop below swaps in a fresh list after every step.
+        self._records.append(record)
 
     def _apply(self, cmd, failures: list[tuple[str, ServiceError]]) -> None:
         engine = self.engine

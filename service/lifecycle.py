@@ -29,6 +29,7 @@ class RequestLifecycle:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    documents: int = 0  # rerank: pairs to score
     metadata: dict[str, str] = field(default_factory=dict)  # e.g. peer, traceparent, for exporters
 
     @property

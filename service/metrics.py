@@ -1,0 +1,76 @@
+"""Prometheus metrics from request lifecycles and step records, served over HTTP for scraping."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from service.lifecycle import Hooks, RequestLifecycle
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class Metrics(Hooks):
+    """Histograms, gauges and counters on their own registry (so several servers can share a process)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("tandem_time_per_output_token_seconds", "Mean gap between generated tokens",
+                              buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("tandem_request_latency_seconds", "Arrival to finish", ["kind"],
+                             buckets=_LATENCY, registry=r)
+        self.queue = Histogram("tandem_queue_time_seconds", "Arrival to the first engine step serving it",
+                               ["kind"], buckets=_LATENCY, registry=r)
+        self.rerank_latency = Histogram("tandem_rerank_latency_seconds", "Rerank request latency",
+                                        buckets=_LATENCY, registry=r)
+        self.step_duration = Histogram("tandem_step_duration_seconds", "Engine step duration",
+                                       buckets=_LATENCY, registry=r)
+        self.step_tokens = Histogram("tandem_step_tokens", "Tokens per engine step by part of the batch",
+                                     ["part"], buckets=_TOKENS, registry=r)
+        self.kv_usage = Gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks held by live sequences",
+                              registry=r)
+        self.kv_cached = Gauge("tandem_kv_cache_cached_blocks", "KV blocks holding reusable prefixes", registry=r)
+        self.running = Gauge("tandem_num_requests_running", "Sequences running in the engine", registry=r)
+        self.waiting = Gauge("tandem_num_requests_waiting", "Sequences waiting for the engine", registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of finished requests", ["kind"],
+                                     registry=r)
+        self.completion_tokens = Counter("tandem_generation_tokens", "Generated tokens", registry=r)
+        self.cache_hits = Counter("tandem_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  registry=r)
+        self.rerank_pairs = Counter("tandem_rerank_pairs", "Rerank pairs scored", registry=r)
+        self.preemptions = Counter("tandem_preemptions", "Sequences preempted for recompute", registry=r)
+        self.requests = Counter("tandem_requests", "Finished requests", ["kind", "finish_reason"], registry=r)
+
+    def on_finish(self, lc: RequestLifecycle) -> None:
+        self.requests.labels(lc.kind, lc.finish_reason or "unknown").inc()
+        self.e2e.labels(lc.kind).observe(lc.duration_s)
+        if lc.scheduled is not None:
+            self.queue.labels(lc.kind).observe(max(0.0, lc.scheduled - lc.arrival))
+        self.prompt_tokens.labels(lc.kind).inc(lc.prompt_tokens)
+        self.cache_hits.inc(lc.cached_tokens)
+        if lc.kind == "rerank":
+            self.rerank_latency.observe(lc.duration_s)
+            return
+        self.completion_tokens.inc(lc.completion_tokens)
+        if lc.first_token is not None:
+            self.ttft.observe(lc.ttft_s)
+            if lc.completion_tokens > 1 and lc.finished is not None:
+                self.tpot.observe((lc.finished - lc.first_token) / (lc.completion_tokens - 1))
+
+    def on_step(self, record) -> None:
+        self.step_duration.observe(record.duration_s)
+        for part, n in (("decode", record.decode_tokens), ("prefill", record.prefill_tokens),
+                        ("rerank", record.rerank_tokens)):
+            if n:
+                self.step_tokens.labels(part).observe(n)
+        self.rerank_pairs.inc(record.rerank_pairs)
+        self.preemptions.inc(record.preempted)
+        self.kv_usage.set(1.0 - record.kv_blocks_free / record.kv_blocks_total)
+        self.kv_cached.set(record.kv_blocks_cached)
+        self.running.set(record.num_running)
+        self.waiting.set(record.num_waiting)
+
+    def serve(self, host: str, port: int):
+        """Expose /metrics on host:port from a daemon thread; returns (http server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)

@@ -1,0 +1,109 @@
+"""OpenTelemetry traces: a span per request and a span per engine step, linked to the requests it served.
+
+Configured by the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME,
+OTEL_TRACES_SAMPLER, OTEL_BSP_*). Spans are exported by a BatchSpanProcessor from its own thread,
+so neither the event loop nor the engine thread ever waits for the collector.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from service.lifecycle import Hooks, RequestLifecycle
+
+_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+# Monotonic engine timestamps to the epoch nanoseconds spans carry.
+_EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
+
+
+def _ns(monotonic_s: float) -> int:
+    return int(monotonic_s * 1e9) + _EPOCH_OFFSET_NS
+
+
+def tracer_provider_from_env(exporter: SpanExporter | None = None) -> TracerProvider | None:
+    """A provider exporting over OTLP/gRPC when an OTLP endpoint is configured (or an exporter given), else None."""
+    if exporter is None:
+        if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+            return None
+        if not any(os.environ.get(v) for v in _ENDPOINT_VARS):
+            return None
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter()  # endpoint, headers, TLS from OTEL_EXPORTER_OTLP_*
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "tandem")})
+    provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+class TracingHooks(Hooks):
+    """Lifecycle hooks that open a request span on arrival and close it on finish (called on the loop)."""
+
+    def __init__(self, provider: TracerProvider) -> None:
+        self.provider = provider
+        self.tracer = provider.get_tracer("tandem")
+        self._propagator = TraceContextTextMapPropagator()
+        self._spans: dict[str, trace.Span] = {}
+
+    def on_arrival(self, lc: RequestLifecycle) -> None:
+        parent = self._propagator.extract(carrier=lc.metadata)  # the client's traceparent, if any
+        self._spans[lc.engine_id] = self.tracer.start_span(
+            f"tandem.{lc.kind}", context=parent, kind=SpanKind.SERVER, start_time=_ns(lc.arrival),
+            attributes={"tandem.request.kind": lc.kind, "tandem.request.id": lc.client_id,
+                        "tandem.request.engine_id": lc.engine_id,
+                        "tandem.stream": lc.metadata.get("stream", "")})
+
+    def on_first_token(self, lc: RequestLifecycle) -> None:
+        span = self._spans.get(lc.engine_id)
+        if span is not None and lc.first_token is not None:
+            span.add_event("first_token", timestamp=_ns(lc.first_token))
+
+    def on_finish(self, lc: RequestLifecycle) -> None:
+        span = self._spans.pop(lc.engine_id, None)
+        if span is None:
+            return
+        attrs = {"tandem.prompt_tokens": lc.prompt_tokens, "tandem.cached_tokens": lc.cached_tokens,
+                 "tandem.finish_reason": lc.finish_reason or ""}
+        if lc.kind == "generate":
+            attrs["tandem.completion_tokens"] = lc.completion_tokens
+            if lc.first_token is not None:
+                attrs["tandem.ttft_s"] = lc.ttft_s
+        else:
+            attrs["tandem.rerank.pairs"] = lc.documents
+        if lc.scheduled is not None:
+            attrs["tandem.queue_time_s"] = max(0.0, lc.scheduled - lc.arrival)
+        span.set_attributes(attrs)
+        if lc.error:
+            span.set_status(Status(StatusCode.ERROR, lc.error))
+        span.end(end_time=_ns(lc.finished) if lc.finished is not None else None)
+
+    def on_step(self, record) -> None:
+        links = [Link(self._spans[rid].get_span_context()) for rid in record.request_ids if rid in self._spans]
+        used = record.kv_blocks_total - record.kv_blocks_free
+        span = self.tracer.start_span(
+            "tandem.step", kind=SpanKind.INTERNAL, links=links, start_time=_ns(record.start_time),
+            context=trace.set_span_in_context(trace.INVALID_SPAN),  # a root: it serves many traces
+            attributes={"tandem.step": record.step, "tandem.step.decode_tokens": record.decode_tokens,
+                        "tandem.step.prefill_tokens": record.prefill_tokens,
+                        "tandem.step.cached_tokens": record.cached_tokens,
+                        "tandem.step.rerank_pairs": record.rerank_pairs,
+                        "tandem.step.rerank_tokens": record.rerank_tokens,
+                        "tandem.step.num_seqs": record.num_seqs, "tandem.step.budget": record.budget,
+                        "tandem.step.budget_used": record.budget_used,
+                        "tandem.kv.blocks_used": used, "tandem.kv.blocks_free": record.kv_blocks_free,
+                        "tandem.kv.blocks_cached": record.kv_blocks_cached,
+                        "tandem.step.preempted": record.preempted,
+                        "tandem.step.duration_s": record.duration_s})
+        span.end(end_time=_ns(record.start_time + record.duration_s))
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Flush what is buffered (bounded: a dead collector must not hold up exit)."""
+        self.provider.force_flush(timeout_millis=int(timeout_s * 1000))
+        self.provider.shutdown()

@@ -1,0 +1,187 @@
+"""Traces to a real OTLP receiver, Prometheus metrics over HTTP, and serving with the collector down."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.request
+from concurrent import futures
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import LLM, EngineConfig
+from proto import tandem_pb2 as pb
+from proto import tandem_pb2_grpc as pb_grpc
+from service.metrics import Metrics
+from service.server import ServerConfig
+from service.tracing import TracingHooks, tracer_provider_from_env
+from tests.service.harness import ServerThread
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_SPAN_ID = "00f067aa0ba902b7"
+DOCS = [f"Document {i}: bees collect nectar and {'flowers ' * (i % 5)}make honey." for i in range(24)]
+
+
+class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """A real OTLP/gRPC TraceService endpoint that keeps every span it is sent."""
+
+    def __init__(self) -> None:
+        self.spans = []
+        self._lock = threading.Lock()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def Export(self, request, context):
+        with self._lock:
+            for rs in request.resource_spans:
+                for ss in rs.scope_spans:
+                    self.spans.extend(ss.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def named(self, name: str) -> list:
+        with self._lock:
+            return [s for s in self.spans if s.name == name]
+
+
+def _attrs(span) -> dict:
+    out = {}
+    for kv in span.attributes:
+        v = kv.value
+        out[kv.key] = {"int_value": v.int_value, "double_value": v.double_value,
+                       "string_value": v.string_value, "bool_value": v.bool_value}[v.WhichOneof("value")]
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLM(EngineConfig(num_kv_blocks=256)).engine
+
+
+async def _generate(stub, request_id: str, metadata) -> list:
+    queue: asyncio.Queue = asyncio.Queue()
+    await queue.put(pb.GenerateClientMessage(request=pb.GenerateRequest(
+        request_id=request_id, prompt="Tell me about honey bees.",
+        params=pb.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))))
+
+    async def requests():
+        yield await queue.get()
+        await asyncio.sleep(3600)  # keep the stream open until the final message arrives
+
+    call = stub.Generate(requests(), metadata=metadata)
+    messages = []
+    async for msg in call:
+        messages.append(msg)
+        if msg.WhichOneof("kind") != "delta":
+            break
+    call.cancel()
+    return messages
+
+
+async def _generate_and_rerank(address: str, metadata=()):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.TandemStub(channel)
+        gen = asyncio.create_task(_generate(stub, "traced", metadata))
+        await asyncio.sleep(0.3)  # the generation is decoding when the rerank job arrives
+        rerank = await stub.Rerank(pb.RerankRequest(query="How do bees make honey?", documents=DOCS),
+                                   metadata=metadata)
+        return await gen, rerank
+
+
+def test_spans_reach_an_otlp_receiver_and_metrics_are_scraped(engine, monkeypatch):
+    receiver = OtlpReceiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver.port}")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "tandem-test")
+    provider = tracer_provider_from_env()
+    assert provider is not None
+    tracing, metrics = TracingHooks(provider), Metrics()
+    server = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0))
+    server.bridge.hooks += [tracing, metrics]
+    http, _ = metrics.serve("127.0.0.1", 0)
+    steps_before = engine.stats()["num_steps"]
+    try:
+        traceparent = (("traceparent", f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"),)
+        messages, rerank = asyncio.run(_generate_and_rerank(server.address, traceparent))
+        assert messages[-1].WhichOneof("kind") == "final" and len(rerank.results) == len(DOCS)
+        idle = server.idle_stats
+        assert asyncio.run(idle())["num_steps"] - steps_before == server.recorder.steps  # no step record lost
+        provider.force_flush(timeout_millis=10_000)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (receiver.named("tandem.generate") and receiver.named("tandem.rerank")):
+            time.sleep(0.1)
+
+        gen_span, = receiver.named("tandem.generate")
+        rerank_span, = receiver.named("tandem.rerank")
+        gen_attrs, rerank_attrs = _attrs(gen_span), _attrs(rerank_span)
+        assert gen_attrs["tandem.request.kind"] == "generate" and gen_attrs["tandem.request.id"] == "traced"
+        assert gen_attrs["tandem.completion_tokens"] == 24 and gen_attrs["tandem.finish_reason"] == "length"
+        assert gen_attrs["tandem.prompt_tokens"] > 0 and gen_attrs["tandem.ttft_s"] > 0
+        assert "tandem.queue_time_s" in gen_attrs
+        assert rerank_attrs["tandem.request.kind"] == "rerank" and rerank_attrs["tandem.finish_reason"] == "stop"
+        assert rerank_attrs["tandem.rerank.pairs"] == len(DOCS) and rerank_attrs["tandem.prompt_tokens"] > 0
+        # The client's trace continues into the server.
+        assert gen_span.trace_id.hex() == TRACE_ID and gen_span.parent_span_id.hex() == PARENT_SPAN_ID
+
+        steps = receiver.named("tandem.step")
+        assert steps
+        linked = lambda s: {link.span_id for link in s.links}  # noqa: E731
+        assert any(gen_span.span_id in linked(s) for s in steps)
+        assert any(rerank_span.span_id in linked(s) for s in steps)
+        mixed = [s for s in steps if _attrs(s)["tandem.step.decode_tokens"] > 0
+                 and _attrs(s)["tandem.step.rerank_pairs"] > 0]
+        assert mixed, "no step span held decode tokens and rerank pairs together"
+        assert {gen_span.span_id, rerank_span.span_id} <= linked(mixed[0])
+        assert all(_attrs(s)["tandem.step.budget_used"] <= _attrs(s)["tandem.step.budget"] for s in steps)
+
+        port = http.server_address[1]
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(body)}
+        ttft_count = [s.value for s in families["tandem_time_to_first_token_seconds"].samples
+                      if s.name.endswith("_count")]
+        assert ttft_count and ttft_count[0] >= 1
+        assert sum(s.value for s in families["tandem_generation_tokens"].samples if s.name.endswith("_total")) >= 24
+        assert sum(s.value for s in families["tandem_prompt_tokens"].samples if s.name.endswith("_total")) > 0
+        assert sum(s.value for s in families["tandem_rerank_pairs"].samples if s.name.endswith("_total")) == len(DOCS)
+        assert "tandem_kv_cache_usage_ratio" in families
+    finally:
+        http.shutdown()
+        server.close()
+        tracing.shutdown()
+        receiver.server.stop(None)
+
+
+def test_serving_continues_with_the_collector_down(engine, monkeypatch):
+    with socket_closed_port() as port:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+        provider = tracer_provider_from_env()
+        tracing = TracingHooks(provider)
+        server = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0))
+        server.bridge.hooks.append(tracing)
+        try:
+            messages, rerank = asyncio.run(_generate_and_rerank(server.address))
+            assert messages[-1].WhichOneof("kind") == "final"
+            assert messages[-1].final.usage.completion_tokens == 24
+            assert len(rerank.results) == len(DOCS)
+        finally:
+            server.close()
+            tracing.shutdown(timeout_s=1.0)
+
+
+class socket_closed_port:
+    """A localhost port nothing listens on (bound, then closed)."""
+
+    def __enter__(self) -> int:
+        import socket
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        return self.port
+
+    def __exit__(self, *exc) -> None:
+        pass
