@@ -30,6 +30,9 @@ def generate_input(req: pb.GenerateRequest) -> dict[str, Any]:
     if which == "token_ids":
         return {"prompt": list(req.token_ids.ids)}
     if which == "messages":
+        for i, m in enumerate(req.messages.messages):
+            if not m.role:
+                raise invalid(f"messages[{i}].role must not be empty (e.g. 'system', 'user', 'assistant')")
         return {"messages": [{"role": m.role, "content": m.content} for m in req.messages.messages]}
     raise invalid("request has no input: set prompt, messages or token_ids")
 

@@ -14,7 +14,8 @@ on; on `Rerank` and `ModelInfo` it is the call's status.
 | empty prompt / empty token_ids                    | INVALID_ARGUMENT   | `prompt must not be empty`                                   |
 | prompt longer than the context or the KV cache    | INVALID_ARGUMENT   | `prompt has N tokens; max_model_len is M ...`                |
 | token id outside the vocabulary                   | INVALID_ARGUMENT   | `prompt token ids must be integers in [0, V)`                |
-| chat message without role or content              | INVALID_ARGUMENT   | `each message needs a string role and string content`        |
+| chat message with an empty role                   | INVALID_ARGUMENT   | `messages[i].role must not be empty ...`                     |
+| no chat messages                                  | INVALID_ARGUMENT   | `messages must be a non-empty list of {role, content}`       |
 | max_tokens < 1                                    | INVALID_ARGUMENT   | `max_tokens must be an integer >= 1, got -1`                 |
 | temperature NaN, infinite or < 0                  | INVALID_ARGUMENT   | `temperature must be a finite number >= 0, got nan`          |
 | top_p outside (0, 1], top_k < -1                  | INVALID_ARGUMENT   | `top_p must be in (0, 1] ...` / `top_k must be ...`          |

@@ -1,6 +1,7 @@
 """Server interceptors: the replica name on every response, and an optional bearer-token check."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import inspect
 from typing import Awaitable, Callable
@@ -62,9 +63,10 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler_call_details.method.startswith(self._exempt) or self._authorized(handler_call_details):
+        if handler is None or handler_call_details.method.startswith(self._exempt) \
+                or self._authorized(handler_call_details):
             return handler
-        return wrap_handler(handler, _deny)
+        return wrap_handler(handler, _deny_stream if handler.request_streaming else _deny)
 
     def _authorized(self, details) -> bool:
         for key, value in details.invocation_metadata or ():
@@ -72,6 +74,17 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
                 given = value.encode() if isinstance(value, str) else value
                 return hmac.compare_digest(given, self._expected)
         return False
+
+
+async def _deny_stream(context: grpc.aio.ServicerContext) -> None:
+    # grpc.aio clients can report INTERNAL instead of our status when they write while the trailers arrive
+    # (grpc/grpc#36066); taking the client's first message before answering closes that race for the usual
+    # open-write-wait pattern.
+    try:
+        await asyncio.wait_for(context.read(), 1.0)
+    except (asyncio.TimeoutError, grpc.RpcError):
+        pass
+    await _deny(context)
 
 
 async def _deny(context: grpc.aio.ServicerContext) -> None:

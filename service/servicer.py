@@ -13,7 +13,7 @@ import grpc
 from proto import tandem_pb2 as pb
 from service import convert
 from service.bridge import EngineBridge
-from service.errors import ServiceError, draining, invalid
+from service.errors import ServiceError, invalid
 from service.handlers import Unparseable
 from service.lifecycle import RequestLifecycle
 from service.session import StreamSession
@@ -70,8 +70,8 @@ class TandemServicer:
 
     @_statuses
     async def Generate(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
-        if self.bridge.draining:
-            raise draining()
+        # While draining, a new stream is still accepted: each request on it gets UNAVAILABLE (aborting the
+        # stream at once races the client's first write, see grpc/grpc#36066).
         session = StreamSession()
         meta = {**_metadata(context), "stream": f"generate-{next(self._streams)}"}
         reader = asyncio.create_task(self._read_generate(request_iterator, session, meta))
@@ -152,8 +152,6 @@ class TandemServicer:
 
     @_statuses
     async def RerankStream(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
-        if self.bridge.draining:
-            raise draining()
         session = StreamSession()
         meta = {**_metadata(context), "stream": f"rerank-{next(self._streams)}"}
         reader = asyncio.create_task(self._read_rerank(request_iterator, session, meta))

@@ -1,13 +1,20 @@
 """One real engine and one in-process server shared by the service tests; offline references computed first."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 
-import pytest
+# On a busy 2-core box, OpenMP's spinning workers starve each other: the same step ran 20x slower in the
+# main thread. Only effective when torch is not loaded yet (running tests/service alone).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine import LLM, EngineConfig, SamplingParams
-from service.server import ServerConfig
-from tests.service.harness import ServerThread
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+
+from engine import LLM, EngineConfig, SamplingParams  # noqa: E402
+from service.server import ServerConfig  # noqa: E402
+from tests.service.harness import ServerThread  # noqa: E402
 
 _TOPICS = ["the ocean", "a lighthouse keeper", "prime numbers", "bread baking", "the Roman empire",
            "a robot learning to paint", "volcanoes", "chess openings"]
@@ -40,11 +47,18 @@ class Offline:
     scores: list[float]  # DOCUMENTS against QUERY
 
 
-@pytest.fixture(scope="session")
-def offline() -> Offline:
+def _offline() -> Offline:
     llm = LLM(EngineConfig(num_kv_blocks=NUM_KV_BLOCKS, max_rerank_documents=MAX_DOCUMENTS))
     return Offline(llm=llm, greedy=llm.generate(PROMPTS, GREEDY_8), long=llm.generate(PROMPTS[1], LONG_12)[0],
                    chat=llm.chat(CHAT, GREEDY_8)[0], scores=llm.rerank(QUERY, DOCUMENTS))
+
+
+@pytest.fixture(scope="session")
+def offline() -> Offline:
+    # Computed on a worker thread, as the server's engine thread runs it: with OpenMP's default spin policy
+    # the main thread was ~20x slower on a loaded 2-core machine when torch was imported before this file.
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(_offline).result()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,153 @@
+"""EngineBridge against a scripted fake engine: ordering, admission, timeouts, draining, lifecycle hooks."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import grpc
+import pytest
+
+from engine import SamplingParams
+from engine.outputs import StepOutput, StepRecord
+from service.bridge import EngineBridge
+from service.errors import ServiceError
+from tests.service.harness import Recorder
+
+
+def _record(**values) -> StepRecord:
+    """A StepRecord with zeros wherever the test has nothing to say (robust to fields added later)."""
+    required = {f.name: [] if f.name.endswith("_ids") else 0 for f in dataclasses.fields(StepRecord)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    return StepRecord(**{**required, **values})
+
+
+class FakeEngine:
+    """Emits one token "t" per step for every admitted request until max_tokens; steps only while `running` is set."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, int] = {}  # id -> tokens left
+        self.pending: list[StepOutput] = []
+        self.observers = []
+        self.running = threading.Event()
+        self.running.set()
+        self.steps = 0
+        self.thread_ids: set[int] = set()
+
+    def add_observer(self, fn) -> None:
+        self.observers.append(fn)
+
+    def add_request(self, request_id, prompt=None, params=None, *, messages=None) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        self.live[request_id] = params.max_tokens
+
+    def abort(self, request_id: str) -> bool:
+        if self.live.pop(request_id, None) is None:
+            return False
+        self.pending.append(StepOutput(request_id, "generate", finished=True, finish_reason="abort"))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live or self.pending)
+
+    def step(self) -> list[StepOutput]:
+        self.thread_ids.add(threading.get_ident())
+        outputs, self.pending = self.pending, []
+        served = []
+        if self.running.wait(0.01):
+            for rid in list(self.live):
+                self.live[rid] -= 1
+                served.append(rid)
+                done = self.live[rid] == 0
+                outputs.append(StepOutput(rid, "generate", [7], "t", finished=done,
+                                          finish_reason="length" if done else None, first_token_time=1.0))
+                if done:
+                    del self.live[rid]
+        record = _record(step=self.steps, decode_tokens=len(served), num_seqs=len(served), request_ids=served)
+        self.steps += 1
+        for fn in self.observers:
+            fn(record)
+        return outputs
+
+    def stats(self) -> dict:
+        return {"live": len(self.live)}
+
+
+@pytest.fixture
+async def bridge():
+    engine = FakeEngine()
+    recorder = Recorder()
+    b = EngineBridge(engine, max_waiting=2, hooks=[recorder])
+    b.start()
+    b.recorder = recorder
+    yield b
+    engine.running.set()
+    await b.stop()
+
+
+def _collect(events: list, done: asyncio.Event):
+    def sink(event) -> None:
+        events.append(event)
+        if isinstance(event, ServiceError) or event.finished:
+            done.set()
+    return sink
+
+
+async def _generate(bridge: EngineBridge, client_id: str, max_tokens: int = 3, prompt: str = "hi", **kw):
+    events, done = [], asyncio.Event()
+    lc = bridge.submit_generate(client_id, _collect(events, done), prompt=prompt,
+                                params=SamplingParams(max_tokens=max_tokens), **kw)
+    return lc, events, done
+
+
+async def test_outputs_arrive_in_order_on_the_loop_and_the_engine_stays_on_one_thread(bridge):
+    lc, events, done = await _generate(bridge, "a", max_tokens=3)
+    await done.wait()
+    assert [e.text for e in events] == ["t", "t", "t"] and events[-1].finish_reason == "length"
+    assert len(bridge.engine.thread_ids) == 1 and threading.get_ident() not in bridge.engine.thread_ids
+    assert await bridge.stats() == {"live": 0, "bridge_live": 0, "bridge_waiting": 0}
+    assert lc.finish_reason == "length"
+    assert lc.arrival <= lc.finished and lc.scheduled is not None and lc.first_token == 1.0
+
+
+async def test_value_error_becomes_invalid_argument(bridge):
+    lc, events, done = await _generate(bridge, "bad", prompt="")
+    await done.wait()
+    assert events[0].code is grpc.StatusCode.INVALID_ARGUMENT and events[0].message == "prompt must not be empty"
+    assert lc.finish_reason == "error" and lc.error == "INVALID_ARGUMENT"
+    assert bridge.recorder.finished["bad"] == [lc]
+
+
+async def test_waiting_queue_full_is_resource_exhausted_until_it_drains(bridge):
+    bridge.engine.running.clear()  # nothing gets served: everything admitted waits
+    first = [await _generate(bridge, f"w{i}") for i in range(2)]
+    with pytest.raises(ServiceError) as info:
+        await _generate(bridge, "over")
+    assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-waiting" in info.value.message
+    bridge.engine.running.set()
+    for _, _, done in first:
+        await done.wait()
+    _, events, done = await _generate(bridge, "again")
+    await done.wait()
+    assert events[-1].finish_reason == "length"
+
+
+async def test_timeout_aborts_in_the_engine_and_reports_deadline_exceeded(bridge):
+    bridge.engine.running.clear()
+    lc, events, done = await _generate(bridge, "slow", max_tokens=100, timeout_ms=20)
+    await done.wait()
+    assert events[-1].code is grpc.StatusCode.DEADLINE_EXCEEDED and "timeout_ms of 20 ms" in events[-1].message
+    assert lc.finish_reason == "deadline"
+    assert (await bridge.stats())["live"] == 0  # the engine dropped it
+
+
+async def test_draining_refuses_new_work_and_wait_idle_returns_when_done(bridge):
+    _, events, done = await _generate(bridge, "inflight", max_tokens=2)
+    bridge.draining = True
+    with pytest.raises(ServiceError) as info:
+        await _generate(bridge, "late")
+    assert info.value.code is grpc.StatusCode.UNAVAILABLE
+    await bridge.wait_idle()
+    assert done.is_set() and events[-1].finish_reason == "length"

@@ -1,0 +1,147 @@
+"""`tandem serve` as a real process: the client CLI, backpressure on a full queue, and SIGTERM draining."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients import AsyncClient, TandemError
+from proto import tandem_pb2 as pb
+from proto import tandem_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+TANDEM = str(Path(sys.executable).parent / "tandem")
+PROMPT = "Tell me a long story about a lighthouse keeper."
+
+
+class ServeProcess:
+    """`tandem serve --port 0` in a subprocess; address parsed from its 'tandem listening on' line."""
+
+    def __init__(self, *args: str, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([TANDEM, "serve", "--port", "0", *args], cwd=ROOT, env={**os.environ, **env},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.output: list[str] = []
+        while True:
+            line = self.lines.get(timeout=300)
+            if line is None:
+                raise RuntimeError("tandem serve exited early:\n" + "".join(self.output))
+            self.output.append(line)
+            if line.startswith("tandem listening on "):
+                self.address = line.split()[-1]
+                return
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def serve_proc():
+    # One sequence per step and two waiting requests at most make "queue full" deterministic; the flags and
+    # the TANDEM_* variables both reach the server.
+    proc = ServeProcess("--max-num-seqs", "1", "--num-kv-blocks", "128", "--host", "127.0.0.1",
+                        env={"TANDEM_MAX_WAITING": "2", "TANDEM_DRAIN_TIMEOUT": "120", "TANDEM_REPLICA": "proc-1"})
+    yield proc
+    proc.stop()
+
+
+def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([TANDEM, *args], cwd=ROOT, input=stdin, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_generate_chat_and_rerank_against_the_server(serve_proc):
+    target = ("--target", serve_proc.address)
+    generated = _cli("generate", *target, "Hello", "--max-tokens", "8")
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.strip()
+    chatted = _cli("chat", *target, "--max-tokens", "4", stdin="What is 2+2?\n")
+    assert chatted.returncode == 0 and chatted.stdout.strip(), chatted.stderr
+    reranked = _cli("rerank", *target, "--json", "--query", "capital of France", "Paris is in France.", "Bananas.")
+    assert reranked.returncode == 0, reranked.stderr
+    results = json.loads(reranked.stdout)
+    assert sorted(r["index"] for r in results) == [0, 1] and results[0]["score"] >= results[1]["score"]
+    info = _cli("info", *target)
+    assert info.returncode == 0 and json.loads(info.stdout)["replica"] == "proc-1"  # from TANDEM_REPLICA
+    assert json.loads(info.stdout)["limits"]["maxWaiting"] == 2  # from TANDEM_MAX_WAITING
+    refused = _cli("rerank", *target, "--query", "", "doc")
+    assert refused.returncode == 1 and "INVALID_ARGUMENT: query must be a non-empty string" in refused.stderr
+
+
+def _request(request_id: str, max_tokens: int) -> pb.GenerateClientMessage:
+    return pb.GenerateClientMessage(request=pb.GenerateRequest(
+        request_id=request_id, prompt=PROMPT, params=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+
+
+async def _read_until(call, request_id: str, kinds: tuple[str, ...]) -> pb.GenerateServerMessage:
+    while True:
+        message = await asyncio.wait_for(call.read(), 120)
+        assert message is not grpc.aio.EOF
+        if message.request_id == request_id and message.WhichOneof("kind") in kinds:
+            return message
+
+
+async def test_full_waiting_queue_is_resource_exhausted_until_it_drains(serve_proc):
+    async with grpc.aio.insecure_channel(serve_proc.address) as channel:
+        stub = pb_grpc.TandemStub(channel)
+        call = stub.Generate()
+        await call.write(_request("running", 4000))
+        await _read_until(call, "running", ("delta",))  # it holds the only sequence slot now
+        for request_id in ("wait-1", "wait-2", "over"):
+            await call.write(_request(request_id, 3))
+        refused = (await _read_until(call, "over", ("error", "final"))).error
+        assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "server is at capacity: 2 requests are waiting" in refused.message
+        with pytest.raises(grpc.aio.AioRpcError) as rerank:
+            await stub.Rerank(pb.RerankRequest(query="q", documents=["d"]))
+        assert rerank.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        await call.write(pb.GenerateClientMessage(cancel=pb.CancelRequest(request_id="running")))
+        for request_id in ("wait-1", "wait-2"):
+            assert (await _read_until(call, request_id, ("final", "error"))).final.finish_reason == \
+                pb.FINISH_REASON_LENGTH
+        await call.write(_request("again", 2))
+        assert (await _read_until(call, "again", ("final", "error"))).final.usage.completion_tokens == 2
+        await call.done_writing()
+
+
+async def _health(channel: grpc.aio.Channel) -> int:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    return reply.status
+
+
+async def test_sigterm_drains_in_flight_work_refuses_new_work_and_exits_zero(serve_proc):
+    async with AsyncClient(serve_proc.address, max_retries=0) as client, \
+            grpc.aio.insecure_channel(serve_proc.address) as probe:
+        assert await _health(probe) == health_pb2.HealthCheckResponse.SERVING
+        inflight = client.generate(PROMPT, max_tokens=48, ignore_eos=True, request_id="inflight")
+        deltas = [await inflight.__anext__()]
+        serve_proc.proc.send_signal(signal.SIGTERM)
+        while await _health(probe) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            await asyncio.sleep(0.02)
+        with pytest.raises(TandemError) as on_stream:
+            await client.complete("Hi", max_tokens=2)
+        with pytest.raises(TandemError) as unary:
+            await client.rerank("q", ["d"])
+        deltas += [d async for d in inflight]
+    for refusal in (on_stream.value, unary.value):
+        assert refusal.code is grpc.StatusCode.UNAVAILABLE and "draining" in refusal.message
+    assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 48
+    assert sum(len(d.token_ids) for d in deltas) == 48
+    assert serve_proc.proc.wait(120) == 0

@@ -1,0 +1,48 @@
+"""Rerank over real sockets: equal to the offline LLM.rerank, sorted, top_n/return_documents, streaming."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from clients import AsyncClient
+from proto import tandem_pb2 as pb
+from proto import tandem_pb2_grpc as pb_grpc
+from tests.service.conftest import DOCUMENTS, QUERY
+from tests.service.harness import assert_all_blocks_free
+
+
+async def test_rerank_is_sorted_with_input_indices_and_equals_offline(served, offline):
+    async with AsyncClient(served.address) as client:
+        results = await client.rerank(QUERY, DOCUMENTS)
+    scores = [r.score for r in results]
+    assert sorted(r.index for r in results) == list(range(len(DOCUMENTS)))
+    assert scores == sorted(scores, reverse=True)
+    assert {r.index: r.score for r in results} == {i: pytest.approx(s, abs=1e-4) for i, s in enumerate(offline.scores)}
+    assert all(r.document is None for r in results)
+    assert results.usage.prompt_tokens > 0
+    assert_all_blocks_free(await served.idle_stats())
+
+
+async def test_top_n_and_return_documents(served, offline):
+    async with AsyncClient(served.address) as client:
+        top = await client.rerank(QUERY, DOCUMENTS, top_n=2, return_documents=True)
+        everything = await client.rerank(QUERY, DOCUMENTS, top_n=len(DOCUMENTS) + 3)
+    assert len(top) == 2 and len(everything) == len(DOCUMENTS)
+    assert [r.index for r in top] == [r.index for r in everything][:2]
+    assert [r.document for r in top] == [DOCUMENTS[r.index] for r in top]
+    assert [r.score for r in top] == pytest.approx([offline.scores[r.index] for r in top], abs=1e-4)
+
+
+async def test_rerank_stream_answers_each_request_by_id(served, offline):
+    requests = [pb.RerankRequest(request_id="a", query=QUERY, documents=DOCUMENTS, top_n=1),
+                pb.RerankRequest(request_id="b", query=QUERY, documents=DOCUMENTS[:2], return_documents=True),
+                pb.RerankRequest(request_id="bad", query="", documents=DOCUMENTS)]
+    async with grpc.aio.insecure_channel(served.address) as channel:
+        replies = {m.request_id: m async for m in pb_grpc.TandemStub(channel).RerankStream(iter(requests))}
+    assert set(replies) == {"a", "b", "bad"}
+    best = max(range(len(DOCUMENTS)), key=lambda i: offline.scores[i])
+    assert [r.index for r in replies["a"].response.results] == [best]
+    assert [r.document for r in replies["b"].response.results] == \
+        [DOCUMENTS[i] for i in sorted((0, 1), key=lambda i: -offline.scores[i])]
+    assert replies["bad"].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "query must be a non-empty string" in replies["bad"].error.message
