@@ -84,7 +84,8 @@ class AsyncClient:
         self._metadata: tuple = (("authorization", f"Bearer {token}"),) if token else ()
         self._tls = tls or root_certificates is not None
         self._root_certificates = root_certificates
-        self._options = list(options)
+        # Rerank responses with return_documents can pass grpc's default 4 MiB receive limit; the server bounds them.
+        self._options = [("grpc.max_receive_message_length", -1), *options]
         self._max_retries = max_retries
         self._backoff_s = backoff_s
         self._max_backoff_s = max_backoff_s

@@ -64,7 +64,7 @@ def generate_message(client_id: str, out: StepOutput, lc: RequestLifecycle) -> p
 
 
 def request_error(error: ServiceError) -> pb.RequestError:
-    return pb.RequestError(code=error.code.value[0], message=error.message)
+    return pb.RequestError(code=error.code.value[0], message=error.message)  # the google.rpc.Code number
 
 
 def rerank_response(client_id: str, out: StepOutput, documents: list[str], params: RerankParams,
