@@ -22,7 +22,12 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     bridge = EngineBridge(engine, max_waiting=max_waiting, hooks=hooks)
     bridge.start()
     server = TandemServer(bridge, server_config)
-    address = await server.start()
+    try:
+        address = await server.start()
+    except OSError as exc:
+        log.error("%s", exc)
+        await bridge.stop()
+        return 1
     ready(address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

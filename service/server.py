@@ -56,11 +56,16 @@ class TandemServer:
                                           ("grpc.so_reuseport", 0)],
                                  interceptors=self._interceptors())
         bind = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert:
-            creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
-            port = server.add_secure_port(bind, creds)
-        else:
-            port = server.add_insecure_port(bind)
+        try:
+            if cfg.tls_cert:
+                creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(),
+                                                      Path(cfg.tls_cert).read_bytes())])
+                port = server.add_secure_port(bind, creds)
+            else:
+                port = server.add_insecure_port(bind)
+        except RuntimeError:
+            raise OSError(f"cannot listen on {bind}: is the port in use, or the host not an address of this "
+                          "machine? (--host/--port, TANDEM_HOST/TANDEM_PORT)") from None
         self.address = f"{cfg.host}:{port}"
         self._replica.replica = cfg.replica or self.address
         self.servicer = TandemServicer(self.bridge, replica=self._replica.replica,

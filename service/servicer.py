@@ -6,7 +6,7 @@ import functools
 import itertools
 import os
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import grpc
 
@@ -17,6 +17,9 @@ from service.errors import ServiceError, invalid
 from service.handlers import Unparseable
 from service.lifecycle import RequestLifecycle
 from service.session import StreamSession
+
+if TYPE_CHECKING:
+    from engine import RerankParams
 
 _FORWARDED_METADATA = ("traceparent", "tracestate", "x-tandem-prefix")
 
@@ -194,7 +197,8 @@ class TandemServicer:
         except ServiceError as exc:
             session.send(pb.RerankStreamResponse(request_id=client_id, error=convert.request_error(exc)))
 
-    def _rerank_args(self, req: pb.RerankRequest):
+    def _rerank_args(self, req: pb.RerankRequest) -> tuple["RerankParams", list[str]]:
+        """Checks that need no engine (model, document count), then the engine's RerankParams."""
         self._check_model(req.model)
         if len(req.documents) > self.limits.max_documents:
             raise invalid(f"documents has {len(req.documents)} items; this server takes at most "
