@@ -37,6 +37,7 @@ _SERVER_FLAGS = [
     ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key"),
     ("--auth-token", str, None, "require 'authorization: Bearer <token>' (health checks stay open)"),
+    ("--metrics-port", int, 9464, "Prometheus /metrics port on --host (-1: off, 0: any free port)"),
     ("--replica", str, None, "name sent as x-tandem-replica (default host:port)"),
     ("--log-level", str, "INFO", "logging level"),
 ]
@@ -104,7 +105,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tandem listening on {address}", flush=True)
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(serve(engine_config, server_config, max_waiting=args.max_waiting, ready=ready))
+        return runner.run(serve(engine_config, server_config, max_waiting=args.max_waiting, ready=ready,
+                                metrics_port=args.metrics_port))
 
 
 def main(argv: list[str] | None = None) -> int:

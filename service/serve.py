@@ -8,17 +8,25 @@ from typing import Callable
 
 from service.bridge import EngineBridge
 from service.lifecycle import LifecycleHooks
+from service.metrics import Metrics
 from service.server import ServerConfig, TandemServer
+from service.tracing import TracingHooks, tracer_provider_from_env
 
 log = logging.getLogger("tandem.serve")
 
 
 async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
-                ready: Callable[[str], None] = print, hooks: tuple[LifecycleHooks, ...] = ()) -> int:
+                ready: Callable[[str], None] = print, hooks: tuple[LifecycleHooks, ...] = (),
+                metrics_port: int | None = None) -> int:
     """Serve until SIGTERM or SIGINT; the first drains, a second one aborts what is still running."""
     from engine import LLMEngine  # torch only here, so client commands stay light
 
     engine = await asyncio.to_thread(LLMEngine, engine_config)
+    metrics = Metrics()
+    provider = tracer_provider_from_env()  # None unless an OTLP endpoint is configured
+    tracing = TracingHooks(provider) if provider is not None else None
+    hooks = (*hooks, metrics) + ((tracing,) if tracing else ())
+    http = _serve_metrics(metrics, server_config.host, metrics_port)
     bridge = EngineBridge(engine, max_waiting=max_waiting, hooks=hooks)
     bridge.start()
     server = TandemServer(bridge, server_config)
@@ -27,6 +35,7 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     except OSError as exc:
         log.error("%s", exc)
         await bridge.stop()
+        await _stop_telemetry(http, tracing)
         return 1
     ready(address)
     stop = asyncio.Event()
@@ -44,4 +53,25 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     log.info("draining (up to %.0fs)", server_config.drain_timeout_s)
     await server.drain()
     await bridge.stop()
+    await _stop_telemetry(http, tracing)
     return 0
+
+
+def _serve_metrics(metrics: Metrics, host: str, port: int | None):
+    """Start the /metrics endpoint; a busy port costs the metrics, never the service."""
+    if port is None or port < 0:
+        return None
+    try:
+        http, _ = metrics.serve(host, port)
+    except OSError as exc:
+        log.warning("Prometheus metrics not served on %s:%s: %s", host, port, exc)
+        return None
+    log.info("Prometheus metrics on http://%s:%d/metrics", host, http.server_address[1])
+    return http
+
+
+async def _stop_telemetry(http, tracing: TracingHooks | None) -> None:
+    if http is not None:
+        http.shutdown()
+    if tracing is not None:
+        await asyncio.to_thread(tracing.shutdown)  # bounded flush: a dead collector cannot hold up exit
