@@ -52,17 +52,21 @@ def prompts(tokenizer) -> list[str]:
     return _prompts(tokenizer)
 
 
-@pytest.fixture(scope="session")
-def hf_greedy(hf_model, tokenizer, prompts) -> list[list[int]]:
-    """transformers `generate`, one prompt at a time, greedy, 32 new tokens: the reference outputs."""
+def hf_greedy_one_at_a_time(hf_model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """transformers `generate`, one prompt at a time, greedy: the reference outputs."""
     refs = []
     with torch.inference_mode():
         for p in prompts:
             ids = tokenizer(p, return_tensors="pt").input_ids
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                                    pad_token_id=tokenizer.eos_token_id)
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False, pad_token_id=tokenizer.eos_token_id)
             refs.append(out[0, ids.shape[1]:].tolist())
     return refs
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model, tokenizer, prompts) -> list[list[int]]:
+    return hf_greedy_one_at_a_time(hf_model, tokenizer, prompts, 32)
 
 
 @pytest.fixture(scope="session")

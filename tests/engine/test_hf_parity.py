@@ -3,7 +3,8 @@ import torch
 
 from engine.request import Sequence
 from engine.scheduler import Batch
-from tests.engine.conftest import GREEDY_32, assert_no_leaks, make_llm, record_steps
+from engine import SamplingParams
+from tests.engine.conftest import GREEDY_32, assert_no_leaks, hf_greedy_one_at_a_time, make_llm, record_steps
 
 
 def _ragged_logits(llm, token_lists):
@@ -74,14 +75,8 @@ def test_prefix_caching_reuses_shared_prefix(tokenizer, hf_model):
               "opening hours politely. The library opens at nine and closes at six on weekdays. ") * 3
     questions = ["When do you open?", "Who wrote Hamlet?", "Do you have maps?", "Can I bring my dog?"]
     prompts = [system + q for q in questions]
-    refs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = tokenizer(p, return_tensors="pt").input_ids
-            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                                    pad_token_id=tokenizer.eos_token_id)
-            refs.append(out[0, ids.shape[1]:].tolist())
-    params = GREEDY_32.__class__(max_tokens=16, temperature=0.0)
+    refs = hf_greedy_one_at_a_time(hf_model, tokenizer, prompts, 16)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
 
     def run(caching: bool):
         llm = make_llm(enable_prefix_caching=caching)
