@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 50051
 
-.PHONY: venv test serve bench clean-venv
+.PHONY: venv test serve bench proto clean-venv
 
 venv: $(STAMP)
 
@@ -26,6 +26,10 @@ serve: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench
+
+# Regenerate the committed gRPC stubs (a test fails when they drift from proto/tandem.proto).
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. proto/tandem.proto
 
 clean-venv:
 	rm -rf $(VENV)

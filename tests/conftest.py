@@ -2,6 +2,8 @@ import os
 
 # Triton kernels run in the interpreter on CPU; this must be set before any @triton.jit runs.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engine threads and test threads share 2 cores: spinning OpenMP workers can slow a step 25x, so let them sleep.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import uvloop  # noqa: E402
 
