@@ -16,10 +16,10 @@ Systems are timed query by query, interleaved, rotating which goes first. `ratio
 `ratio_median_per_query_*` is the median of per-query ratios, robust to bursts of load. Load from other processes
 does not hit all systems alike: on CPU tandem runs many small kernels per step (one attention call per pair and
 layer), which lose far more than the padded baseline's few big ones when other processes oversubscribe the cores.
-So the JSON records the 1-minute load average and the matmul peak at start and end: trust a run whose load stayed
-below --threads and whose two peaks agree. Torch threads are the same for all (--threads). Model FLOP utilisation
-is against the best fp32 matmul rate measured in this run. Prints one JSON line and writes it to
-bench/results/rerank.json (or --out).
+So the JSON records the 1-minute load average (start, end, max after each query; `contended` when it went above
+--threads + 1) and the matmul peak at start and end: trust only a run with `contended: false`. Torch threads are
+the same for all (--threads). Model FLOP utilisation is against the best fp32 matmul rate measured in this run.
+Prints one JSON line and writes it to bench/results/rerank.json (or --out).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from bench.models import minilm_cross_encoder_dir
 from engine import LLM, EngineConfig, RerankParams
 
 RESULTS = Path(__file__).parent / "results"
+LOAD_SAMPLES: list[float] = []  # 1-minute load average after each timed query
 
 QUICK = dict(queries=3, docs=8, min_doc_tokens=16, max_doc_tokens=64,
              llm_queries=2, llm_docs=6, llm_min_doc_tokens=16, llm_max_doc_tokens=48)
@@ -91,6 +92,7 @@ def run_interleaved(systems: dict, work: list) -> tuple[dict[str, list[float]], 
             out = systems[name](q)
             seconds[name].append(time.perf_counter() - t)
             outputs[name].append(out)
+        LOAD_SAMPLES.append(os.getloadavg()[0])
     return seconds, outputs
 
 
@@ -272,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
+    LOAD_SAMPLES.clear()
     result: dict = {"threads": args.threads, "seed": args.seed, "quick": args.quick,
                     "loadavg_1min_start": os.getloadavg()[0]}
     peaks = [matmul_peak_gflops()]
@@ -282,6 +285,9 @@ def main(argv: list[str] | None = None) -> dict:
             result["llm_judge"] = bench_llm_judge(args)
     peaks.append(matmul_peak_gflops())
     result["loadavg_1min_end"] = os.getloadavg()[0]
+    result["loadavg_1min_max"] = max(LOAD_SAMPLES + [result["loadavg_1min_end"]])
+    # Our own threads make a load of about --threads; more than one extra runnable thread means shared cores.
+    result["contended"] = result["loadavg_1min_max"] > args.threads + 1
     # MFU against the best matmul rate seen in this run (start or end): contention only lowers it. Two very
     # different peaks, or a load average above the thread count, mean other processes shared the cores.
     result["matmul_peak_gflops"] = max(peaks)

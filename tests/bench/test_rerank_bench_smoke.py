@@ -20,12 +20,13 @@ def test_rerank_bench_quick(tmp_path):
     result = json.loads(out.read_text())
     assert result["quick"] is True and result["threads"] == 2
     assert _positive(result["matmul_peak_gflops"])
+    assert isinstance(result["contended"], bool) and result["loadavg_1min_max"] >= 0
 
     ce = result["cross_encoder"]
     for name in ("tandem", "hf_padded", "hf_padded_sorted"):
         assert _positive(ce[f"{name}_pairs_s"]) and _positive(ce[f"{name}_mfu"])
     for name in ("hf_padded", "hf_padded_sorted"):
-        assert _positive(ce[f"ratio_vs_{name}"])
+        assert _positive(ce[f"ratio_vs_{name}"]) and _positive(ce[f"ratio_median_per_query_vs_{name}"])
         assert 0 <= ce[f"{name}_padding_waste"] < 1
         assert ce[f"{name}_tokens_total"] >= ce["tokens_real"]
     assert ce["pairs"] == ce["queries"] * ce["docs_per_query"]
@@ -36,7 +37,7 @@ def test_rerank_bench_quick(tmp_path):
 
     llm = result["llm_judge"]
     assert _positive(llm["cache_on_pairs_s"]) and _positive(llm["cache_off_pairs_s"])
-    assert _positive(llm["ratio_cache_on_vs_off"])
+    assert _positive(llm["ratio_cache_on_vs_off"]) and _positive(llm["ratio_median_per_query_cache_on_vs_off"])
     assert 0 < llm["cache_on_cached_fraction"] < 1
     assert llm["cache_off_cached_fraction"] == 0
     assert llm["cache_on_prompt_tokens"] == llm["cache_off_prompt_tokens"] == llm["cache_off_computed_tokens"]
