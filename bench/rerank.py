@@ -24,7 +24,6 @@ Prints one JSON line and writes it to bench/results/rerank.json (or --out).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -33,11 +32,11 @@ from pathlib import Path
 
 import torch
 
+from bench.report import RESULTS, write_result
 from bench.datasets import synthetic_rerank
 from bench.models import minilm_cross_encoder_dir
 from engine import LLM, EngineConfig, RerankParams
 
-RESULTS = Path(__file__).parent / "results"
 LOAD_SAMPLES: list[float] = []  # 1-minute load average after each timed query
 
 QUICK = dict(queries=3, docs=8, min_doc_tokens=16, max_doc_tokens=64,
@@ -298,21 +297,9 @@ def main(argv: list[str] | None = None) -> dict:
             for name, gflop in part.pop("_gflop").items():
                 part[f"{name}_mfu"] = gflop / part[f"{name}_seconds"] / result["matmul_peak_gflops"]
     result["wall_s"] = time.perf_counter() - t0
-    line = json.dumps(_rounded(result))
-    print(line)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(line + "\n")
+    write_result(result, args.out)
     return result
 
-
-def _rounded(obj):
-    if isinstance(obj, float):
-        return float(f"{obj:.4g}")
-    if isinstance(obj, dict):
-        return {k: _rounded(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_rounded(v) for v in obj]
-    return obj
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Writes bench/results/rerank_quality.json (or --out) and prints it as one JSON li
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import re
@@ -30,10 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.report import RESULTS, write_result
 from bench.datasets import ALPACA_EVAL_PACKAGE, alpaca_eval
 from engine import LLM, EngineConfig, RerankParams
 
-RESULTS = Path(__file__).parent / "results"
 QUICK = dict(instructions=4, candidates=5, doc_tokens=48, query_tokens=48)
 
 
@@ -190,19 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
         cached = sum(r.cached_tokens for r in records)
         result["llm"]["cached_fraction"] = cached / max(1, computed + cached)
     result["wall_s"] = time.perf_counter() - t0
-    line = json.dumps(_rounded(result))
-    print(line)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(line + "\n")
+    write_result(result, args.out)
     return result
 
-
-def _rounded(obj):
-    if isinstance(obj, float):
-        return float(f"{obj:.4g}")
-    if isinstance(obj, dict):
-        return {k: _rounded(v) for k, v in obj.items()}
-    return obj
 
 
 if __name__ == "__main__":

@@ -6,16 +6,14 @@ bench/results/throughput.json. Output lengths are fixed (EOS ignored) so every s
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
+from bench.report import RESULTS, write_result
 from bench.workloads import GenerationRequest, synthetic_chat
 from engine import LLM, EngineConfig, SamplingParams
 
-RESULTS = Path(__file__).parent / "results"
 
 
 def run_ours(llm: LLM, reqs: list[GenerationRequest]) -> float:
@@ -81,10 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "hf_continuous" not in args.skip:
         result["hf_continuous_tok_s"] = useful / run_hf_continuous(hf, reqs)
         result["ratio_vs_hf_continuous"] = result["tandem_tok_s"] / result["hf_continuous_tok_s"]
-    line = json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()})
-    print(line)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "throughput.json").write_text(line + "\n")
+    write_result(result, RESULTS / "throughput.json")
     return result
 
 

@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import uvloop
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from bench.report import RESULTS, write_result
 from engine import EngineConfig, LLMEngine, RerankParams, SamplingParams
 from service.bridge import EngineBridge
 from service.tracing import TracingHooks, tracer_provider_from_env
 
-RESULTS = Path(__file__).parent / "results"
 
 
 async def _round(engine: LLMEngine, tracing: bool, requests: int, tokens: int) -> tuple[list[float], float, int]:
@@ -85,10 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"requests": args.requests, "tokens": args.tokens, "rounds": args.rounds, "spans_per_round": spans,
            "mean_step_s_off": round(off_step, 5), "mean_step_s_on": round(on_step, 5),
            "step_time_overhead": round(on_step / off_step - 1, 4), "wall_overhead": round(on_wall / off_wall - 1, 4)}
-    line = json.dumps(out)
-    print(line)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "tracing_overhead.json").write_text(line + "\n")
+    write_result(out, RESULTS / "tracing_overhead.json")
     return out
 
 
