@@ -1,7 +1,6 @@
 """Our packed cross-encoder against transformers' AutoModelForSequenceClassification on the same weights."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import shutil
@@ -18,7 +17,7 @@ from transformers.models.roberta.modeling_roberta import RobertaEmbeddings
 
 from engine.models.bert import EncoderArgs, packed_positions
 from engine.models.encoder_loader import CrossEncoder, score_activation
-from tests.engine.conftest import TOKENIZER_FILES, copy_minilm_tokenizer, minilm_encoder_dir, save_model_dir
+from tests.engine.conftest import copy_minilm_tokenizer, minilm_encoder_dir, save_model_dir
 
 ATOL = 1e-4
 QUERY = "how do lighthouses warn ships at night"
