@@ -1,7 +1,17 @@
-"""Prometheus metrics from request lifecycles and step records, served over HTTP for scraping."""
+"""Prometheus metrics from request lifecycles and step records, served over HTTP for scraping.
+
+The same HTTP server answers `/healthz` for load balancers that check over plain HTTP (HAProxy's
+`option httpchk`): 200 while the replica takes new work, 503 from the moment it starts draining.
+"""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from typing import Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from service.lifecycle import Hooks, RequestLifecycle
 
@@ -37,7 +47,7 @@ class Metrics(Hooks):
                                      registry=r)
         self.completion_tokens = Counter("tandem_generation_tokens", "Generated tokens", registry=r)
         self.cache_hits = Counter("tandem_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                  registry=r)
+                                  ["kind"], registry=r)
         self.rerank_pairs = Counter("tandem_rerank_pairs", "Rerank pairs scored", registry=r)
         self.preemptions = Counter("tandem_preemptions", "Sequences preempted for recompute", registry=r)
         self.requests = Counter("tandem_requests", "Finished requests", ["kind", "finish_reason"], registry=r)
@@ -48,7 +58,7 @@ class Metrics(Hooks):
         if lc.scheduled is not None:
             self.queue.labels(lc.kind).observe(max(0.0, lc.scheduled - lc.arrival))
         self.prompt_tokens.labels(lc.kind).inc(lc.prompt_tokens)
-        self.cache_hits.inc(lc.cached_tokens)
+        self.cache_hits.labels(lc.kind).inc(lc.cached_tokens)
         if lc.kind == "rerank":
             self.rerank_latency.observe(lc.duration_s)
             return
@@ -71,6 +81,33 @@ class Metrics(Hooks):
         self.running.set(record.num_running)
         self.waiting.set(record.num_waiting)
 
-    def serve(self, host: str, port: int):
-        """Expose /metrics on host:port from a daemon thread; returns (http server, thread)."""
-        return start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, healthy: Callable[[], bool] = lambda: True):
+        """Expose /metrics and /healthz on host:port from a daemon thread; returns (http server, thread).
+
+        `healthy()` decides /healthz: 200 "SERVING" when true, 503 "NOT_SERVING" when false.
+        """
+        metrics_app = make_wsgi_app(self.registry)
+
+        def app(environ, start_response):
+            if environ.get("PATH_INFO") in ("/healthz", "/health"):
+                ok = healthy()
+                start_response("200 OK" if ok else "503 Service Unavailable",
+                               [("Content-Type", "text/plain"), ("Cache-Control", "no-store")])
+                return [b"SERVING\n" if ok else b"NOT_SERVING\n"]
+            return metrics_app(environ, start_response)
+
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("_Server", (_ThreadingServer,), {"address_family": family})  # "::" binds IPv6
+        http = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        thread = threading.Thread(target=http.serve_forever, name="tandem-metrics", daemon=True)
+        thread.start()
+        return http, thread
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # health checks every 500 ms would flood the log
+        pass
