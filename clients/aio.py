@@ -5,6 +5,7 @@ import asyncio
 import hashlib
 import random
 import uuid
+from collections import OrderedDict
 from typing import Any, AsyncIterator, Sequence
 
 import grpc
@@ -15,29 +16,42 @@ from proto import tandem_pb2_grpc as pb_grpc
 
 
 class _SharedStream:
-    """One open Generate call: a send queue feeding it and a reader routing replies by request id."""
+    """One open Generate call: a send queue feeding it and a reader routing replies by request id.
+
+    Behind a load balancer a stream lives on one replica (`replica`, from the x-tandem-replica metadata).
+    A retired stream takes no new requests and half-closes once its last request is done.
+    """
 
     def __init__(self, stub: pb_grpc.TandemStub, metadata: tuple) -> None:
         self._outgoing: asyncio.Queue = asyncio.Queue()
         self._routes: dict[str, asyncio.Queue] = {}
         self.closed = False
+        self.retired = False
+        self.replica: str | None = None
+        self._closing = False
         self._call = stub.Generate(self._requests(), metadata=metadata)
         self._reader = asyncio.create_task(self._read())
 
     def register(self, request_id: str) -> asyncio.Queue:
-        if request_id in self._routes:
-            raise ValueError(f"request_id {request_id!r} is already in use on this client")
         self._routes[request_id] = queue = asyncio.Queue()
         return queue
 
     def unregister(self, request_id: str) -> None:
         self._routes.pop(request_id, None)
+        if self.retired and not self._routes:
+            self._outgoing.put_nowait(None)  # half-close: the server ends the stream
+
+    def retire(self) -> None:
+        self.retired = True
+        if not self._routes:
+            self._outgoing.put_nowait(None)
 
     def send(self, message: pb.GenerateClientMessage) -> None:
         if not self.closed:
             self._outgoing.put_nowait(message)
 
     async def close(self) -> None:
+        self._closing = True
         self._outgoing.put_nowait(None)
         self._call.cancel()
         self._reader.cancel()
@@ -52,12 +66,19 @@ class _SharedStream:
     async def _read(self) -> None:
         error = TandemError(grpc.StatusCode.UNAVAILABLE, "the Generate stream ended before this request finished")
         try:
+            self.replica = dict(await self._call.initial_metadata() or ()).get("x-tandem-replica")
             async for message in self._call:
                 queue = self._routes.get(message.request_id)
                 if queue is not None:
                     queue.put_nowait(message)
         except grpc.aio.AioRpcError as exc:
             error = TandemError.from_rpc(exc)
+            if exc.code() is grpc.StatusCode.CANCELLED and not self._closing:
+                # Not our cancel: a proxy reset the stream because its replica went away (HAProxy sends
+                # RST_STREAM(CANCEL) when the server connection dies).
+                error = TandemError(grpc.StatusCode.UNAVAILABLE,
+                                    f"the Generate stream was reset on the server side (replica gone?): "
+                                    f"{exc.details()}")
         except asyncio.CancelledError:
             error = TandemError(grpc.StatusCode.CANCELLED, "the client closed the stream")
             raise
@@ -73,13 +94,23 @@ class AsyncClient:
 
     `generate` yields Delta objects; leaving the loop early (break, exception,
     task cancellation) cancels the request on the server. `rerank` retries
-    UNAVAILABLE with exponential backoff and jitter.
+    UNAVAILABLE with exponential backoff and jitter; `generate` retries it only
+    while nothing has streamed yet (a draining replica refused it, or its
+    stream broke), never once text has been yielded.
+
+    Routing (scale-out): every request carries gRPC metadata `x-tandem-prefix`,
+    a short hash of what the next request will share (a chat's system prompt
+    and first user turn; a rerank query and instruction), so a load balancer
+    hashing it sends the request to the replica whose prefix cache holds it.
+    Pass `routing_key=` to choose the key, or `routing_key=""` to send none.
+    Generations share one Generate stream per key (up to `max_streams`).
     """
 
     def __init__(self, target: str = "localhost:50051", *, token: str | None = None, tls: bool = False,
                  root_certificates: bytes | None = None, options: Sequence[tuple[str, Any]] = (),
                  max_retries: int = 4, backoff_s: float = 0.1, max_backoff_s: float = 2.0,
-                 retry_codes: Sequence[grpc.StatusCode] = (grpc.StatusCode.UNAVAILABLE,)) -> None:
+                 retry_codes: Sequence[grpc.StatusCode] = (grpc.StatusCode.UNAVAILABLE,),
+                 max_streams: int = 64) -> None:
         self.target = target
         self._metadata: tuple = (("authorization", f"Bearer {token}"),) if token else ()
         self._tls = tls or root_certificates is not None
@@ -92,7 +123,9 @@ class AsyncClient:
         self._retry_codes = tuple(retry_codes)
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.TandemStub | None = None
-        self._stream: _SharedStream | None = None
+        self._streams: OrderedDict[str, _SharedStream] = OrderedDict()  # routing key -> stream, LRU order
+        self._owner: dict[str, _SharedStream] = {}  # live request id -> its stream
+        self._max_streams = max(1, max_streams)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -102,9 +135,11 @@ class AsyncClient:
 
     async def close(self) -> None:
         """Close the channel; the server cancels whatever was still running on it."""
-        if self._stream is not None:
-            await self._stream.close()
-            self._stream = None
+        streams = {*self._streams.values(), *self._owner.values()}
+        self._streams.clear()
+        self._owner.clear()
+        for stream in streams:
+            await stream.close()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -120,10 +155,18 @@ class AsyncClient:
             self._stub = pb_grpc.TandemStub(self._channel)
         return self._stub
 
-    def _shared_stream(self) -> _SharedStream:
-        if self._stream is None or self._stream.closed:
-            self._stream = _SharedStream(self.stub, self._metadata)
-        return self._stream
+    def _shared_stream(self, key: str) -> _SharedStream:
+        """The open Generate stream for a routing key ("" for none), opening one if needed."""
+        stream = self._streams.get(key)
+        if stream is not None and not stream.closed and not stream.retired:
+            self._streams.move_to_end(key)
+            return stream
+        self._streams.pop(key, None)
+        while len(self._streams) >= self._max_streams:
+            self._streams.popitem(last=False)[1].retire()  # least recently used
+        metadata = self._metadata + ((("x-tandem-prefix", key),) if key else ())
+        stream = self._streams[key] = _SharedStream(self.stub, metadata)
+        return stream
 
     # ---- generation ------------------------------------------------------------------------------
 
@@ -132,43 +175,64 @@ class AsyncClient:
                        temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                        seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                        ignore_eos: bool = False, priority: int = 0, model: str = "", timeout: float | None = None,
-                       request_id: str | None = None) -> AsyncIterator[Delta]:
+                       request_id: str | None = None, routing_key: str | None = None) -> AsyncIterator[Delta]:
         """Stream one generation. Give exactly one of prompt, messages (chat) or token_ids.
+
+        routing_key: sent as x-tandem-prefix (default: for messages, a hash of the system prompt and first user
+        turn, which every later turn of the chat shares; for a prompt or token ids, none).
 
         timeout (seconds) becomes the request's server-side timeout_ms: past it the server aborts the work and
         this raises TandemError(DEADLINE_EXCEEDED). Refusals raise TandemError with the server's code and message.
         """
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self._owner:
+            raise ValueError(f"request_id {request_id!r} is already in use on this client")
         request = _generate_request(request_id, prompt, messages, token_ids, model, timeout,
                                     pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                                       top_k=top_k, seed=seed, stop=list(stop),
                                                       stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                                       priority=priority))
-        stream = self._shared_stream()
-        replies = stream.register(request_id)
-        done = False
-        try:
-            stream.send(pb.GenerateClientMessage(request=request))
-            while not done:
-                reply = await replies.get()
-                if isinstance(reply, TandemError):
-                    done = True
-                    raise TandemError(reply.code, reply.message, request_id)
-                kind = reply.WhichOneof("kind")
-                if kind == "delta":
-                    yield Delta(request_id, reply.delta.text, list(reply.delta.token_ids))
-                elif kind == "final":
-                    done = True
-                    final = reply.final
-                    yield Delta(request_id, final.text, list(final.token_ids),
-                                FINISH_REASONS.get(final.finish_reason, "unknown"), Usage.from_proto(final.usage))
-                else:
-                    done = True
-                    raise TandemError(status_code(reply.error.code), reply.error.message, request_id)
-        finally:
-            stream.unregister(request_id)
-            if not done:
-                stream.send(pb.GenerateClientMessage(cancel=pb.CancelRequest(request_id=request_id)))
+        key = chat_routing_key(messages) if routing_key is None and messages is not None else (routing_key or "")
+        delay = self._backoff_s
+        for attempt in range(self._max_retries + 1):
+            stream = self._shared_stream(key)
+            replies = stream.register(request_id)
+            self._owner[request_id] = stream
+            done = streamed = False
+            error: TandemError | None = None
+            try:
+                stream.send(pb.GenerateClientMessage(request=request))
+                while not done:
+                    reply = await replies.get()
+                    if isinstance(reply, TandemError):  # the whole stream ended
+                        done, error = True, reply
+                        break
+                    kind = reply.WhichOneof("kind")
+                    if kind == "delta":
+                        streamed = True
+                        yield Delta(request_id, reply.delta.text, list(reply.delta.token_ids),
+                                    replica=stream.replica)
+                    elif kind == "final":
+                        done = True
+                        final = reply.final
+                        yield Delta(request_id, final.text, list(final.token_ids),
+                                    FINISH_REASONS.get(final.finish_reason, "unknown"), Usage.from_proto(final.usage),
+                                    replica=stream.replica)
+                    else:
+                        done, error = True, TandemError(status_code(reply.error.code), reply.error.message)
+            finally:
+                if not done:
+                    stream.send(pb.GenerateClientMessage(cancel=pb.CancelRequest(request_id=request_id)))
+                self._owner.pop(request_id, None)
+                stream.unregister(request_id)
+            if error is None:
+                return
+            if error.code is grpc.StatusCode.UNAVAILABLE:
+                stream.retire()  # its replica is draining or gone: the next stream may land elsewhere
+            if streamed or error.code not in self._retry_codes or attempt == self._max_retries:
+                raise TandemError(error.code, error.message, request_id)
+            await asyncio.sleep(min(delay, self._max_backoff_s) * random.uniform(0.5, 1.5))
+            delay *= 2
 
     def chat(self, messages: Sequence[dict], **kwargs) -> AsyncIterator[Delta]:
         """generate() with chat messages ({"role": ..., "content": ...}), rendered by the model's template."""
@@ -180,30 +244,44 @@ class AsyncClient:
         async for last in self.generate(prompt, **kwargs):
             texts.append(last.text)
             ids.extend(last.token_ids)
-        return Delta(last.request_id, "".join(texts), ids, last.finish_reason, last.usage)
+        return Delta(last.request_id, "".join(texts), ids, last.finish_reason, last.usage, last.replica)
 
     def cancel(self, request_id: str) -> None:
         """Ask the server to stop a running generation; its generate() then ends with finish_reason "abort"."""
-        if self._stream is not None:
-            self._stream.send(pb.GenerateClientMessage(cancel=pb.CancelRequest(request_id=request_id)))
+        stream = self._owner.get(request_id)
+        if stream is not None:
+            stream.send(pb.GenerateClientMessage(cancel=pb.CancelRequest(request_id=request_id)))
 
     # ---- rerank ----------------------------------------------------------------------------------
 
     async def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
                      return_documents: bool = False, truncate: str = "end", instruction: str | None = None,
-                     priority: int = 0, model: str = "", timeout: float | None = None) -> RerankResults:
-        """Scores sorted highest first (.index into documents, .score, .document if return_documents)."""
+                     priority: int = 0, model: str = "", timeout: float | None = None,
+                     routing_key: str | None = None) -> RerankResults:
+        """Scores sorted highest first (.index into documents, .score, .document if return_documents).
+
+        routing_key: sent as x-tandem-prefix (default: a hash of instruction and query, so later batches of
+        documents for the same query reach the replica that has its prefix cached; "" sends none).
+        `.replica` on the results names the replica that served it.
+        """
         if truncate not in ("end", "none"):
             raise ValueError(f"truncate must be 'end' or 'none', got {truncate!r}")
         request = pb.RerankRequest(query=query, documents=list(documents), top_n=top_n,
                                    return_documents=return_documents, instruction=instruction, priority=priority,
                                    model=model, truncate=pb.TRUNCATE_NONE if truncate == "none" else pb.TRUNCATE_END)
-        metadata = self._metadata + (("x-tandem-prefix", prefix_key(instruction or "", query)),)
-        response = await self._with_retries(lambda remaining: self.stub.Rerank(request, timeout=remaining,
-                                                                               metadata=metadata), timeout)
+        key = prefix_key(instruction or "", query) if routing_key is None else routing_key
+        metadata = self._metadata + ((("x-tandem-prefix", key),) if key else ())
+
+        async def call(remaining: float | None) -> tuple[pb.RerankResponse, str | None]:
+            rpc = self.stub.Rerank(request, timeout=remaining, metadata=metadata)
+            response = await rpc
+            return response, dict(await rpc.initial_metadata() or ()).get("x-tandem-replica")
+
+        response, replica = await self._with_retries(call, timeout)
         results = RerankResults(RerankResult(r.index, r.score, r.document if r.HasField("document") else None)
                                 for r in response.results)
         results.usage = Usage.from_proto(response.usage)
+        results.replica = replica
         return results
 
     async def model_info(self) -> pb.ModelInfoResponse:
@@ -231,6 +309,16 @@ class AsyncClient:
 def prefix_key(*parts: str) -> str:
     """A short hash of what requests share (x-tandem-prefix): a load balancer hashes it to pick a replica."""
     return hashlib.blake2b("\x00".join(parts).encode(), digest_size=8).hexdigest()
+
+
+def chat_routing_key(messages: Sequence[dict]) -> str:
+    """x-tandem-prefix of a chat: its system prompt and first user turn, which all its later turns share.
+
+    "" (no key: the load balancer spreads requests) when the chat has no user turn yet.
+    """
+    system = next((m["content"] for m in messages if m["role"] == "system"), "")
+    user = next((m["content"] for m in messages if m["role"] == "user"), None)
+    return "" if user is None else prefix_key("chat", system, user)
 
 
 def _generate_request(request_id: str, prompt, messages, token_ids, model: str, timeout: float | None,

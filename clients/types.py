@@ -32,6 +32,7 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    replica: str | None = None  # the serving replica (x-tandem-replica), when the server named it
 
     @property
     def finished(self) -> bool:
@@ -46,8 +47,9 @@ class RerankResult:
 
 
 class RerankResults(list):
-    """RerankResult items sorted by score (highest first), plus the request's usage."""
+    """RerankResult items sorted by score (highest first), plus the request's usage and serving replica."""
     usage: Usage | None = None
+    replica: str | None = None  # x-tandem-replica of the replica that answered
 
 
 class TandemError(Exception):
