@@ -11,6 +11,7 @@ import re
 import sys
 
 from clients import cli as client_cli
+from service import cluster  # no torch: it only starts `tandem serve` processes and HAProxy
 
 # (flag, type, default, help). The engine's own defaults apply where the default is None.
 _ENGINE_FLAGS = [
@@ -34,6 +35,8 @@ _SERVER_FLAGS = [
     ("--max-documents", int, 1000, "documents per rerank request"),
     ("--max-message-bytes", "bytes", 4 * 2**20, "largest client message"),
     ("--drain-timeout", float, 30.0, "seconds in-flight work gets after SIGTERM"),
+    ("--drain-grace", float, 0.0, "seconds a SIGTERMed replica reports NOT_SERVING yet still takes new work, so a "
+                                  "load balancer's health check notices first (about check interval x fall)"),
     ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key"),
     ("--auth-token", str, None, "require 'authorization: Bearer <token>' (health checks stay open)"),
@@ -73,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flags(serve, _ENGINE_FLAGS)
     _add_flags(serve, _SERVER_FLAGS)
     serve.set_defaults(run=None)
+    cluster.add_command(sub)
     client_cli.add_commands(sub)
     return parser
 
@@ -106,13 +110,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(serve(engine_config, server_config, max_waiting=args.max_waiting, ready=ready,
-                                metrics_port=args.metrics_port))
+                                metrics_port=args.metrics_port, drain_grace_s=args.drain_grace))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "cluster":
+        return cluster.run(args)
     return client_cli.run(args)
 
 
