@@ -164,7 +164,7 @@ async def test_sigkill_fails_only_the_killed_replicas_in_flight_requests(cluster
         assert set(before.values()) == addresses
 
         # Long generations on both replicas, each past its first token.
-        streams = [client.generate(messages=[SYSTEM, first_turn("kill", place)], max_tokens=128, ignore_eos=True)
+        streams = [client.generate(messages=[SYSTEM, first_turn("kill", place)], max_tokens=64, ignore_eos=True)
                    for place in PLACES[:8]]
         firsts = [await s.__anext__() for s in streams]
         on = [d.replica for d in firsts]
@@ -186,7 +186,7 @@ async def test_sigkill_fails_only_the_killed_replicas_in_flight_requests(cluster
                 assert isinstance(outcome, TandemError) and outcome.code is grpc.StatusCode.UNAVAILABLE, outcome
             else:
                 assert not isinstance(outcome, TandemError), outcome
-                assert outcome.finish_reason == "length" and outcome.usage.completion_tokens == 128
+                assert outcome.finish_reason == "length" and outcome.usage.completion_tokens == 64
 
         # The victim's keys move to the survivor; the client's rerank retries cover the moment of the kill.
         after = {place: (await client.rerank(query("kill", place), DOCS[2:4])).replica for place in before}
