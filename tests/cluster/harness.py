@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,7 +109,10 @@ class ClusterProcess:
             if pid and alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self._log.close()
-        return self.proc.wait()
+        code = self.proc.wait()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.log_path.unlink(missing_ok=True)
+        return code
 
 
 def alive(pid: int) -> bool:
