@@ -28,6 +28,7 @@ _FORWARDED_METADATA = ("traceparent", "tracestate", "x-tandem-prefix")
 class Limits:
     max_documents: int = 1000
     max_message_bytes: int = 4 * 2**20
+    max_stream_buffer_bytes: int = 16 * 2**20  # responses a stream may queue unread (service/session.py)
 
 
 def _statuses(fn: Callable) -> Callable:
@@ -75,7 +76,7 @@ class TandemServicer:
     async def Generate(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
         # While draining, a new stream is still accepted: each request on it gets UNAVAILABLE (aborting the
         # stream at once races the client's first write, see grpc/grpc#36066).
-        session = StreamSession()
+        session = StreamSession(self.limits.max_stream_buffer_bytes, abort=self.bridge.abort)
         meta = {**_metadata(context), "stream": f"generate-{next(self._streams)}"}
         reader = asyncio.create_task(self._read_generate(request_iterator, session, meta))
         try:
@@ -155,7 +156,7 @@ class TandemServicer:
 
     @_statuses
     async def RerankStream(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
-        session = StreamSession()
+        session = StreamSession(self.limits.max_stream_buffer_bytes, abort=self.bridge.abort)
         meta = {**_metadata(context), "stream": f"rerank-{next(self._streams)}"}
         reader = asyncio.create_task(self._read_rerank(request_iterator, session, meta))
         try:

@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from collections import deque
+from typing import Any, AsyncIterator, Callable
 
+import grpc
+
+from service.errors import ServiceError
 from service.lifecycle import RequestLifecycle
 
 _END = object()
+DEFAULT_MAX_BUFFER_BYTES = 16 * 2**20
+_MESSAGE_OVERHEAD = 64  # bytes counted per queued message on top of its serialized size (the Python object)
 
 
 class _Failure:
@@ -19,16 +25,41 @@ class StreamSession:
 
     The stream ends once the client has half-closed and every request on it has
     sent its last message; a reader failure ends it at once with that error.
+
+    The outbox is bounded: the engine thread never waits for a client, so a
+    client that stops reading would otherwise grow it without limit. When the
+    messages queued and not yet taken by the stream exceed `max_buffer_bytes`
+    (serialized size, plus a small per-message overhead; one message always
+    fits), the stream fails with RESOURCE_EXHAUSTED: what was queued is dropped,
+    every live request on the stream is aborted (`abort(engine_id)`, its KV
+    blocks freed), and the client gets that status as soon as it reads again
+    (or its stream is cancelled if it went away). Other streams are untouched.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
+                 abort: Callable[[str], None] | None = None) -> None:
+        if max_buffer_bytes < 1:
+            raise ValueError(f"max_buffer_bytes must be >= 1, got {max_buffer_bytes}")
         self.live: dict[str, RequestLifecycle] = {}
-        self._outbox: asyncio.Queue = asyncio.Queue()
+        self.max_buffer_bytes = max_buffer_bytes
+        self.buffered_bytes = 0
+        self.overflowed = False
+        self._abort = abort
+        self._aborted: set[str] = set()
+        self._outbox: deque = deque()  # (item, size)
+        self._wakeup = asyncio.Event()
         self._input_done = False
         self._ended = False
 
     def send(self, message: Any) -> None:
-        self._outbox.put_nowait(message)
+        if self.overflowed:  # the stream is failing: nobody will read this; stop what produced it
+            self._abort_request(getattr(message, "request_id", None))
+            return
+        size = message.ByteSize() + _MESSAGE_OVERHEAD
+        if self._outbox and self.buffered_bytes + size > self.max_buffer_bytes:
+            self._overflow()
+            return
+        self._put(message, size)
 
     def finished(self, client_id: str) -> None:
         """The request sent its last message."""
@@ -41,7 +72,7 @@ class StreamSession:
         self._maybe_end()
 
     def fail(self, error: BaseException) -> None:
-        self._outbox.put_nowait(_Failure(error))
+        self._put(_Failure(error), 0)
 
     def engine_ids(self) -> list[str]:
         return [lc.engine_id for lc in self.live.values()]
@@ -49,14 +80,42 @@ class StreamSession:
     async def messages(self) -> AsyncIterator[Any]:
         """Messages to write, in order, until the stream is done; re-raises a reader failure."""
         while True:
-            item = await self._outbox.get()
+            while not self._outbox:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            item, size = self._outbox.popleft()
+            self.buffered_bytes -= size
             if item is _END:
                 return
             if isinstance(item, _Failure):
                 raise item.error
             yield item
 
+    def _put(self, item: Any, size: int) -> None:
+        self._outbox.append((item, size))
+        self.buffered_bytes += size
+        self._wakeup.set()
+
+    def _overflow(self) -> None:
+        self.overflowed = True
+        queued = len(self._outbox)
+        self._outbox.clear()
+        self.buffered_bytes = 0
+        self._put(_Failure(ServiceError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"stream buffer full: the client did not read {queued} queued responses "
+            f"(over {self.max_buffer_bytes} bytes, --max-stream-buffer-bytes); every request on this stream "
+            "was cancelled. Read responses as they come, or spread requests over more streams")), 0)
+        for client_id in list(self.live):
+            self._abort_request(client_id)
+
+    def _abort_request(self, client_id: str | None) -> None:
+        lc = self.live.get(client_id)
+        if lc is not None and self._abort is not None and lc.engine_id not in self._aborted:
+            self._aborted.add(lc.engine_id)
+            self._abort(lc.engine_id)
+
     def _maybe_end(self) -> None:
         if self._input_done and not self.live and not self._ended:
             self._ended = True
-            self._outbox.put_nowait(_END)
+            self._put(_END, 0)
