@@ -31,12 +31,15 @@ refuses). Tests: tests/service/test_errors.py walks this table.
 | bytes that are not a valid message, e.g. invalid UTF-8 in chat content (*stream*) | INVALID_ARGUMENT | `could not parse tandem.v1.X: string fields must be valid UTF-8 ...` |
 | a message over --max-message-bytes (*stream*)          | RESOURCE_EXHAUSTED | grpc's own `... larger than max (N vs. M)`                       |
 | --max-waiting requests already wait for the engine     | RESOURCE_EXHAUSTED | `server is at capacity: N requests are waiting for the engine ...` |
+| a client stopped reading: over --max-stream-buffer-bytes of responses queued (*stream*) | RESOURCE_EXHAUSTED | `stream buffer full: the client did not read N queued responses ...`; its requests are cancelled |
 | the call's gRPC deadline passes (*stream*)             | DEADLINE_EXCEEDED  | grpc's own `Deadline Exceeded`; the engine aborts the work       |
 | a request's timeout_ms passes                          | DEADLINE_EXCEEDED  | `request exceeded its timeout_ms of N ms`                        |
 | new work while the server drains after SIGTERM         | UNAVAILABLE        | `server is draining (shutting down); retry on another replica`   |
 | a rerank still running when the drain timeout ends     | UNAVAILABLE        | `rerank aborted: the server is shutting down; retry`             |
 | bearer token missing or wrong (--auth-token set)       | UNAUTHENTICATED    | `missing or invalid bearer token: send metadata 'authorization: Bearer <token>'` |
-| the engine failed a step                               | INTERNAL           | `model step failed: ...`                                         |
+| a scoped bearer token calls a method outside its scope | PERMISSION_DENIED  | `this bearer token may not call /tandem.v1.Tandem/X; ...`        |
+| mutual TLS: no client certificate, or one the CA did not sign | (no status: the TLS handshake fails; clients see UNAVAILABLE) |        |
+| the engine failed a step                               | INTERNAL           | `model step failed: ...` (only that step's requests; the next step serves) |
 
 Not errors: a cancelled generation ends with a final message whose finish
 reason is ABORT (so does one still running when the drain timeout ends). A

@@ -1,9 +1,11 @@
 """Registers the Tandem servicer with deserializers that turn unparseable bytes into a value, not a crash.
 
-grpc's generated registration parses with `FromString`; a message with invalid
-UTF-8 in a string field then fails inside grpc with an opaque status. Here a
-parse failure becomes an `Unparseable` the servicer answers with
-INVALID_ARGUMENT and a message saying what was wrong.
+grpc's generated registration parses with `FromString`; bytes that do not parse
+(truncated, wrong wire types, invalid UTF-8 in a string field, nesting too deep)
+then fail inside grpc.aio, which answers UNKNOWN (or INTERNAL). Here any parse
+failure becomes an `Unparseable` the servicer answers with INVALID_ARGUMENT and
+a message saying what was wrong; UNKNOWN and INTERNAL stay reserved for real
+server faults (tests/reliability/test_fuzz.py holds every method to that).
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def _lenient(cls: type[Message]) -> Callable[[bytes], Any]:
             return cls.FromString(data)
         except DecodeError as exc:
             return Unparseable(cls.DESCRIPTOR.full_name, str(exc))
+        except Exception as exc:  # whatever else a parser may raise is still the client's bytes, not our fault
+            return Unparseable(cls.DESCRIPTOR.full_name, repr(exc))
     return parse
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import inspect
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Mapping
 
 import grpc
 
@@ -53,38 +53,76 @@ class ReplicaInterceptor(grpc.aio.ServerInterceptor):
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without `authorization: Bearer <token>` (UNAUTHENTICATED); health checks stay open."""
+    """Checks `authorization: Bearer <token>`; health checks stay open.
 
-    def __init__(self, token: str, exempt_prefixes: tuple[str, ...] = ("/grpc.health.v1.Health/",)) -> None:
-        if not token:
+    `token` may call every method; each of `scoped` may call only the methods it lists (names of
+    tandem.v1.Tandem methods such as "Rerank", or full paths "/package.Service/Method"). No or an unknown
+    token: UNAUTHENTICATED. A known token outside its scope: PERMISSION_DENIED.
+    """
+
+    def __init__(self, token: str | None, scoped: Mapping[str, tuple[str, ...] | list[str]] | None = None,
+                 exempt_prefixes: tuple[str, ...] = ("/grpc.health.v1.Health/",)) -> None:
+        scoped = dict(scoped or {})
+        if token is not None and not token:
             raise ValueError("the auth token must not be empty")
-        self._expected = f"Bearer {token}".encode()
+        if not token and not scoped:
+            raise ValueError("give an auth token or scoped tokens")
+        if any(not t for t in scoped):
+            raise ValueError("scoped auth tokens must not be empty")
+        self._tokens: list[tuple[bytes, frozenset[str] | None]] = []  # (expected header, methods or None: all)
+        if token:
+            self._tokens.append((f"Bearer {token}".encode(), None))
+        for t, methods in scoped.items():
+            self._tokens.append((f"Bearer {t}".encode(), frozenset(methods)))
         self._exempt = exempt_prefixes
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(self._exempt) \
-                or self._authorized(handler_call_details):
+        method = handler_call_details.method
+        if handler is None or method.startswith(self._exempt):
             return handler
-        return wrap_handler(handler, _deny_stream if handler.request_streaming else _deny)
+        known, allowed = self._check(handler_call_details)
+        if allowed:
+            return handler
+        if not known:
+            deny = _deny
+        else:
+            async def deny(context: grpc.aio.ServicerContext) -> None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"this bearer token may not call {method}; ask for a token whose scope "
+                                    "includes it (--auth-token, TANDEM_AUTH_SCOPED_TOKENS)")
+        return wrap_handler(handler, _read_first(deny) if handler.request_streaming else deny)
 
-    def _authorized(self, details) -> bool:
+    def _check(self, details) -> tuple[bool, bool]:
+        """(the token is known, it may call this method)."""
+        given = None
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(given, self._expected)
-        return False
+                break
+        if given is None:
+            return False, False
+        method = details.method
+        short = method.rsplit("/", 1)[-1] if method.startswith("/tandem.v1.Tandem/") else None
+        known = allowed = False
+        for expected, methods in self._tokens:  # every entry compared: no early exit on a match
+            if hmac.compare_digest(given, expected):
+                known = True
+                allowed |= methods is None or method in methods or (short is not None and short in methods)
+        return known, allowed
 
 
-async def _deny_stream(context: grpc.aio.ServicerContext) -> None:
+def _read_first(deny: Before) -> Before:
     # grpc.aio clients can report INTERNAL instead of our status when they write while the trailers arrive
     # (grpc/grpc#36066); taking the client's first message before answering closes that race for the usual
     # open-write-wait pattern.
-    try:
-        await asyncio.wait_for(context.read(), 1.0)
-    except (asyncio.TimeoutError, grpc.RpcError):
-        pass
-    await _deny(context)
+    async def deny_stream(context: grpc.aio.ServicerContext) -> None:
+        try:
+            await asyncio.wait_for(context.read(), 1.0)
+        except (asyncio.TimeoutError, grpc.RpcError):
+            pass
+        await deny(context)
+    return deny_stream
 
 
 async def _deny(context: grpc.aio.ServicerContext) -> None:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -14,12 +15,37 @@ from service.bridge import EngineBridge
 from service.handlers import SERVICE_NAME, add_tandem_servicer
 from service.interceptors import BearerAuthInterceptor, ReplicaInterceptor
 from service.servicer import Limits, TandemServicer
+from service.session import DEFAULT_MAX_BUFFER_BYTES
 
 log = logging.getLogger("tandem.server")
 
 
+def _env(name: str, kind: type, default):
+    """A default read from TANDEM_<NAME> (the variable a `tandem serve` flag of that name also reads)."""
+    value = os.environ.get(f"TANDEM_{name}")
+    if value is None or value == "":
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"TANDEM_{name}={value!r} is not a valid {kind.__name__}") from None
+
+
+def _env_scoped_tokens() -> dict[str, tuple[str, ...]]:
+    """TANDEM_AUTH_SCOPED_TOKENS='tokenA=Rerank,RerankStream;tokenB=Generate' -> {token: methods}."""
+    text = os.environ.get("TANDEM_AUTH_SCOPED_TOKENS", "")
+    scoped = {}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        token, sep, methods = entry.partition("=")
+        if not sep or not token.strip():
+            raise ValueError("TANDEM_AUTH_SCOPED_TOKENS entries look like 'token=Method,Method' separated by ';'")
+        scoped[token.strip()] = tuple(m.strip() for m in methods.split(",") if m.strip())
+    return scoped
+
+
 @dataclass(slots=True)
 class ServerConfig:
+    """Fields without a `tandem serve` flag read TANDEM_<FIELD NAME> from the environment for their default."""
     host: str = "127.0.0.1"
     port: int = 50051  # 0: an ephemeral port (TandemServer.address tells which)
     max_documents: int = 1000
@@ -30,12 +56,63 @@ class ServerConfig:
     tls_key: str | None = None
     auth_token: str | None = None
     replica: str | None = None  # default: host:port
+    # Responses one stream may hold unread before it fails with RESOURCE_EXHAUSTED (service/session.py).
+    max_stream_buffer_bytes: int = field(
+        default_factory=lambda: _env("MAX_STREAM_BUFFER_BYTES", int, DEFAULT_MAX_BUFFER_BYTES))
+    # SIGTERM: health says NOT_SERVING this long before new work is refused, so load balancers stop routing
+    # first (set it to the balancer's health-check interval times its fall count).
+    drain_notice_s: float = field(default_factory=lambda: _env("DRAIN_NOTICE_S", float, 0.0))
+    tls_client_ca: str | None = field(default_factory=lambda: _env("TLS_CLIENT_CA", str, None))  # PEM: mutual TLS
+    # Tokens limited to some methods (e.g. a retrieval pipeline's: Rerank, RerankStream); other methods get
+    # PERMISSION_DENIED. `auth_token` may call everything.
+    auth_scoped_tokens: dict[str, tuple[str, ...]] = field(default_factory=_env_scoped_tokens)
+    # HTTP/2 keepalive: ping a connection idle this long, close it when the ping is not answered in time
+    # (a peer that vanished without a FIN: its streams are cancelled and their KV blocks freed).
+    keepalive_time_s: float = field(default_factory=lambda: _env("KEEPALIVE_TIME_S", float, 30.0))
+    keepalive_timeout_s: float = field(default_factory=lambda: _env("KEEPALIVE_TIMEOUT_S", float, 10.0))
+    # Close connections idle (no open call) this long; recycle connections after this age (lets a load
+    # balancer rebalance long-lived clients; in-flight calls get drain_timeout_s to finish). None: never.
+    max_connection_idle_s: float | None = field(default_factory=lambda: _env("MAX_CONNECTION_IDLE_S", float, None))
+    max_connection_age_s: float | None = field(default_factory=lambda: _env("MAX_CONNECTION_AGE_S", float, None))
+    # Concurrent calls one connection may open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); None: grpc's default.
+    max_concurrent_streams: int | None = field(default_factory=lambda: _env("MAX_CONCURRENT_STREAMS", int, None))
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and a key (--tls-cert and --tls-key)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("mutual TLS (tls_client_ca) needs the server's own --tls-cert and --tls-key")
         if self.max_documents < 1 or self.max_message_bytes < 1024:
             raise ValueError("max_documents must be >= 1 and max_message_bytes >= 1024")
+        if self.max_stream_buffer_bytes < 1024:
+            raise ValueError(f"max_stream_buffer_bytes must be >= 1024, got {self.max_stream_buffer_bytes}")
+        if self.drain_notice_s < 0 or self.keepalive_time_s <= 0 or self.keepalive_timeout_s <= 0:
+            raise ValueError("drain_notice_s must be >= 0, keepalive_time_s and keepalive_timeout_s > 0")
+        for name in ("max_connection_idle_s", "max_connection_age_s", "max_concurrent_streams"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
+        for token, methods in self.auth_scoped_tokens.items():
+            if not token or not methods:
+                raise ValueError("each scoped auth token needs a non-empty token and at least one method")
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        ms = lambda seconds: int(seconds * 1000)  # noqa: E731
+        options = [("grpc.max_receive_message_length", self.max_message_bytes),
+                   ("grpc.so_reuseport", 0),
+                   ("grpc.keepalive_time_ms", ms(self.keepalive_time_s)),
+                   ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+                   # clients may keep idle connections alive with pings of their own, one per 10 s at most
+                   ("grpc.keepalive_permit_without_calls", 1),
+                   ("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
+        if self.max_connection_idle_s is not None:
+            options.append(("grpc.max_connection_idle_ms", ms(self.max_connection_idle_s)))
+        if self.max_connection_age_s is not None:
+            options += [("grpc.max_connection_age_ms", ms(self.max_connection_age_s)),
+                        ("grpc.max_connection_age_grace_ms", ms(self.drain_timeout_s))]
+        if self.max_concurrent_streams is not None:
+            options.append(("grpc.max_concurrent_streams", self.max_concurrent_streams))
+        return options
 
 
 class TandemServer:
@@ -52,14 +129,15 @@ class TandemServer:
     async def start(self) -> str:
         """Bind, start serving, mark health SERVING; returns host:port."""
         cfg = self.config
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", cfg.max_message_bytes),
-                                          ("grpc.so_reuseport", 0)],
-                                 interceptors=self._interceptors())
+        server = grpc.aio.server(options=cfg.grpc_options(), interceptors=self._interceptors())
         bind = f"{cfg.host}:{cfg.port}"
         try:
             if cfg.tls_cert:
+                client_ca = Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca else None
                 creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(),
-                                                      Path(cfg.tls_cert).read_bytes())])
+                                                      Path(cfg.tls_cert).read_bytes())],
+                                                    root_certificates=client_ca,
+                                                    require_client_auth=client_ca is not None)
                 port = server.add_secure_port(bind, creds)
             else:
                 port = server.add_insecure_port(bind)
@@ -69,7 +147,9 @@ class TandemServer:
         self.address = f"{cfg.host}:{port}"
         self._replica.replica = cfg.replica or self.address
         self.servicer = TandemServicer(self.bridge, replica=self._replica.replica,
-                                       limits=Limits(cfg.max_documents, cfg.max_message_bytes))
+                                       limits=Limits(max_documents=cfg.max_documents,
+                                                     max_message_bytes=cfg.max_message_bytes,
+                                                     max_stream_buffer_bytes=cfg.max_stream_buffer_bytes))
         await self.servicer.load_model_info()
         add_tandem_servicer(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -85,14 +165,17 @@ class TandemServer:
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         self._replica = ReplicaInterceptor()  # named once the port is bound
         interceptors: list[grpc.aio.ServerInterceptor] = [self._replica]
-        if self.config.auth_token:
-            interceptors.append(BearerAuthInterceptor(self.config.auth_token))
+        if self.config.auth_token or self.config.auth_scoped_tokens:
+            interceptors.append(BearerAuthInterceptor(self.config.auth_token, self.config.auth_scoped_tokens))
         return interceptors
 
     async def drain(self) -> None:
-        """NOT_SERVING, refuse new work, let in-flight work finish (bounded), then stop."""
-        self.bridge.draining = True
+        """NOT_SERVING, (after drain_notice_s) refuse new work, let in-flight work finish (bounded), then stop."""
         await self.health.enter_graceful_shutdown()
+        if self.config.drain_notice_s > 0:  # balancers see NOT_SERVING and route elsewhere; we still serve
+            log.info("health NOT_SERVING; refusing new work in %.1fs", self.config.drain_notice_s)
+            await asyncio.sleep(self.config.drain_notice_s)
+        self.bridge.draining = True
         try:
             await asyncio.wait_for(self.bridge.wait_idle(), self.config.drain_timeout_s)
         except asyncio.TimeoutError:
