@@ -43,7 +43,7 @@ class EngineConfig:
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (or below 1e-5, as in vLLM): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     seed: int | None = None
@@ -80,7 +80,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Dividing logits by a tiny temperature overflows to inf and NaN probabilities, which failed every
+        # request of the step (found by tests/reliability/test_fuzz.py); vLLM treats < 1e-5 as greedy too.
+        return self.temperature < 1e-5
 
 
 @dataclass(slots=True)
