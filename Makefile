@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 50051
 
-.PHONY: venv test serve bench proto clean-venv haproxy cluster
+.PHONY: venv test soak serve bench proto clean-venv haproxy cluster
 
 venv: $(STAMP)
 
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml Makefile
 
 test: $(STAMP) haproxy
 	$(PY) -m pytest -q
+
+# The reliability soak at full length (make test runs a 20 s version of it).
+soak: $(STAMP)
+	TANDEM_SOAK_S=$${TANDEM_SOAK_S:-60} $(PY) -m pytest -q -s tests/reliability/test_soak.py
 
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve --port $(PORT)
