@@ -9,6 +9,8 @@ from typing import Callable
 
 import torch
 
+import kernels
+
 from engine.config import EngineConfig, RerankParams, SamplingParams
 from engine.detokenizer import TextStream
 from engine.kv_cache import BlockPool, KVCacheManager
@@ -53,6 +55,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, config.dtype)
+        kernels.prepare(config.device, DTYPES[config.dtype])
         self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer)
         self._judge: JudgePrompt | None = None
         self.cross_encoder = None
@@ -204,6 +207,7 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = start
         outputs, self._pending = self._pending, []
+        forward_s = 0.0
         if batch.seqs:
             try:
                 result = self.runner.run(batch)
@@ -211,10 +215,11 @@ class LLMEngine:
                 log.exception("model step failed")
                 outputs.extend(self._fail_batch(batch, f"model step failed: {exc!r}"))
             else:
+                forward_s = result.forward_s
                 self.scheduler.update(batch, result.sampled)
                 outputs.extend(self._process(batch, result))
         self._steps += 1
-        self._emit_record(batch, start)
+        self._emit_record(batch, start, forward_s)
         return outputs
 
     def _process(self, batch: Batch, result: RunnerOutput) -> list[StepOutput]:
@@ -293,7 +298,7 @@ class LLMEngine:
             outputs.append(self._final_output(req, "error", message))
         return outputs
 
-    def _emit_record(self, batch: Batch, start: float) -> None:
+    def _emit_record(self, batch: Batch, start: float, forward_s: float) -> None:
         if not self._observers:
             return
         record = StepRecord(
@@ -305,7 +310,7 @@ class LLMEngine:
             kv_blocks_cached=self.pool.num_cached, preempted=len(batch.preempted),
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
             request_ids=list(dict.fromkeys(s.request_id for s in batch.seqs)),
-            decode_request_ids=batch.decode_request_ids)
+            decode_request_ids=batch.decode_request_ids, forward_s=forward_s)
         for fn in self._observers:
             fn(record)
 

@@ -1,6 +1,7 @@
-"""Pick the implementation per call: Triton for CUDA tensors, the torch reference otherwise.
+"""Pick the implementation per call: Triton for CUDA tensors; on CPU the C++ decode kernel where it builds
+(kernels/cpu_decode.py, float32) and the torch reference for everything else.
 
-`TANDEM_KERNELS=torch|triton|auto` (default auto) overrides the choice; it is read on every call so tests
+`TANDEM_KERNELS=torch|triton|cpp|auto` (default auto) overrides the choice; it is read on every call so tests
 and benchmarks can switch it. Triton modules are imported on first use, so CPU-only runs never load them.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from kernels import reference
 
-MODES = ("torch", "triton", "auto")
+MODES = ("torch", "triton", "cpp", "auto")
 
 
 class _HasDevice(Protocol):
@@ -20,12 +21,13 @@ class _HasDevice(Protocol):
 
 
 def backend(t: _HasDevice) -> str:
-    """"torch" or "triton" for an op whose main input is `t`, per TANDEM_KERNELS."""
+    """"torch", "triton" or "cpp" for an op whose main input is `t`, per TANDEM_KERNELS ("cpp" only means
+    something to paged attention; the other ops run the reference under it)."""
     mode = os.environ.get("TANDEM_KERNELS", "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"TANDEM_KERNELS={mode!r}: expected one of {', '.join(MODES)}")
     if mode == "auto":
-        return "triton" if t.is_cuda else "torch"
+        return "triton" if t.is_cuda else "cpp"
     if mode == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("TANDEM_KERNELS=triton needs CUDA tensors (or TRITON_INTERPRET=1 to interpret on CPU)")
     return mode
@@ -46,11 +48,24 @@ def paged_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    if backend(query) == "triton":
+    choice = backend(query)
+    if choice == "triton":
         from kernels.triton_paged_attention import paged_attention as op
+    elif choice == "cpp" and _cpp_usable(query, forced=os.environ.get("TANDEM_KERNELS", "").strip() == "cpp"):
+        from kernels.cpu_decode import paged_attention as op
     else:
         op = reference.paged_attention
     return op(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def _cpp_usable(query: torch.Tensor, forced: bool) -> bool:
+    """The C++ decode kernel covers float32 CPU tensors, once it has compiled; forcing it elsewhere is an error."""
+    from kernels import cpu_decode
+
+    usable = not query.is_cuda and query.dtype == torch.float32 and cpu_decode.available()
+    if forced and not usable:
+        raise RuntimeError("TANDEM_KERNELS=cpp needs float32 CPU tensors and a C++ compiler (see the log)")
+    return usable
 
 
 def varlen_attention(
@@ -61,3 +76,13 @@ def varlen_attention(
     else:
         op = reference.varlen_attention
     return op(query, key, value, cu_seqlens, scale)
+
+
+def prepare(device: str, dtype: torch.dtype) -> None:
+    """Build what the chosen backend compiles on first use (the C++ decode kernel takes up to a minute the first
+    time on a machine), so that cost lands at start-up rather than on the first request."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    if backend(probe) == "cpp" and dtype == torch.float32:
+        from kernels import cpu_decode
+
+        cpu_decode.available()

@@ -55,12 +55,19 @@ def paged_attention(
     cache positions 0..that position (its own K/V must already be written to the cache).
     """
     out = torch.empty_like(query)
-    n_heads, n_kv = query.shape[1], k_cache.shape[2]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     if decodes:
         _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out)
+    prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, scale, out)
+    return out
+
+
+def prefill_attention(query, k_cache, v_cache, block_tables, starts: list[int], lens: list[int], scale: float,
+                      out: torch.Tensor) -> None:
+    """Fills `out` for every sequence with more than one query token (prefill chunks), causal by position."""
+    n_heads, n_kv = query.shape[1], k_cache.shape[2]
     for b, ctx in enumerate(lens):
         q0, q1 = starts[b], starts[b + 1]
         q_len = q1 - q0
@@ -76,7 +83,6 @@ def paged_attention(
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask.repeat(group, 1),
                                            scale=scale)
         out[q0:q1] = o.view(n_heads, q_len, -1).transpose(0, 1)
-    return out
 
 
 # Decodes are sorted by context length and attended in groups of this many, each padded only to its own

@@ -1,4 +1,5 @@
-"""The dispatcher routes each op per TANDEM_KERNELS (torch | triton | auto = Triton on CUDA tensors)."""
+"""The dispatcher routes each op per TANDEM_KERNELS (torch | triton | cpp | auto = Triton on CUDA tensors, the C++
+decode kernel for CPU paged attention, the torch reference for the other CPU ops)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import dispatch, reference, triton_kv_cache, triton_paged_attention, triton_varlen_attention
+from kernels import cpu_decode, dispatch, reference, triton_kv_cache, triton_paged_attention, triton_varlen_attention
 from tests.kernels.batches import paged_batch, varlen_batch
 
 _OPS = [
@@ -42,12 +43,20 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     for op, module in _OPS:
         monkeypatch.setattr(reference, op, spy(f"torch:{op}", getattr(reference, op)))
         monkeypatch.setattr(module, op, spy(f"triton:{op}", getattr(module, op)))
+    monkeypatch.setattr(cpu_decode, "paged_attention", spy("cpp:paged_attention", cpu_decode.paged_attention))
     return seen
 
 
-@pytest.mark.parametrize("mode,expected", [("torch", "torch"), ("triton", "triton"), ("auto", "torch"), (None, "torch")])
+_CPP = ["cpp:paged_attention", "torch:varlen_attention", "torch:write_kv_cache"]
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("torch", [f"torch:{op}" for op, _ in _OPS]),
+    ("triton", [f"triton:{op}" for op, _ in _OPS]),
+    ("cpp", _CPP), ("auto", _CPP), (None, _CPP),
+])
 def test_env_picks_the_implementation_on_cpu(
-    mode: str | None, expected: str, calls: list[str], monkeypatch: pytest.MonkeyPatch
+    mode: str | None, expected: list[str], calls: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if mode is None:
         monkeypatch.delenv("TANDEM_KERNELS", raising=False)
@@ -55,13 +64,25 @@ def test_env_picks_the_implementation_on_cpu(
         monkeypatch.setenv("TANDEM_KERNELS", mode)
     for op, _ in _OPS:
         getattr(kernels, op)(*_inputs(op))
-    assert calls == [f"{expected}:{op}" for op, _ in _OPS]
+    assert calls == expected
+
+
+def test_cpp_falls_back_to_the_reference_for_other_dtypes_unless_forced(
+    calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch = paged_batch([(4, 1), (9, 1)], block_size=16, num_kv_heads=1, group=1, head_dim=16, dtype=torch.float64)
+    monkeypatch.setenv("TANDEM_KERNELS", "auto")
+    kernels.paged_attention(*batch.args())
+    assert calls == ["torch:paged_attention"]
+    monkeypatch.setenv("TANDEM_KERNELS", "cpp")
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.paged_attention(*batch.args())
 
 
 def test_auto_picks_triton_for_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_KERNELS", "auto")
     assert dispatch.backend(SimpleNamespace(is_cuda=True)) == "triton"
-    assert dispatch.backend(SimpleNamespace(is_cuda=False)) == "torch"
+    assert dispatch.backend(SimpleNamespace(is_cuda=False)) == "cpp"
     monkeypatch.setenv("TANDEM_KERNELS", "torch")
     assert dispatch.backend(SimpleNamespace(is_cuda=True)) == "torch"
 

@@ -1,0 +1,64 @@
+"""Paged decode attention as a C++ CPU kernel, compiled on first use with torch's cpp_extension.
+
+On CPU the torch reference gathers every decode sequence's blocks into a padded copy before SDPA; this kernel
+reads K/V in place, once. It is compiled for the machine it runs on (-O3 -march=native) into
+TANDEM_CACHE_DIR/torch_extensions (or torch's default); without a C++ compiler it is simply unavailable and the
+reference runs instead.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tandem.kernels")
+_SOURCE = Path(__file__).parent / "cpu" / "paged_decode.cpp"
+
+
+@functools.cache
+def _module():
+    """The compiled extension, or None when it cannot be built here (the reason is logged once)."""
+    from torch.utils import cpp_extension
+
+    # pip's ninja lives next to the interpreter, which is not on PATH when the venv is not activated.
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    try:
+        return cpp_extension.load(
+            name="tandem_paged_decode", sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"],
+            verbose=False)
+    except Exception as exc:  # no compiler, no ninja, unsupported platform: the reference still works
+        log.warning("C++ decode attention unavailable, using the torch reference: %s", exc)
+        return None
+
+
+def available() -> bool:
+    return _module() is not None
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [B, Hq, D], one token per sequence; seq_lens include that token. Returns [B, Hq, D]."""
+    return _module().paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as reference.paged_attention: decodes through the C++ kernel, prefill chunks as there."""
+    from kernels import reference
+
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    if len(decodes) == len(lens):  # a decode-only step: query rows are the sequences, in order
+        return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = torch.empty_like(query)
+    if decodes:
+        idx = torch.tensor(decodes, device=query.device)
+        rows = query_start_loc[idx].long()
+        out[rows] = paged_decode_attention(query[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale)
+    reference.prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, scale, out)
+    return out
