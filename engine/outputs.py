@@ -55,6 +55,7 @@ class StepRecord:
     num_waiting: int
     request_ids: list[str]  # every request (generation or rerank job) this step served
     decode_request_ids: list[str] = field(default_factory=list)
+    forward_s: float = 0.0  # part of duration_s spent in model forwards; the rest is engine overhead
 
     @property
     def budget_used(self) -> int:

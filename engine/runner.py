@@ -1,6 +1,7 @@
 """Turns a scheduled Batch into flat tensors, runs one forward over the ragged batch, samples."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 class RunnerOutput:
     sampled: list[int | None]  # per batch sequence: its next token, if its prompt completed this step
     scores: list[float | None]  # per batch sequence: the rerank score, for rerank pairs
+    forward_s: float = 0.0  # time inside model forwards (LLM and cross-encoder), the rest is engine overhead
 
 
 @dataclass(slots=True)
@@ -89,18 +91,25 @@ class ModelRunner:
         scores: list[float | None] = [None] * len(batch)
         llm_rows = [i for i, s in enumerate(batch.seqs) if s.uses_kv]
         encoder_rows = [i for i, s in enumerate(batch.seqs) if not s.uses_kv]
+        forward_s = 0.0
         if llm_rows:
-            self._run_llm(batch, llm_rows, sampled, scores)
+            forward_s += self._run_llm(batch, llm_rows, sampled, scores)
         if encoder_rows:
             pairs = [(batch.seqs[i].token_ids, batch.seqs[i].token_type_ids) for i in encoder_rows]
-            for i, score in zip(encoder_rows, self.cross_encoder.score(pairs)):
+            start = time.perf_counter()
+            encoder_scores = self.cross_encoder.score(pairs)
+            forward_s += time.perf_counter() - start
+            for i, score in zip(encoder_rows, encoder_scores):
                 scores[i] = score
-        return RunnerOutput(sampled=sampled, scores=scores)
+        return RunnerOutput(sampled=sampled, scores=scores, forward_s=forward_s)
 
-    def _run_llm(self, batch: Batch, rows: list[int], sampled: list, scores: list) -> None:
+    def _run_llm(self, batch: Batch, rows: list[int], sampled: list, scores: list) -> float:
+        """Fills `sampled` and `scores` for the LLM rows; returns the seconds spent in the model forward."""
         seqs = [batch.seqs[i] for i in rows]
         prepared = self.prepare(seqs, [batch.num_new_tokens[i] for i in rows])
+        start = time.perf_counter()
         hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
+        forward_s = time.perf_counter() - start
         gen_rows, gen_seqs, judge_rows, judge_seqs = [], [], [], []
         for row, j in zip(prepared.last_token_rows, prepared.completing):
             if seqs[j].kind is SeqKind.RERANK:
@@ -110,7 +119,9 @@ class ModelRunner:
                 gen_rows.append(row)
                 gen_seqs.append(rows[j])
         if gen_rows:
+            start = time.perf_counter()
             logits = self.model.compute_logits(hidden[gen_rows])
+            forward_s += time.perf_counter() - start
             chosen = [batch.seqs[i] for i in gen_seqs]
             tokens = sample(logits, [s.params for s in chosen], [s.generator for s in chosen])
             for i, t in zip(gen_seqs, tokens):
@@ -118,6 +129,7 @@ class ModelRunner:
         if judge_rows:
             for i, s in zip(judge_seqs, self.judge_scores(hidden[judge_rows])):
                 scores[i] = s
+        return forward_s
 
     def judge_scores(self, hidden: torch.Tensor) -> list[float]:
         """P(yes) / (P(yes) + P(no)) from the last position, using only the two lm_head rows needed."""
