@@ -35,8 +35,9 @@ _SERVER_FLAGS = [
     ("--max-documents", int, 1000, "documents per rerank request"),
     ("--max-message-bytes", "bytes", 4 * 2**20, "largest client message"),
     ("--drain-timeout", float, 30.0, "seconds in-flight work gets after SIGTERM"),
-    ("--drain-grace", float, 0.0, "seconds a SIGTERMed replica reports NOT_SERVING yet still takes new work, so a "
-                                  "load balancer's health check notices first (about check interval x fall)"),
+    ("--drain-grace", float, 0.0, "seconds a SIGTERMed replica reports NOT_SERVING (gRPC health and /healthz) yet "
+                                  "still takes new work, so a load balancer's health check notices first (about "
+                                  "check interval x fall)"),
     ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key"),
     ("--auth-token", str, None, "require 'authorization: Bearer <token>' (health checks stay open)"),
@@ -99,8 +100,8 @@ def _serve(args: argparse.Namespace) -> int:
         engine_config = EngineConfig(**engine_kwargs)
         server_config = ServerConfig(host=args.host, port=args.port, max_documents=args.max_documents,
                                      max_message_bytes=args.max_message_bytes, drain_timeout_s=args.drain_timeout,
-                                     tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=args.auth_token,
-                                     replica=args.replica)
+                                     drain_grace_s=args.drain_grace, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                     auth_token=args.auth_token, replica=args.replica)
     except ValueError as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
@@ -110,7 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(serve(engine_config, server_config, max_waiting=args.max_waiting, ready=ready,
-                                metrics_port=args.metrics_port, drain_grace_s=args.drain_grace))
+                                metrics_port=args.metrics_port))
 
 
 def main(argv: list[str] | None = None) -> int:

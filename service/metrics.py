@@ -1,7 +1,8 @@
 """Prometheus metrics from request lifecycles and step records, served over HTTP for scraping.
 
 The same HTTP server answers `/healthz` for load balancers that check over plain HTTP (HAProxy's
-`option httpchk`): 200 while the replica takes new work, 503 from the moment it starts draining.
+`option httpchk`): what the gRPC health service reports, 200 while SERVING, 503 otherwise (from the moment
+a drain starts, while the server still takes work for its --drain-grace).
 """
 from __future__ import annotations
 

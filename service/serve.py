@@ -17,12 +17,13 @@ log = logging.getLogger("tandem.serve")
 
 async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
                 ready: Callable[[str], None] = print, hooks: tuple[LifecycleHooks, ...] = (),
-                metrics_port: int | None = None, drain_grace_s: float = 0.0) -> int:
+                metrics_port: int | None = None) -> int:
     """Serve until SIGTERM or SIGINT; the first drains, a second one aborts what is still running.
 
-    On the first signal the replica reports NOT_SERVING at once (gRPC health and HTTP /healthz), keeps taking
-    new work for `drain_grace_s` so a load balancer polling its health check can stop routing to it, then
-    drains: new work gets UNAVAILABLE, in-flight work finishes (up to the drain timeout).
+    On the first signal the replica reports NOT_SERVING at once (gRPC health and HTTP /healthz, both from
+    `TandemServer.status`), keeps taking new work for `server_config.drain_grace_s` so a load balancer polling
+    its health check can stop routing to it, then drains: new work gets UNAVAILABLE, in-flight work finishes
+    (up to the drain timeout). See TandemServer.drain.
     """
     from engine import LLMEngine  # torch only here, so client commands stay light
 
@@ -31,11 +32,10 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     provider = tracer_provider_from_env()  # None unless an OTLP endpoint is configured
     tracing = TracingHooks(provider) if provider is not None else None
     hooks = (*hooks, metrics) + ((tracing,) if tracing else ())
-    serving = False  # what /healthz reports: true from listening until the first signal
-    http = _serve_metrics(metrics, server_config.host, metrics_port, lambda: serving)
     bridge = EngineBridge(engine, max_waiting=max_waiting, hooks=hooks)
-    bridge.start()
     server = TandemServer(bridge, server_config)
+    http = _serve_metrics(metrics, server_config.host, metrics_port, lambda: server.serving)
+    bridge.start()
     try:
         address = await server.start()
     except OSError as exc:
@@ -43,32 +43,20 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
         await bridge.stop()
         await _stop_telemetry(http, tracing)
         return 1
-    serving = True
     ready(address)
     stop = asyncio.Event()
-    abort = asyncio.Event()
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
         if stop.is_set():
             log.warning("second %s: aborting in-flight requests", signal.Signals(signum).name)
             bridge.abort_all()
-            abort.set()
+            server.end_grace()  # a second signal cuts the grace short
         stop.set()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     await stop.wait()
-    serving = False
-    await server.health.enter_graceful_shutdown()
-    if drain_grace_s > 0:
-        log.info("NOT_SERVING; still taking new work for %.1fs (--drain-grace) while load balancers notice",
-                 drain_grace_s)
-        try:
-            await asyncio.wait_for(abort.wait(), drain_grace_s)  # a second signal cuts the grace short
-        except asyncio.TimeoutError:
-            pass
-    log.info("draining (up to %.0fs)", server_config.drain_timeout_s)
     await server.drain()
     await bridge.stop()
     await _stop_telemetry(http, tracing)

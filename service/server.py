@@ -51,6 +51,9 @@ class ServerConfig:
     max_documents: int = 1000
     max_message_bytes: int = 4 * 2**20
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight work may take before it is aborted
+    # SIGTERM: health (gRPC and /healthz) says NOT_SERVING this long before new work is refused, so load
+    # balancers stop routing first (set it to the balancer's health-check interval times its fall count).
+    drain_grace_s: float = 0.0
     stop_grace_s: float = 1.0  # after draining: how long idle streams get before they are closed
     tls_cert: str | None = None  # PEM paths; both or neither
     tls_key: str | None = None
@@ -59,9 +62,6 @@ class ServerConfig:
     # Responses one stream may hold unread before it fails with RESOURCE_EXHAUSTED (service/session.py).
     max_stream_buffer_bytes: int = field(
         default_factory=lambda: _env("MAX_STREAM_BUFFER_BYTES", int, DEFAULT_MAX_BUFFER_BYTES))
-    # SIGTERM: health says NOT_SERVING this long before new work is refused, so load balancers stop routing
-    # first (set it to the balancer's health-check interval times its fall count).
-    drain_notice_s: float = field(default_factory=lambda: _env("DRAIN_NOTICE_S", float, 0.0))
     tls_client_ca: str | None = field(default_factory=lambda: _env("TLS_CLIENT_CA", str, None))  # PEM: mutual TLS
     # Tokens limited to some methods (e.g. a retrieval pipeline's: Rerank, RerankStream); other methods get
     # PERMISSION_DENIED. `auth_token` may call everything.
@@ -86,8 +86,8 @@ class ServerConfig:
             raise ValueError("max_documents must be >= 1 and max_message_bytes >= 1024")
         if self.max_stream_buffer_bytes < 1024:
             raise ValueError(f"max_stream_buffer_bytes must be >= 1024, got {self.max_stream_buffer_bytes}")
-        if self.drain_notice_s < 0 or self.keepalive_time_s <= 0 or self.keepalive_timeout_s <= 0:
-            raise ValueError("drain_notice_s must be >= 0, keepalive_time_s and keepalive_timeout_s > 0")
+        if self.drain_grace_s < 0 or self.keepalive_time_s <= 0 or self.keepalive_timeout_s <= 0:
+            raise ValueError("drain_grace_s must be >= 0, keepalive_time_s and keepalive_timeout_s > 0")
         for name in ("max_connection_idle_s", "max_connection_age_s", "max_concurrent_streams"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -115,13 +115,23 @@ class ServerConfig:
         return options
 
 
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
 class TandemServer:
-    """One listening grpc.aio server over a started EngineBridge (several servers may share one bridge)."""
+    """One listening grpc.aio server over a started EngineBridge (several servers may share one bridge).
+
+    `status` is the replica's one serving state: SERVING from start() until drain() or stop(), NOT_SERVING
+    otherwise. The gRPC health service reports it, and so does HTTP /healthz (service/serve.py).
+    """
 
     def __init__(self, bridge: EngineBridge, config: ServerConfig) -> None:
         self.bridge = bridge
         self.config = config
         self.health = health.aio.HealthServicer()
+        self.status = NOT_SERVING
+        self._grace_over = asyncio.Event()
         self.server: grpc.aio.Server | None = None
         self.servicer: TandemServicer | None = None
         self.address = ""
@@ -157,10 +167,22 @@ class TandemServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server)
         await server.start()
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.server = server
+        await self._set_status(SERVING)
         return self.address
+
+    @property
+    def serving(self) -> bool:
+        """True while health reports SERVING (safe to read from any thread, e.g. the /healthz one)."""
+        return self.status == SERVING
+
+    async def _set_status(self, status: int) -> None:
+        self.status = status
+        if status == SERVING:
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, status)
+        else:  # for good: the health servicer ignores later changes
+            await self.health.enter_graceful_shutdown()
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         self._replica = ReplicaInterceptor()  # named once the port is bound
@@ -170,11 +192,18 @@ class TandemServer:
         return interceptors
 
     async def drain(self) -> None:
-        """NOT_SERVING, (after drain_notice_s) refuse new work, let in-flight work finish (bounded), then stop."""
-        await self.health.enter_graceful_shutdown()
-        if self.config.drain_notice_s > 0:  # balancers see NOT_SERVING and route elsewhere; we still serve
-            log.info("health NOT_SERVING; refusing new work in %.1fs", self.config.drain_notice_s)
-            await asyncio.sleep(self.config.drain_notice_s)
+        """NOT_SERVING at once; new work still served for drain_grace_s (end_grace() cuts it short) so load
+        balancers stop routing here first; then refuse new work, let in-flight work finish (bounded), stop."""
+        await self._set_status(NOT_SERVING)
+        grace = self.config.drain_grace_s
+        if grace > 0:
+            log.info("NOT_SERVING; still taking new work for %.1fs (--drain-grace) while load balancers notice",
+                     grace)
+            try:
+                await asyncio.wait_for(self._grace_over.wait(), grace)
+            except asyncio.TimeoutError:
+                pass
+        log.info("draining (up to %.0fs)", self.config.drain_timeout_s)
         self.bridge.draining = True
         try:
             await asyncio.wait_for(self.bridge.wait_idle(), self.config.drain_timeout_s)
@@ -188,7 +217,12 @@ class TandemServer:
                 log.error("requests still live after abort; stopping anyway")
         await self.stop()
 
+    def end_grace(self) -> None:
+        """Refuse new work now rather than at the end of drain_grace_s (a second SIGTERM)."""
+        self._grace_over.set()
+
     async def stop(self) -> None:
+        await self._set_status(NOT_SERVING)
         if self.server is not None:
             await self.server.stop(self.config.stop_grace_s)
             self.server = None

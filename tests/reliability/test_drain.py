@@ -1,5 +1,5 @@
-"""Drain with a notice period: health says NOT_SERVING first while new work is still served, so a load
-balancer can stop routing before anything is refused; then new work is refused and the server stops."""
+"""Drain with a grace period (--drain-grace): health says NOT_SERVING first while new work is still served, so a
+load balancer can stop routing before anything is refused; then new work is refused and the server stops."""
 from __future__ import annotations
 
 import asyncio
@@ -16,18 +16,18 @@ from tests.service.harness import ServerThread
 
 async def test_not_serving_comes_before_refusing(tiny_model_dir):
     engine = tiny_engine(tiny_model_dir, num_kv_blocks=64, block_size=16)
-    server = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0, drain_notice_s=2.0, drain_timeout_s=5.0))
+    server = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0, drain_grace_s=2.0, drain_timeout_s=5.0))
     try:
         drained = server.call(server.server.drain())
         async with grpc.aio.insecure_channel(server.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING:
                 await asyncio.sleep(0.01)
-            # NOT_SERVING, and still serving new work during the notice.
-            assert not server.bridge.draining
+            # NOT_SERVING (what /healthz reads too), and still serving new work during the grace.
+            assert not server.server.serving and not server.bridge.draining
             ranked = await pb_grpc.TandemStub(channel).Rerank(pb.RerankRequest(query="blue", documents=["sky"]))
             assert len(ranked.results) == 1
         await asyncio.wrap_future(drained)
-        assert server.bridge.draining  # after the notice: refusing (tests/service/test_process.py: UNAVAILABLE)
+        assert server.bridge.draining  # after the grace: refusing (tests/service/test_process.py: UNAVAILABLE)
     finally:
         server.close()
