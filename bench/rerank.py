@@ -95,6 +95,12 @@ def run_interleaved(systems: dict, work: list) -> tuple[dict[str, list[float]], 
     return seconds, outputs
 
 
+def p90(values: list[float]) -> float:
+    """90th percentile (nearest rank) of per-query latencies."""
+    ordered = sorted(values)
+    return ordered[max(0, -(-9 * len(ordered) // 10) - 1)]
+
+
 def median_ratio(baseline: list[float], ours: list[float]) -> float:
     """Median over queries of baseline time / our time: robust to bursts of load from other processes."""
     return statistics.median(b / o for b, o in zip(baseline, ours))
@@ -177,9 +183,11 @@ def bench_cross_encoder(args, workdir: Path) -> dict:
     for name in names:
         out[f"{name}_pairs_s"] = pairs / seconds[name]
         out[f"{name}_seconds"] = seconds[name]
+        out[f"{name}_p90_query_s"] = p90(per_query[name])
     for name in names[1:]:
         out[f"ratio_vs_{name}"] = out["tandem_pairs_s"] / out[f"{name}_pairs_s"]
         out[f"ratio_median_per_query_vs_{name}"] = median_ratio(per_query[name], per_query["tandem"])
+        out[f"p90_latency_ratio_vs_{name}"] = p90(per_query["tandem"]) / p90(per_query[name])
         out[f"{name}_padding_waste"] = 1 - real[name] / total[name]
         out[f"{name}_tokens_total"] = total[name]
     steps = log.rerank_steps

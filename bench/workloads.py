@@ -22,9 +22,30 @@ def synthetic_chat(tokenizer, n: int, output_tokens: int, seed: int = 0) -> list
     out = []
     for i in range(n):
         text = f"Tell me about {rng.choice(_TOPICS)}. " + _FILLER * rng.randint(0, 12)
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        out.append(GenerationRequest(list(ids), output_tokens))
+        out.append(GenerationRequest(chat_prompt_ids(tokenizer, text), output_tokens))
+    return out
+
+
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """One user turn rendered with the model's chat template, as token ids."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def alpaca_eval_chat(tokenizer, n: int, max_output_tokens: int, seed: int = 0) -> list[GenerationRequest]:
+    """n AlpacaEval instructions (sampled without replacement, then cycled), each asking for as many tokens as its
+    GPT-4 reference answer has, capped at `max_output_tokens`."""
+    from bench.datasets import alpaca_eval
+
+    rows = alpaca_eval()
+    order = random.Random(seed).sample(range(len(rows)), len(rows))
+    out = []
+    for i in range(n):
+        row = rows[order[i % len(order)]]
+        answer_tokens = len(tokenizer(row["output"], add_special_tokens=False)["input_ids"])
+        out.append(GenerationRequest(chat_prompt_ids(tokenizer, row["instruction"]),
+                                     max(1, min(answer_tokens, max_output_tokens))))
     return out

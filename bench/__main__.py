@@ -1,0 +1,114 @@
+"""`python -m bench` (`make bench`): every benchmark of #9 in one run, then plots and the targets table.
+
+Each benchmark writes its own JSON under bench/results/; this runner adds summary.json (every target with its
+measured ratio and whether it was met) and prints the same table as Markdown, the one README shows.
+`--quick` runs tiny sizes to check the wiring (its figures mean nothing); `--only` picks benchmarks.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from bench.report import RESULTS, write_result
+
+BENCHMARKS = ("throughput", "rerank", "mixed", "latency")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    source: str  # results file stem
+    path: tuple[str, ...]  # keys into that JSON
+    goal: float
+    higher_is_better: bool = True
+    unit: str = "x"
+
+    def measured(self, results: dict[str, dict]) -> float | None:
+        node = results.get(self.source)
+        for key in self.path:
+            if not isinstance(node, dict) or key not in node:
+                return None
+            node = node[key]
+        return node if isinstance(node, (int, float)) else None
+
+    def met(self, value: float | None) -> bool | None:
+        if value is None:
+            return None
+        return value >= self.goal if self.higher_is_better else value <= self.goal
+
+
+TARGETS = (
+    Target("Generation throughput vs transformers continuous batching", "throughput",
+           ("ratios", "vs_hf_continuous"), 4.0),
+    Target("Generation throughput vs HF generate, static batches of 8", "throughput", ("ratios", "vs_hf_static8"), 8.0),
+    Target("Generation outputs token-identical to transformers greedy (share of requests)", "throughput",
+           ("agreement_vs_hf_continuous", "identical_share"), 1.0, unit=""),
+    Target("Rerank pairs/s vs padded cross-encoder batches of 32", "rerank",
+           ("cross_encoder", "ratio_vs_hf_padded"), 2.0),
+    Target("Rerank p90 per-query latency vs padded cross-encoder batches", "rerank",
+           ("cross_encoder", "p90_latency_ratio_vs_hf_padded"), 0.5, higher_is_better=False),
+    Target("LLM reranker pairs/s, prefix cache on vs off", "rerank", ("llm_judge", "ratio_cache_on_vs_off"), 3.0),
+    Target("Mixed: decode p99 TPOT during a rerank flood vs decode alone", "mixed", ("tpot_p99_ratio",), 1.5,
+           higher_is_better=False),
+    Target("Mixed: rerank throughput during decode vs rerank alone", "mixed", ("rerank_throughput_ratio",), 0.8),
+    Target("Engine overhead (outside model forward) at the widest steps", "throughput",
+           ("efficiency", "overhead_share"), 0.05, higher_is_better=False, unit=""),
+    Target("Large-batch decode FLOP utilisation vs fp32 matmul peak (same run)", "throughput", ("efficiency", "mfu"),
+           0.6, unit=""),
+)
+
+
+def targets_table(results: dict[str, dict]) -> tuple[list[dict], str]:
+    rows, lines = [], ["| Target | Goal | Measured | Met |", "|---|---|---|---|"]
+    for t in TARGETS:
+        value = t.measured(results)
+        met = t.met(value)
+        rows.append({"target": t.name, "goal": t.goal, "higher_is_better": t.higher_is_better, "measured": value,
+                     "met": met, "source": f"bench/results/{t.source}.json"})
+        goal = f"{'>=' if t.higher_is_better else '<='} {t.goal:g}{t.unit}"
+        shown = "not run" if value is None else f"{value:.3g}{t.unit}"
+        lines.append(f"| {t.name} | {goal} | {shown} | {'-' if met is None else ('yes' if met else 'no')} |")
+    return rows, "\n".join(lines)
+
+
+def load_results(directory: Path = RESULTS) -> dict[str, dict]:
+    out = {}
+    for name in BENCHMARKS:
+        path = directory / f"{name}.json"
+        if path.is_file():
+            out[name] = json.loads(path.read_text())
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the wiring, figures mean nothing")
+    ap.add_argument("--only", nargs="*", choices=BENCHMARKS, default=list(BENCHMARKS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--results", type=Path, default=RESULTS, help="where the JSON and PNG files go")
+    args = ap.parse_args(argv)
+    args.results.mkdir(parents=True, exist_ok=True)
+    wall: dict[str, float] = {}
+    for name in args.only:
+        run: Callable[[list[str]], dict] = importlib.import_module(f"bench.{name}").main
+        extra = ["--quick"] if args.quick else []
+        start = time.perf_counter()
+        run([*extra, "--threads", str(args.threads), "--out", str(args.results / f"{name}.json")])
+        wall[name] = time.perf_counter() - start
+    from bench.plots import plot_all
+
+    plots = [str(p) for p in plot_all(args.results)]
+    rows, table = targets_table(load_results(args.results))
+    summary = {"quick": args.quick, "threads": args.threads, "wall_s": wall, "targets": rows, "plots": plots}
+    write_result(summary, args.results / "summary.json")
+    print(table)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
