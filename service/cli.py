@@ -41,6 +41,19 @@ _SERVER_FLAGS = [
     ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key"),
     ("--auth-token", str, None, "require 'authorization: Bearer <token>' (health checks stay open)"),
+    ("--tls-client-ca", str, None, "PEM CA bundle: mutual TLS, clients must present a certificate it signed"),
+    ("--auth-scoped-tokens", "scoped tokens", None, "bearer tokens limited to some methods, e.g. "
+                                                    "'tokenA=Rerank,RerankStream;tokenB=Generate' (others: "
+                                                    "PERMISSION_DENIED)"),
+    ("--max-stream-buffer-bytes", "bytes", None, "responses one stream may hold unread before it fails with "
+                                                 "RESOURCE_EXHAUSTED (default 16MiB)"),
+    ("--keepalive-time", float, None, "seconds a connection may be idle before an HTTP/2 ping (default 30)"),
+    ("--keepalive-timeout", float, None, "seconds a ping may go unanswered before the connection is dropped "
+                                         "(default 10)"),
+    ("--max-connection-idle", float, None, "seconds: close connections without a call this long (default: never)"),
+    ("--max-connection-age", float, None, "seconds: recycle connections this old, calls in flight get "
+                                          "--drain-timeout (default: never)"),
+    ("--max-concurrent-streams", int, None, "calls one connection may have open at once (default: grpc's)"),
     ("--metrics-port", int, 9464, "Prometheus /metrics port on --host (-1: off, 0: any free port)"),
     ("--replica", str, None, "name sent as x-tandem-replica (default host:port)"),
     ("--log-level", str, "INFO", "logging level"),
@@ -57,6 +70,20 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def parse_scoped_tokens(text: str) -> dict[str, tuple[str, ...]]:
+    """'tokenA=Rerank,RerankStream;tokenB=Generate' -> {token: methods} (the message never echoes a token)."""
+    scoped = {}
+    for entry in filter(None, (e.strip() for e in str(text).split(";"))):
+        token, sep, methods = entry.partition("=")
+        if not sep or not token.strip():
+            raise argparse.ArgumentTypeError("scoped tokens look like 'token=Method,Method', separated by ';'")
+        scoped[token.strip()] = tuple(m.strip() for m in methods.split(",") if m.strip())
+    return scoped
+
+
+_CONVERTERS = {"bytes": parse_bytes, "scoped tokens": parse_scoped_tokens}
+
+
 def _env_name(flag: str) -> str:
     return "TANDEM_" + flag.lstrip("-").replace("-", "_").upper()
 
@@ -64,9 +91,10 @@ def _env_name(flag: str) -> str:
 def _add_flags(p: argparse.ArgumentParser, flags: list) -> None:
     for flag, kind, default, help_text in flags:
         env = _env_name(flag)
-        convert = parse_bytes if kind == "bytes" else kind
-        value = os.environ.get(env)
-        p.add_argument(flag, type=convert, default=convert(value) if value is not None else default,
+        value = os.environ.get(env) or None  # set but empty: as if unset
+        # A string default is converted by argparse only when this command is parsed and the flag is not
+        # given, so a malformed variable is a usage error of `tandem serve` (not a crash of every command).
+        p.add_argument(flag, type=_CONVERTERS.get(kind, kind), default=value if value is not None else default,
                        help=f"{help_text} (env {env})")
 
 
@@ -82,6 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_server_config(args: argparse.Namespace):
+    """The ServerConfig of parsed `tandem serve` flags; a flag left unset (None) keeps ServerConfig's default."""
+    from service.server import ServerConfig  # imports the engine (torch): only when serving
+
+    fields = dict(host=args.host, port=args.port, max_documents=args.max_documents,
+                  max_message_bytes=args.max_message_bytes, drain_timeout_s=args.drain_timeout,
+                  drain_grace_s=args.drain_grace, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                  tls_client_ca=args.tls_client_ca, auth_token=args.auth_token,
+                  auth_scoped_tokens=args.auth_scoped_tokens, replica=args.replica,
+                  max_stream_buffer_bytes=args.max_stream_buffer_bytes, keepalive_time_s=args.keepalive_time,
+                  keepalive_timeout_s=args.keepalive_timeout, max_connection_idle_s=args.max_connection_idle,
+                  max_connection_age_s=args.max_connection_age, max_concurrent_streams=args.max_concurrent_streams)
+    return ServerConfig(**{name: value for name, value in fields.items() if value is not None})
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -89,7 +132,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     from engine import EngineConfig
     from service.serve import serve
-    from service.server import ServerConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_kwargs = {flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
@@ -98,10 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine_kwargs["max_rerank_documents"] = args.max_documents
     try:
         engine_config = EngineConfig(**engine_kwargs)
-        server_config = ServerConfig(host=args.host, port=args.port, max_documents=args.max_documents,
-                                     max_message_bytes=args.max_message_bytes, drain_timeout_s=args.drain_timeout,
-                                     drain_grace_s=args.drain_grace, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                                     auth_token=args.auth_token, replica=args.replica)
+        server_config = build_server_config(args)
     except ValueError as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2

@@ -90,7 +90,7 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
             async def deny(context: grpc.aio.ServicerContext) -> None:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     f"this bearer token may not call {method}; ask for a token whose scope "
-                                    "includes it (--auth-token, TANDEM_AUTH_SCOPED_TOKENS)")
+                                    "includes it (--auth-token, --auth-scoped-tokens)")
         return wrap_handler(handler, _read_first(deny) if handler.request_streaming else deny)
 
     def _check(self, details) -> tuple[bool, bool]:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,32 +19,10 @@ from service.session import DEFAULT_MAX_BUFFER_BYTES
 log = logging.getLogger("tandem.server")
 
 
-def _env(name: str, kind: type, default):
-    """A default read from TANDEM_<NAME> (the variable a `tandem serve` flag of that name also reads)."""
-    value = os.environ.get(f"TANDEM_{name}")
-    if value is None or value == "":
-        return default
-    try:
-        return kind(value)
-    except ValueError:
-        raise ValueError(f"TANDEM_{name}={value!r} is not a valid {kind.__name__}") from None
-
-
-def _env_scoped_tokens() -> dict[str, tuple[str, ...]]:
-    """TANDEM_AUTH_SCOPED_TOKENS='tokenA=Rerank,RerankStream;tokenB=Generate' -> {token: methods}."""
-    text = os.environ.get("TANDEM_AUTH_SCOPED_TOKENS", "")
-    scoped = {}
-    for entry in filter(None, (e.strip() for e in text.split(";"))):
-        token, sep, methods = entry.partition("=")
-        if not sep or not token.strip():
-            raise ValueError("TANDEM_AUTH_SCOPED_TOKENS entries look like 'token=Method,Method' separated by ';'")
-        scoped[token.strip()] = tuple(m.strip() for m in methods.split(",") if m.strip())
-    return scoped
-
-
 @dataclass(slots=True)
 class ServerConfig:
-    """Fields without a `tandem serve` flag read TANDEM_<FIELD NAME> from the environment for their default."""
+    """What a server listens on and allows. `tandem serve` sets every field but stop_grace_s from its flags
+    (service/cli.py; each flag also reads TANDEM_<FLAG>); a flag left unset keeps the default here."""
     host: str = "127.0.0.1"
     port: int = 50051  # 0: an ephemeral port (TandemServer.address tells which)
     max_documents: int = 1000
@@ -60,28 +37,27 @@ class ServerConfig:
     auth_token: str | None = None
     replica: str | None = None  # default: host:port
     # Responses one stream may hold unread before it fails with RESOURCE_EXHAUSTED (service/session.py).
-    max_stream_buffer_bytes: int = field(
-        default_factory=lambda: _env("MAX_STREAM_BUFFER_BYTES", int, DEFAULT_MAX_BUFFER_BYTES))
-    tls_client_ca: str | None = field(default_factory=lambda: _env("TLS_CLIENT_CA", str, None))  # PEM: mutual TLS
+    max_stream_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES
+    tls_client_ca: str | None = None  # PEM CA bundle: mutual TLS
     # Tokens limited to some methods (e.g. a retrieval pipeline's: Rerank, RerankStream); other methods get
     # PERMISSION_DENIED. `auth_token` may call everything.
-    auth_scoped_tokens: dict[str, tuple[str, ...]] = field(default_factory=_env_scoped_tokens)
+    auth_scoped_tokens: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # HTTP/2 keepalive: ping a connection idle this long, close it when the ping is not answered in time
     # (a peer that vanished without a FIN: its streams are cancelled and their KV blocks freed).
-    keepalive_time_s: float = field(default_factory=lambda: _env("KEEPALIVE_TIME_S", float, 30.0))
-    keepalive_timeout_s: float = field(default_factory=lambda: _env("KEEPALIVE_TIMEOUT_S", float, 10.0))
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
     # Close connections idle (no open call) this long; recycle connections after this age (lets a load
     # balancer rebalance long-lived clients; in-flight calls get drain_timeout_s to finish). None: never.
-    max_connection_idle_s: float | None = field(default_factory=lambda: _env("MAX_CONNECTION_IDLE_S", float, None))
-    max_connection_age_s: float | None = field(default_factory=lambda: _env("MAX_CONNECTION_AGE_S", float, None))
+    max_connection_idle_s: float | None = None
+    max_connection_age_s: float | None = None
     # Concurrent calls one connection may open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); None: grpc's default.
-    max_concurrent_streams: int | None = field(default_factory=lambda: _env("MAX_CONCURRENT_STREAMS", int, None))
+    max_concurrent_streams: int | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and a key (--tls-cert and --tls-key)")
         if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("mutual TLS (tls_client_ca) needs the server's own --tls-cert and --tls-key")
+            raise ValueError("mutual TLS (--tls-client-ca) needs the server's own --tls-cert and --tls-key")
         if self.max_documents < 1 or self.max_message_bytes < 1024:
             raise ValueError("max_documents must be >= 1 and max_message_bytes >= 1024")
         if self.max_stream_buffer_bytes < 1024:

@@ -1,0 +1,89 @@
+"""`tandem serve` flags are the one path to ServerConfig: every field has a flag, each flag also reads its
+TANDEM_<FLAG> variable, and a flag left unset keeps ServerConfig's default."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from service.cli import build_parser, build_server_config, main
+from service.server import ServerConfig
+
+NEW_FLAGS = ("--drain-grace", "--tls-client-ca", "--auth-scoped-tokens", "--max-stream-buffer-bytes",
+             "--keepalive-time", "--keepalive-timeout", "--max-connection-idle", "--max-connection-age",
+             "--max-concurrent-streams")
+
+
+@pytest.fixture(autouse=True)
+def no_tandem_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("TANDEM_"):
+            monkeypatch.delenv(name)
+
+
+def _config(*argv: str) -> ServerConfig:
+    return build_server_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_serve_help_lists_the_server_flags_and_their_variables(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps help text
+    for flag in NEW_FLAGS:
+        assert flag in text
+        assert "TANDEM_" + flag[2:].replace("-", "_").upper() in text
+
+
+def test_unset_flags_keep_the_server_config_defaults():
+    assert _config() == ServerConfig()
+
+
+def test_flags_set_every_server_config_field():
+    config = _config("--host", "0.0.0.0", "--port", "6000", "--max-documents", "7", "--max-message-bytes", "1MiB",
+                     "--drain-timeout", "9", "--drain-grace", "2.5", "--tls-cert", "c.pem", "--tls-key", "k.pem",
+                     "--tls-client-ca", "ca.pem", "--auth-token", "t", "--auth-scoped-tokens",
+                     "a=Rerank, RerankStream; b=Generate", "--replica", "r1", "--max-stream-buffer-bytes", "2MiB",
+                     "--keepalive-time", "5", "--keepalive-timeout", "3", "--max-connection-idle", "60",
+                     "--max-connection-age", "600", "--max-concurrent-streams", "8")
+    assert (config.host, config.port, config.max_documents, config.max_message_bytes) == ("0.0.0.0", 6000, 7, 2**20)
+    assert (config.drain_timeout_s, config.drain_grace_s) == (9.0, 2.5)
+    assert (config.tls_cert, config.tls_key, config.tls_client_ca) == ("c.pem", "k.pem", "ca.pem")
+    assert config.auth_token == "t" and config.replica == "r1"
+    assert config.auth_scoped_tokens == {"a": ("Rerank", "RerankStream"), "b": ("Generate",)}
+    assert config.max_stream_buffer_bytes == 2 * 2**20
+    assert (config.keepalive_time_s, config.keepalive_timeout_s) == (5.0, 3.0)
+    assert (config.max_connection_idle_s, config.max_connection_age_s, config.max_concurrent_streams) == (60, 600, 8)
+    # Every field but the internal stop grace is reachable from the command line: no setting is env-only.
+    default = ServerConfig()
+    unset = [f.name for f in dataclasses.fields(ServerConfig) if getattr(config, f.name) == getattr(default, f.name)]
+    assert unset == ["stop_grace_s"]
+    assert ("grpc.max_concurrent_streams", 8) in config.grpc_options()
+
+
+def test_each_flag_reads_its_environment_variable(monkeypatch):
+    monkeypatch.setenv("TANDEM_DRAIN_GRACE", "4")
+    monkeypatch.setenv("TANDEM_AUTH_SCOPED_TOKENS", "tokenA=Rerank")
+    monkeypatch.setenv("TANDEM_MAX_STREAM_BUFFER_BYTES", "64KiB")
+    monkeypatch.setenv("TANDEM_KEEPALIVE_TIME", "7.5")
+    monkeypatch.setenv("TANDEM_MAX_CONNECTION_AGE", "")  # empty: as if unset
+    monkeypatch.setenv("TANDEM_MAX_CONCURRENT_STREAMS", "16")
+    config = _config("--keepalive-time", "8")  # the flag wins over its variable
+    assert config.drain_grace_s == 4.0 and config.auth_scoped_tokens == {"tokenA": ("Rerank",)}
+    assert config.max_stream_buffer_bytes == 64 * 2**10 and config.max_concurrent_streams == 16
+    assert config.keepalive_time_s == 8.0 and config.max_connection_age_s is None
+
+
+@pytest.mark.parametrize("name, value, flag", [("TANDEM_KEEPALIVE_TIME", "soon", "--keepalive-time"),
+                                               ("TANDEM_AUTH_SCOPED_TOKENS", "secret-token", "--auth-scoped-tokens")])
+def test_a_malformed_variable_is_a_serve_usage_error_not_a_crash_of_every_command(monkeypatch, capsys, name, value,
+                                                                                 flag):
+    monkeypatch.setenv(name, value)
+    assert build_parser().parse_args(["generate", "Hi"]).command == "generate"
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err
+    assert "secret-token" not in err  # a token never reaches the terminal or a log
