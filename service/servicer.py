@@ -16,7 +16,7 @@ from service.bridge import EngineBridge
 from service.errors import ServiceError, invalid
 from service.handlers import Unparseable
 from service.lifecycle import RequestLifecycle
-from service.session import StreamSession
+from service.session import DEFAULT_MAX_BUFFER_BYTES, StreamSession
 
 if TYPE_CHECKING:
     from engine import RerankParams
@@ -28,7 +28,7 @@ _FORWARDED_METADATA = ("traceparent", "tracestate", "x-tandem-prefix")
 class Limits:
     max_documents: int = 1000
     max_message_bytes: int = 4 * 2**20
-    max_stream_buffer_bytes: int = 16 * 2**20  # responses a stream may queue unread (service/session.py)
+    max_stream_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES  # responses a stream may queue unread (service/session.py)
 
 
 def _statuses(fn: Callable) -> Callable:
@@ -76,33 +76,16 @@ class TandemServicer:
     async def Generate(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
         # While draining, a new stream is still accepted: each request on it gets UNAVAILABLE (aborting the
         # stream at once races the client's first write, see grpc/grpc#36066).
-        session = StreamSession(self.limits.max_stream_buffer_bytes, abort=self.bridge.abort)
-        meta = {**_metadata(context), "stream": f"generate-{next(self._streams)}"}
-        reader = asyncio.create_task(self._read_generate(request_iterator, session, meta))
-        try:
-            async for message in session.messages():
-                await context.write(message)
-        finally:
-            reader.cancel()
-            for engine_id in session.engine_ids():
-                self.bridge.abort(engine_id)
+        await self._serve_stream("generate", request_iterator, context, self._on_generate_message)
 
-    async def _read_generate(self, requests: AsyncIterator, session: StreamSession, meta: dict) -> None:
-        try:
-            async for message in requests:
-                message = _parsed(message)
-                kind = message.WhichOneof("kind")
-                if kind == "request":
-                    self._start_generate(session, message.request, meta)
-                elif kind == "cancel":
-                    self._cancel(session, message.cancel.request_id)
-                else:
-                    session.send(_generate_error("", invalid("empty client message: set request or cancel")))
-            session.end_of_input()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            session.fail(exc)
+    def _on_generate_message(self, session: StreamSession, message: pb.GenerateClientMessage, meta: dict) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "request":
+            self._start_generate(session, message.request, meta)
+        elif kind == "cancel":
+            self._cancel(session, message.cancel.request_id)
+        else:
+            session.send(_generate_error("", invalid("empty client message: set request or cancel")))
 
     def _start_generate(self, session: StreamSession, req: pb.GenerateRequest, meta: dict) -> None:
         client_id = req.request_id
@@ -156,26 +139,7 @@ class TandemServicer:
 
     @_statuses
     async def RerankStream(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
-        session = StreamSession(self.limits.max_stream_buffer_bytes, abort=self.bridge.abort)
-        meta = {**_metadata(context), "stream": f"rerank-{next(self._streams)}"}
-        reader = asyncio.create_task(self._read_rerank(request_iterator, session, meta))
-        try:
-            async for message in session.messages():
-                await context.write(message)
-        finally:
-            reader.cancel()
-            for engine_id in session.engine_ids():
-                self.bridge.abort(engine_id)
-
-    async def _read_rerank(self, requests: AsyncIterator, session: StreamSession, meta: dict) -> None:
-        try:
-            async for message in requests:
-                self._start_rerank(session, _parsed(message), meta)
-            session.end_of_input()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            session.fail(exc)
+        await self._serve_stream("rerank", request_iterator, context, self._start_rerank)
 
     def _start_rerank(self, session: StreamSession, req: pb.RerankRequest, meta: dict) -> None:
         client_id = req.request_id
@@ -213,6 +177,37 @@ class TandemServicer:
         if event.finish_reason == "abort":  # aborted by the server (drain timeout)
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "rerank aborted: the server is shutting down; retry")
         return convert.rerank_response(client_id, event, documents, params, lc)
+
+    # ---- streams (Generate, RerankStream) --------------------------------------------------------
+
+    async def _serve_stream(self, kind: str, requests: AsyncIterator, context: grpc.aio.ServicerContext,
+                            on_message: Callable[[StreamSession, Any, dict], None]) -> None:
+        """One bidirectional stream: a reader task hands each client message to `on_message` (which submits
+        to the engine and sends through the session) while this writes the session's messages; when the
+        writing ends (input done and answered, the stream failed, the client left) the reader stops and the
+        stream's live requests are aborted."""
+        session = StreamSession(self.limits.max_stream_buffer_bytes, abort=self.bridge.abort)
+        meta = {**_metadata(context), "stream": f"{kind}-{next(self._streams)}"}
+        reader = asyncio.create_task(self._read_stream(requests, session, meta, on_message))
+        try:
+            async for message in session.messages():
+                await context.write(message)
+        finally:
+            reader.cancel()
+            for engine_id in session.engine_ids():
+                self.bridge.abort(engine_id)
+
+    @staticmethod
+    async def _read_stream(requests: AsyncIterator, session: StreamSession, meta: dict,
+                           on_message: Callable[[StreamSession, Any, dict], None]) -> None:
+        try:
+            async for message in requests:
+                on_message(session, _parsed(message), meta)
+            session.end_of_input()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an unparseable message, a broken transport: the stream fails
+            session.fail(exc)
 
     # ---- ModelInfo -------------------------------------------------------------------------------
 
