@@ -19,7 +19,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
-    rerank_share: float = 0.5  # share of the step budget rerank pairs get when generation also waits
+    rerank_share: float = 0.5  # share of the step budget rerank pairs get while generation waits or decodes
     max_rerank_documents: int = 1000
     priority_aging_steps: int = 64  # a waiting request gains one priority level per this many steps
     scheduling: Literal["continuous", "static"] = "continuous"

@@ -181,13 +181,16 @@ class Scheduler:
 
     def _admit(self, batch: Batch, budget: int) -> None:
         gen, rerank = self.waiting, self.waiting_rerank
-        if len(gen) and len(rerank):
+        if len(rerank) and (len(gen) or batch.num_decode_tokens):
+            # Generation needs this step too (prompts wait, or decodes ride in it, whose time per output token
+            # grows with every rerank token added): rerank gets its share of what is left, and always room for
+            # one pair, so a long pair cannot starve.
             head = rerank.peek(self.step)
-            # Rerank gets its share, and always room for one pair so a long pair cannot starve.
             cap = max(int(budget * self.rerank_share), head.num_tokens if head else 0)
             budget -= self._admit_from(rerank, batch, min(cap, budget))
             budget -= self._admit_from(gen, batch, budget)
-            self._admit_from(rerank, batch, budget)
+            if not batch.num_decode_tokens:
+                self._admit_from(rerank, batch, budget)
         elif len(gen):
             self._admit_from(gen, batch, budget)
         elif len(rerank):

@@ -51,8 +51,12 @@ def test_pair_score_does_not_depend_on_batch_composition(llm):
     records = record_steps(llm)
     eng.add_rerank("crowded", QUERY, others[:31] + [DOCS[2]] + others[31:])
     outs = []
-    while eng.has_unfinished():
-        outs.extend(eng.step())
+    eng.scheduler.rerank_share = 1.0  # the whole remaining budget: many pairs ride in one step beside the decodes
+    try:
+        while eng.has_unfinished():
+            outs.extend(eng.step())
+    finally:
+        eng.scheduler.rerank_share = eng.config.rerank_share
     crowded = next(o for o in outs if o.request_id == "crowded").scores[31]
     assert abs(crowded - alone) <= 1e-5
     assert max(r.rerank_pairs for r in records) >= 32 and any(r.decode_tokens for r in records if r.rerank_pairs)

@@ -502,6 +502,26 @@ def test_rerank_pairs_are_atomic_and_leave_no_blocks(uses_kv):
     assert sim.finished_order.index("gen") > sim.finished_order.index("job/0")  # shared the steps
 
 
+def test_rerank_share_bounds_rerank_tokens_in_steps_with_decodes():
+    """While decodes run, rerank pairs get at most rerank_share of the remaining budget (or one whole pair),
+    so a rerank flood slows decodes by a bounded amount; steps without decodes take all the rerank they can."""
+    sim = Sim(num_blocks=256, budget=40, block_size=4, max_seqs=64)
+    sim.cfg.rerank_share = sim.sched.rerank_share = 0.25
+    for i in range(4):
+        sim.add(f"gen{i}", toks(3, 10 * i), max_tokens=30)
+    sim.add_rerank_job("flood", [], [toks(3, 300 + 5 * i) for i in range(60)], uses_kv=False)
+    sim.add_rerank("big", toks(20, 900), uses_kv=False)
+    sim.run()
+    for batch in sim.batches:
+        if batch.num_decode_tokens and batch.num_rerank_tokens:
+            remaining = sim.cfg.max_num_batched_tokens - batch.num_decode_tokens - batch.num_prefill_tokens
+            largest_pair = max(n for s, n in zip(batch.seqs, batch.num_new_tokens) if s.kind is SeqKind.RERANK)
+            assert batch.num_rerank_tokens <= max(int(remaining * 0.25), largest_pair)
+    decode_steps = [b for b in sim.batches if b.num_decode_tokens]
+    assert any(b.num_rerank_tokens for b in decode_steps)  # rerank still progresses beside the decodes
+    assert max(b.num_rerank_tokens for b in sim.batches if not b.num_decode_tokens) > 10  # and fills idle steps
+
+
 # ---- a sequence that outgrows the whole KV pool ------------------------------------------------------
 
 
