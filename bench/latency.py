@@ -19,11 +19,6 @@ indicative only. Prints one JSON line and writes bench/results/latency.json (or 
 from __future__ import annotations
 
 import os
-
-# Before torch loads OpenMP: on shared cores, spinning OpenMP workers can slow a step many times over (see
-# tests/conftest.py); every phase and system of this run gets the same setting, recorded in the JSON.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import argparse
 import random
 import time
@@ -31,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from bench.mixed import percentile, token_times
+from bench.mixed import token_times
+from bench.report import percentile
 from bench.report import RESULTS, write_result
 from engine import LLM, EngineConfig, SamplingParams
 

@@ -30,11 +30,6 @@ The JSON also records the 1-minute load average (start, after each phase, end) a
 from __future__ import annotations
 
 import os
-
-# Before torch loads OpenMP: on shared cores, spinning OpenMP workers can slow a step many times over (see
-# tests/conftest.py); every phase and system of this run gets the same setting, recorded in the JSON.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import argparse
 import math
 import tempfile
@@ -44,7 +39,7 @@ from pathlib import Path
 import torch
 
 from bench.datasets import synthetic_rerank
-from bench.report import RESULTS, write_result
+from bench.report import RESULTS, percentile, write_result
 from bench.rerank import StepLog, matmul_peak_gflops
 from engine import LLM, EngineConfig, RerankParams, SamplingParams
 
@@ -55,17 +50,6 @@ TARGET_RERANK_RATIO = 0.8
 
 
 # ---- bookkeeping (pure functions, unit-tested) -----------------------------------------------------------------
-
-def percentile(values, q: float) -> float:
-    """The q-th percentile (0-100) with linear interpolation between closest ranks (numpy's default); nan if empty."""
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
 
 def token_times(events) -> dict[str, list[float]]:
     """Per generation request, the time of each of its tokens. `events`: (step end time, that step's outputs);

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -24,3 +25,14 @@ def write_result(result: dict, path: Path) -> None:
     print(line)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(line + "\n")
+
+
+def percentile(values, q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation between closest ranks (numpy's default); nan if empty."""
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import RESULTS, write_result
+from bench.report import RESULTS, percentile, write_result
 from bench.datasets import synthetic_rerank
 from bench.models import minilm_cross_encoder_dir
 from engine import LLM, EngineConfig, RerankParams
@@ -93,12 +93,6 @@ def run_interleaved(systems: dict, work: list) -> tuple[dict[str, list[float]], 
             outputs[name].append(out)
         LOAD_SAMPLES.append(os.getloadavg()[0])
     return seconds, outputs
-
-
-def p90(values: list[float]) -> float:
-    """90th percentile (nearest rank) of per-query latencies."""
-    ordered = sorted(values)
-    return ordered[max(0, -(-9 * len(ordered) // 10) - 1)]
 
 
 def median_ratio(baseline: list[float], ours: list[float]) -> float:
@@ -183,11 +177,11 @@ def bench_cross_encoder(args, workdir: Path) -> dict:
     for name in names:
         out[f"{name}_pairs_s"] = pairs / seconds[name]
         out[f"{name}_seconds"] = seconds[name]
-        out[f"{name}_p90_query_s"] = p90(per_query[name])
+        out[f"{name}_p90_query_s"] = percentile(per_query[name], 90)
     for name in names[1:]:
         out[f"ratio_vs_{name}"] = out["tandem_pairs_s"] / out[f"{name}_pairs_s"]
         out[f"ratio_median_per_query_vs_{name}"] = median_ratio(per_query[name], per_query["tandem"])
-        out[f"p90_latency_ratio_vs_{name}"] = p90(per_query["tandem"]) / p90(per_query[name])
+        out[f"p90_latency_ratio_vs_{name}"] = percentile(per_query["tandem"], 90) / percentile(per_query[name], 90)
         out[f"{name}_padding_waste"] = 1 - real[name] / total[name]
         out[f"{name}_tokens_total"] = total[name]
     steps = log.rerank_steps

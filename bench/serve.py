@@ -17,7 +17,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import uvloop
 
+from bench.report import percentile
 from clients import AsyncClient
 
 RESULTS = Path(__file__).parent / "results"
@@ -112,11 +112,7 @@ async def sequential(target: str, jobs: list[Job], max_tokens: int) -> list[Resu
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+    return percentile(values, q) if values else None
 
 
 def summarize(results: list[Result]) -> dict:
