@@ -31,7 +31,7 @@ class ServerConfig:
     # SIGTERM: health (gRPC and /healthz) says NOT_SERVING this long before new work is refused, so load
     # balancers stop routing first (set it to the balancer's health-check interval times its fall count).
     drain_grace_s: float = 0.0
-    stop_grace_s: float = 1.0  # after draining: how long idle streams get before they are closed
+    stop_grace_s: float = 1.0  # after draining: new work refused this long, then streams get as long to close
     tls_cert: str | None = None  # PEM paths; both or neither
     tls_key: str | None = None
     auth_token: str | None = None
@@ -191,6 +191,10 @@ class TandemServer:
                 await asyncio.wait_for(self.bridge.wait_idle(), 10.0)
             except asyncio.TimeoutError:
                 log.error("requests still live after abort; stopping anyway")
+        # A request arriving after the last in-flight one finished but before the transport closes would be
+        # cancelled by grpc (CANCELLED, which clients do not retry); a moment of refusing with UNAVAILABLE first
+        # tells a client that is still sending to go elsewhere.
+        await asyncio.sleep(self.config.stop_grace_s)
         await self.stop()
 
     def end_grace(self) -> None:
