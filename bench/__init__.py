@@ -1,6 +1,6 @@
-"""Benchmarks: every figure a ratio against a baseline run in the same process or run (DESIGN.md)."""
-import os
+"""Benchmarks: every figure a ratio against a baseline run in the same process or run (DESIGN.md).
 
-# Before any benchmark loads torch (and its OpenMP): on shared cores, spinning OpenMP workers can slow a step many
-# times over (see tests/conftest.py). Every system of a run gets the same setting; the JSON files record it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+Run them on an otherwise idle machine. On shared cores, spinning OpenMP workers can slow a step many times over
+(tests/conftest.py sets OMP_WAIT_POLICY=PASSIVE for that reason); PASSIVE costs an idle machine ~15-20% per step,
+so the benchmarks leave torch's default and record the policy in their JSON; such runs are flagged `contended`.
+"""

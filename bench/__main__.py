@@ -53,7 +53,9 @@ TARGETS = (
     Target("Rerank p90 per-query latency vs padded cross-encoder batches", "rerank",
            ("cross_encoder", "p90_latency_ratio_vs_hf_padded"), 0.5, higher_is_better=False),
     Target("LLM reranker pairs/s, prefix cache on vs off", "rerank", ("llm_judge", "ratio_cache_on_vs_off"), 3.0),
-    Target("Mixed: decode p99 TPOT during a rerank flood vs decode alone", "mixed", ("tpot_p99_ratio",), 1.5,
+    # Gaps across steps that also prefilled prompts are left out of both sides: decode alone has a few (its own
+    # start-up), and they made its p99 larger than the mixed run's, flattering the ratio.
+    Target("Mixed: decode p99 TPOT during a rerank flood vs decode alone", "mixed", ("steady_tpot_p99_ratio",), 1.5,
            higher_is_better=False),
     Target("Mixed: rerank throughput during decode vs rerank alone", "mixed", ("rerank_throughput_ratio",), 0.8),
     Target("Engine overhead (outside model forward) at the widest steps", "throughput",
