@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from bench.datasets import synthetic_rerank
-from bench.report import RESULTS, percentile, write_result
+from bench.report import RESULTS, percentile, step_series, write_result
 from bench.rerank import StepLog, matmul_peak_gflops
 from engine import LLM, EngineConfig, RerankParams, SamplingParams
 
@@ -81,17 +81,6 @@ def tpot_stats(times: dict[str, list[float]], prefill_step_ends: set[float] = fr
 def prefill_step_ends(events: list, records: list) -> set[float]:
     """End times of the steps (events and records of one phase, one each per step) that ran prompt prefill."""
     return {t for (t, _), r in zip(events, records) if r.prefill_tokens}
-
-
-def step_series(records: list, t0: float, limit: int = 2000) -> dict:
-    """Per-step batch composition as parallel lists (`t` relative to t0, same clock as StepRecord.start_time),
-    at most `limit` steps: every `every`-th step is kept."""
-    every = max(1, -(-len(records) // limit))
-    rs = records[::every]
-    return {"every": every, "t": [r.start_time - t0 for r in rs], "duration_s": [r.duration_s for r in rs],
-            "decode_tokens": [r.decode_tokens for r in rs], "prefill_tokens": [r.prefill_tokens for r in rs],
-            "rerank_tokens": [r.rerank_tokens for r in rs], "num_running": [r.num_running for r in rs],
-            "num_waiting": [r.num_waiting for r in rs]}
 
 
 def tradeoff(rerank_step_fraction: float) -> dict:

@@ -36,3 +36,14 @@ def percentile(values, q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def step_series(records: list, t0: float, limit: int = 2000) -> dict:
+    """Per-step batch composition as parallel lists (`t` relative to t0, same clock as StepRecord.start_time),
+    at most `limit` steps: every `every`-th step is kept."""
+    every = max(1, -(-len(records) // limit))
+    rs = records[::every]
+    return {"every": every, "t": [r.start_time - t0 for r in rs], "duration_s": [r.duration_s for r in rs],
+            "decode_tokens": [r.decode_tokens for r in rs], "prefill_tokens": [r.prefill_tokens for r in rs],
+            "rerank_tokens": [r.rerank_tokens for r in rs], "num_running": [r.num_running for r in rs],
+            "num_waiting": [r.num_waiting for r in rs]}

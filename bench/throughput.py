@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from bench.report import RESULTS, write_result
+from bench.report import RESULTS, step_series, write_result
 from bench.rerank import matmul_peak_gflops
 from bench.workloads import GenerationRequest, alpaca_eval_chat
 from engine import LLM, EngineConfig, SamplingParams
@@ -100,16 +100,6 @@ def decoder_flops_per_token(llm: LLM) -> int:
     """2 x the weights every token multiplies (all decoder linears and the LM head)."""
     model = llm.engine.model
     return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-
-
-def step_series(records: list, t0: float, limit: int = 2000) -> dict:
-    """Per-step batch composition as parallel lists, at most `limit` steps (evenly thinned)."""
-    every = max(1, -(-len(records) // limit))
-    rs = records[::every]
-    return {"every": every, "t": [r.start_time - t0 for r in rs], "duration_s": [r.duration_s for r in rs],
-            "decode_tokens": [r.decode_tokens for r in rs], "prefill_tokens": [r.prefill_tokens for r in rs],
-            "rerank_tokens": [r.rerank_tokens for r in rs], "num_running": [r.num_running for r in rs],
-            "num_waiting": [r.num_waiting for r in rs]}
 
 
 def step_efficiency(records: list, flops_per_token: int, peak_gflops: float, wide: int) -> dict:

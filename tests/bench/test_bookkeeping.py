@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench import latency, mixed, plots
+from bench import latency, mixed, plots, report
 from bench.rerank import StepLog, hf_padded_scores
 from engine.outputs import StepOutput
 
@@ -23,11 +23,11 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def test_percentile_matches_linear_interpolation():
     xs = [random.Random(0).random() for _ in range(101)]
     for q in (0, 1, 50, 90, 99, 100):
-        assert mixed.percentile(xs, q) == pytest.approx(torch.quantile(torch.tensor(xs, dtype=torch.float64),
+        assert report.percentile(xs, q) == pytest.approx(torch.quantile(torch.tensor(xs, dtype=torch.float64),
                                                                       q / 100).item())
-    assert mixed.percentile([3.0, 1.0], 50) == 2.0  # unsorted input, interpolated
-    assert mixed.percentile([5.0], 99) == 5.0
-    assert math.isnan(mixed.percentile([], 50))
+    assert report.percentile([3.0, 1.0], 50) == 2.0  # unsorted input, interpolated
+    assert report.percentile([5.0], 99) == 5.0
+    assert math.isnan(report.percentile([], 50))
 
 
 def _gen(rid, n=1):
@@ -52,8 +52,8 @@ def test_token_times_and_tpot_from_a_fake_timeline():
     assert s["gaps"] == 4  # a: 2 gaps, b: 2 gaps, c: none
     gaps = [1.0, 2.0, 0.0, 6.0]
     assert s["tpot_mean_s"] == pytest.approx(sum(gaps) / 4)
-    assert s["tpot_p50_s"] == pytest.approx(mixed.percentile(gaps, 50)) == pytest.approx(1.5)
-    assert s["tpot_p99_s"] == pytest.approx(mixed.percentile(gaps, 99))
+    assert s["tpot_p50_s"] == pytest.approx(report.percentile(gaps, 50)) == pytest.approx(1.5)
+    assert s["tpot_p99_s"] == pytest.approx(report.percentile(gaps, 99))
     # Per-request means: a (4-1)/2 = 1.5, b (10-4)/2 = 3.
     assert s["request_tpot_p50_s"] == pytest.approx(2.25)
     # The step ending at 4 also ran prefill: gaps ending there (a: 2, b: 0) leave the steady figures.
@@ -98,12 +98,12 @@ def _record(i, **kw):
 
 def test_step_series_thins_to_the_limit():
     records = [_record(i) for i in range(25)]
-    s = mixed.step_series(records, t0=100.0, limit=10)
+    s = report.step_series(records, t0=100.0, limit=10)
     assert s["every"] == 3 and len(s["t"]) == 9 <= 10
     assert s["t"][:3] == [0.0, 3.0, 6.0] and s["rerank_tokens"][:3] == [0, 6, 12]
     assert all(len(s[k]) == len(s["t"]) for k in ("duration_s", "decode_tokens", "prefill_tokens", "num_running",
                                                    "num_waiting"))
-    assert mixed.step_series(records, 100.0)["every"] == 1
+    assert report.step_series(records, 100.0)["every"] == 1
 
 
 # ---- padding waste -------------------------------------------------------------------------------------------
