@@ -22,13 +22,10 @@ import os
 import argparse
 import random
 import time
-from pathlib import Path
 
-import torch
 
 from bench.mixed import token_times
-from bench.report import percentile
-from bench.report import RESULTS, write_result
+from bench.report import parse_bench_args, percentile, write_result
 from engine import LLM, EngineConfig, SamplingParams
 
 QUICK = dict(max_num_seqs=4, max_output_tokens=6, load_fractions=[0.5, 1.5], min_requests=3, max_requests=4,
@@ -111,15 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--min-requests", type=int, default=6)
     ap.add_argument("--max-requests", type=int, default=16)
     ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
-    ap.add_argument("--out", type=Path, default=RESULTS / "latency.json")
-    args = ap.parse_args(argv)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
-    torch.set_num_threads(args.threads)
+    args = parse_bench_args(ap, argv, "latency", QUICK)
     from bench.workloads import alpaca_eval_chat
 
     t_start = time.perf_counter()

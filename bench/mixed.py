@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from bench.datasets import synthetic_rerank
-from bench.report import RESULTS, percentile, step_series, write_result
+from bench.report import parse_bench_args, percentile, step_series, write_result
 from bench.rerank import StepLog, matmul_peak_gflops
 from engine import LLM, EngineConfig, RerankParams, SamplingParams
 
@@ -280,15 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cap-tokens", type=float, nargs="*", default=None,
                     help="extra mixed phases under the emulated rerank cap while decoding (cap_rerank_while_decoding)"
                          ", rerank tokens per decode step; default: the cap the TPOT target allows, measured")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
-    ap.add_argument("--out", type=Path, default=RESULTS / "mixed.json")
-    args = ap.parse_args(argv)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
-    torch.set_num_threads(args.threads)
+    args = parse_bench_args(ap, argv, "mixed", QUICK)
     from bench.workloads import alpaca_eval_chat
 
     t_start = time.perf_counter()

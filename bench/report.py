@@ -1,6 +1,7 @@
 """Where benchmark results go: one JSON line, printed and written under bench/results/."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -47,3 +48,20 @@ def step_series(records: list, t0: float, limit: int = 2000) -> dict:
             "decode_tokens": [r.decode_tokens for r in rs], "prefill_tokens": [r.prefill_tokens for r in rs],
             "rerank_tokens": [r.rerank_tokens for r in rs], "num_running": [r.num_running for r in rs],
             "num_waiting": [r.num_waiting for r in rs]}
+
+
+def parse_bench_args(ap: argparse.ArgumentParser, argv: list[str] | None, name: str, quick: dict) -> argparse.Namespace:
+    """Adds the options every benchmark shares (--threads, --seed, --quick, --out) and parses; --quick applies the
+    benchmark's `quick` sizes, and torch gets --threads."""
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, to check the wiring (figures mean nothing)")
+    ap.add_argument("--out", type=Path, default=RESULTS / f"{name}.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        for key, value in quick.items():
+            setattr(args, key, value)
+    import torch  # here, so that clients of this module (bench.serve) stay free of torch
+
+    torch.set_num_threads(args.threads)
+    return args

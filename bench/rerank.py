@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import RESULTS, percentile, write_result
+from bench.report import parse_bench_args, percentile, write_result
 from bench.datasets import synthetic_rerank
 from bench.models import minilm_cross_encoder_dir
 from engine import LLM, EngineConfig, RerankParams
@@ -263,16 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--llm-min-doc-tokens", type=int, default=16)
     ap.add_argument("--llm-max-doc-tokens", type=int, default=128)
     ap.add_argument("--llm-budget", type=int, default=512, help="tandem max_num_batched_tokens, LLM judge")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     ap.add_argument("--skip", nargs="*", default=[], choices=["cross_encoder", "llm_judge"])
-    ap.add_argument("--out", type=Path, default=RESULTS / "rerank.json")
-    args = ap.parse_args(argv)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
-    torch.set_num_threads(args.threads)
+    args = parse_bench_args(ap, argv, "rerank", QUICK)
 
     t0 = time.perf_counter()
     LOAD_SAMPLES.clear()

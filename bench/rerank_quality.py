@@ -24,12 +24,11 @@ import random
 import re
 import time
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.report import RESULTS, write_result
+from bench.report import parse_bench_args, write_result
 from bench.datasets import ALPACA_EVAL_PACKAGE, alpaca_eval
 from engine import LLM, EngineConfig, RerankParams
 
@@ -147,16 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--query-tokens", type=int, default=128, help="instructions are cut to this many tokens")
     ap.add_argument("--instruction", default=None, help="LLM judge task instruction (default: the engine's)")
     ap.add_argument("--budget", type=int, default=1024, help="tandem max_num_batched_tokens")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", nargs="*", default=[], choices=["llm", "bm25", "dense", "random"])
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
-    ap.add_argument("--out", type=Path, default=RESULTS / "rerank_quality.json")
-    args = ap.parse_args(argv)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
-    torch.set_num_threads(args.threads)
+    args = parse_bench_args(ap, argv, "rerank_quality", QUICK)
     t0 = time.perf_counter()
 
     llm = LLM(EngineConfig(max_num_batched_tokens=args.budget, kv_cache_bytes=256 * 2**20,

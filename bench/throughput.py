@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from bench.report import RESULTS, step_series, write_result
+from bench.report import parse_bench_args, step_series, write_result
 from bench.rerank import matmul_peak_gflops
 from bench.workloads import GenerationRequest, alpaca_eval_chat
 from engine import LLM, EngineConfig, SamplingParams
@@ -127,22 +127,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--baseline-requests", type=int, default=64, help="requests for transformers' continuous batching")
     ap.add_argument("--static-requests", type=int, default=24, help="requests for the static-batching systems")
     ap.add_argument("--max-output-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--budget", type=int, default=512, help="tandem's max_num_batched_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf_static8", "hf_continuous", "tandem_static"])
-    ap.add_argument("--quick", action="store_true", help="a tiny run to check the wiring")
-    ap.add_argument("--out", default=str(RESULTS / "throughput.json"))
-    args = ap.parse_args(argv)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
-    torch.set_num_threads(args.threads)
+    args = parse_bench_args(ap, argv, "throughput", QUICK)
     load = [os.getloadavg()[0]]
 
     llm = LLM(EngineConfig(max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
                            num_threads=args.threads))
-    reqs = alpaca_eval_chat(llm.tokenizer, args.requests, args.max_output_tokens)
+    reqs = alpaca_eval_chat(llm.tokenizer, args.requests, args.max_output_tokens, args.seed)
     base = reqs[:args.baseline_requests]
     static_reqs = reqs[:args.static_requests]
     records: list = []
@@ -192,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
         "matmul_peak_gflops": max(peak), "efficiency": efficiency,
         "load_avg": load, "contended": max(load) > args.threads + 1, "steps": series,
     }
-    write_result(result, __import__("pathlib").Path(args.out))
+    write_result(result, args.out)
     return result
 
 

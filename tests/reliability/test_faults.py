@@ -236,7 +236,7 @@ async def test_a_client_that_stops_reading_fails_its_own_stream_not_the_others(s
         # Now it reads: what the transport held, then the stream's failure.
         received = 0
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            while (reply := await stalled.read()) is not grpc.aio.EOF:
+            while await stalled.read() is not grpc.aio.EOF:
                 received += 1
         assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "stream buffer full" in info.value.details() and "--max-stream-buffer-bytes" in info.value.details()
