@@ -11,3 +11,30 @@ import uvloop  # noqa: E402
 def pytest_asyncio_loop_factories(config, item):
     """Every async test runs on uvloop, the loop the service uses."""
     return {"uvloop": uvloop.new_event_loop}
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def fake_tandem_server():
+    """Serves a given Tandem servicer (a scripted fake) on a loopback port; returns its target. Stopped after."""
+    from concurrent import futures
+
+    import grpc
+
+    from proto import tandem_pb2_grpc
+
+    servers = []
+
+    def serve(servicer) -> str:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        tandem_pb2_grpc.add_TandemServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield serve
+    for server in servers:
+        server.stop(None)

@@ -3,7 +3,6 @@ one Generate stream per key, and generate retries only while nothing has streame
 from __future__ import annotations
 
 import asyncio
-from concurrent import futures
 
 import grpc
 import pytest
@@ -49,21 +48,12 @@ class Scripted(pb_grpc.TandemServicer):
 
 
 @pytest.fixture
-def scripted():
-    servers = []
-
+def scripted(fake_tandem_server):
     def start(outcomes: list[str] = ()) -> tuple[Scripted, str]:
         servicer = Scripted(outcomes)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        pb_grpc.add_TandemServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return servicer, f"127.0.0.1:{port}"
+        return servicer, fake_tandem_server(servicer)
 
-    yield start
-    for server in servers:
-        server.stop(None)
+    return start
 
 
 def test_chat_key_is_shared_by_every_turn_and_differs_between_chats():

@@ -1,7 +1,6 @@
 """Client retry policy against a scripted stand-in server (no engine): UNAVAILABLE is retried, others are not."""
 from __future__ import annotations
 
-from concurrent import futures
 
 import grpc
 import pytest
@@ -28,21 +27,12 @@ class Scripted(pb_grpc.TandemServicer):
 
 
 @pytest.fixture
-def scripted():
-    servers = []
-
+def scripted(fake_tandem_server):
     def start(failures: list[grpc.StatusCode]) -> tuple[Scripted, str]:
         servicer = Scripted(failures)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        pb_grpc.add_TandemServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return servicer, f"127.0.0.1:{port}"
+        return servicer, fake_tandem_server(servicer)
 
-    yield start
-    for server in servers:
-        server.stop(None)
+    return start
 
 
 async def test_unavailable_is_retried_with_backoff(scripted):
