@@ -24,6 +24,7 @@ class EngineConfig:
     priority_aging_steps: int = 64  # a waiting request gains one priority level per this many steps
     scheduling: Literal["continuous", "static"] = "continuous"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    enforce_eager: bool = False  # on CUDA, decode-only steps replay captured CUDA graphs unless this is True
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes",
@@ -36,6 +37,8 @@ class EngineConfig:
             raise ValueError(f"rerank_share must be in (0, 1], got {self.rerank_share}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
 

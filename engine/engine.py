@@ -12,6 +12,7 @@ import torch
 import kernels
 
 from engine.config import EngineConfig, RerankParams, SamplingParams
+from engine.cuda_graphs import capture_sizes, cuda_graph_capture
 from engine.detokenizer import TextStream
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.models.llama import LlamaArgs, LlamaForCausalLM
@@ -56,6 +57,12 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, config.dtype)
         kernels.prepare(config.device, DTYPES[config.dtype])
+        if self.runner.device.type == "cuda" and not config.enforce_eager:
+            started = time.monotonic()
+            if self.runner.capture_decode_graphs(capture_sizes(config.max_num_seqs),
+                                                 -(-self.max_model_len // config.block_size), cuda_graph_capture()):
+                log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
+                         self.runner.decode_graphs.sizes, time.monotonic() - started)
         self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer)
         self._judge: JudgePrompt | None = None
         self.cross_encoder = None

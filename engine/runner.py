@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import Capture, DecodeGraphs, try_capture
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Sequence, SeqKind
 from engine.sampling import sample
@@ -43,6 +44,12 @@ class ModelRunner:
             dtype=DTYPES[dtype], device=self.device)
         self.judge_token_ids = judge_token_ids  # ("yes", "no") ids for LLM-as-reranker scores
         self.cross_encoder = None  # set when the engine serves a cross-encoder reranker
+        self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+
+    def capture_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: Capture) -> bool:
+        """From now on decode-only batches of up to max(sizes) sequences replay graphs; False if capture failed."""
+        self.decode_graphs = try_capture(self.model, self.kv_caches, sizes, max_blocks_per_seq, capture)
+        return self.decode_graphs is not None
 
     @staticmethod
     def kv_bytes_per_block(model_args, block_size: int, dtype: str) -> int:
@@ -91,25 +98,27 @@ class ModelRunner:
         scores: list[float | None] = [None] * len(batch)
         llm_rows = [i for i, s in enumerate(batch.seqs) if s.uses_kv]
         encoder_rows = [i for i, s in enumerate(batch.seqs) if not s.uses_kv]
-        forward_s = 0.0
+        clock = ForwardClock(self.device)
         if llm_rows:
-            forward_s += self._run_llm(batch, llm_rows, sampled, scores)
+            self._run_llm(batch, llm_rows, sampled, scores, clock)
         if encoder_rows:
             pairs = [(batch.seqs[i].token_ids, batch.seqs[i].token_type_ids) for i in encoder_rows]
-            start = time.perf_counter()
-            encoder_scores = self.cross_encoder.score(pairs)
-            forward_s += time.perf_counter() - start
+            with clock:
+                encoder_scores = self.cross_encoder.score(pairs)
             for i, score in zip(encoder_rows, encoder_scores):
                 scores[i] = score
-        return RunnerOutput(sampled=sampled, scores=scores, forward_s=forward_s)
+        return RunnerOutput(sampled=sampled, scores=scores, forward_s=clock.seconds())
 
-    def _run_llm(self, batch: Batch, rows: list[int], sampled: list, scores: list) -> float:
-        """Fills `sampled` and `scores` for the LLM rows; returns the seconds spent in the model forward."""
+    def _run_llm(self, batch: Batch, rows: list[int], sampled: list, scores: list, clock: ForwardClock) -> None:
+        """Fills `sampled` and `scores` for the LLM rows; model forwards are timed on `clock`."""
         seqs = [batch.seqs[i] for i in rows]
         prepared = self.prepare(seqs, [batch.num_new_tokens[i] for i in rows])
-        start = time.perf_counter()
-        hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
-        forward_s = time.perf_counter() - start
+        with clock:
+            hidden = None
+            if self.decode_graphs is not None:
+                hidden = self.decode_graphs.run(prepared.input_ids, prepared.positions, prepared.meta)
+            if hidden is None:
+                hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
         gen_rows, gen_seqs, judge_rows, judge_seqs = [], [], [], []
         for row, j in zip(prepared.last_token_rows, prepared.completing):
             if seqs[j].kind is SeqKind.RERANK:
@@ -119,9 +128,8 @@ class ModelRunner:
                 gen_rows.append(row)
                 gen_seqs.append(rows[j])
         if gen_rows:
-            start = time.perf_counter()
-            logits = self.model.compute_logits(hidden[gen_rows])
-            forward_s += time.perf_counter() - start
+            with clock:
+                logits = self.model.compute_logits(hidden[gen_rows])
             chosen = [batch.seqs[i] for i in gen_seqs]
             tokens = sample(logits, [s.params for s in chosen], [s.generator for s in chosen])
             for i, t in zip(gen_seqs, tokens):
@@ -129,7 +137,6 @@ class ModelRunner:
         if judge_rows:
             for i, s in zip(judge_seqs, self.judge_scores(hidden[judge_rows])):
                 scores[i] = s
-        return forward_s
 
     def judge_scores(self, hidden: torch.Tensor) -> list[float]:
         """P(yes) / (P(yes) + P(no)) from the last position, using only the two lm_head rows needed."""
@@ -138,3 +145,33 @@ class ModelRunner:
         weight = self.model.lm_head.weight[list(self.judge_token_ids)]  # [2, hidden]
         logits = (hidden @ weight.T).float()
         return logits.softmax(dim=-1)[:, 0].tolist()
+
+
+class ForwardClock:
+    """Sums the time of `with clock:` sections. On CUDA it records events, so it neither syncs nor counts only
+    the launches; read seconds() after something has synced (the sampled tokens' .tolist() does)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def __enter__(self) -> None:
+        if self.cuda:
+            self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self._events[-1][0].record()
+        else:
+            self._start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self._events[-1][1].record()
+        else:
+            self._seconds += time.perf_counter() - self._start
+
+    def seconds(self) -> float:
+        for start, end in self._events:
+            end.synchronize()
+            self._seconds += start.elapsed_time(end) / 1000
+        self._events.clear()
+        return self._seconds

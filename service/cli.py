@@ -27,6 +27,8 @@ _ENGINE_FLAGS = [
     ("--block-size", int, None, "tokens per KV block"),
     ("--rerank-share", float, None, "share of a step's budget rerank gets while generation also waits"),
     ("--num-threads", int, None, "torch CPU threads"),
+    ("--enforce-eager", "switch", None, "on CUDA, run decode steps eagerly instead of replaying captured CUDA "
+                                        "graphs"),
 ]
 _SERVER_FLAGS = [
     ("--host", str, "127.0.0.1", "address to bind (0.0.0.0 for all interfaces)"),
@@ -81,7 +83,15 @@ def parse_scoped_tokens(text: str) -> dict[str, tuple[str, ...]]:
     return scoped
 
 
-_CONVERTERS = {"bytes": parse_bytes, "scoped tokens": parse_scoped_tokens}
+def parse_switch(text: str) -> bool:
+    """'1', 'true', 'yes', 'on' -> True; '0', 'false', 'no', 'off' -> False (for TANDEM_<FLAG> variables)."""
+    value = str(text).strip().lower()
+    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise argparse.ArgumentTypeError(f"not a switch: {text!r} (use 1/0, true/false, yes/no, on/off)")
+    return value in ("1", "true", "yes", "on")
+
+
+_CONVERTERS = {"bytes": parse_bytes, "scoped tokens": parse_scoped_tokens, "switch": parse_switch}
 
 
 def _env_name(flag: str) -> str:
@@ -94,8 +104,10 @@ def _add_flags(p: argparse.ArgumentParser, flags: list) -> None:
         value = os.environ.get(env) or None  # set but empty: as if unset
         # A string default is converted by argparse only when this command is parsed and the flag is not
         # given, so a malformed variable is a usage error of `tandem serve` (not a crash of every command).
+        # A switch given bare is on; `--flag false` (or its variable set to 0/false/no/off) is off.
+        extra = dict(nargs="?", const=True) if kind == "switch" else {}
         p.add_argument(flag, type=_CONVERTERS.get(kind, kind), default=value if value is not None else default,
-                       help=f"{help_text} (env {env})")
+                       help=f"{help_text} (env {env})", **extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,21 +137,25 @@ def build_server_config(args: argparse.Namespace):
     return ServerConfig(**{name: value for name, value in fields.items() if value is not None})
 
 
+def build_engine_config(args: argparse.Namespace):
+    """The EngineConfig of parsed `tandem serve` flags; a flag left unset (None) keeps EngineConfig's default."""
+    from engine import EngineConfig  # torch: only when serving
+
+    names = [flag.lstrip("-").replace("-", "_") for flag, *_ in _ENGINE_FLAGS]
+    fields = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    return EngineConfig(**fields, max_rerank_documents=args.max_documents)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     import uvloop
 
-    from engine import EngineConfig
     from service.serve import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_kwargs = {flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
-                     for flag, *_ in _ENGINE_FLAGS}
-    engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
-    engine_kwargs["max_rerank_documents"] = args.max_documents
     try:
-        engine_config = EngineConfig(**engine_kwargs)
+        engine_config = build_engine_config(args)
         server_config = build_server_config(args)
     except ValueError as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)

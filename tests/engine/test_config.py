@@ -109,6 +109,7 @@ def test_sampling_params_rejects_non_integer_seed(value):
     ("dtype", "fp32"),
     ("dtype", "int8"),
     ("scheduling", "fifo"),
+    ("enforce_eager", "yes"),
 ])
 def test_engine_config_rejects(field, value):
     with pytest.raises(ValueError, match=field):

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from service.cli import build_parser, build_server_config, main
+from engine import EngineConfig
+from service.cli import build_engine_config, build_parser, build_server_config, main
 from service.server import ServerConfig
 
 NEW_FLAGS = ("--drain-grace", "--tls-client-ca", "--auth-scoped-tokens", "--max-stream-buffer-bytes",
@@ -87,3 +88,21 @@ def test_a_malformed_variable_is_a_serve_usage_error_not_a_crash_of_every_comman
     err = capsys.readouterr().err
     assert flag in err
     assert "secret-token" not in err  # a token never reaches the terminal or a log
+
+
+def _engine_config(*argv: str) -> EngineConfig:
+    return build_engine_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_engine_flags_reach_the_engine_config_and_unset_ones_keep_its_defaults(monkeypatch):
+    assert _engine_config() == EngineConfig()
+    config = _engine_config("--max-num-seqs", "7", "--kv-cache-bytes", "64MiB", "--enforce-eager", "--max-documents",
+                            "12")
+    assert (config.max_num_seqs, config.kv_cache_bytes, config.enforce_eager) == (7, 64 * 2**20, True)
+    assert config.max_rerank_documents == 12
+    assert _engine_config("--enforce-eager", "false").enforce_eager is False
+    monkeypatch.setenv("TANDEM_ENFORCE_EAGER", "1")
+    assert _engine_config().enforce_eager is True
+    monkeypatch.setenv("TANDEM_ENFORCE_EAGER", "maybe")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve"])
