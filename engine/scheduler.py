@@ -183,11 +183,14 @@ class Scheduler:
         gen, rerank = self.waiting, self.waiting_rerank
         if len(rerank) and (len(gen) or batch.num_decode_tokens):
             # Generation needs this step too (prompts wait, or decodes ride in it, whose time per output token
-            # grows with every rerank token added): rerank gets its share of what is left, and always room for
-            # one pair, so a long pair cannot starve.
+            # grows with every rerank token added): rerank gets its share of what is left, of the token budget
+            # and of the free seats, and always room for one pair, so a long pair cannot starve. The seat share
+            # lets a new prompt start at once beside a rerank flood; pairs are scored (and leave) in the step
+            # that admits them, so it never holds back a pair already running or a job's shared-prefix pair.
             head = rerank.peek(self.step)
             cap = max(int(budget * self.rerank_share), head.num_tokens if head else 0)
-            budget -= self._admit_from(rerank, batch, min(cap, budget))
+            seats = max(1, int((self.max_seqs - len(self.running)) * self.rerank_share))
+            budget -= self._admit_from(rerank, batch, min(cap, budget), seats)
             budget -= self._admit_from(gen, batch, budget)
             if not batch.num_decode_tokens:
                 self._admit_from(rerank, batch, budget)
@@ -196,9 +199,11 @@ class Scheduler:
         elif len(rerank):
             self._admit_from(rerank, batch, budget)
 
-    def _admit_from(self, queue: WaitQueue, batch: Batch, budget: int) -> int:
+    def _admit_from(self, queue: WaitQueue, batch: Batch, budget: int, seats: int | None = None) -> int:
+        """Admit from the head of `queue` while `budget` tokens and (at most `seats` new) seats last."""
         used = 0
-        while used < budget and len(self.running) < self.max_seqs:
+        max_running = self.max_seqs if seats is None else min(self.max_seqs, len(self.running) + seats)
+        while used < budget and len(self.running) < max_running:
             seq = queue.peek(self.step)
             if seq is None or (seq.wait_for is not None and not seq.wait_for.status.finished):
                 break

@@ -549,3 +549,104 @@ def test_generation_longer_than_the_kv_pool_finishes_instead_of_hanging():
     assert final.completion_tokens <= 8 - 5
     stats = engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and not engine.has_unfinished()
+
+
+# ---- seats: a rerank flood leaves generation room to start -------------------------------------------
+
+
+def _rerank_ids(batch: Batch) -> list[str]:
+    return [s.request_id for s in batch.seqs if s.kind is SeqKind.RERANK]
+
+
+def _flood(sim: Sim, n: int = 100, uses_kv: bool = True) -> list[Sequence]:
+    """A rerank job whose pairs cost 4 new tokens each (the 8-token query prefix is shared), so with a large
+    budget only max_num_seqs limits how many pairs one step takes."""
+    return sim.add_rerank_job("flood", toks(8, 500), [toks(4, 1000 + 4 * i) for i in range(n)], uses_kv=uses_kv)
+
+
+@pytest.mark.parametrize("uses_kv", [True, False])
+def test_generation_arriving_during_a_rerank_flood_starts_the_next_step(uses_kv):
+    """max_num_seqs=8 and a 100-document job admitted first: before the seat bound, every step's 8 seats went
+    to pairs (the token share never binds: 8 pairs are 32 of 256 tokens) and the chat waited ~12 steps."""
+    sim = Sim(num_blocks=512, budget=256, block_size=4, max_seqs=8)
+    pairs = _flood(sim, uses_kv=uses_kv)
+    sim.step()
+    flooded = sim.step()
+    assert len(_rerank_ids(flooded)) == 8  # alone, rerank takes every seat
+    chat = sim.add("chat", toks(5, 9000), max_tokens=4)
+    batch = sim.step()
+    assert chat in batch.seqs  # the very next step
+    before_chat = _rerank_ids(Batch(seqs=batch.seqs[:batch.seqs.index(chat)]))
+    assert 1 <= len(before_chat) <= 4  # int(0.5 * 8): rerank's share first, then the chat,
+    assert len(batch) == 8  # then (no decodes in this step) pairs fill the seats the chat did not need
+    sim.run()
+    assert all(p.status is SequenceStatus.FINISHED_STOPPED for p in pairs)
+    assert chat.status is SequenceStatus.FINISHED_LENGTH
+
+
+def test_rerank_alone_uses_every_seat():
+    sim = Sim(num_blocks=512, budget=256, block_size=4, max_seqs=8)
+    _flood(sim)
+    sim.run()
+    sizes = [len(_rerank_ids(b)) for b in sim.batches]
+    assert sizes == [1] + [8] * 12 + [3]  # the first pair fills the shared prefix; then full steps
+
+
+@pytest.mark.parametrize("share,seats", [(0.1, 1), (0.25, 2), (0.5, 4), (0.75, 6), (1.0, 8)])
+def test_rerank_seats_while_generation_waits_follow_rerank_share(share, seats):
+    """While a generation waits, rerank pairs get max(1, int(rerank_share * free seats)); generation the rest.
+    rerank_share=1.0 gives rerank everything, as it does with the token budget."""
+    sim = Sim(num_blocks=512, budget=256, block_size=4, max_seqs=8)
+    sim.cfg.rerank_share = sim.sched.rerank_share = share
+    _flood(sim, uses_kv=False)
+    chats = [sim.add(f"chat{i}", toks(3, 9000 + 10 * i), max_tokens=50) for i in range(8)]
+    batch = sim.step()
+    assert len(_rerank_ids(batch)) == seats
+    assert [s for s in batch.seqs if s.kind is SeqKind.GENERATE] == chats[:8 - seats]
+    sim.run()
+
+
+def test_rerank_share_of_seats_counts_only_free_seats():
+    """Running generations hold 6 of 8 seats: of the 2 free ones rerank gets one (never zero, so it cannot
+    starve) and the waiting chat the other, instead of rerank taking both."""
+    sim = Sim(num_blocks=512, budget=256, block_size=4, max_seqs=8)
+    long = [sim.add(f"long{i}", toks(3, 100 * i), max_tokens=40) for i in range(6)]
+    sim.step()
+    _flood(sim, uses_kv=False)
+    chat = sim.add("chat", toks(5, 9000), max_tokens=4)
+    batch = sim.step()
+    assert decode_ids(batch) == {s.request_id for s in long}
+    assert len(_rerank_ids(batch)) == 1 and chat in batch.seqs
+    sim.run()
+
+
+@pytest.mark.parametrize("uses_kv", [True, False])
+def test_stream_of_generation_does_not_stop_rerank_and_rerank_does_not_stop_generation(uses_kv):
+    """A new chat every 2 steps, each holding its seat for 13 steps (so chats alone keep 6-7 of the 8 seats)
+    beside a 100-document job: every step with a free seat scores at least one pair, the job finishes while
+    chats keep coming, and no chat waits long for a seat. With KV, the pairs first wait for the one that
+    fills their shared prefix."""
+    sim = Sim(num_blocks=1024, budget=256, block_size=4, max_seqs=8)
+    pairs = _flood(sim, uses_kv=uses_kv)
+    arrived: dict[str, int] = {}
+    for i in range(300):
+        if i % 2 == 0:
+            rid = f"chat{i // 2}"
+            sim.add(rid, toks(3, 10_000 + 7 * i), max_tokens=12)
+            arrived[rid] = sim.steps
+        free = sim.cfg.max_num_seqs - len(sim.sched.running)
+        rerank_ready = any(p.status is SequenceStatus.WAITING and (p.wait_for is None or p.wait_for.status.finished)
+                           for p in pairs)
+        batch = sim.step()
+        if free and rerank_ready:
+            assert _rerank_ids(batch), f"step {sim.steps}: a free seat and no pair scored"
+    assert all(p.status is SequenceStatus.FINISHED_STOPPED for p in pairs)
+    last_pair = max(sim.finished_order.index(p.request_id) for p in pairs)
+    assert last_pair < sim.finished_order.index("chat100")
+    sim.run()
+    first_step: dict[str, int] = {}
+    for n, batch in enumerate(sim.batches):
+        for s in batch.seqs:
+            first_step.setdefault(s.request_id, n)
+    waits = [first_step[rid] - arrived[rid] for rid in arrived]
+    assert max(waits) <= 4, waits
