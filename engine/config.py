@@ -19,7 +19,9 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
-    rerank_share: float = 0.5  # share of the step budget rerank pairs get while generation waits or decodes
+    # Share of the step's token budget and of its free seats that rerank pairs get while generation waits or
+    # decodes (always at least one pair); 1.0: rerank first, generation gets the leftovers.
+    rerank_share: float = 0.5
     max_rerank_documents: int = 1000
     priority_aging_steps: int = 64  # a waiting request gains one priority level per this many steps
     scheduling: Literal["continuous", "static"] = "continuous"
