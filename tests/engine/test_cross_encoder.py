@@ -15,9 +15,9 @@ from transformers import (AutoModelForSequenceClassification, AutoTokenizer, Ber
                           XLMRobertaTokenizer)
 from transformers.models.roberta.modeling_roberta import RobertaEmbeddings
 
+from bench.models import copy_minilm_tokenizer, minilm_encoder_dir, save_model_dir
 from engine.models.bert import EncoderArgs, packed_positions
 from engine.models.encoder_loader import CrossEncoder, score_activation
-from tests.engine.conftest import copy_minilm_tokenizer, minilm_encoder_dir, save_model_dir
 
 ATOL = 1e-4
 QUERY = "how do lighthouses warn ships at night"
