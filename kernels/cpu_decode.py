@@ -1,15 +1,18 @@
 """Paged decode attention as a C++ CPU kernel, compiled on first use with torch's cpp_extension.
 
 On CPU the torch reference gathers every decode sequence's blocks into a padded copy before SDPA; this kernel
-reads K/V in place, once. It is compiled for the machine it runs on (-O3 -march=native) into
-TANDEM_CACHE_DIR/torch_extensions (or torch's default); without a C++ compiler it is simply unavailable and the
-reference runs instead.
+reads K/V in place, once. It is compiled for the CPU it runs on (-O3 -march=native) into torch's extension cache
+(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) under a name that carries a hash of that CPU
+(`extension_name`), so a cache shared between machines (a shared home, a copied image layer) never hands one CPU
+code built for another; without a C++ compiler it is simply unavailable and the reference runs instead.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -17,6 +20,25 @@ import torch
 
 log = logging.getLogger("tandem.kernels")
 _SOURCE = Path(__file__).parent / "cpu" / "paged_decode.cpp"
+_CPUINFO = Path("/proc/cpuinfo")
+_CPUINFO_KEYS = ("model name", "flags", "Features", "CPU implementer", "CPU part")  # x86, then Arm
+
+
+def extension_name() -> str:
+    """`tandem_paged_decode_<hash of this CPU>`: torch keys its cache by name and source, but -march=native code
+    is only valid on the CPU it was built for. The CPU is the first processor's model name and feature flags in
+    /proc/cpuinfo (Linux), else platform.machine() and platform.processor()."""
+    fields: dict[str, str] = {}
+    try:
+        for line in _CPUINFO.read_text(errors="replace").splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() in _CPUINFO_KEYS:
+                fields.setdefault(key.strip(), " ".join(value.split()))
+    except OSError:
+        pass
+    identity = "\n".join(f"{k}: {fields[k]}" for k in _CPUINFO_KEYS if k in fields)
+    identity = identity or f"{platform.machine()} {platform.processor()}"
+    return "tandem_paged_decode_" + hashlib.sha256(identity.encode()).hexdigest()[:12]
 
 
 @functools.cache
@@ -28,7 +50,7 @@ def _module():
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     try:
         return cpp_extension.load(
-            name="tandem_paged_decode", sources=[str(_SOURCE)],
+            name=extension_name(), sources=[str(_SOURCE)],
             # fast-math lets the dot products and exp vectorize (reassociated sums: ~1e-7 relative, scores are finite)
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
             verbose=False)

@@ -13,6 +13,43 @@ def test_the_kernel_builds_here() -> None:
     assert cpu_decode.available()
 
 
+_X86 = "processor\t: {n}\nvendor_id\t: GenuineIntel\nmodel name\t: {model}\nflags\t\t: {flags}\n\n"
+
+
+def test_build_name_is_keyed_by_the_cpu(tmp_path, monkeypatch) -> None:
+    """-march=native code must not be loaded on another CPU: the cached extension's name changes with the CPU
+    model or its feature flags, and only with them."""
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(cpu_decode, "_CPUINFO", cpuinfo)
+
+    def name_for(model: str, flags: str, processors: int = 2) -> str:
+        cpuinfo.write_text("".join(_X86.format(n=n, model=model, flags=flags) for n in range(processors)))
+        return cpu_decode.extension_name()
+
+    base = name_for("Xeon 8480", "fpu sse2 avx2 avx512f")
+    assert base.startswith("tandem_paged_decode_") and base.isidentifier()
+    assert cpu_decode.extension_name() == base
+    # The same CPU with another core count, or other spacing in cpuinfo, is the same build.
+    assert name_for("Xeon 8480", "fpu  sse2 avx2 avx512f ", processors=64) == base
+    others = {name_for("Xeon 8480", "fpu sse2 avx2"),  # the same model without AVX-512 (a VM masking it)
+              name_for("EPYC 9654", "fpu sse2 avx2 avx512f")}
+    assert base not in others and len(others) == 2
+
+
+def test_build_name_without_cpuinfo_uses_platform(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_decode, "_CPUINFO", tmp_path / "missing")
+    monkeypatch.setattr(cpu_decode.platform, "processor", lambda: "arm")
+    monkeypatch.setattr(cpu_decode.platform, "machine", lambda: "arm64")
+    arm = cpu_decode.extension_name()
+    assert arm == cpu_decode.extension_name()
+    monkeypatch.setattr(cpu_decode.platform, "machine", lambda: "x86_64")
+    assert cpu_decode.extension_name() != arm
+
+
+def test_the_built_module_carries_this_cpus_name() -> None:
+    assert cpu_decode._module().__name__ == cpu_decode.extension_name()
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("group", [1, 3])
 def test_mixed_decode_and_prefill_chunks(block_size: int, group: int) -> None:
