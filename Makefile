@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 50051
 
-.PHONY: venv test soak serve bench proto clean-venv haproxy cluster
+.PHONY: venv test test-gpu soak serve bench proto clean-venv haproxy cluster
 
 venv: $(STAMP)
 
@@ -20,6 +20,13 @@ $(STAMP): pyproject.toml Makefile
 
 test: $(STAMP) haproxy
 	$(PY) -m pytest -q
+
+# On a machine with a CUDA GPU only (issue #8): Triton kernels vs the torch reference, the engine on CUDA vs CPU
+# (eager and CUDA graphs, fp32 and bf16), then the kernel benchmark (bench/results/kernels.json). Without CUDA
+# the suite stops at once with exit code 4.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q tests/gpu
+	$(PY) -m bench.kernels
 
 # The reliability soak at full length (make test runs a 20 s version of it).
 soak: $(STAMP)
