@@ -1,9 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeds, for all rows of a step at once.
 
-Sampling draws one uniform number per row and inverts the row's cumulative distribution (a cumsum and a
-searchsorted): on CPU torch.multinomial and a full-vocabulary sort each take tens of milliseconds per row, which
-made a step of 128 sampled sequences spend seconds here. Top-p looks for the nucleus in the row's top 256
-probabilities first and sorts more only when the nucleus is wider than that.
+Each sampled row draws one uniform number and inverts its cumulative distribution (a cumsum and a searchsorted).
+Rows with top-k or top-p draw among candidates: the row's most likely tokens, 256 first and more only when a
+nucleus is wider. On CPU torch.multinomial and a full-vocabulary sort each took ~35 ms per row, so a step of 128
+sampled sequences spent seconds here; this way it is one softmax, one top-k and small cumsums.
 """
 from __future__ import annotations
 
@@ -11,52 +11,7 @@ import torch
 
 from engine.config import SamplingParams
 
-_NUCLEUS_FIRST_K = 256
-
-
-def apply_top_k(logits: torch.Tensor, k: int | list[int]) -> torch.Tensor:
-    """Keep the k largest logits of each row (ties at the k-th value survive); the rest become -inf.
-
-    `k` is one value for every row or one per row; 0, negative or >= the vocabulary: that row is untouched."""
-    vocab = logits.shape[-1]
-    rows = logits if logits.dim() == 2 else logits.unsqueeze(0)
-    ks = [k] * rows.shape[0] if isinstance(k, int) else list(k)
-    ks = [kk if 0 < kk < vocab else vocab for kk in ks]
-    if all(kk == vocab for kk in ks):
-        return logits
-    top = torch.topk(rows, max(ks), dim=-1).values
-    kth = top.gather(-1, torch.tensor(ks, device=rows.device).unsqueeze(-1) - 1)
-    kth = kth.masked_fill(torch.tensor([kk == vocab for kk in ks], device=rows.device).unsqueeze(-1),
-                          float("-inf"))
-    return rows.masked_fill(rows < kth, float("-inf")).view_as(logits)
-
-
-def apply_top_p(logits: torch.Tensor, p: float | list[float]) -> torch.Tensor:
-    """Keep the smallest set of top tokens whose probability mass reaches p (always at least one; ties with
-    the last kept token are kept too). `p` is one value for every row or one per row; 1.0: untouched."""
-    rows = logits if logits.dim() == 2 else logits.unsqueeze(0)
-    ps = [p] * rows.shape[0] if isinstance(p, (int, float)) else list(p)
-    active = [i for i, pp in enumerate(ps) if pp < 1.0]
-    if not active:
-        return logits
-    x = rows[active] if len(active) < len(ps) else rows
-    probs = x.softmax(dim=-1)
-    target = torch.tensor([ps[i] for i in active], device=x.device, dtype=probs.dtype).unsqueeze(-1)
-    vocab = x.shape[-1]
-    k = min(_NUCLEUS_FIRST_K, vocab)
-    while True:
-        top = torch.topk(probs, k, dim=-1).values  # descending: a prefix of the fully sorted row
-        kept = ((top.cumsum(dim=-1) - top) < target).sum(dim=-1, keepdim=True).clamp(min=1)
-        if k == vocab or bool((kept < k).all()):  # every nucleus ends inside the top k
-            break
-        k = min(vocab, k * 8)
-    threshold = top.gather(-1, kept - 1)
-    masked = x.masked_fill(probs < threshold, float("-inf"))
-    if len(active) == len(ps):
-        return masked.view_as(logits)
-    out = rows.clone()
-    out[active] = masked
-    return out.view_as(logits)
+FIRST_CANDIDATES = 256
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -64,22 +19,70 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """One token per row of logits [N, V] (fp32)."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        chosen = [params[i] for i in rows]
-        x = logits[rows] / torch.tensor([p.temperature for p in chosen], device=logits.device).unsqueeze(-1)
-        x = apply_top_p(apply_top_k(x, [p.top_k for p in chosen]), [p.top_p for p in chosen])
-        tokens[rows] = _inverse_cdf(x.softmax(dim=-1), [generators[i] for i in rows])
+    if not rows:
+        return tokens.tolist()
+    chosen = [params[i] for i in rows]
+    vocab = logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in chosen], device=logits.device).unsqueeze(-1)
+    probs = (_take(logits, rows) / temperature).softmax(dim=-1)
+    u = _uniforms([generators[i] for i in rows]).to(probs.device)
+    filtered = [j for j, p in enumerate(chosen) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    plain = [j for j, p in enumerate(chosen) if not (0 < p.top_k < vocab or p.top_p < 1.0)]
+    picked = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+    if plain:
+        picked[plain] = _inverse_cdf(_take(probs, plain), u[plain])
+    if filtered:
+        picked[filtered] = _sample_candidates(_take(probs, filtered), [chosen[j].top_k for j in filtered],
+                                              [chosen[j].top_p for j in filtered], u[filtered])
+    tokens[rows] = picked
     return tokens.tolist()
 
 
-def _inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One index per row drawn from the row's distribution: the first whose cumulative mass exceeds u * total."""
-    # Seeded rows draw from their own (CPU) generator, so a seed gives the same draw whatever the batch or device.
+def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return t if len(rows) == t.shape[0] else t[rows]
+
+
+def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One U[0, 1) per row. A seeded row draws from its own (CPU) generator, so its draws do not depend on the
+    batch around it or on the device."""
     shared = torch.rand(len(generators))
-    u = torch.stack([torch.rand((), generator=g) if g is not None else shared[i] for i, g in enumerate(generators)])
+    return torch.stack([torch.rand((), generator=g) if g is not None else shared[i] for i, g in enumerate(generators)])
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative mass exceeds u * total (zero-probability tokens are never it)."""
     cdf = probs.cumsum(dim=-1)
-    target = (u.to(probs.device, probs.dtype) * cdf[:, -1]).unsqueeze(-1)
-    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # zero-probability tokens are never chosen
-    # Rounding can put the target at the very end of the row: fall back to the last token with mass.
-    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
-    return torch.minimum(index, last)
+    index = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).clamp(max=probs.shape[-1] - 1)
+    # u * total can round up to total (p ~ 1e-7): then the clamp may land on a zero-mass tail; take the mode.
+    hit_zero = probs.gather(-1, index) == 0
+    return torch.where(hit_zero, probs.argmax(dim=-1, keepdim=True), index).squeeze(-1)
+
+
+def candidate_mask(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted candidate probabilities with the dropped ones zeroed, their token ids), both [N, width].
+
+    Top-k keeps the k most likely tokens; top-p then keeps the smallest prefix of those whose renormalised mass
+    reaches p (always at least one token), as vLLM applies them."""
+    vocab = probs.shape[-1]
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
+    k_col = torch.tensor(ks, device=probs.device).unsqueeze(-1)
+    p_col = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=probs.device).unsqueeze(-1)
+    width = min(vocab, max([FIRST_CANDIDATES] + [k for k in ks if k < vocab]))
+    while True:
+        values, ids = torch.topk(probs, width, dim=-1)  # descending: a prefix of the fully sorted row
+        position = torch.arange(width, device=probs.device)
+        values = values.masked_fill(position >= k_col, 0.0)
+        mass = torch.where(k_col < vocab, values.sum(dim=-1, keepdim=True), torch.ones_like(values[:, :1]))
+        keep = ((values.cumsum(dim=-1) - values) < p_col * mass) & (position < k_col)
+        # A row's nucleus fits when its last candidate is dropped (or there are no more tokens to look at).
+        if width == vocab or not bool(keep[:, -1].any()):
+            return values.masked_fill(~keep, 0.0), ids
+        width = min(vocab, width * 8)
+
+
+def _sample_candidates(probs: torch.Tensor, top_k: list[int], top_p: list[float], u: torch.Tensor) -> torch.Tensor:
+    values, ids = candidate_mask(probs, top_k, top_p)
+    cdf = values.cumsum(dim=-1)
+    last_kept = (values > 0).sum(dim=-1, keepdim=True).clamp(min=1) - 1  # kept candidates are a prefix
+    position = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True)
+    return ids.gather(-1, torch.minimum(position, last_kept)).squeeze(-1)

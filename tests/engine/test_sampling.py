@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import SamplingParams
-from engine.sampling import apply_top_k, apply_top_p, sample
+from engine.sampling import FIRST_CANDIDATES, candidate_mask, sample
 
 NEG_INF = float("-inf")
 
@@ -16,8 +16,10 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def kept(logits: torch.Tensor) -> list[bool]:
-    return torch.isfinite(logits).tolist()
+def kept(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> set[int]:
+    """Token ids a row of logits may still sample after top-k and top-p."""
+    values, ids = candidate_mask(logits.unsqueeze(0).softmax(-1), [top_k], [top_p])
+    return set(ids[0][values[0] > 0].tolist())
 
 
 # ---- greedy ----------------------------------------------------------------------------------------
@@ -94,53 +96,68 @@ def test_seeded_row_does_not_depend_on_batch_neighbours():
 
 
 @pytest.mark.parametrize("k", [1, 2, 5, 9])
-def test_apply_top_k_keeps_exactly_the_k_largest(k):
+def test_top_k_keeps_exactly_the_k_largest(k):
     torch.manual_seed(k)
     logits = torch.randperm(10).float() * 0.5 - 2.0  # distinct values
-    out = apply_top_k(logits, k)
-    top = set(torch.topk(logits, k).indices.tolist())
-    assert {i for i, f in enumerate(kept(out)) if f} == top
-    assert all(out[i] == logits[i] for i in top)
-    assert all(out[i] == NEG_INF for i in range(10) if i not in top)
-
-
-def test_apply_top_k_rowwise():
-    logits = torch.tensor([[1.0, 5.0, 3.0, 2.0], [9.0, 0.0, 8.0, 7.0]])
-    assert kept(apply_top_k(logits, 2)) == [[False, True, True, False], [True, False, True, False]]
+    assert kept(logits, top_k=k) == set(torch.topk(logits, k).indices.tolist())
 
 
 @pytest.mark.parametrize("k", [0, -1, 4, 100])
-def test_apply_top_k_off(k):
-    logits = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    assert torch.equal(apply_top_k(logits, k), logits)
+def test_top_k_off(k):
+    assert kept(torch.tensor([1.0, 2.0, 3.0, 4.0]), top_k=k) == {0, 1, 2, 3}
 
 
 # ---- top-p -----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("p, expected", [
-    (0.5, [True, False, False, False]),
-    (0.8, [True, True, False, False]),
-    (0.81, [True, True, True, False]),
-    (0.97, [True, True, True, True]),
-    (1e-6, [True, False, False, False]),  # at least the top token
+    (0.5, {0}),
+    (0.8, {0, 1}),
+    (0.81, {0, 1, 2}),
+    (0.97, {0, 1, 2, 3}),
+    (1e-6, {0}),  # at least the top token
 ])
-def test_apply_top_p_minimal_nucleus(p, expected):
+def test_top_p_minimal_nucleus(p, expected):
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    assert kept(apply_top_p(probs.log(), p)) == expected
+    assert kept(probs.log(), top_p=p) == expected
 
 
-def test_apply_top_p_unsorted_input_and_rows():
-    probs = torch.tensor([[0.05, 0.3, 0.5, 0.15], [0.15, 0.05, 0.3, 0.5]])
-    out = apply_top_p(probs.log(), 0.81)
-    assert kept(out) == [[False, True, True, True], [True, False, True, True]]
-    finite = torch.isfinite(out)
-    assert torch.equal(out[finite], probs.log()[finite])  # kept logits unchanged
+def test_top_p_unsorted_input():
+    assert kept(torch.tensor([0.05, 0.3, 0.5, 0.15]).log(), top_p=0.81) == {1, 2, 3}
+    assert kept(torch.tensor([0.15, 0.05, 0.3, 0.5]).log(), top_p=0.81) == {0, 2, 3}
 
 
-def test_apply_top_p_one_is_off():
-    logits = torch.tensor([0.0, -50.0, 3.0])
-    assert torch.equal(apply_top_p(logits, 1.0), logits)
+def test_top_p_one_is_off():
+    assert kept(torch.tensor([0.0, -50.0, 3.0]), top_p=1.0) == {0, 1, 2}
+
+
+def test_top_p_renormalises_over_the_top_k():
+    # top_k 3 leaves probabilities ~[0.37, 0.33, 0.30]: top_p 0.5 then needs two of them (of the full softmax,
+    # the top token would hold less than half too, but the third would not be reached).
+    assert kept(torch.tensor([2.0, 1.9, 1.8, 1.7, -5.0, -5.0]), top_k=3, top_p=0.5) == {0, 1}
+    assert kept(torch.tensor([2.0, 1.9, 1.8, 1.7, -5.0, -5.0]), top_k=3, top_p=0.7) == {0, 1, 2}
+
+
+def _sorted_nucleus(logits: torch.Tensor, p: float) -> set[int]:
+    """Top-p by sorting the whole row: the textbook definition the sampler's candidate search must agree with."""
+    probs, order = torch.sort(logits.softmax(-1), descending=True)
+    return set(order[(probs.cumsum(-1) - probs) < p].tolist())
+
+
+@pytest.mark.parametrize("spread", [0.05, 1.0, 8.0])  # flat rows have nuclei far wider than the first candidates
+def test_per_row_settings_match_each_row_alone_and_the_full_sort(spread):
+    torch.manual_seed(6)
+    logits = torch.randn(5, 3000) * spread
+    ks, ps = [0, 7, 0, 2999, 0], [0.9, 1.0, 0.5, 0.999, 1e-6]
+    values, ids = candidate_mask(logits.softmax(-1), ks, ps)
+    for row, (k, p) in enumerate(zip(ks, ps)):
+        batched = set(ids[row][values[row] > 0].tolist())
+        assert batched == kept(logits[row], top_k=k, top_p=p)
+        if k == 0:
+            assert batched == _sorted_nucleus(logits[row], p)
+    assert len(set(ids[1][values[1] > 0].tolist())) == 7
+    if spread == 0.05:
+        assert values.shape[-1] > FIRST_CANDIDATES  # the nucleus of row 0 forced a wider search
 
 
 # ---- masks honoured when sampling ------------------------------------------------------------------
@@ -153,8 +170,7 @@ def test_sampling_stays_inside_top_k():
     p = SamplingParams(temperature=5.0, top_k=3, seed=0)  # hot: without the mask, others would show up
     g = gen(0)
     seen = {sample(logits, [p], [g])[0] for _ in range(300)}
-    assert seen <= allowed
-    assert len(seen) == 3
+    assert seen == allowed
 
 
 def test_sampling_stays_inside_top_p_nucleus():
@@ -177,14 +193,16 @@ def test_top_p_applies_to_the_temperature_scaled_distribution():
     assert {sample(logits, [p], [g])[0] for _ in range(200)} == {0}
 
 
-def test_top_k_and_top_p_combined():
+def test_top_k_and_top_p_combined_when_sampling():
     logits = torch.tensor([[2.0, 1.9, 1.8, 1.7, -5.0, -5.0]])
     p = SamplingParams(temperature=1.0, top_k=3, top_p=0.5, seed=0)
-    masked = apply_top_p(apply_top_k(logits[0], 3), 0.5)
-    allowed = {i for i, f in enumerate(kept(masked)) if f}
-    assert allowed == {0, 1}
     g = gen(0)
-    assert {sample(logits, [p], [g])[0] for _ in range(200)} == allowed
+    assert {sample(logits, [p], [g])[0] for _ in range(200)} == {0, 1}
+
+
+def _frequencies_match(counts: list[float], probs: list[float], n: int) -> None:
+    for c, q in zip(counts, probs):
+        assert abs(c / n - q) <= 5 * math.sqrt(q * (1 - q) / n) + 1e-9, (counts, probs)
 
 
 def test_sampled_frequencies_follow_the_distribution():
@@ -195,56 +213,32 @@ def test_sampled_frequencies_follow_the_distribution():
     counts = [0, 0, 0]
     for _ in range(n):
         counts[sample(probs.log().unsqueeze(0), [p], [g])[0]] += 1
-    for c, q in zip(counts, probs.tolist()):
-        assert abs(c / n - q) < 5 * math.sqrt(q * (1 - q) / n)
-
-
-# ---- batched rows with their own settings ----------------------------------------------------------
-
-
-def _sorted_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Top-p by sorting the whole row: the textbook definition the sampler's faster search must agree with."""
-    sorted_logits, order = torch.sort(logits, descending=True)
-    probs = sorted_logits.softmax(-1)
-    drop_sorted = (probs.cumsum(-1) - probs) >= p
-    return logits.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), NEG_INF)
-
-
-def test_per_row_top_k_matches_each_row_alone():
-    torch.manual_seed(5)
-    logits = torch.randn(4, 50)
-    ks = [1, 0, 7, 50]
-    out = apply_top_k(logits, ks)
-    for row, k in enumerate(ks):
-        assert torch.equal(out[row], apply_top_k(logits[row], k))
-    assert [int(torch.isfinite(r).sum()) for r in out] == [1, 50, 7, 50]
-
-
-@pytest.mark.parametrize("spread", [0.05, 1.0, 8.0])  # flat rows have nuclei far wider than the first search
-def test_per_row_top_p_matches_the_full_sort(spread):
-    torch.manual_seed(6)
-    logits = torch.randn(5, 3000) * spread
-    ps = [0.9, 1.0, 0.5, 0.999, 1e-6]
-    out = apply_top_p(logits, ps)
-    for row, p in enumerate(ps):
-        assert kept(out[row]) == kept(_sorted_top_p(logits[row], p) if p < 1 else logits[row])
-    assert torch.isfinite(out[1]).all()
+    _frequencies_match(counts, probs.tolist(), n)
 
 
 def test_batched_rows_each_follow_their_own_distribution():
     probs = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.1, 0.1, 0.3, 0.5]])
-    logits = probs.log()
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-              SamplingParams(temperature=1.0, top_k=2, seed=9)]
-    rows = logits[[0, 1, 1, 1]]
+              SamplingParams(temperature=1.0, top_k=2, seed=9), SamplingParams(temperature=1.0, top_p=0.75)]
+    rows = probs.log()[[0, 1, 1, 1, 1]]
     n = 2000
-    counts = torch.zeros(4, 4)
+    counts = torch.zeros(5, 4)
     g = gen(9)
     torch.manual_seed(7)
     for _ in range(n):
-        for row, token in enumerate(sample(rows, params, [None, None, None, g])):
+        for row, token in enumerate(sample(rows, params, [None, None, None, g, None])):
             counts[row, token] += 1
-    expected = [probs[0], torch.tensor([0.0, 0.0, 0.0, 1.0]), probs[1], torch.tensor([0.0, 0.0, 0.375, 0.625])]
+    expected = [probs[0].tolist(), [0, 0, 0, 1], probs[1].tolist(), [0, 0, 0.375, 0.625], [0, 0, 0.375, 0.625]]
     for row, q in enumerate(expected):
-        for c, qq in zip(counts[row].tolist(), q.tolist()):
-            assert abs(c / n - qq) <= 5 * math.sqrt(qq * (1 - qq) / n) + 1e-9, (row, counts[row])
+        _frequencies_match(counts[row].tolist(), q, n)
+
+
+def test_draws_at_the_ends_of_the_unit_interval_never_pick_a_zero_probability_token():
+    from engine.sampling import _inverse_cdf, _sample_candidates
+
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0]] * 2)
+    ends = torch.tensor([0.0, 1.0 - 2**-24])  # the smallest and largest values torch.rand returns
+    assert _inverse_cdf(probs, ends).tolist() == [1, 2]
+    assert _sample_candidates(probs, [0, 0], [0.99, 0.99], ends).tolist() == [1, 2]
+    # u * total rounding up to total: the clamp lands on the zero tail, and the draw falls back to the mode.
+    assert _inverse_cdf(probs, torch.tensor([1.0, 1.0])).tolist() == [1, 1]
