@@ -73,16 +73,20 @@ def prefill_attention(query, k_cache, v_cache, block_tables, starts: list[int], 
         q_len = q1 - q0
         if q_len <= 1:
             continue
-        k = _gather_context(k_cache, block_tables[b], ctx).transpose(0, 1)  # [Hkv, ctx, D]
-        v = _gather_context(v_cache, block_tables[b], ctx).transpose(0, 1)
-        q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
-        mask = torch.arange(ctx, device=query.device)[None, :] <= q_pos[:, None]
-        # GQA without enable_gqa (slow on CPU): the heads sharing a KV head are folded into the query axis.
+        # 4-d [1, heads, tokens, D] inputs: SDPA's fused CPU kernel takes only those (3-d fell back to the math
+        # path, 3-4x slower on long prompts). KV heads are repeated for GQA (enable_gqa is slower on CPU).
         group = n_heads // n_kv
-        q = query[q0:q1].transpose(0, 1).reshape(n_kv, group * q_len, -1)
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask.repeat(group, 1),
-                                           scale=scale)
-        out[q0:q1] = o.view(n_heads, q_len, -1).transpose(0, 1)
+        k, v = (_gather_context(c, block_tables[b], ctx).transpose(0, 1).to(query.dtype) for c in (k_cache, v_cache))
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+        q = query[q0:q1].transpose(0, 1)[None]
+        if ctx == q_len:  # the whole prompt in this chunk: plain causal, the kernel skips the masked half
+            o = F.scaled_dot_product_attention(q, k[None], v[None], is_causal=True, scale=scale)
+        else:  # a later chunk attends to everything cached before it, then causally within itself
+            q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
+            mask = torch.arange(ctx, device=query.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=mask, scale=scale)
+        out[q0:q1] = o[0].transpose(0, 1)
 
 
 # Decodes are sorted by context length and attended in groups of this many, each padded only to its own
