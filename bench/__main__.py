@@ -1,7 +1,8 @@
 """`python -m bench` (`make bench`): every benchmark of #9 in one run, then plots and the targets table.
 
 Each benchmark writes its own JSON under bench/results/; this runner adds summary.json (every target with its
-measured ratio and whether it was met) and prints the same table as Markdown, the one README shows.
+measured ratio and whether it was met) and prints the same table as Markdown, the one README shows. Benchmarks
+with no goal (prefill, sampling) add FIGURES: their ratios, listed after the targets.
 `--quick` runs tiny sizes to check the wiring (its figures mean nothing); `--only` picks benchmarks.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Callable
 
 from bench.report import RESULTS, write_result
 
-BENCHMARKS = ("throughput", "rerank", "mixed", "latency")
+BENCHMARKS = ("throughput", "rerank", "mixed", "latency", "prefill", "sampling")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,29 @@ TARGETS = (
 )
 
 
+# Figures without a goal: shown after the targets (ratio against a baseline of the same run, above 1: tandem faster).
+FIGURES = (
+    ("Prefill 1024 tokens (TTFT), transformers / tandem", "prefill", ("ratios", "tandem_1024")),
+    ("Prefill 4096 tokens (TTFT), transformers / tandem", "prefill", ("ratios", "tandem_4096")),
+    ("Prefill 4096 tokens in one chunk (TTFT), transformers / tandem", "prefill",
+     ("ratios", "tandem_one_chunk_4096")),
+    ("Sampler, real logits, slowest case: transformers / tandem", "sampling", ("min_ratio", "real")),
+    ("Sampler, random N(0, 3) logits, slowest case: transformers / tandem", "sampling", ("min_ratio", "random_n3")),
+)
+
+
+def figures_table(results: dict[str, dict]) -> tuple[list[dict], str]:
+    """The FIGURES that were measured (a figure whose benchmark did not run is left out)."""
+    rows, lines = [], ["| Figure | Measured |", "|---|---|"]
+    for name, source, path in FIGURES:
+        value = Target(name, source, path, goal=0.0).measured(results)
+        if value is None:
+            continue
+        rows.append({"figure": name, "measured": value, "source": f"bench/results/{source}.json"})
+        lines.append(f"| {name} | {value:.3g}x |")
+    return rows, "\n".join(lines) if rows else ""
+
+
 def targets_table(results: dict[str, dict]) -> tuple[list[dict], str]:
     rows, lines = [], ["| Target | Goal | Measured | Met |", "|---|---|---|---|"]
     for t in TARGETS:
@@ -105,10 +129,16 @@ def main(argv: list[str] | None = None) -> dict:
     from bench.plots import plot_all
 
     plots = [str(p) for p in plot_all(args.results)]
-    rows, table = targets_table(load_results(args.results))
-    summary = {"quick": args.quick, "threads": args.threads, "wall_s": wall, "targets": rows, "plots": plots}
+    results = load_results(args.results)
+    rows, table = targets_table(results)
+    figures, figures_md = figures_table(results)
+    summary = {"quick": args.quick, "threads": args.threads, "wall_s": wall, "targets": rows, "figures": figures,
+               "plots": plots}
     write_result(summary, args.results / "summary.json")
     print(table)
+    if figures_md:
+        print()
+        print(figures_md)
     return summary
 
 

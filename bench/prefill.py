@@ -1,0 +1,166 @@
+"""Long-prompt prefill (time to first token) vs transformers, every figure a ratio against a baseline timed in the
+same run.
+
+Guards the prefill attention path: it once ran through SDPA's math path and made a 4,000-token prompt 2.5x slower
+than transformers. Prompts are random token ids (seeded, special tokens left out), --lengths long (1024 and 4096),
+one new prompt per length and repetition, so tandem's prefix cache never hits (prefix caching stays on, the
+engine's default; every output's `cached_tokens` is recorded and must be 0).
+
+Systems, same model (the embedded SmolLM2, fp32) and torch threads (--threads):
+* tandem: `LLM(EngineConfig())` defaults (max_num_batched_tokens 512, so a long prompt is prefilled in chunks),
+  `generate(ids, SamplingParams(max_tokens=1, temperature=0))`, timed around the call (scheduling, forward, greedy
+  sampling, detokenizing one token).
+* tandem_one_chunk: the same with max_num_batched_tokens = the longest length, so the prompt is one chunk.
+* transformers: `AutoModelForCausalLM` (default_model_dir(), float32, its default attention implementation,
+  recorded as `transformers_attn_implementation`), one forward over the same ids under torch.inference_mode with
+  `logits_to_keep=1` (what `generate` does for its first token), then argmax of the last position. A bare forward
+  is a lower bound on `generate`'s time to first token, so it favours the baseline.
+
+Per repetition (--reps per length) every system runs the same prompt, the order rotating from one repetition to
+the next. Seconds per system are the minimum over repetitions (the median is recorded too); ratio =
+transformers_s / tandem_s (above 1: tandem is faster). Correctness beside speed: tandem's first token must equal
+transformers' argmax of the last position (or be within --logit-tol of its logit, a near tie); the run fails after
+writing its JSON if not. The JSON records the 1-minute load average and `contended` (above --threads + 1).
+Prints one JSON line and writes bench/results/prefill.json (or --out).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from bench.report import parse_bench_args, write_result
+from engine import LLM, EngineConfig, SamplingParams
+
+QUICK = dict(lengths=[32, 128], reps=2)
+BASELINE = "transformers"
+
+
+def prompt_ids(length: int, rep: int, seed: int, vocab: int, exclude: frozenset[int] = frozenset()) -> list[int]:
+    """`length` random token ids in [0, vocab) outside `exclude`, one fixed prompt per (seed, length, rep)."""
+    rng = random.Random(f"prefill:{seed}:{length}:{rep}")
+    out: list[int] = []
+    while len(out) < length:
+        t = rng.randrange(vocab)
+        if t not in exclude:
+            out.append(t)
+    return out
+
+
+def rotated(names: list[str], i: int) -> list[str]:
+    """The run order of repetition i: the list rotated by i, so each system goes first in turn."""
+    k = i % len(names)
+    return names[k:] + names[:k]
+
+
+def summarize(seconds: dict[str, list[float]], baseline: str = BASELINE) -> dict:
+    """Min and median seconds per system, and baseline / system for each other system (of minima and of medians)."""
+    mins = {n: min(s) for n, s in seconds.items()}
+    medians = {n: statistics.median(s) for n, s in seconds.items()}
+    others = [n for n in seconds if n != baseline]
+    return {"seconds": seconds, "min_s": mins, "median_s": medians,
+            "ratio": {n: mins[baseline] / mins[n] for n in others},
+            "ratio_of_medians": {n: medians[baseline] / medians[n] for n in others}}
+
+
+def first_token_check(last_logits: torch.Tensor, token: int, tol: float) -> dict:
+    """Compare a first token with the argmax of the reference's last-position logits [V]. `ok` when equal, or when
+    the token's logit is within `tol` of the maximum (a near tie that rounding may break either way)."""
+    top = torch.topk(last_logits.float(), 2)
+    best = int(top.indices[0])
+    gap = float(top.values[0] - last_logits[token])
+    return {"token": token, "reference_argmax": best, "match": token == best, "logit_gap": gap,
+            "reference_top2_margin": float(top.values[0] - top.values[1]), "ok": token == best or gap <= tol}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per length (distinct prompts)")
+    ap.add_argument("--logit-tol", type=float, default=1e-3)
+    args = parse_bench_args(ap, argv, "prefill", QUICK)
+    load = [os.getloadavg()[0]]
+
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.loader import default_model_dir
+
+    longest = max(args.lengths)
+    engines = {"tandem": LLM(EngineConfig(num_threads=args.threads)),
+               "tandem_one_chunk": LLM(EngineConfig(max_num_batched_tokens=longest, num_threads=args.threads))}
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    tokenizer = engines["tandem"].tokenizer
+    vocab = hf.config.vocab_size
+    exclude = frozenset(tokenizer.all_special_ids)
+    greedy_one = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def tandem(name):
+        def run(ids):
+            out = engines[name].generate([ids], greedy_one)[0]
+            return out.token_ids[0], out.cached_tokens
+        return run
+
+    @torch.inference_mode()
+    def transformers(ids):
+        logits = hf(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
+        return int(logits.argmax()), logits
+
+    systems = {"tandem": tandem("tandem"), "tandem_one_chunk": tandem("tandem_one_chunk"), BASELINE: transformers}
+    names = list(systems)
+    warm = prompt_ids(min(args.lengths), -1, args.seed, vocab, exclude)
+    for fn in systems.values():
+        fn(warm)
+
+    lengths, checks, cached, rep_index = {}, [], 0, 0
+    for length in args.lengths:
+        seconds: dict[str, list[float]] = {n: [] for n in names}
+        for rep in range(args.reps):
+            ids = prompt_ids(length, rep, args.seed, vocab, exclude)
+            outs = {}
+            for name in rotated(names, rep_index):
+                t = time.perf_counter()
+                outs[name] = systems[name](ids)
+                seconds[name].append(time.perf_counter() - t)
+            rep_index += 1
+            reference = outs[BASELINE][1]
+            for name in names:
+                if name != BASELINE:
+                    token, cached_tokens = outs[name]
+                    cached = max(cached, cached_tokens)
+                    checks.append({"length": length, "rep": rep, "system": name,
+                                   **first_token_check(reference, token, args.logit_tol)})
+            load.append(os.getloadavg()[0])
+        lengths[str(length)] = summarize(seconds)
+
+    ratios = {f"{n}_{length}": lengths[str(length)]["ratio"][n] for length in args.lengths
+              for n in names if n != BASELINE}
+    result = {
+        "workload": {"prompt": "random token ids, seeded, distinct per length and repetition", "lengths": args.lengths,
+                     "reps": args.reps, "max_tokens": 1, "sampling": "greedy", "prefix_caching": "on, never hits",
+                     "max_cached_tokens": cached},
+        "systems": {**{n: {"max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
+                           "enable_prefix_caching": llm.engine.config.enable_prefix_caching}
+                       for n, llm in engines.items()},
+                    BASELINE: {"attn_implementation": hf.config._attn_implementation, "logits_to_keep": 1}},
+        "transformers_attn_implementation": hf.config._attn_implementation,
+        "threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "seed": args.seed,
+        "quick": args.quick, "statistic": "min over repetitions", "lengths": lengths, "ratios": ratios,
+        "first_token": {"all_ok": all(c["ok"] for c in checks), "matches": sum(c["match"] for c in checks),
+                        "compared": len(checks), "checks": checks},
+        "load_avg_1min": load, "contended": max(load) > args.threads + 1,
+    }
+    write_result(result, args.out)
+    if cached:
+        raise AssertionError(f"the prefix cache served {cached} prompt tokens: prompts were meant to be distinct")
+    bad = [c for c in checks if not c["ok"]]
+    if bad:
+        raise AssertionError(f"tandem's first token differs from transformers' argmax: {bad}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
