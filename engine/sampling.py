@@ -62,22 +62,37 @@ def candidate_mask(probs: torch.Tensor, top_k: list[int], top_p: list[float]) ->
     """(sorted candidate probabilities with the dropped ones zeroed, their token ids), both [N, width].
 
     Top-k keeps the k most likely tokens; top-p then keeps the smallest prefix of those whose renormalised mass
-    reaches p (always at least one token), as vLLM applies them."""
+    reaches p (always at least one token), as vLLM applies them. Only the rows whose nucleus is wider than the
+    first search look further, so one flat row does not widen the work of the whole batch."""
     vocab = probs.shape[-1]
     ks = [k if 0 < k < vocab else vocab for k in top_k]
     k_col = torch.tensor(ks, device=probs.device).unsqueeze(-1)
     p_col = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=probs.device).unsqueeze(-1)
     width = min(vocab, max([FIRST_CANDIDATES] + [k for k in ks if k < vocab]))
-    while True:
-        values, ids = torch.topk(probs, width, dim=-1)  # descending: a prefix of the fully sorted row
-        position = torch.arange(width, device=probs.device)
-        values = values.masked_fill(position >= k_col, 0.0)
-        mass = torch.where(k_col < vocab, values.sum(dim=-1, keepdim=True), torch.ones_like(values[:, :1]))
-        keep = ((values.cumsum(dim=-1) - values) < p_col * mass) & (position < k_col)
-        # A row's nucleus fits when its last candidate is dropped (or there are no more tokens to look at).
-        if width == vocab or not bool(keep[:, -1].any()):
-            return values.masked_fill(~keep, 0.0), ids
+    values, ids, unfinished = _candidates(probs, k_col, p_col, width)
+    while width < vocab and bool(unfinished.any()):
         width = min(vocab, width * 8)
+        rows = unfinished.nonzero().squeeze(-1)
+        wider_values, wider_ids, still = _candidates(probs[rows], k_col[rows], p_col[rows], width)
+        values = torch.nn.functional.pad(values, (0, width - values.shape[-1]))
+        ids = torch.nn.functional.pad(ids, (0, width - ids.shape[-1]))
+        values[rows], ids[rows] = wider_values, wider_ids
+        unfinished = torch.zeros_like(unfinished)
+        unfinished[rows] = still
+    return values, ids
+
+
+def _candidates(probs: torch.Tensor, k_col: torch.Tensor, p_col: torch.Tensor,
+                width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """candidate_mask among each row's `width` most likely tokens, and which rows' nuclei may reach further."""
+    values, ids = torch.topk(probs, width, dim=-1)  # descending: a prefix of the fully sorted row
+    position = torch.arange(width, device=probs.device)
+    values = values.masked_fill(position >= k_col, 0.0)
+    mass = torch.where(k_col < probs.shape[-1], values.sum(dim=-1, keepdim=True), torch.ones_like(values[:, :1]))
+    keep = ((values.cumsum(dim=-1) - values) < p_col * mass) & (position < k_col)
+    # A row's nucleus is complete when its last candidate is dropped (or there are no more tokens to look at).
+    unfinished = keep[:, -1] if width < probs.shape[-1] else torch.zeros_like(keep[:, -1])
+    return values.masked_fill(~keep, 0.0), ids, unfinished
 
 
 def _sample_candidates(probs: torch.Tensor, top_k: list[int], top_p: list[float], u: torch.Tensor) -> torch.Tensor:

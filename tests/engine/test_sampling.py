@@ -242,3 +242,18 @@ def test_draws_at_the_ends_of_the_unit_interval_never_pick_a_zero_probability_to
     assert _sample_candidates(probs, [0, 0], [0.99, 0.99], ends).tolist() == [1, 2]
     # u * total rounding up to total: the clamp lands on the zero tail, and the draw falls back to the mode.
     assert _inverse_cdf(probs, torch.tensor([1.0, 1.0])).tolist() == [1, 1]
+
+
+def test_only_rows_with_wide_nuclei_search_further_and_every_row_stays_exact():
+    torch.manual_seed(8)
+    flat, peaked, medium = torch.randn(3000) * 0.05, torch.randn(3000) * 8, torch.randn(3000) * 2.0
+    logits = torch.stack([peaked, flat, medium, peaked])
+    ps = [0.9, 0.9, 0.95, 0.5]
+    values, ids = candidate_mask(logits.softmax(-1), [0, 0, 0, 3], ps)
+    assert values.shape[-1] > FIRST_CANDIDATES  # the flat row's nucleus needed more candidates
+    for row, p in enumerate(ps[:3]):
+        assert set(ids[row][values[row] > 0].tolist()) == _sorted_nucleus(logits[row], p)
+    assert set(ids[3][values[3] > 0].tolist()) == kept(peaked, top_k=3, top_p=0.5)
+    # Three widths: the peaked rows end in the first search, the medium one in the second, the flat one in the last.
+    assert len(_sorted_nucleus(peaked, 0.9)) < FIRST_CANDIDATES < len(_sorted_nucleus(medium, 0.95)) < 8 * FIRST_CANDIDATES
+    assert len(_sorted_nucleus(flat, 0.9)) > 8 * FIRST_CANDIDATES
