@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from bench.report import parse_bench_args, write_result
+from bench.report import parse_bench_args, rotated, write_result
 from engine import LLM, EngineConfig, SamplingParams
 
 QUICK = dict(lengths=[32, 128], reps=2)
@@ -49,12 +49,6 @@ def prompt_ids(length: int, rep: int, seed: int, vocab: int, exclude: frozenset[
         if t not in exclude:
             out.append(t)
     return out
-
-
-def rotated(names: list[str], i: int) -> list[str]:
-    """The run order of repetition i: the list rotated by i, so each system goes first in turn."""
-    k = i % len(names)
-    return names[k:] + names[:k]
 
 
 def summarize(seconds: dict[str, list[float]], baseline: str = BASELINE) -> dict:

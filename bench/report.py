@@ -28,6 +28,12 @@ def write_result(result: dict, path: Path) -> None:
     path.write_text(line + "\n")
 
 
+def rotated(names: list[str], i: int) -> list[str]:
+    """The run order of round i: the list rotated by i, so each system goes first in turn."""
+    k = i % len(names)
+    return names[k:] + names[:k]
+
+
 def percentile(values, q: float) -> float:
     """The q-th percentile (0-100) with linear interpolation between closest ranks (numpy's default); nan if empty."""
     xs = sorted(values)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import parse_bench_args, percentile, write_result
+from bench.report import parse_bench_args, percentile, rotated, write_result
 from bench.datasets import synthetic_rerank
 from bench.models import minilm_cross_encoder_dir
 from engine import LLM, EngineConfig, RerankParams
@@ -85,8 +85,7 @@ def run_interleaved(systems: dict, work: list) -> tuple[dict[str, list[float]], 
     seconds: dict[str, list[float]] = {n: [] for n in names}
     outputs: dict[str, list] = {n: [] for n in names}
     for qi, q in enumerate(work):
-        k = qi % len(names)
-        for name in names[k:] + names[:k]:
+        for name in rotated(names, qi):
             t = time.perf_counter()
             out = systems[name](q)
             seconds[name].append(time.perf_counter() - t)

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from bench.report import parse_bench_args, write_result
+from bench.report import parse_bench_args, rotated, write_result
 from engine.config import SamplingParams
 from engine.sampling import sample
 
@@ -141,7 +141,7 @@ def run_case(case: dict, logits: torch.Tensor, calls: int) -> dict:
     seconds: dict[str, list[float]] = {name: [] for name in names}
     draws: dict[str, list] = {name: [] for name in names}
     for i in range(calls):
-        for name in names[i % 2:] + names[:i % 2]:
+        for name in rotated(names, i):
             t = time.perf_counter()
             out = systems[name]()
             seconds[name].append(time.perf_counter() - t)

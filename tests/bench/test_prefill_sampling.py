@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench import prefill, sampling
+from bench.report import rotated
 from engine.config import SamplingParams
 from engine.sampling import sample
 
@@ -26,7 +27,7 @@ def test_prompt_ids_are_seeded_distinct_and_skip_specials():
 
 def test_rotation_puts_each_system_first_in_turn():
     names = ["tandem", "tandem_one_chunk", "transformers"]
-    orders = [prefill.rotated(names, i) for i in range(6)]
+    orders = [rotated(names, i) for i in range(6)]
     assert all(sorted(o) == sorted(names) for o in orders)
     assert [o[0] for o in orders] == names * 2
     assert orders[1] == ["tandem_one_chunk", "transformers", "tandem"]
