@@ -26,8 +26,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     temperature = torch.tensor([p.temperature for p in chosen], device=logits.device).unsqueeze(-1)
     probs = (_take(logits, rows) / temperature).softmax(dim=-1)
     u = _uniforms([generators[i] for i in rows]).to(probs.device)
-    filtered = [j for j, p in enumerate(chosen) if 0 < p.top_k < vocab or p.top_p < 1.0]
-    plain = [j for j, p in enumerate(chosen) if not (0 < p.top_k < vocab or p.top_p < 1.0)]
+    narrowed = [0 < p.top_k < vocab or p.top_p < 1.0 for p in chosen]
+    filtered = [j for j, n in enumerate(narrowed) if n]
+    plain = [j for j, n in enumerate(narrowed) if not n]
     picked = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
     if plain:
         picked[plain] = _inverse_cdf(_take(probs, plain), u[plain])

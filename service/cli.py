@@ -25,7 +25,8 @@ _ENGINE_FLAGS = [
     ("--num-kv-blocks", int, None, "KV blocks (overrides --kv-cache-bytes)"),
     ("--max-model-len", int, None, "context length cap"),
     ("--block-size", int, None, "tokens per KV block"),
-    ("--rerank-share", float, None, "share of a step's budget rerank gets while generation also waits"),
+    ("--rerank-share", float, None, "share of a step's token budget and free seats rerank pairs get while "
+                                     "generation waits or decodes"),
     ("--num-threads", int, None, "torch CPU threads"),
     ("--enforce-eager", "switch", None, "on CUDA, run decode steps eagerly instead of replaying captured CUDA "
                                         "graphs"),

@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from tests.gpu.engines import GREEDY, RERANK_DOCS, RERANK_QUERY, assert_idle, common_prefix, cuda_llm
+from tests.engine.conftest import assert_no_leaks
+from tests.gpu.engines import GREEDY, RERANK_DOCS, RERANK_QUERY, common_prefix, cuda_llm
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def test_greedy_follows_float32_for_the_first_tokens(bf16_llm, prompts, cpu_gree
     shared = [common_prefix(o.token_ids, want) for o, want in zip(outs, cpu_greedy)]
     assert sum(n >= min(3, len(want)) for n, want in zip(shared, cpu_greedy)) >= 5, (
         f"greedy tokens shared with float32, per prompt: {shared}")
-    assert_idle(bf16_llm)
+    assert_no_leaks(bf16_llm)
 
 
 def test_rerank_scores_are_finite_and_near_float32(bf16_llm, cpu_llm) -> None:
@@ -34,4 +35,4 @@ def test_rerank_scores_are_finite_and_near_float32(bf16_llm, cpu_llm) -> None:
     assert len(got) == len(RERANK_DOCS)
     assert all(math.isfinite(s) and 0.0 <= s <= 1.0 for s in got), got
     assert max(abs(a - b) for a, b in zip(got, want)) <= 0.1, (got, want)
-    assert_idle(bf16_llm)
+    assert_no_leaks(bf16_llm)

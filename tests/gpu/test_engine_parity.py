@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from tests.gpu.engines import GREEDY, RERANK_DOCS, RERANK_QUERY, assert_idle, common_prefix, cuda_llm
+from tests.engine.conftest import assert_no_leaks
+from tests.gpu.engines import GREEDY, RERANK_DOCS, RERANK_QUERY, common_prefix, cuda_llm
 
 
 @pytest.fixture(scope="module", params=["eager", "cuda_graphs"])
@@ -27,7 +28,7 @@ def test_greedy_tokens_match_cpu(gpu_llm, prompts, cpu_greedy) -> None:
     for i, (g, want) in enumerate(zip(got, cpu_greedy)):
         assert g == want, f"prompt {i} ({prompts[i][:40]!r}...): CUDA and CPU part at token {common_prefix(g, want)}"
     assert all(o.finish_reason in ("stop", "length") for o in outs)
-    assert_idle(gpu_llm)
+    assert_no_leaks(gpu_llm)
 
 
 def test_decode_steps_use_cuda_graphs_unless_eager(gpu_llm, prompts) -> None:
@@ -47,4 +48,4 @@ def test_rerank_scores_match_cpu(gpu_llm, cpu_llm) -> None:
     want = cpu_llm.rerank(RERANK_QUERY, RERANK_DOCS)
     assert len(got) == len(RERANK_DOCS) and all(math.isfinite(s) for s in got)
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-3, (got, want)
-    assert_idle(gpu_llm)
+    assert_no_leaks(gpu_llm)
