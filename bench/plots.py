@@ -5,6 +5,8 @@
 * steps_throughput.png, steps_mixed.png: batch composition per step over time, stacked decode / prefill / rerank
   tokens (the `steps` series of throughput.json and mixed.json).
 * mixed.png: decode TPOT p99 and rerank pairs/s, alone vs mixed per setting, with the targets (mixed.json).
+* rerank_quality.png: nDCG@10 (+- one standard error) per ranker per corpus, one panel per first-stage depth K,
+  with BM25's recall@K (the ceiling) as a dotted line (rerank_quality.json).
 
 `python -m bench.plots [results_dir]`.
 """
@@ -159,6 +161,43 @@ def plot_mixed(data: dict | None, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_rerank_quality(data: dict | None, path: Path) -> Path | None:
+    corpora = (data or {}).get("corpora")
+    ks = (data or {}).get("ks")
+    if not isinstance(corpora, dict) or not corpora or not isinstance(ks, list) or not ks:
+        return None
+    rankers = [r for r in data.get("rankers", []) if all(r in c.get(f"k{ks[0]}", {}) for c in corpora.values())]
+    if not rankers:
+        return None
+    plt = _plt()
+    names = list(corpora)
+    fig, axes = plt.subplots(1, len(ks), figsize=(6.5 * len(ks), 4.2), squeeze=False)
+    width = 0.8 / len(rankers)
+    colors = plt.get_cmap("tab10").colors
+    default = data.get("default_mode")
+    for ax, k in zip(axes[0], ks):
+        for j, r in enumerate(rankers):
+            rows = [corpora[n][f"k{k}"][r] for n in names]
+            xs = [i + (j - (len(rankers) - 1) / 2) * width for i in range(len(names))]
+            label = r + (" (default)" if r == default else "")
+            label += " (seeded head: floor)" if r == "cross-encoder" else ""
+            bars = ax.bar(xs, [m["ndcg@10"] for m in rows], width, yerr=[m["ndcg@10_stderr"] for m in rows],
+                          capsize=2, color=colors[j % len(colors)], label=label)
+            ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=2)
+        for i, n in enumerate(names):
+            ceiling = corpora[n][f"k{k}"].get("bm25_recall", {}).get("recall")
+            if isinstance(ceiling, (int, float)):
+                ax.hlines(ceiling, i - 0.45, i + 0.45, colors="black", linestyles=":", lw=1,
+                          label="BM25 recall@K (ceiling)" if i == 0 else None)
+        queries = sorted({corpora[n][f"k{k}"][rankers[0]]["queries"] for n in names})
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylim(0, 1.1)
+        ax.set_ylabel("nDCG@10")
+        ax.set_title(f"rerank BM25 top {k} ({'/'.join(map(str, queries))} queries per corpus)")
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    return _save(fig, path)
+
+
 def plot_all(results_dir: Path = RESULTS) -> list[Path]:
     """Every plot whose inputs exist under `results_dir`; returns the PNG paths written."""
     results_dir = Path(results_dir)
@@ -167,6 +206,7 @@ def plot_all(results_dir: Path = RESULTS) -> list[Path]:
     mixed = _load(results_dir / "mixed.json")
     latency = _load(results_dir / "latency.json")
     written = [
+        plot_rerank_quality(_load(results_dir / "rerank_quality.json"), results_dir / "rerank_quality.png"),
         plot_throughput(_generation_systems(throughput), _rerank_systems(rerank), results_dir / "throughput.png"),
         plot_latency(latency, results_dir / "latency.png"),
         plot_steps((throughput or {}).get("steps"), "generation throughput run: batch composition per step",
