@@ -1,8 +1,8 @@
 """Mixed load on one engine: does a rerank flood hurt streaming decode, and does decode starve the flood?
 
 Three phases on ONE engine (the embedded SmolLM2 for generation; the reranker is the MiniLM-L6 cross-encoder of
-bench/models.py by default, the small model that sits beside an LLM in a retrieval deployment, or the LLM itself as
-a yes/no judge with --reranker llm):
+bench/models.py by default, the small model that sits beside an LLM in a retrieval deployment, or the LLM itself
+with --reranker judge|likelihood):
 
 (a) decode alone: --requests AlpacaEval chat requests (greedy, EOS ignored, up to --max-output-tokens each), all
     submitted at once. Time per output token (TPOT) = the time between consecutive tokens of one request, each
@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--docs", type=int, default=50, help="documents per rerank query")
     ap.add_argument("--min-doc-tokens", type=int, default=16)
     ap.add_argument("--max-doc-tokens", type=int, default=400)
-    ap.add_argument("--reranker", choices=["cross-encoder", "llm"], default="cross-encoder")
+    ap.add_argument("--reranker", choices=["cross-encoder", "judge", "likelihood"], default="cross-encoder",
+                    help="rerank mode: the MiniLM cross-encoder, or the embedded LLM as judge / query likelihood")
     ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=128,
                     help="engine seats; rerank pairs take seats too, so --requests seats would leave the flood one "
@@ -291,11 +292,12 @@ def main(argv: list[str] | None = None) -> dict:
             from bench.models import minilm_cross_encoder_dir
 
             reranker = str(minilm_cross_encoder_dir(Path(tmp) / "minilm_ce"))
-        llm = LLM(EngineConfig(reranker=reranker, max_num_batched_tokens=args.budget,
+        llm = LLM(EngineConfig(reranker=reranker, rerank_mode=None if reranker else args.reranker,
+                               max_num_batched_tokens=args.budget,
                                max_num_seqs=args.max_num_seqs, kv_cache_bytes=512 * 2**20,
                                rerank_share=args.rerank_shares[0], num_threads=args.threads))
         engine = llm.engine
-        rr_tok = engine.cross_encoder.tokenizer if engine.cross_encoder is not None else llm.tokenizer
+        rr_tok = engine.scorer.tokenizer
         reqs = alpaca_eval_chat(llm.tokenizer, args.requests, args.max_output_tokens, seed=args.seed)
         queries = synthetic_rerank(rr_tok, args.queries, args.docs, args.min_doc_tokens, args.max_doc_tokens,
                                    args.seed)
@@ -360,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "rerank": "synthetic_rerank", "queries": len(queries), "docs_per_query": args.docs,
                      "doc_tokens": [args.min_doc_tokens, args.max_doc_tokens]},
         "reranker": ("MiniLM-L6 cross-encoder (bench/models.py)" if args.reranker == "cross-encoder"
-                     else "SmolLM2 judge (LLM as reranker)"),
+                     else f"SmolLM2 {args.reranker} (LLM as reranker)"),
         "threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "budget": args.budget,
         "max_num_seqs": args.max_num_seqs, "seed": args.seed, "quick": args.quick,
         "decode_alone": decode, "rerank_alone": rerank,

@@ -2,7 +2,7 @@
 from engine.config import EngineConfig, RerankParams, SamplingParams
 from engine.engine import LLMEngine
 from engine.llm import LLM
-from engine.outputs import RequestOutput, StepOutput, StepRecord
+from engine.outputs import RequestOutput, RerankResult, StepOutput, StepRecord
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RerankParams",
-           "RequestOutput", "StepOutput", "StepRecord"]
+           "RequestOutput", "RerankResult", "StepOutput", "StepRecord"]

@@ -6,10 +6,17 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 
+RERANK_MODES = ("likelihood", "judge", "cross-encoder")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # Hugging Face directory of a Llama-family model; None: embedded SmolLM2
-    reranker: str | None = None  # cross-encoder directory; None: the causal LM judges relevance
+    reranker: str | None = None  # cross-encoder directory; None: the causal LM scores pairs (rerank_mode)
+    # How pairs are scored: "likelihood" (query likelihood, the default for a causal LM), "judge" (yes/no prompt,
+    # for Qwen3-Reranker-style checkpoints) or "cross-encoder" (needs reranker=DIR); None: the default for what is
+    # loaded (cross-encoder when reranker is set, else likelihood).
+    rerank_mode: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
     block_size: int = 16
@@ -41,6 +48,13 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.rerank_mode is not None and self.rerank_mode not in RERANK_MODES:
+            raise ValueError(f"rerank_mode must be one of {', '.join(RERANK_MODES)}, got {self.rerank_mode!r}")
+        if self.rerank_mode == "cross-encoder" and not self.reranker:
+            raise ValueError("rerank_mode 'cross-encoder' needs reranker=DIR (a sequence-classification model)")
+        if self.reranker and self.rerank_mode not in (None, "cross-encoder"):
+            raise ValueError(f"reranker={self.reranker!r} is a cross-encoder; rerank_mode {self.rerank_mode!r} "
+                             "scores with the LLM: leave one of them unset")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
 
@@ -95,7 +109,7 @@ class RerankParams:
     top_n: int | None = None  # None: all documents
     truncate: Literal["end", "none"] = "end"  # "end": cut the document to fit; "none": reject
     return_documents: bool = False
-    instruction: str | None = None  # None: the default relevance instruction
+    instruction: str | None = None  # None: the mode's default instruction (judge, likelihood)
     priority: int = 0
 
     def __post_init__(self) -> None:

@@ -19,7 +19,7 @@ from engine.models.llama import LlamaArgs, LlamaForCausalLM
 from engine.models.loader import load_state_dict, read_config, resolve_model_dir
 from engine.outputs import StepOutput, StepRecord
 from engine.request import Sequence, SequenceStatus, SeqKind
-from engine.rerank import JudgePrompt, RerankJob
+from engine.rerank import RerankJob, build_scorer
 from engine.runner import DTYPES, ModelRunner, RunnerOutput
 from engine.scheduler import Batch, Scheduler
 
@@ -55,7 +55,9 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, config.dtype)
+        self.scorer = build_scorer(config, self.tokenizer, self.model)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.device, config.dtype,
+                                  self.scorer)
         kernels.prepare(config.device, DTYPES[config.dtype])
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             started = time.monotonic()
@@ -64,14 +66,6 @@ class LLMEngine:
                 log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
                          self.runner.decode_graphs.sizes, time.monotonic() - started)
         self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer)
-        self._judge: JudgePrompt | None = None
-        self.cross_encoder = None
-        if config.reranker:
-            from engine.models.encoder_loader import CrossEncoder
-
-            self.cross_encoder = CrossEncoder.from_pretrained(resolve_model_dir(config.reranker), config.device,
-                                                              DTYPES[config.dtype])
-            self.runner.cross_encoder = self.cross_encoder
         self._requests: dict[str, Generation | RerankJob] = {}
         self._arrivals = itertools.count()
         self._pending: list[StepOutput] = []
@@ -115,48 +109,21 @@ class LLMEngine:
             raise ValueError("documents must all be strings")
         job = RerankJob(request_id, query, list(documents), params, arrival_time=time.monotonic(),
                         scores=[None] * len(documents), remaining=len(documents))
-        if self.cross_encoder is not None:
-            pairs = self._encoder_pairs(query, job.documents, params)
-        else:
-            pairs = [(ids, None) for ids in self._judge_pairs(query, job.documents, params)]
-        share_prefix = self.cross_encoder is None and self.config.enable_prefix_caching
-        for i, (ids, types) in enumerate(pairs):
-            pair = Sequence(request_id=request_id, token_ids=ids, num_prompt_tokens=len(ids), params=params,
-                            arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.RERANK,
-                            priority=params.priority, owner=job, pair_index=i,
-                            wait_for=job.pairs[0] if job.pairs and share_prefix else None,
-                            uses_kv=self.cross_encoder is None, token_type_ids=types)
-            job.pairs.append(pair)
+        scorer = self.scorer
+        # A pair is atomic: it must fit one step's budget, and (through the LLM) the context.
+        limit = min(self.max_model_len - 1, self.scheduler.budget) if scorer.runs_on_llm else self.scheduler.budget
+        pairs, shared = scorer.pairs(query, job.documents, params, limit)
+        # Later pairs wait for the first when it fills at least one full block of their shared prefix.
+        wait = scorer.runs_on_llm and self.config.enable_prefix_caching and shared >= self.config.block_size
+        for i, pair in enumerate(pairs):
+            job.pairs.append(Sequence(
+                request_id=request_id, token_ids=pair.token_ids, num_prompt_tokens=len(pair.token_ids),
+                params=params, arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.RERANK,
+                priority=params.priority, job=job, pair_index=i, wait_for=job.pairs[0] if job.pairs and wait else None,
+                uses_kv=scorer.runs_on_llm, token_type_ids=pair.token_type_ids, logprob_start=pair.logprob_start))
         self._requests[request_id] = job
         for pair in job.pairs:
             self.scheduler.add(pair)
-
-    def _encoder_pairs(self, query: str, documents: list[str], params: RerankParams):
-        # A pair is atomic, so it must also fit one step's token budget.
-        return self.cross_encoder.tokenize_pairs(query, documents, max_length=self.scheduler.budget,
-                                                 truncate=params.truncate)
-
-    def _judge_pairs(self, query: str, documents: list[str], params: RerankParams) -> list[list[int]]:
-        if self._judge is None:
-            self._judge = JudgePrompt(self.tokenizer)
-            self.runner.judge_token_ids = (self._judge.yes_id, self._judge.no_id)
-        prefix, suffix = self._judge.split(query, params.instruction)
-        # A pair is atomic: it must fit one step's budget as well as the context.
-        limit = min(self.max_model_len - 1, self.scheduler.budget)
-        room = limit - len(prefix) - len(suffix)
-        if room < 1:
-            raise ValueError(f"query is too long: the rendered prompt leaves no room for a document "
-                             f"(limit {limit} tokens)")
-        pairs = []
-        for i, doc in enumerate(documents):
-            doc_ids = self._judge.document_ids(doc)
-            if len(doc_ids) > room:
-                if params.truncate == "none":
-                    raise ValueError(f"documents[{i}] with the query is {len(prefix) + len(doc_ids) + len(suffix)} "
-                                     f"tokens, over the limit of {limit}; shorten it or use truncate='end'")
-                doc_ids = doc_ids[:room]
-            pairs.append(prefix + doc_ids + suffix)
-        return pairs
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks are freed now, its final output comes with the next step."""
@@ -203,6 +170,7 @@ class LLMEngine:
             "device": self.config.device,
             "dtype": self.config.dtype,
             "reranker": str(self.config.reranker) if self.config.reranker else "llm",
+            "rerank_mode": self.scorer.mode,
         }
 
     # ---- the step ------------------------------------------------------------------------------
@@ -259,7 +227,7 @@ class LLMEngine:
         return outputs
 
     def _record_score(self, pair: Sequence, score: float) -> list[StepOutput]:
-        job: RerankJob = pair.owner
+        job = pair.job
         self.scheduler.finish(pair, SequenceStatus.FINISHED_STOPPED)
         job.scores[pair.pair_index] = score
         job.remaining -= 1

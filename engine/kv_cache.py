@@ -97,8 +97,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or seq.block_table:
             return 0
         bs = self.block_size
-        # At least one token must be computed to get logits, so the last token is never a hit.
-        max_blocks = (seq.num_tokens - 1) // bs
+        max_blocks = seq.num_cacheable_tokens // bs
         parent = None
         for i in range(max_blocks):
             h = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs])

@@ -5,7 +5,7 @@ import itertools
 
 from engine.config import EngineConfig, RerankParams, SamplingParams
 from engine.engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, RerankResult, rank_scores
 
 
 class LLM:
@@ -28,8 +28,13 @@ class LLM:
             conversations = [conversations]
         return self._run([dict(messages=c) for c in conversations], params)
 
-    def rerank(self, query: str, documents: list[str], params: RerankParams | None = None) -> list[float]:
-        """Relevance scores of documents for the query, in input order."""
+    def rerank(self, query: str, documents: list[str], params: RerankParams | None = None, *,
+               ranked: bool = False) -> list[float] | list[RerankResult]:
+        """Relevance scores of documents for the query, in input order; with ranked=True the answer the service
+        gives: RerankResult(index, score, document) sorted by score, at most params.top_n, documents included with
+        params.return_documents (those two shape only a ranked answer, so without ranked=True they are rejected)."""
+        if params is not None and not ranked and (params.top_n is not None or params.return_documents):
+            raise ValueError("top_n and return_documents shape a ranked answer: call rerank(..., ranked=True)")
         request_id = f"rerank-{next(self._ids)}"
         self.engine.add_rerank(request_id, query, documents, params)
         scores = None
@@ -39,7 +44,10 @@ class LLM:
                     if out.error:
                         raise RuntimeError(out.error)
                     scores = out.scores
-        return scores
+        if not ranked:
+            return scores
+        params = params or RerankParams()
+        return rank_scores(scores, documents, params.top_n, params.return_documents)
 
     def _run(self, requests: list[dict], params) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):

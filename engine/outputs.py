@@ -35,6 +35,21 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class RerankResult:
+    """One document of a ranked rerank answer, as `LLM.rerank(..., ranked=True)` and the service return it."""
+    index: int  # position in the request's documents
+    score: float
+    document: str | None = None  # with RerankParams(return_documents=True)
+
+
+def rank_scores(scores: list[float], documents: list[str], top_n: int | None,
+                return_documents: bool) -> list[RerankResult]:
+    """Highest score first (ties keep input order), at most top_n."""
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:top_n]
+    return [RerankResult(i, scores[i], documents[i] if return_documents else None) for i in order]
+
+
+@dataclass(slots=True)
 class StepRecord:
     """What one engine step did; the service turns it into a span and metrics."""
     step: int

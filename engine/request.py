@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.config import RerankParams, SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+    from engine.rerank.job import RerankJob
 
 
 class SequenceStatus(enum.IntEnum):
@@ -64,11 +66,21 @@ class Sequence:
     first_scheduled_time: float | None = None  # time.monotonic() when it first rode in a step
     first_token_time: float | None = None
     generator: "torch.Generator | None" = None
-    owner: Any = None  # the request state (generation or rerank job) this sequence belongs to
+    job: "RerankJob | None" = None  # rerank: the request this pair belongs to
     pair_index: int = 0  # rerank: which document
     wait_for: "Sequence | None" = None  # admitted only after this one finishes (it fills the shared prefix)
     uses_kv: bool = True  # False for cross-encoder pairs: no KV blocks at all
     token_type_ids: list[int] | None = None  # cross-encoder segment ids
+    # Prompt positions from here on get their token's log-probability computed (query likelihood); positions
+    # before it may come from the prefix cache, the ones after may not (a cached position has no logits).
+    logprob_start: int | None = None
+    prompt_logprobs: list[float] = field(default_factory=list)  # of tokens logprob_start.., as computed
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """Leading tokens the prefix cache may serve: at least one token (and every scored position's predecessor)
+        must be computed."""
+        return (self.num_tokens if self.logprob_start is None else self.logprob_start) - 1
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import Capture, DecodeGraphs, try_capture
 from engine.models.llama import LlamaForCausalLM
+from engine.rerank.scorer import PairScorer
 from engine.request import Sequence, SeqKind
 from engine.sampling import sample
 from engine.scheduler import Batch
@@ -30,11 +31,17 @@ class PreparedBatch:
     meta: AttentionMetadata
     last_token_rows: list[int]  # flat index of the last token of each sequence that completes
     completing: list[int]  # batch positions of those sequences
+    logprob_rows: list[int]  # flat rows whose hidden state predicts a prompt token whose log-probability is asked
+    logprob_targets: list[int]  # that token, per row
+    logprob_owners: list[int]  # batch position of the row's sequence
 
 
 class ModelRunner:
+    # Rows of prompt log-probabilities computed at once: bounds the [rows, vocab] logits a step materialises.
+    LOGPROB_CHUNK = 256
+
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: str, dtype: str,
-                 judge_token_ids: tuple[int, int] | None = None) -> None:
+                 scorer: PairScorer | None = None) -> None:
         a = model.args
         self.model = model
         self.block_size = block_size
@@ -42,8 +49,7 @@ class ModelRunner:
         self.kv_caches = torch.zeros(
             (a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim),
             dtype=DTYPES[dtype], device=self.device)
-        self.judge_token_ids = judge_token_ids  # ("yes", "no") ids for LLM-as-reranker scores
-        self.cross_encoder = None  # set when the engine serves a cross-encoder reranker
+        self.scorer = scorer  # the rerank mode: scores finished rerank pairs
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
     def capture_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: Capture) -> bool:
@@ -67,6 +73,9 @@ class ModelRunner:
         tables: list[list[int]] = []
         last_rows: list[int] = []
         completing: list[int] = []
+        lp_rows: list[int] = []
+        lp_targets: list[int] = []
+        lp_owners: list[int] = []
         for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
@@ -79,6 +88,13 @@ class ModelRunner:
             if end == seq.num_tokens:
                 last_rows.append(query_start[-1] - 1)
                 completing.append(i)
+            if seq.logprob_start is not None:
+                # The hidden state at position p predicts the token at p + 1.
+                first, stop = max(start, seq.logprob_start - 1), min(end, seq.num_prompt_tokens - 1)
+                row0 = query_start[-2] - start
+                lp_rows.extend(range(row0 + first, row0 + stop))
+                lp_targets.extend(seq.token_ids[first + 1:stop + 1])
+                lp_owners.extend([i] * max(0, stop - first))
         width = max(len(t) for t in tables)
         dev = self.device
         meta = AttentionMetadata(
@@ -90,22 +106,22 @@ class ModelRunner:
         return PreparedBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta=meta, last_token_rows=last_rows, completing=completing)
+            meta=meta, last_token_rows=last_rows, completing=completing,
+            logprob_rows=lp_rows, logprob_targets=lp_targets, logprob_owners=lp_owners)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> RunnerOutput:
         sampled: list[int | None] = [None] * len(batch)
         scores: list[float | None] = [None] * len(batch)
         llm_rows = [i for i, s in enumerate(batch.seqs) if s.uses_kv]
-        encoder_rows = [i for i, s in enumerate(batch.seqs) if not s.uses_kv]
+        own_rows = [i for i, s in enumerate(batch.seqs) if not s.uses_kv]  # pairs the scorer's own model runs
         clock = ForwardClock(self.device)
         if llm_rows:
             self._run_llm(batch, llm_rows, sampled, scores, clock)
-        if encoder_rows:
-            pairs = [(batch.seqs[i].token_ids, batch.seqs[i].token_type_ids) for i in encoder_rows]
+        if own_rows:
             with clock:
-                encoder_scores = self.cross_encoder.score(pairs)
-            for i, score in zip(encoder_rows, encoder_scores):
+                own_scores = self.scorer.score([batch.seqs[i] for i in own_rows], None)
+            for i, score in zip(own_rows, own_scores):
                 scores[i] = score
         return RunnerOutput(sampled=sampled, scores=scores, forward_s=clock.seconds())
 
@@ -119,11 +135,13 @@ class ModelRunner:
                 hidden = self.decode_graphs.run(prepared.input_ids, prepared.positions, prepared.meta)
             if hidden is None:
                 hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
-        gen_rows, gen_seqs, judge_rows, judge_seqs = [], [], [], []
+            if prepared.logprob_rows:
+                self._add_prompt_logprobs(hidden, prepared, seqs)
+        gen_rows, gen_seqs, pair_rows, pair_seqs = [], [], [], []
         for row, j in zip(prepared.last_token_rows, prepared.completing):
             if seqs[j].kind is SeqKind.RERANK:
-                judge_rows.append(row)
-                judge_seqs.append(rows[j])
+                pair_rows.append(row)
+                pair_seqs.append(rows[j])
             else:
                 gen_rows.append(row)
                 gen_seqs.append(rows[j])
@@ -134,17 +152,21 @@ class ModelRunner:
             tokens = sample(logits, [s.params for s in chosen], [s.generator for s in chosen])
             for i, t in zip(gen_seqs, tokens):
                 sampled[i] = t
-        if judge_rows:
-            for i, s in zip(judge_seqs, self.judge_scores(hidden[judge_rows])):
+        if pair_rows:
+            for i, s in zip(pair_seqs, self.scorer.score([batch.seqs[i] for i in pair_seqs], hidden[pair_rows])):
                 scores[i] = s
 
-    def judge_scores(self, hidden: torch.Tensor) -> list[float]:
-        """P(yes) / (P(yes) + P(no)) from the last position, using only the two lm_head rows needed."""
-        if self.judge_token_ids is None:
-            raise RuntimeError("no judge tokens configured for LLM reranking")
-        weight = self.model.lm_head.weight[list(self.judge_token_ids)]  # [2, hidden]
-        logits = (hidden @ weight.T).float()
-        return logits.softmax(dim=-1)[:, 0].tolist()
+    def _add_prompt_logprobs(self, hidden: torch.Tensor, prepared: PreparedBatch, seqs: list[Sequence]) -> None:
+        """Append to each sequence's prompt_logprobs the log-probabilities of the prompt tokens this chunk predicts:
+        the LM head runs on those rows only, never on the whole batch."""
+        values: list[float] = []
+        for lo in range(0, len(prepared.logprob_rows), self.LOGPROB_CHUNK):
+            rows = prepared.logprob_rows[lo:lo + self.LOGPROB_CHUNK]
+            targets = torch.tensor(prepared.logprob_targets[lo:lo + self.LOGPROB_CHUNK], device=hidden.device)
+            logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
+            values.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
+        for owner, value in zip(prepared.logprob_owners, values):
+            seqs[owner].prompt_logprobs.append(value)
 
 
 class ForwardClock:

@@ -237,6 +237,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.prompt_logprobs.clear()  # recomputed with the prompt
         seq.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(seq)

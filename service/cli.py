@@ -16,7 +16,9 @@ from service import cluster  # no torch: it only starts `tandem serve` processes
 # (flag, type, default, help). The engine's own defaults apply where the default is None.
 _ENGINE_FLAGS = [
     ("--model", str, None, "Hugging Face directory of a Llama-family model (default: embedded SmolLM2-135M)"),
-    ("--reranker", str, None, "cross-encoder directory (default: the LLM judges relevance)"),
+    ("--reranker", str, None, "cross-encoder directory (default: the LLM scores pairs, see --rerank-mode)"),
+    ("--rerank-mode", str, None, "likelihood | judge | cross-encoder: how rerank pairs are scored (default: "
+                                 "cross-encoder with --reranker, else likelihood)"),
     ("--device", str, None, "cpu | cuda | cuda:N"),
     ("--dtype", str, None, "float32 | float16 | bfloat16"),
     ("--max-num-batched-tokens", int, None, "token budget of one engine step"),

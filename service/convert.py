@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine import RerankParams, SamplingParams
-from engine.outputs import StepOutput
+from engine.outputs import StepOutput, rank_scores
 from proto import tandem_pb2 as pb
 from service.errors import ServiceError, invalid
 from service.lifecycle import RequestLifecycle
@@ -70,9 +70,6 @@ def request_error(error: ServiceError) -> pb.RequestError:
 def rerank_response(client_id: str, out: StepOutput, documents: list[str], params: RerankParams,
                     lc: RequestLifecycle) -> pb.RerankResponse:
     """Results sorted by score (ties by input index), cut to top_n, documents attached on request."""
-    order = sorted(range(len(out.scores)), key=lambda i: (-out.scores[i], i))
-    if params.top_n is not None:
-        order = order[:params.top_n]
-    results = [pb.RerankResult(index=i, score=out.scores[i],
-                               document=documents[i] if params.return_documents else None) for i in order]
+    results = [pb.RerankResult(index=r.index, score=r.score, document=r.document)
+               for r in rank_scores(out.scores, documents, params.top_n, params.return_documents)]
     return pb.RerankResponse(request_id=client_id, results=results, usage=usage(lc))

@@ -219,7 +219,8 @@ class TandemServicer:
             model=info.get("model", ""), served_names=sorted(n for n in self.served_names if n),
             architecture=info.get("architecture", ""), max_model_len=info.get("max_model_len", 0),
             block_size=info.get("block_size", 0), kv_blocks_total=info.get("kv_blocks_total", 0),
-            reranker=info.get("reranker", ""), device=info.get("device", ""), dtype=info.get("dtype", ""),
+            reranker=info.get("reranker", ""), rerank_mode=info.get("rerank_mode", ""),
+            device=info.get("device", ""), dtype=info.get("dtype", ""),
             replica=self.replica,
             limits=pb.Limits(max_waiting=self.bridge.max_waiting, max_documents=self.limits.max_documents,
                              max_message_bytes=self.limits.max_message_bytes))

@@ -1,18 +1,17 @@
-"""Load a cross-encoder from a Hugging Face directory; tokenize (query, document) pairs; score packed batches."""
+"""Load a cross-encoder from a Hugging Face directory and score packed batches of tokenized pairs (the rerank mode
+that builds the pairs is engine/rerank/cross_encoder.py)."""
 from __future__ import annotations
 
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from engine.models.bert import EncoderArgs, SequenceClassifier, build_model, pack_pairs
 
 Pair = tuple[list[int], list[int]]  # (input_ids, token_type_ids) of one tokenized (query, document) pair
-Truncate = Literal["end", "none"]
 
 # sentence-transformers stores the activation as an import path; we accept only these, never import the string.
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -127,7 +126,6 @@ class CrossEncoder:
         self.model, self.args, self.tokenizer, self.activation, self.device = model, args, tokenizer, activation, device
         self.num_labels = args.num_labels
         self.max_length = min(int(getattr(tokenizer, "model_max_length", args.max_tokens)), args.max_tokens)
-        self._specials = tokenizer.num_special_tokens_to_add(pair=True)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -138,33 +136,6 @@ class CrossEncoder:
         activation = score_activation(cfg, args.num_labels)
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         return cls(model, args, tokenizer, activation, torch.device(device))
-
-    def tokenize_pairs(self, query: str, docs: Sequence[str], max_length: int | None = None,
-                       truncate: Truncate = "end") -> list[Pair]:
-        """Token ids as `tokenizer(query, doc)` gives them; over `max_length` (capped at the model's limit):
-        "end" truncates the document ('only_second'), "none" raises ValueError naming the pair index."""
-        if truncate not in ("end", "none"):
-            raise ValueError(f"truncate must be 'end' or 'none', got {truncate!r}")
-        limit = self.max_length if max_length is None else min(max_length, self.max_length)
-        if not docs:
-            return []
-        queries = [query] * len(docs)
-        if truncate == "end":
-            query_len = len(self.tokenizer(query, add_special_tokens=False)["input_ids"])
-            if query_len + self._specials >= limit:
-                raise ValueError(f"the query is {query_len} tokens: with special tokens it leaves no room for a "
-                                 f"document within max_length {limit}")
-            enc = self.tokenizer(queries, list(docs), truncation="only_second", max_length=limit,
-                                 return_attention_mask=False)
-        else:
-            enc = self.tokenizer(queries, list(docs), truncation=False, return_attention_mask=False, verbose=False)
-        ids = enc["input_ids"]
-        types = enc.get("token_type_ids") or [[0] * len(x) for x in ids]
-        for i, x in enumerate(ids):
-            if len(x) > limit:
-                raise ValueError(f"pair {i} is {len(x)} tokens, over the maximum of {limit}; "
-                                 "shorten the document or use truncate='end'")
-        return [(list(x), list(t)) for x, t in zip(ids, types)]
 
     @torch.inference_mode()
     def logits(self, pairs: Sequence[Pair]) -> torch.Tensor:
@@ -181,7 +152,3 @@ class CrossEncoder:
     def score(self, pairs: Sequence[Pair]) -> list[float]:
         """One relevance score per pair (see `score_activation`), in input order."""
         return self.activation(self.logits(pairs)).tolist()
-
-    def rerank(self, query: str, docs: Sequence[str], truncate: Truncate = "end") -> list[float]:
-        """Tokenize and score all documents against the query in one packed batch."""
-        return self.score(self.tokenize_pairs(query, docs, truncate=truncate))

@@ -17,7 +17,9 @@ from transformers.models.roberta.modeling_roberta import RobertaEmbeddings
 
 from bench.models import copy_minilm_tokenizer, minilm_encoder_dir, save_model_dir
 from engine.models.bert import EncoderArgs, packed_positions
+from engine.config import RerankParams
 from engine.models.encoder_loader import CrossEncoder, score_activation
+from engine.rerank.cross_encoder import CrossEncoderScorer
 
 ATOL = 1e-4
 QUERY = "how do lighthouses warn ships at night"
@@ -97,6 +99,12 @@ def _hf_logits(hf, pairs) -> torch.Tensor:
                          attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits for ids, types in pairs])
 
 
+def _tokenize(ce: CrossEncoder, query: str, docs: list[str], max_length: int | None = None, truncate: str = "end"):
+    """(input_ids, token_type_ids) per document, as the cross-encoder rerank mode builds them."""
+    pairs, _ = CrossEncoderScorer(ce).pairs(query, docs, RerankParams(truncate=truncate), max_length or ce.max_length)
+    return [(p.token_ids, p.token_type_ids) for p in pairs]
+
+
 def _assert_matches_hf(ce: CrossEncoder, hf, pairs) -> torch.Tensor:
     ours = ce.logits(pairs)
     ref = _hf_logits(hf, pairs)
@@ -125,7 +133,7 @@ def minilm_hf(minilm_dir):
 
 def test_minilm_packed_batch_matches_transformers(minilm, minilm_hf, minilm_dir):
     docs = ["", "Fog horns.", " ".join(WORDS) * 10] + _docs(4, 60, seed=0)
-    pairs = minilm.tokenize_pairs(QUERY, docs)
+    pairs = _tokenize(minilm, QUERY, docs)
     _assert_tokenized_like_hf(minilm, AutoTokenizer.from_pretrained(minilm_dir), QUERY, docs, pairs)
     lengths = [len(ids) for ids, _ in pairs]
     assert min(lengths) < 16 and max(lengths) >= 250 and len(set(lengths)) >= 6
@@ -141,7 +149,7 @@ def test_tiny_models_packed_batch_match_transformers(tiny_dir):
     char_level = cfg["model_type"] != "bert"
     docs = ["", "fog"] + (_docs(8, 50, seed=1) if char_level else [" ".join(WORDS) * 11] + _docs(7, 150, seed=1))
     query = "" if cfg["model_type"] == "bert" else "fog"
-    pairs = ce.tokenize_pairs(query, docs)
+    pairs = _tokenize(ce, query, docs)
     _assert_tokenized_like_hf(ce, AutoTokenizer.from_pretrained(tiny_dir), query, docs, pairs)
     lengths = [len(ids) for ids, _ in pairs]
     assert min(lengths) <= 8 and 200 <= max(lengths) <= 320
@@ -161,7 +169,7 @@ def test_tiny_models_packed_batch_match_transformers(tiny_dir):
 def test_score_does_not_depend_on_batch_composition(minilm):
     docs = _docs(64, 12, seed=2)
     docs[17] = " ".join(WORDS) * 6
-    pairs = minilm.tokenize_pairs(QUERY, docs)
+    pairs = _tokenize(minilm, QUERY, docs)
     packed = minilm.score(pairs)
     for i in (0, 17, 63):
         alone = minilm.score([pairs[i]])
@@ -175,7 +183,7 @@ def test_truncate_end_matches_hf_only_second(minilm, minilm_hf, minilm_dir):
     assert minilm.max_length == 512
     for max_length in (None, 40):
         limit = max_length or minilm.max_length
-        pairs = minilm.tokenize_pairs(QUERY, ["short doc", long_doc], max_length=max_length, truncate="end")
+        pairs = _tokenize(minilm, QUERY, ["short doc", long_doc], max_length=max_length, truncate="end")
         for doc, (ids, types) in zip(["short doc", long_doc], pairs):
             ref = tokenizer(QUERY, doc, truncation="only_second", max_length=limit)
             assert (ids, types) == (ref["input_ids"], ref["token_type_ids"])
@@ -184,16 +192,16 @@ def test_truncate_end_matches_hf_only_second(minilm, minilm_hf, minilm_dir):
 
 
 def test_truncate_none_over_max_length_raises_naming_the_pair(minilm):
-    with pytest.raises(ValueError, match=r"pair 2 .*over the maximum of 512"):
-        minilm.tokenize_pairs(QUERY, ["a", "b", " ".join(WORDS) * 30], truncate="none")
-    with pytest.raises(ValueError, match="pair 1 "):
-        minilm.tokenize_pairs(QUERY, ["a", " ".join(WORDS)], max_length=20, truncate="none")
-    assert len(minilm.tokenize_pairs(QUERY, ["a", "b"], truncate="none")) == 2
+    with pytest.raises(ValueError, match=r"documents\[2\] .*over the limit of 512"):
+        _tokenize(minilm, QUERY, ["a", "b", " ".join(WORDS) * 30], truncate="none")
+    with pytest.raises(ValueError, match=r"documents\[1\] "):
+        _tokenize(minilm, QUERY, ["a", " ".join(WORDS)], max_length=20, truncate="none")
+    assert len(_tokenize(minilm, QUERY, ["a", "b"], truncate="none")) == 2
 
 
 def test_query_longer_than_max_length_is_rejected(minilm):
     with pytest.raises(ValueError, match="query is"):
-        minilm.tokenize_pairs(" ".join(WORDS), ["doc"], max_length=16, truncate="end")
+        _tokenize(minilm, " ".join(WORDS), ["doc"], max_length=16, truncate="end")
 
 
 def test_bare_encoder_with_head_in_separate_file(minilm_dir, minilm_hf, tmp_path):
@@ -205,7 +213,7 @@ def test_bare_encoder_with_head_in_separate_file(minilm_dir, minilm_hf, tmp_path
     shutil.copy(src / "config.json", tmp_path / "config.json")
     copy_minilm_tokenizer(tmp_path)
     ce = CrossEncoder.from_pretrained(tmp_path)
-    _assert_matches_hf(ce, minilm_hf, ce.tokenize_pairs(QUERY, ["fog horn", " ".join(WORDS)]))
+    _assert_matches_hf(ce, minilm_hf, _tokenize(ce, QUERY, ["fog horn", " ".join(WORDS)]))
 
 
 def test_missing_head_is_reported(tmp_path):
@@ -245,10 +253,10 @@ def test_score_activation_from_config():
 
 def test_empty_and_malformed_pairs(minilm):
     assert minilm.score([]) == []
-    assert minilm.tokenize_pairs(QUERY, []) == []
+    assert _tokenize(minilm, QUERY, []) == []
     with pytest.raises(ValueError, match="pair 0"):
         minilm.score([([], [])])
     with pytest.raises(ValueError, match="pair 1"):
         minilm.score([([101, 102], [0, 0]), ([101] * 600, [0] * 600)])
     with pytest.raises(ValueError, match="truncate must be"):
-        minilm.tokenize_pairs(QUERY, ["a"], truncate="start")
+        _tokenize(minilm, QUERY, ["a"], truncate="start")

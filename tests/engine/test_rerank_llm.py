@@ -1,4 +1,7 @@
-"""LLM-as-reranker in the shared scheduler: parity with transformers, prefix reuse, fairness with decodes."""
+"""The LLM as reranker (query likelihood, yes/no judge) in the shared scheduler: parity with transformers, prefix
+reuse, independence from the rest of the step, fairness with decodes."""
+import math
+
 import pytest
 import torch
 
@@ -22,26 +25,91 @@ def _hf_judge_scores(hf_model, pair_token_ids, yes_id, no_id):
     return scores
 
 
-def test_llm_rerank_matches_transformers_and_reuses_prefix(llm, hf_model):
+def _hf_mean_logprob(hf_model, ids: list[int], start: int) -> float:
+    """Mean log-probability of ids[start:] from one plain transformers forward of the whole pair."""
+    with torch.inference_mode():
+        logprobs = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    targets = torch.tensor(ids[start:])
+    return logprobs[start - 1:-1].gather(1, targets[:, None]).mean().item()
+
+
+def _pair_ids(eng, query, docs, params=None):
+    pairs, _ = eng.scorer.pairs(query, docs, params or RerankParams(), 10**6)
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def judge_llm():
+    return make_llm(rerank_mode="judge")
+
+
+def test_default_mode_is_query_likelihood(llm):
+    assert llm.engine.scorer.mode == "likelihood" and llm.engine.model_info()["rerank_mode"] == "likelihood"
+
+
+def test_judge_matches_transformers_and_reuses_prefix(judge_llm, hf_model):
+    llm = judge_llm
     records = record_steps(llm)
     scores = llm.rerank(QUERY, DOCS)
     eng = llm.engine
-    judge = eng._judge
-    prefix, suffix = judge.split(QUERY, None)
-    pairs = [prefix + judge.document_ids(d) + suffix for d in DOCS]
+    judge = eng.scorer
+    template = judge.template(QUERY, RerankParams())
+    pairs = [p.token_ids for p in _pair_ids(eng, QUERY, DOCS)]
+    assert pairs[0][:len(template.prefix)] == template.prefix
     ref = _hf_judge_scores(hf_model, pairs, judge.yes_id, judge.no_id)
     assert len(scores) == len(DOCS)
     assert max(abs(a - b) for a, b in zip(scores, ref)) <= 1e-3
     job_steps = [r for r in records if r.rerank_pairs]
     assert job_steps[0].rerank_pairs == 1  # the first pair runs alone and fills the query prefix
-    full_prefix_blocks = (len(prefix) // eng.config.block_size) * eng.config.block_size
+    full_prefix_blocks = (len(template.prefix) // eng.config.block_size) * eng.config.block_size
     assert full_prefix_blocks > 0
     assert sum(r.cached_tokens for r in job_steps[1:]) >= (len(DOCS) - 1) * full_prefix_blocks
     assert sum(r.rerank_pairs for r in job_steps) == len(DOCS)
     assert_no_leaks(llm)
 
 
-def test_pair_score_does_not_depend_on_batch_composition(llm):
+def test_likelihood_matches_transformers_beside_decodes_and_a_chunked_prompt(hf_model):
+    """Pairs ride one ragged step with running decodes and a prompt whose prefill is split into chunks; each
+    score is exp(mean log-prob of the query tokens), against one plain transformers forward of the same pair."""
+    llm = make_llm(max_num_batched_tokens=384)
+    eng = llm.engine
+    records = record_steps(llm)
+    gen = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        eng.add_request(f"g{i}", f"Count slowly from {i} to twenty:", gen)
+    eng.step()  # the generations now decode
+    eng.add_request("long", "Tell me about honey. " * 120, gen)  # ~600 tokens: prefilled in chunks
+    docs = DOCS + [DOCS[0]]  # a repeated document: its query span must still be computed, not cached
+    eng.add_rerank("job", QUERY, docs)
+    outs = []
+    while eng.has_unfinished():
+        outs.extend(eng.step())
+    scores = next(o.scores for o in outs if o.request_id == "job")
+    mixed = [r for r in records if r.rerank_pairs and r.decode_tokens and r.prefill_tokens]
+    assert mixed, "no step held rerank pairs, decodes and a prefill chunk together"
+    for pair, score in zip(_pair_ids(eng, QUERY, docs), scores):
+        ref = _hf_mean_logprob(hf_model, pair.token_ids, pair.logprob_start)
+        assert abs(math.log(score) - ref) <= 1e-4
+        assert abs(score - math.exp(ref)) <= 1e-4
+    assert scores[-1] == pytest.approx(scores[0], abs=1e-6)
+    assert_no_leaks(llm)
+
+
+def test_likelihood_query_span_is_never_taken_from_the_prefix_cache(llm):
+    doc = "Bees make honey from nectar. " * 12
+    first = llm.rerank(QUERY, [doc])[0]
+    records = record_steps(llm)
+    again = llm.rerank(QUERY, [doc])[0]  # the whole document now sits in the prefix cache
+    pair = _pair_ids(llm.engine, QUERY, [doc])[0]
+    assert sum(r.cached_tokens for r in records) >= llm.engine.config.block_size
+    assert sum(r.cached_tokens for r in records) <= pair.logprob_start - 1
+    assert again == pytest.approx(first, abs=1e-6)
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("mode", ["likelihood", "judge"])
+def test_pair_score_does_not_depend_on_batch_composition(mode, llm, judge_llm):
+    llm = judge_llm if mode == "judge" else llm
     alone = llm.rerank(QUERY, [DOCS[2]])[0]
     eng = llm.engine
     for i in range(3):
@@ -59,7 +127,36 @@ def test_pair_score_does_not_depend_on_batch_composition(llm):
         eng.scheduler.rerank_share = eng.config.rerank_share
     crowded = next(o for o in outs if o.request_id == "crowded").scores[31]
     assert abs(crowded - alone) <= 1e-5
-    assert max(r.rerank_pairs for r in records) >= 32 and any(r.decode_tokens for r in records if r.rerank_pairs)
+    assert max(r.rerank_pairs for r in records) >= 12 and any(r.decode_tokens for r in records if r.rerank_pairs)
+    assert_no_leaks(llm)
+
+
+def test_default_mode_ranks_the_obvious_document_first(llm):
+    """The issue's example (the judge put the stock-market sentence above the bees one) and two more."""
+    cases = [
+        ("how do bees make honey", ["The stock market fell sharply on Tuesday.",
+                                    "Bees collect nectar from flowers and turn it into honey in the hive.",
+                                    "A recipe for tomato soup with basil."], 1),
+        ("what is the capital of France", ["Bananas are rich in potassium.", "Paris is the capital of France.",
+                                           "The Pacific is the largest ocean."], 1),
+        ("how to change a flat tire", ["Loosen the lug nuts, jack up the car, swap the wheel, and tighten the nuts.",
+                                       "Jupiter has dozens of moons.", "Knitting needs yarn and two needles."], 0),
+    ]
+    for query, docs, relevant in cases:
+        scores = llm.rerank(query, docs)
+        assert max(range(len(docs)), key=scores.__getitem__) == relevant, (query, scores)
+
+
+def test_ranked_results_honour_top_n_and_return_documents(llm):
+    scores = llm.rerank(QUERY, DOCS)
+    ranked = llm.rerank(QUERY, DOCS, RerankParams(top_n=2, return_documents=True), ranked=True)
+    order = sorted(range(len(DOCS)), key=lambda i: -scores[i])[:2]
+    assert [r.index for r in ranked] == order
+    assert [r.document for r in ranked] == [DOCS[i] for i in order]
+    assert [r.score for r in ranked] == pytest.approx([scores[i] for i in order], abs=1e-6)
+    assert all(r.document is None for r in llm.rerank(QUERY, DOCS, ranked=True))
+    with pytest.raises(ValueError, match="ranked=True"):
+        llm.rerank(QUERY, DOCS, RerankParams(top_n=2))
     assert_no_leaks(llm)
 
 

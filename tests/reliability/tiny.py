@@ -95,8 +95,6 @@ class ScriptedRunner:
         self.budget = budget
         self.max_seqs = max_seqs
         self.shadow: dict[tuple[int, int], int] = {}
-        self.judge_token_ids = None  # the engine sets these; unused here
-        self.cross_encoder = None
         self.fail_next: BaseException | None = None  # raised (once) by the next run()
         self.batches: list[list[str]] = []  # request ids per run() call, failed ones included
         self.violations: list[str] = []  # assertions that failed inside run()
@@ -151,7 +149,7 @@ class FaultyRunner:
         self.failed_batches: list[list[str]] = []
         self._lock = threading.Lock()
 
-    def __getattr__(self, name):  # judge_token_ids, kv_caches, ...: the real runner's
+    def __getattr__(self, name):  # scorer, kv_caches, ...: the real runner's
         return getattr(self._inner, name)
 
     def __setattr__(self, name, value):

@@ -1,0 +1,27 @@
+"""One Rerank request in flight: its documents, one pair sequence per document, scores as they arrive."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import RerankParams
+from engine.request import Sequence
+
+
+@dataclass(slots=True, eq=False)
+class RerankJob:
+    request_id: str
+    query: str
+    documents: list[str]
+    params: RerankParams
+    arrival_time: float
+    pairs: list[Sequence] = field(default_factory=list)
+    scores: list[float | None] = field(default_factory=list)
+    remaining: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(p.num_prompt_tokens for p in self.pairs)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(p.num_cached_tokens for p in self.pairs)

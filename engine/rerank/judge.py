@@ -1,0 +1,51 @@
+"""Yes/no judge: the pair is rendered into a relevance question; score = P(yes) / (P(yes) + P(no)) at the last
+position (the Qwen3-Reranker recipe, right for checkpoints trained for it)."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import RerankParams
+from engine.rerank.pairs import PairTemplate
+from engine.rerank.scorer import PairScorer
+from engine.request import Sequence
+
+JUDGE_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
+                'Note that the answer can only be "yes" or "no".')
+DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+DOC_SLOT = "\x00DOCUMENT\x00"
+
+
+def single_token(tokenizer, word: str) -> int:
+    ids = tokenizer.encode(word, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"the tokenizer splits {word!r} into {len(ids)} tokens; the judge mode needs one")
+    return ids[0]
+
+
+def split_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
+    """Token ids of the chat-rendered messages before and after DOC_SLOT (which one message content holds)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    before, after = text.split(DOC_SLOT)
+    return list(tokenizer(before).input_ids), list(tokenizer(after, add_special_tokens=False).input_ids)
+
+
+class JudgeScorer(PairScorer):
+    mode = "judge"
+
+    def __init__(self, tokenizer, lm_head_weight: torch.Tensor) -> None:
+        self.tokenizer = tokenizer
+        self.yes_id = single_token(tokenizer, "yes")
+        self.no_id = single_token(tokenizer, "no")
+        self._yes_no = lm_head_weight[[self.yes_id, self.no_id]]  # the two LM-head rows the score needs
+
+    def template(self, query: str, params: RerankParams) -> PairTemplate:
+        user = f"<Instruct>: {params.instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n<Document>: {DOC_SLOT}"
+        messages = [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": user}]
+        return PairTemplate(*split_chat(self.tokenizer, messages, add_generation_prompt=True))
+
+    def document_ids(self, documents: list[str]) -> list[list[int]]:
+        return [list(ids) for ids in self.tokenizer(documents, add_special_tokens=False).input_ids]
+
+    def score(self, pairs: list[Sequence], last_hidden: torch.Tensor | None) -> list[float]:
+        logits = (last_hidden @ self._yes_no.T).float()
+        return logits.softmax(dim=-1)[:, 0].tolist()

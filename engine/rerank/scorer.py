@@ -1,0 +1,45 @@
+"""The one interface every rerank mode implements: pair tokens in, one relevance score per pair out."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+from engine.config import RerankParams
+from engine.rerank.pairs import PairTemplate, PairTokens
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.request import Sequence
+
+
+class PairScorer(ABC):
+    """A rerank mode, chosen once when the engine is built and handed to the model runner."""
+    mode: ClassVar[str]
+    # True: pairs ride the LLM's forward in the scheduler's ragged batch and hold KV blocks while they run.
+    # False: the scorer runs its own model over the pairs (a cross-encoder), no KV at all.
+    runs_on_llm: ClassVar[bool] = True
+    max_length: int | None = None  # the scorer's own cap on a pair's tokens, if it has one
+
+    @abstractmethod
+    def template(self, query: str, params: RerankParams) -> PairTemplate:
+        """The tokens around every document of this query."""
+
+    @abstractmethod
+    def document_ids(self, documents: list[str]) -> list[list[int]]:
+        """Each document's tokens, as they stand inside a pair."""
+
+    @abstractmethod
+    def score(self, pairs: list[Sequence], last_hidden: torch.Tensor | None) -> list[float]:
+        """One score in [0, 1] per finished pair. `last_hidden` is the LLM's final hidden state at each pair's last
+        position (None when the scorer runs its own model)."""
+
+    def pairs(self, query: str, documents: list[str], params: RerankParams, limit: int
+              ) -> tuple[list[PairTokens], int]:
+        """Every pair within `limit` tokens (and the scorer's own cap), and the length of the prefix they share."""
+        if not documents:
+            return [], 0
+        template = self.template(query, params)
+        if self.max_length is not None:
+            limit = min(limit, self.max_length)
+        return template.fit(self.document_ids(documents), limit, params.truncate), len(template.prefix)
