@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -114,6 +115,16 @@ def test_sampling_params_rejects_non_integer_seed(value):
 def test_engine_config_rejects(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(rerank_mode="bm25"), "rerank_mode must be one of likelihood, judge, cross-encoder, got 'bm25'"),
+    (dict(rerank_mode="cross-encoder"), "needs reranker=DIR"),
+    (dict(rerank_mode="judge", reranker="/some/dir"), "leave one of them unset"),
+])
+def test_rerank_mode_errors_name_the_valid_choice(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(**fields)
 
 
 def test_engine_config_defaults_and_boundaries_are_valid():

@@ -101,8 +101,21 @@ def test_engine_flags_reach_the_engine_config_and_unset_ones_keep_its_defaults(m
     assert (config.max_num_seqs, config.kv_cache_bytes, config.enforce_eager) == (7, 64 * 2**20, True)
     assert config.max_rerank_documents == 12
     assert _engine_config("--enforce-eager", "false").enforce_eager is False
+    assert _engine_config("--rerank-mode", "judge").rerank_mode == "judge"
+    monkeypatch.setenv("TANDEM_RERANK_MODE", "likelihood")
+    assert _engine_config().rerank_mode == "likelihood"
+    monkeypatch.setenv("TANDEM_RERANK_MODE", "yesno")
+    with pytest.raises(ValueError, match="rerank_mode must be one of likelihood, judge, cross-encoder"):
+        _engine_config()
+    monkeypatch.delenv("TANDEM_RERANK_MODE")
     monkeypatch.setenv("TANDEM_ENFORCE_EAGER", "1")
     assert _engine_config().enforce_eager is True
     monkeypatch.setenv("TANDEM_ENFORCE_EAGER", "maybe")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve"])
+
+
+def test_unknown_rerank_mode_stops_serve_at_start_with_the_valid_modes(capsys):
+    assert main(["serve", "--rerank-mode", "yesno", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "rerank_mode must be one of likelihood, judge, cross-encoder, got 'yesno'" in err
