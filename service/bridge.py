@@ -2,9 +2,10 @@
 
 The engine is synchronous and not thread-safe, so exactly one thread (started
 here) ever touches it. The loop side submits requests and aborts as commands on
-a thread-safe queue; the engine thread applies them between steps, runs
-`step()`, and hands each step's outputs back with one
-`loop.call_soon_threadsafe`. Nothing here blocks the loop.
+a thread-safe queue, one dataclass per command (AddGeneration, AddRerank, Abort,
+Call, Stop); the engine thread applies them between steps, runs `step()`, and
+hands each step's outputs back with one `loop.call_soon_threadsafe`. Nothing
+here blocks the loop.
 
 Admission: `max_waiting` bounds the requests that are admitted but not yet
 served by any engine step (RESOURCE_EXHAUSTED beyond it); running work is
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import grpc
 
+from engine.request import SeqKind
 from service.errors import ServiceError, draining
 from service.lifecycle import LifecycleHooks, RequestLifecycle
 
@@ -46,27 +48,44 @@ class _Handle:
     expired: bool = False
 
 
-@dataclass(slots=True)
-class _Add:
-    engine_id: str
-    kind: str
-    args: tuple
-    kwargs: dict
+# ---- commands: what the loop asks of the engine thread, one type per command ----------------------------------
+
+@dataclass(frozen=True, slots=True)
+class AddGeneration:
+    """Queue a generation: exactly one of prompt (text or token ids) and messages (chat, templated by the engine)."""
+    request_id: str
+    params: "SamplingParams"
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
 
 
-@dataclass(slots=True)
-class _Abort:
-    engine_id: str
+@dataclass(frozen=True, slots=True)
+class AddRerank:
+    """Queue a rerank job: one pair per document, scored against query."""
+    request_id: str
+    query: str
+    documents: list[str]
+    params: "RerankParams"
 
 
-@dataclass(slots=True)
-class _Call:
-    fn: Callable[[Any], Any]
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run fn(engine) between steps; its result (or exception) resolves future on the loop."""
+    fn: Callable[["LLMEngine"], Any]
     future: asyncio.Future
 
 
-class _Stop:
-    pass
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """End the engine thread after the commands taken with this one."""
+
+
+Command = AddGeneration | AddRerank | Abort | Call | Stop
 
 
 class EngineBridge:
@@ -87,7 +106,6 @@ class EngineBridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._idle: asyncio.Event | None = None
-        engine.add_observer(self._on_record)
 
     # ---- lifecycle of the bridge -----------------------------------------------------------------
 
@@ -96,19 +114,21 @@ class EngineBridge:
         self._loop = loop or asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
+        self.engine.add_observer(self._on_record)
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
     async def stop(self) -> None:
-        """Fail what is still live with UNAVAILABLE and end the engine thread."""
+        """Fail what is still live with UNAVAILABLE, end the engine thread and stop observing the engine's steps."""
         if self._thread is None:
             return
         for engine_id in list(self._handles):
-            self._commands.put(_Abort(engine_id))
+            self._commands.put(Abort(engine_id))
             self._finish_error(engine_id, draining())
-        self._commands.put(_Stop())
+        self._commands.put(Stop())
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        self.engine.remove_observer(self._on_record)
 
     @property
     def num_live(self) -> int:
@@ -125,7 +145,7 @@ class EngineBridge:
     async def call(self, fn: Callable[["LLMEngine"], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps and return its result."""
         future = self._loop.create_future()
-        self._commands.put(_Call(fn, future))
+        self._commands.put(Call(fn, future))
         return await future
 
     async def stats(self) -> dict:
@@ -139,35 +159,42 @@ class EngineBridge:
                         prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                         timeout_ms: int = 0, metadata: dict[str, str] | None = None) -> RequestLifecycle:
         """Admit a generation; its outputs (or a ServiceError) go to sink on the loop. Raises ServiceError."""
-        return self._submit("generate", client_id, sink, (prompt, params), {"messages": messages},
-                            timeout_ms, metadata)
+        command = AddGeneration(self._next_id(SeqKind.GENERATE), params, prompt=prompt, messages=messages)
+        lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.GENERATE.value,
+                              metadata=dict(metadata or {}))
+        return self._submit(command, lc, sink, timeout_ms)
 
     def submit_rerank(self, client_id: str, sink: Sink, *, query: str, documents: list[str],
                       params: "RerankParams", timeout_ms: int = 0,
                       metadata: dict[str, str] | None = None) -> RequestLifecycle:
         """Admit a rerank job; one StepOutput with scores (or a ServiceError) goes to sink. Raises ServiceError."""
-        return self._submit("rerank", client_id, sink, (query, documents, params), {}, timeout_ms, metadata)
+        command = AddRerank(self._next_id(SeqKind.RERANK), query=query, documents=documents, params=params)
+        lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.RERANK.value,
+                              metadata=dict(metadata or {}), documents=len(documents))
+        return self._submit(command, lc, sink, timeout_ms)
 
     def abort(self, engine_id: str) -> None:
         """Ask the engine to stop a request; its final output (finish reason "abort") still reaches its sink."""
         if engine_id in self._handles:
-            self._commands.put(_Abort(engine_id))
+            self._commands.put(Abort(engine_id))
 
     def abort_all(self) -> None:
         for engine_id in list(self._handles):
             self.abort(engine_id)
 
-    def _submit(self, kind: str, client_id: str, sink: Sink, args: tuple, kwargs: dict, timeout_ms: int,
-                metadata: dict[str, str] | None) -> RequestLifecycle:
+    def _next_id(self, kind: SeqKind) -> str:
+        """The engine id of a new request of this kind, once the bridge may admit one. Raises ServiceError."""
         if self.draining or self._thread is None:
             raise draining()
         if len(self._waiting) >= self.max_waiting:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"server is at capacity: {len(self._waiting)} requests are waiting for the engine "
                                f"(limit {self.max_waiting}, --max-waiting); retry with backoff or use another replica")
-        engine_id = f"{kind[0]}{next(self._ids)}"
-        lc = RequestLifecycle(engine_id=engine_id, client_id=client_id, kind=kind, metadata=dict(metadata or {}),
-                              documents=len(args[1]) if kind == "rerank" else 0)
+        return f"{kind.value[0]}{next(self._ids)}"
+
+    def _submit(self, command: AddGeneration | AddRerank, lc: RequestLifecycle, sink: Sink,
+                timeout_ms: int) -> RequestLifecycle:
+        engine_id = command.request_id
         handle = _Handle(lc, sink, timeout_ms=timeout_ms)
         if timeout_ms > 0:
             handle.timer = self._loop.call_later(timeout_ms / 1000, self._expire, engine_id)
@@ -175,7 +202,7 @@ class EngineBridge:
         self._waiting.add(engine_id)
         self._idle.clear()
         self._emit("on_arrival", lc)
-        self._commands.put(_Add(engine_id, kind, args, kwargs))
+        self._commands.put(command)
         return lc
 
     def _expire(self, engine_id: str) -> None:
@@ -205,11 +232,8 @@ class EngineBridge:
                     break
             failures: list[tuple[str, ServiceError]] = []
             stop = False
-            for cmd in commands:
-                if isinstance(cmd, _Stop):
-                    stop = True
-                else:
-                    self._apply(cmd, failures)
+            for command in commands:
+                stop = self._apply(command, failures) or stop
             outputs: list = []
             if not stop and engine.has_unfinished():
                 outputs = self._step(failures)
@@ -224,28 +248,41 @@ class EngineBridge:
         # Not bound to one list's append: the loop below swaps in a fresh list after every step.
         self._records.append(record)
 
-    def _apply(self, cmd, failures: list[tuple[str, ServiceError]]) -> None:
+    def _apply(self, command: Command, failures: list[tuple[str, ServiceError]]) -> bool:
+        """Carry out one command on the engine thread; True for Stop."""
         engine = self.engine
-        if isinstance(cmd, _Add):
-            try:
-                if cmd.kind == "generate":
-                    engine.add_request(cmd.engine_id, *cmd.args, **cmd.kwargs)
-                else:
-                    engine.add_rerank(cmd.engine_id, *cmd.args, **cmd.kwargs)
-                self._live.add(cmd.engine_id)
-            except ValueError as exc:
-                failures.append((cmd.engine_id, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))))
-            except Exception as exc:  # a bug, not bad input: fail this request, keep serving
-                log.exception("add %s failed", cmd.engine_id)
-                failures.append((cmd.engine_id, ServiceError(grpc.StatusCode.INTERNAL, f"could not admit: {exc!r}")))
-        elif isinstance(cmd, _Abort):
-            engine.abort(cmd.engine_id)
-        elif isinstance(cmd, _Call):
-            try:
-                result, error = cmd.fn(engine), None
-            except Exception as exc:
-                result, error = None, exc
-            self._post(_resolve, cmd.future, result, error)
+        match command:
+            case AddGeneration():
+                self._add(command.request_id, failures, lambda: engine.add_request(
+                    command.request_id, command.prompt, command.params, messages=command.messages))
+            case AddRerank():
+                self._add(command.request_id, failures, lambda: engine.add_rerank(
+                    command.request_id, command.query, command.documents, command.params))
+            case Abort():
+                engine.abort(command.request_id)
+            case Call():
+                try:
+                    result, error = command.fn(engine), None
+                except Exception as exc:
+                    result, error = None, exc
+                self._post(_resolve, command.future, result, error)
+            case Stop():
+                return True
+            case _:
+                raise TypeError(f"unknown bridge command {command!r}")
+        return False
+
+    def _add(self, request_id: str, failures: list[tuple[str, ServiceError]], add: Callable[[], None]) -> None:
+        """Run add() (engine.add_request / add_rerank): a ValueError (bad input) fails the request with
+        INVALID_ARGUMENT, anything else with INTERNAL."""
+        try:
+            add()
+            self._live.add(request_id)
+        except ValueError as exc:
+            failures.append((request_id, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))))
+        except Exception as exc:  # a bug, not bad input: fail this request, keep serving
+            log.exception("add %s failed", request_id)
+            failures.append((request_id, ServiceError(grpc.StatusCode.INTERNAL, f"could not admit: {exc!r}")))
 
     def _step(self, failures: list[tuple[str, ServiceError]]) -> list:
         try:

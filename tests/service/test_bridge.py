@@ -37,6 +37,9 @@ class FakeEngine:
     def add_observer(self, fn) -> None:
         self.observers.append(fn)
 
+    def remove_observer(self, fn) -> None:
+        self.observers.remove(fn)
+
     def add_request(self, request_id, prompt=None, params=None, *, messages=None) -> None:
         self.thread_ids.add(threading.get_ident())
         if not prompt:
@@ -151,3 +154,12 @@ async def test_draining_refuses_new_work_and_wait_idle_returns_when_done(bridge)
     assert info.value.code is grpc.StatusCode.UNAVAILABLE
     await bridge.wait_idle()
     assert done.is_set() and events[-1].finish_reason == "length"
+
+
+async def test_a_stopped_bridge_no_longer_observes_the_engine():
+    engine = FakeEngine()
+    b = EngineBridge(engine)
+    b.start()
+    assert len(engine.observers) == 1
+    await b.stop()
+    assert engine.observers == []  # an engine outlives its bridges (tests, benchmarks): no records pile up
