@@ -28,7 +28,11 @@ async def _round(engine: LLMEngine, tracing: bool, requests: int, tokens: int) -
     hooks = [TracingHooks(tracer_provider_from_env(exporter))] if tracing else []
     bridge = EngineBridge(engine, max_waiting=10_000, hooks=hooks)
     steps: list[float] = []
-    engine.add_observer(lambda r: steps.append(r.duration_s))
+
+    def collect(record) -> None:
+        steps.append(record.duration_s)
+
+    engine.add_observer(collect)
     bridge.start()
     loop = asyncio.get_running_loop()
     pending = []
@@ -45,8 +49,8 @@ async def _round(engine: LLMEngine, tracing: bool, requests: int, tokens: int) -
         pending.append(done)
     await asyncio.gather(*pending)
     wall = time.perf_counter() - start
-    await bridge.stop()
-    engine._observers.clear()
+    await bridge.stop()  # also stops the bridge observing the engine
+    engine.remove_observer(collect)
     if tracing:
         hooks[0].shutdown()  # flushes the batch processor into the exporter
     return steps, wall, len(exporter.get_finished_spans())
