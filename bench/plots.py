@@ -138,10 +138,7 @@ def plot_mixed(data: dict | None, path: Path) -> Path | None:
         return None
     plt = _plt()
     settings = data["settings"]
-    labels = ["alone"] + [f"mixed\nshare {s.get('rerank_share')}"
-                          if s.get("emulated_cap_tokens_per_decode_step") is None
-                          else f"mixed, cap\n{s['emulated_cap_tokens_per_decode_step']:.0f} tok/step"
-                          for s in settings]
+    labels = ["alone"] + [f"mixed\nshare {s.get('rerank_share')}" for s in settings]
     tpot = [data["decode_alone"]["tpot_p99_s"]] + [s["tpot_p99_s"] for s in settings]
     pairs = [data["rerank_alone"]["pairs_s"]] + [s["rerank_pairs_s"] for s in settings]
     targets = data.get("targets", {})

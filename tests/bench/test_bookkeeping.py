@@ -236,10 +236,8 @@ def test_plot_all_writes_pngs(tmp_path):
          "rates": [{"offered_req_s": r, "continuous": rate, "static": rate} for r in (0.5, 1.0, 2.0)]}))
     (tmp_path / "mixed.json").write_text(json.dumps(
         {"decode_alone": {"tpot_p99_s": 0.1}, "rerank_alone": {"pairs_s": 40.0},
-         "settings": [{"rerank_share": 0.5, "tpot_p99_s": 0.3, "rerank_pairs_s": 20.0,
-                       "emulated_cap_tokens_per_decode_step": None},
-                      {"rerank_share": 0.5, "tpot_p99_s": 0.15, "rerank_pairs_s": 10.0,
-                       "emulated_cap_tokens_per_decode_step": 120}],
+         "settings": [{"rerank_share": 0.5, "tpot_p99_s": 0.3, "rerank_pairs_s": 20.0},
+                      {"rerank_share": 0.25, "tpot_p99_s": 0.15, "rerank_pairs_s": 10.0}],
          "targets": {"tpot_p99_ratio_max": 1.5, "rerank_throughput_ratio_min": 0.8}, "steps": _steps(7)}))
     written = plots.plot_all(tmp_path)
     names = {p.name for p in written}
