@@ -30,6 +30,8 @@ import os
 import random
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -71,25 +73,38 @@ def first_token_check(last_logits: torch.Tensor, token: int, tol: float) -> dict
             "reference_top2_margin": float(top.values[0] - top.values[1]), "ok": token == best or gap <= tol}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--reps", type=int, default=3, help="repetitions per length (distinct prompts)")
     ap.add_argument("--logit-tol", type=float, default=1e-3)
-    args = parse_bench_args(ap, argv, "prefill", QUICK)
-    load = [os.getloadavg()[0]]
+    return parse_bench_args(ap, argv, "prefill", QUICK)
 
+
+@dataclass
+class Systems:
+    """The systems under test, each a function of prompt ids: tandem ones return (first token, cached tokens),
+    the baseline (first token, last-position logits)."""
+    run: dict[str, Callable[[list[int]], tuple]]
+    engines: dict[str, LLM]
+    hf: Any  # the transformers model
+    exclude: frozenset[int]  # special token ids, left out of prompts
+
+    @property
+    def vocab(self) -> int:
+        return self.hf.config.vocab_size
+
+
+def build_systems(args: argparse.Namespace) -> Systems:
+    """tandem (default chunked prefill), tandem_one_chunk and transformers on the same model, each warmed up once."""
     from transformers import AutoModelForCausalLM
 
     from engine.models.loader import default_model_dir
 
-    longest = max(args.lengths)
     engines = {"tandem": LLM(EngineConfig(num_threads=args.threads)),
-               "tandem_one_chunk": LLM(EngineConfig(max_num_batched_tokens=longest, num_threads=args.threads))}
+               "tandem_one_chunk": LLM(EngineConfig(max_num_batched_tokens=max(args.lengths),
+                                                    num_threads=args.threads))}
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
-    tokenizer = engines["tandem"].tokenizer
-    vocab = hf.config.vocab_size
-    exclude = frozenset(tokenizer.all_special_ids)
     greedy_one = SamplingParams(max_tokens=1, temperature=0.0)
 
     def tandem(name):
@@ -103,21 +118,27 @@ def main(argv: list[str] | None = None) -> dict:
         logits = hf(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
         return int(logits.argmax()), logits
 
-    systems = {"tandem": tandem("tandem"), "tandem_one_chunk": tandem("tandem_one_chunk"), BASELINE: transformers}
-    names = list(systems)
-    warm = prompt_ids(min(args.lengths), -1, args.seed, vocab, exclude)
-    for fn in systems.values():
+    systems = Systems({"tandem": tandem("tandem"), "tandem_one_chunk": tandem("tandem_one_chunk"),
+                       BASELINE: transformers}, engines, hf, frozenset(engines["tandem"].tokenizer.all_special_ids))
+    warm = prompt_ids(min(args.lengths), -1, args.seed, systems.vocab, systems.exclude)
+    for fn in systems.run.values():
         fn(warm)
+    return systems
 
+
+def time_lengths(args: argparse.Namespace, systems: Systems, load: list[float]) -> tuple[dict, list[dict], int]:
+    """Every system on the same prompts, --reps per length in rotating order: per length the summary of seconds,
+    every tandem first token checked against the baseline's logits, and the most prompt tokens the cache served."""
+    names = list(systems.run)
     lengths, checks, cached, rep_index = {}, [], 0, 0
     for length in args.lengths:
         seconds: dict[str, list[float]] = {n: [] for n in names}
         for rep in range(args.reps):
-            ids = prompt_ids(length, rep, args.seed, vocab, exclude)
+            ids = prompt_ids(length, rep, args.seed, systems.vocab, systems.exclude)
             outs = {}
             for name in rotated(names, rep_index):
                 t = time.perf_counter()
-                outs[name] = systems[name](ids)
+                outs[name] = systems.run[name](ids)
                 seconds[name].append(time.perf_counter() - t)
             rep_index += 1
             reference = outs[BASELINE][1]
@@ -129,24 +150,37 @@ def main(argv: list[str] | None = None) -> dict:
                                    **first_token_check(reference, token, args.logit_tol)})
             load.append(os.getloadavg()[0])
         lengths[str(length)] = summarize(seconds)
+    return lengths, checks, cached
 
+
+def report(args: argparse.Namespace, systems: Systems, lengths: dict, checks: list[dict], cached: int,
+           load: list[float]) -> dict:
+    attn = systems.hf.config._attn_implementation
     ratios = {f"{n}_{length}": lengths[str(length)]["ratio"][n] for length in args.lengths
-              for n in names if n != BASELINE}
-    result = {
+              for n in systems.run if n != BASELINE}
+    return {
         "workload": {"prompt": "random token ids, seeded, distinct per length and repetition", "lengths": args.lengths,
                      "reps": args.reps, "max_tokens": 1, "sampling": "greedy", "prefix_caching": "on, never hits",
                      "max_cached_tokens": cached},
         "systems": {**{n: {"max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
                            "enable_prefix_caching": llm.engine.config.enable_prefix_caching}
-                       for n, llm in engines.items()},
-                    BASELINE: {"attn_implementation": hf.config._attn_implementation, "logits_to_keep": 1}},
-        "transformers_attn_implementation": hf.config._attn_implementation,
+                       for n, llm in systems.engines.items()},
+                    BASELINE: {"attn_implementation": attn, "logits_to_keep": 1}},
+        "transformers_attn_implementation": attn,
         "threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "seed": args.seed,
         "quick": args.quick, "statistic": "min over repetitions", "lengths": lengths, "ratios": ratios,
         "first_token": {"all_ok": all(c["ok"] for c in checks), "matches": sum(c["match"] for c in checks),
                         "compared": len(checks), "checks": checks},
         "load_avg_1min": load, "contended": max(load) > args.threads + 1,
     }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    load = [os.getloadavg()[0]]
+    systems = build_systems(args)
+    lengths, checks, cached = time_lengths(args, systems, load)
+    result = report(args, systems, lengths, checks, cached, load)
     write_result(result, args.out)
     if cached:
         raise AssertionError(f"the prefix cache served {cached} prompt tokens: prompts were meant to be distinct")
