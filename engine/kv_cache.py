@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import numpy as np
@@ -81,50 +82,77 @@ class BlockPool:
             self.block_hash[block] = None
 
 
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """What the prefix cache holds of a sequence's leading full blocks (a lookup result; nothing is held yet)."""
+    blocks: tuple[int, ...] = ()
+    hashes: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+
+NO_PREFIX = CachedPrefix()
+
+
 class KVCacheManager:
-    """Gives sequences blocks for the tokens they are about to compute, reusing cached prefixes."""
+    """Gives sequences blocks for the tokens they are about to compute, reusing cached prefixes. The scheduler sees
+    only this: a pure lookup, one allocate that commits everything or nothing, commit, free, and the free count."""
 
     def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Attach cached blocks for the sequence's leading full blocks; returns the tokens they cover."""
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """The cached blocks that cover the sequence's leading full blocks. Changes nothing."""
         if not self.enable_prefix_caching or seq.block_table:
-            return 0
+            return NO_PREFIX
         bs = self.block_size
-        max_blocks = seq.num_cacheable_tokens // bs
+        blocks, hashes = [], []
         parent = None
-        for i in range(max_blocks):
+        for i in range(seq.num_cacheable_tokens // bs):
             h = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs])
             block = self.pool.lookup(h)
             if block is None:
                 break
-            self.pool.acquire(block)
-            seq.block_table.append(block)
-            seq.block_hashes.append(h)
+            blocks.append(block)
+            hashes.append(h)
             parent = h
-        seq.num_computed_tokens = len(seq.block_table) * bs
-        return seq.num_computed_tokens
+        return CachedPrefix(tuple(blocks), tuple(hashes), len(blocks) * bs) if blocks else NO_PREFIX
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make room for num_new_tokens more tokens; False (nothing changed) if the pool is short."""
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if need <= 0:
-            return True
-        blocks = self.pool.allocate(need)
-        if blocks is None:
+    def blocks_to_take(self, seq: Sequence, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> int:
+        """Free blocks that allocate(seq, num_new_tokens, prefix) would take from the pool: new blocks plus cached
+        prefix blocks no live sequence holds."""
+        computed = prefix.num_tokens if prefix.blocks else seq.num_computed_tokens
+        new = max(0, self.blocks_for(computed + num_new_tokens) - len(seq.block_table) - len(prefix.blocks))
+        return new + sum(1 for b in prefix.blocks if self.pool.ref_counts[b] == 0)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX, reserve: int = 0
+                 ) -> bool:
+        """Attach `prefix` (its tokens count as computed) and make room for num_new_tokens more tokens, leaving at
+        least `reserve` blocks free; False, with nothing changed, if the pool is short."""
+        if self.blocks_to_take(seq, num_new_tokens, prefix) > self.pool.num_free - reserve:
             return False
-        seq.block_table.extend(blocks)
+        if prefix.blocks:
+            for block in prefix.blocks:  # taken first, so the new blocks below cannot evict them
+                self.pool.acquire(block)
+            seq.block_table.extend(prefix.blocks)
+            seq.block_hashes.extend(prefix.hashes)
+            seq.num_computed_tokens = prefix.num_tokens
+        need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need > 0:
+            seq.block_table.extend(self.pool.allocate(need))
         return True
-
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return need <= self.pool.num_free
 
     def commit(self, seq: Sequence) -> None:
         """Hash the blocks that became full, so later sequences with the same prefix can reuse them."""

@@ -56,16 +56,16 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(requests)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in requests]
         added = []
+        prompts: dict[str, list[int]] = {}
         try:
             for rid, req, p in zip(ids, requests, params):
-                self.engine.add_request(rid, params=p, **req)
+                prompts[rid] = self.engine.add_request(rid, params=p, **req)
                 added.append(rid)
         except ValueError:
             for rid in added:
                 self.engine.abort(rid)
             self._drain()
             raise
-        prompts = {rid: list(self.engine._requests[rid].seq.token_ids) for rid in ids}
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         texts: dict[str, list[str]] = {rid: [] for rid in ids}
         results: dict[str, RequestOutput] = {}

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.request import SeqKind
+
 
 @dataclass(slots=True)
 class StepOutput:
     """One request's progress in one step. Generation: new tokens/text; rerank: scores when finished."""
     request_id: str
-    kind: str  # "generate" | "rerank"
+    kind: SeqKind
     new_token_ids: list[int] = field(default_factory=list)
     text: str = ""  # text delta, never a broken UTF-8 sequence or a partial stop string
     finished: bool = False

@@ -40,9 +40,24 @@ _FINISH_REASONS = {
 }
 
 
-class SeqKind(enum.Enum):
+class SeqKind(str, enum.Enum):
+    """What a sequence (and the request it belongs to) is; a str, so it reads as "generate" / "rerank"."""
     GENERATE = "generate"
-    RERANK = "rerank"  # prefill-only: one score read at the last position, no tokens sampled
+    RERANK = "rerank"  # prefill-only: scored when computed, no tokens sampled
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+@dataclass(slots=True, eq=False)
+class RerankPair:
+    """What only a rerank pair has: its job, its document, and what it waits for."""
+    job: "RerankJob"
+    index: int  # which document of the job
+    wait_for: "Sequence | None" = None  # admitted only after this one finishes (it fills the shared prefix)
+    token_type_ids: list[int] | None = None  # cross-encoder segment ids
 
 
 @dataclass(slots=True, eq=False)
@@ -66,15 +81,16 @@ class Sequence:
     first_scheduled_time: float | None = None  # time.monotonic() when it first rode in a step
     first_token_time: float | None = None
     generator: "torch.Generator | None" = None
-    job: "RerankJob | None" = None  # rerank: the request this pair belongs to
-    pair_index: int = 0  # rerank: which document
-    wait_for: "Sequence | None" = None  # admitted only after this one finishes (it fills the shared prefix)
     uses_kv: bool = True  # False for cross-encoder pairs: no KV blocks at all
-    token_type_ids: list[int] | None = None  # cross-encoder segment ids
+    pair: RerankPair | None = None  # set exactly for rerank pairs
     # Prompt positions from here on get their token's log-probability computed (query likelihood); positions
     # before it may come from the prefix cache, the ones after may not (a cached position has no logits).
     logprob_start: int | None = None
     prompt_logprobs: list[float] = field(default_factory=list)  # of tokens logprob_start.., as computed
+
+    @property
+    def wait_for(self) -> "Sequence | None":
+        return self.pair.wait_for if self.pair is not None else None
 
     @property
     def num_cacheable_tokens(self) -> int:

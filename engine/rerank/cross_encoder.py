@@ -31,7 +31,7 @@ class CrossEncoderScorer(PairScorer):
         return [list(ids) for ids in self.tokenizer(documents, add_special_tokens=False).input_ids]
 
     def score(self, pairs: list[Sequence], last_hidden: torch.Tensor | None) -> list[float]:
-        return self.encoder.score([(p.token_ids, p.token_type_ids) for p in pairs])
+        return self.encoder.score([(p.token_ids, p.pair.token_type_ids) for p in pairs])
 
 
 def _pair_layout(tokenizer):

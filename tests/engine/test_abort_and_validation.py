@@ -27,7 +27,8 @@ def _drain(engine):
 
 
 def _seq(engine, rid):
-    return engine._requests[rid].seq
+    sched = engine.scheduler
+    return next(s for s in [*sched.running, *sched.waiting] if s.request_id == rid)
 
 
 def test_aborts_everywhere_free_all_blocks():

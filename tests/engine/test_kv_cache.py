@@ -15,9 +15,16 @@ def make_seq(token_ids, rid="r", arrival=0) -> Sequence:
                     params=SamplingParams(), arrival=arrival, arrival_time=0.0)
 
 
+def attach_prefix(kv: KVCacheManager, seq: Sequence) -> int:
+    """Look up the cached prefix and take it (no new blocks yet); returns the tokens it covers."""
+    prefix = kv.find_cached_prefix(seq)
+    assert kv.allocate(seq, 0, prefix)
+    return prefix.num_tokens
+
+
 def prefill(kv: KVCacheManager, seq: Sequence) -> int:
     """What the scheduler and runner do to a new sequence: prefix hit, blocks for the rest, compute, commit."""
-    cached = kv.match_prefix(seq)
+    cached = attach_prefix(kv, seq)
     assert kv.allocate(seq, seq.num_uncomputed_tokens)
     seq.num_computed_tokens = seq.num_tokens
     kv.commit(seq)
@@ -73,7 +80,6 @@ def test_manager_allocate_short_returns_false_and_leaves_sequence_alone():
     kv = KVCacheManager(pool, BS)
     other = pool.allocate(1)
     s = make_seq(range(10))  # needs 3 blocks, 2 free
-    assert not kv.can_allocate(s, 10)
     before = free_order(pool)
     assert kv.allocate(s, 10) is False
     assert s.block_table == [] and s.num_computed_tokens == 0
@@ -83,6 +89,47 @@ def test_manager_allocate_short_returns_false_and_leaves_sequence_alone():
     pool.release(other)
     kv.free(s)
     assert pool.num_free == 3
+
+
+def test_find_cached_prefix_is_a_pure_lookup():
+    pool = BlockPool(8)
+    kv = KVCacheManager(pool, BS)
+    a = make_seq(range(9), "a")
+    prefill(kv, a)
+    kv.free(a)
+    state = (free_order(pool), dict(pool.cached), list(pool.ref_counts))
+    b = make_seq(range(9), "b")
+    prefix = kv.find_cached_prefix(b)
+    assert prefix.num_tokens == 8 and len(prefix.blocks) == 2
+    assert kv.find_cached_prefix(b) == prefix  # asking twice changes nothing either
+    assert (free_order(pool), dict(pool.cached), list(pool.ref_counts)) == state
+    assert b.block_table == [] and b.num_computed_tokens == 0
+
+
+def test_allocate_with_a_prefix_commits_everything_or_nothing():
+    """The prefix's blocks are free (ref 0) cached blocks, so taking them uses free blocks too: 2 cached + 2 new
+    do not fit 3 free blocks, and nothing changes; with a reserve the same holds one block earlier."""
+    pool = BlockPool(5)
+    kv = KVCacheManager(pool, BS)
+    a = make_seq(range(9), "a")
+    prefill(kv, a)  # 3 blocks, 2 of them full and cached
+    kv.free(a)
+    other = pool.allocate(2)  # 3 free left, the 2 cached ones among them
+    b = make_seq(list(range(9)) + list(range(100, 107)), "b")  # 16 tokens: 8 cached + 8 new = 2 more blocks
+    prefix = kv.find_cached_prefix(b)
+    assert prefix.num_tokens == 8
+    state = (free_order(pool), dict(pool.cached), list(pool.ref_counts))
+    assert kv.blocks_to_take(b, 8, prefix) == 4
+    assert kv.allocate(b, 8, prefix) is False
+    assert (free_order(pool), dict(pool.cached), list(pool.ref_counts)) == state
+    assert b.block_table == [] and b.block_hashes == [] and b.num_computed_tokens == 0
+    assert kv.allocate(b, 4, prefix, reserve=1) is False  # 2 cached + 1 new take all 3: none left in reserve
+    assert (free_order(pool), dict(pool.cached), list(pool.ref_counts)) == state
+    assert kv.allocate(b, 4, prefix) is True
+    assert b.num_computed_tokens == 8 and b.block_table[:2] == list(prefix.blocks) and pool.num_free == 0
+    kv.free(b)
+    pool.release(other)
+    assert pool.num_free == 5
 
 
 def test_manager_allocate_only_adds_missing_blocks():
@@ -174,7 +221,7 @@ def test_match_prefix_reuses_committed_blocks():
     assert len(a.block_hashes) == 2 and pool.num_cached == 2
 
     b = make_seq(prompt + [1, 2], "b", arrival=1)
-    cached = kv.match_prefix(b)
+    cached = attach_prefix(kv, b)
     assert cached == 8
     assert b.num_computed_tokens == 8
     assert b.block_table == a.block_table[:2]
@@ -199,7 +246,7 @@ def test_match_prefix_hits_blocks_of_a_freed_sequence():
     kv.free(a)
     assert pool.num_free == 8 and pool.num_cached == 3
     b = make_seq(prompt, "b")
-    assert kv.match_prefix(b) == 12
+    assert attach_prefix(kv, b) == 12
     assert b.block_table == blocks[:3]
     assert pool.num_free == 5
     kv.free(b)
@@ -215,7 +262,7 @@ def test_match_prefix_never_covers_the_last_prompt_token(n):
     prefill(kv, a)
     assert pool.num_cached == n // BS
     b = make_seq(prompt, "b")
-    assert kv.match_prefix(b) == n - BS
+    assert attach_prefix(kv, b) == n - BS
     assert b.num_uncomputed_tokens >= 1
     assert len(b.block_table) == n // BS - 1
     kv.free(a)
@@ -231,14 +278,14 @@ def test_match_prefix_same_block_tokens_under_other_parent_miss():
     prefill(kv, a)
     # Same second block, different first block: nothing may be reused.
     b = make_seq(head_b + tail + [0], "b")
-    assert kv.match_prefix(b) == 0
+    assert attach_prefix(kv, b) == 0
     assert b.block_table == []
     # Second block content alone as a first block: no hit either.
     c = make_seq(tail + [0], "c")
-    assert kv.match_prefix(c) == 0
+    assert attach_prefix(kv, c) == 0
     # Same first block, different second block: only the first is reused.
     d = make_seq(head_a + [5, 6, 7, 0] + [0], "d")
-    assert kv.match_prefix(d) == 4
+    assert attach_prefix(kv, d) == 4
     assert d.block_table == a.block_table[:1]
     # b's blocks get their own hashes, distinct from a's.
     assert kv.allocate(b, b.num_uncomputed_tokens)
@@ -285,7 +332,7 @@ def test_duplicate_content_computed_concurrently():
     prompt = list(range(9))
     a, b = make_seq(prompt, "a"), make_seq(prompt, "b")
     for s in (a, b):
-        assert kv.match_prefix(s) == 0
+        assert attach_prefix(kv, s) == 0
         assert kv.allocate(s, s.num_tokens)
     for s in (a, b):
         s.num_computed_tokens = s.num_tokens
@@ -299,7 +346,7 @@ def test_duplicate_content_computed_concurrently():
     kv.free(a)
     assert pool.num_free == 8 and pool.num_cached == 2
     c = make_seq(prompt, "c")
-    assert kv.match_prefix(c) == 8
+    assert attach_prefix(kv, c) == 8
     assert c.block_table == [pool.lookup(h) for h in a_hashes]
     kv.free(c)
 
@@ -312,7 +359,7 @@ def test_prefix_caching_disabled():
     assert prefill(kv, a) == 0
     assert a.block_hashes == [] and pool.num_cached == 0
     b = make_seq(prompt, "b")
-    assert kv.match_prefix(b) == 0 and b.block_table == []
+    assert attach_prefix(kv, b) == 0 and b.block_table == []
     kv.free(a)
     assert pool.num_free == 8
 
@@ -336,7 +383,7 @@ def test_eviction_takes_the_tail_of_a_sequence_before_its_head():
     pool.allocate(1)  # evicts the third (deepest) block, keeps the head
     assert pool.num_cached == 2
     b = make_seq(prompt, "b")
-    assert kv.match_prefix(b) == 8
+    assert attach_prefix(kv, b) == 8
     assert b.block_table == table[:2]
     kv.free(b)
 
@@ -355,9 +402,9 @@ def test_eviction_takes_the_oldest_freed_sequence_first():
     held = pool.allocate(3)  # a's three blocks go first, tail first
     assert held == table_a[::-1]
     assert set(pool.free) == set(table_b)
-    assert kv.match_prefix(make_seq(pa, "a2")) == 0  # a's content is gone
+    assert attach_prefix(kv, make_seq(pa, "a2")) == 0  # a's content is gone
     b2 = make_seq(pb, "b2")
-    assert kv.match_prefix(b2) == 8  # b's survives
+    assert attach_prefix(kv, b2) == 8  # b's survives
     kv.free(b2)
     pool.release(held)
     assert pool.num_free == 6
@@ -374,11 +421,11 @@ def test_reused_block_moves_to_the_recent_end():
     kv.free(a)
     kv.free(b)
     a2 = make_seq(pa, "a2")
-    assert kv.match_prefix(a2) == 4  # a's block becomes the most recently used
+    assert attach_prefix(kv, a2) == 4  # a's block becomes the most recently used
     kv.free(a2)
     pool.allocate(4)  # the two never-used blocks + two partial ones: no cached block touched yet
     assert pool.num_cached == 2
     pool.allocate(1)  # now b's block (freed before a's was freed again) is evicted
-    assert kv.match_prefix(make_seq(pb, "b2")) == 0
+    assert attach_prefix(kv, make_seq(pb, "b2")) == 0
     a3 = make_seq(pa, "a3")
-    assert kv.match_prefix(a3) == 4
+    assert attach_prefix(kv, a3) == 4

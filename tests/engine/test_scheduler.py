@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from engine.config import EngineConfig, RerankParams, SamplingParams
 from engine.kv_cache import BlockPool, KVCacheManager
-from engine.request import Sequence, SequenceStatus, SeqKind
+from engine.request import RerankPair, Sequence, SequenceStatus, SeqKind
 from engine.scheduler import Batch, Scheduler
 
 
@@ -31,10 +31,11 @@ def fake_token(rid: str, index: int) -> int:
 
 class Sim:
     def __init__(self, *, num_blocks=64, block_size=4, budget=32, max_seqs=16, aging=10**6,
-                 prefix_caching=True, scheduling="continuous"):
+                 prefix_caching=True, scheduling="continuous", rerank_share=0.5):
         self.cfg = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
                                 max_num_seqs=max_seqs, priority_aging_steps=aging,
-                                enable_prefix_caching=prefix_caching, scheduling=scheduling)
+                                enable_prefix_caching=prefix_caching, scheduling=scheduling,
+                                rerank_share=rerank_share)
         self.bs = block_size
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, block_size, prefix_caching)
@@ -66,7 +67,8 @@ class Sim:
         (uses_kv=False) take no blocks; `wait_for` is the job's first pair, as the engine sets it."""
         seq = Sequence(request_id=rid, token_ids=list(prompt), num_prompt_tokens=len(prompt),
                        params=RerankParams(priority=priority), arrival=next(self._arrivals), arrival_time=0.0,
-                       kind=SeqKind.RERANK, priority=priority, uses_kv=uses_kv, wait_for=wait_for)
+                       kind=SeqKind.RERANK, priority=priority, uses_kv=uses_kv,
+                       pair=RerankPair(job=None, index=0, wait_for=wait_for))
         self.seqs[rid] = seq
         self.sched.add(seq)
         return seq
@@ -95,7 +97,7 @@ class Sim:
         self._check_batch(batch, decodes_before)
         self.preempted += [s.request_id for s in batch.preempted]
 
-        sampled: list[int | None] = []
+        finished: dict[Sequence, SequenceStatus] = {}
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.request_id not in self.admitted_order:
                 self.admitted_order.append(seq.request_id)
@@ -104,30 +106,26 @@ class Sim:
                 # A block someone else also reads is never written.
                 assert self.pool.ref_counts[block] == 1, (seq.request_id, pos, block)
                 self.shadow[(block, pos % self.bs)] = seq.token_ids[pos]
-            completes = seq.num_computed_tokens + n == seq.num_tokens
-            if completes and seq.kind is SeqKind.GENERATE:
-                sampled.append(fake_token(seq.request_id, seq.num_output_tokens))
-            else:
-                sampled.append(None)
-        sched.update(batch, sampled)
-
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled):
+            if seq.num_computed_tokens + n < seq.num_tokens:
+                continue  # a prefill chunk: nothing sampled or scored yet
             if seq.kind is SeqKind.RERANK:
-                if seq.num_computed_tokens == seq.num_tokens:
-                    self._finish(seq, SequenceStatus.FINISHED_STOPPED)
-            elif token is not None and seq.num_output_tokens >= seq.params.max_tokens:
-                self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+                finished[seq] = SequenceStatus.FINISHED_STOPPED  # scored
+            else:  # the engine's part: append the sampled token and decide there whether the sequence stops
+                seq.token_ids.append(fake_token(seq.request_id, seq.num_output_tokens))
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    finished[seq] = SequenceStatus.FINISHED_LENGTH
+        sched.update(batch, finished)
+        self.finished_order += [s.request_id for s in finished]
         self._check_state()
         return batch
 
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        self.sched.finish(seq, status)
-        self.finished_order.append(seq.request_id)
+    def pending(self) -> bool:
+        return bool(self.sched.running or self.sched.num_waiting)
 
     def run(self, max_steps: int = 20000, arrivals: dict[int, list] | None = None) -> None:
         """Step until everything finished; `arrivals` maps a step number to callables run before it."""
         arrivals = dict(arrivals or {})
-        while arrivals or self.sched.has_unfinished():
+        while arrivals or self.pending():
             assert self.steps < max_steps, "no progress: scheduler livelock"
             for fn in arrivals.pop(self.steps, []):
                 fn()
@@ -268,7 +266,7 @@ def test_every_running_decode_is_scheduled_every_step():
     sim = Sim(num_blocks=256, budget=16)
     for i, n in enumerate([3, 40, 7, 25, 1, 60]):
         sim.add(f"s{i}", toks(n, 10 * i), max_tokens=12)
-    while sim.sched.has_unfinished():
+    while sim.pending():
         assert sim.steps < 500
         running_decodes = {s.request_id for s in sim.sched.running if s.num_uncomputed_tokens == 1}
         batch = sim.step()
@@ -481,7 +479,7 @@ def test_finish_waiting_running_and_preempted_sequences_frees_everything():
     for s in (w, c, b, a):
         sim.sched.finish(s, SequenceStatus.FINISHED_ABORTED)
         assert s.status is SequenceStatus.FINISHED_ABORTED and s.block_table == []
-    assert not sim.sched.has_unfinished()
+    assert not sim.pending()
     assert sim.pool.num_free == sim.pool.num_blocks and sim.pool.ref_counts == [0] * 7
     assert sim.sched.schedule().seqs == []
 
@@ -505,8 +503,7 @@ def test_rerank_pairs_are_atomic_and_leave_no_blocks(uses_kv):
 def test_rerank_share_bounds_rerank_tokens_in_steps_with_decodes():
     """While decodes run, rerank pairs get at most rerank_share of the remaining budget (or one whole pair),
     so a rerank flood slows decodes by a bounded amount; steps without decodes take all the rerank they can."""
-    sim = Sim(num_blocks=256, budget=40, block_size=4, max_seqs=64)
-    sim.cfg.rerank_share = sim.sched.rerank_share = 0.25
+    sim = Sim(num_blocks=256, budget=40, block_size=4, max_seqs=64, rerank_share=0.25)
     for i in range(4):
         sim.add(f"gen{i}", toks(3, 10 * i), max_tokens=30)
     sim.add_rerank_job("flood", [], [toks(3, 300 + 5 * i) for i in range(60)], uses_kv=False)
@@ -596,8 +593,7 @@ def test_rerank_alone_uses_every_seat():
 def test_rerank_seats_while_generation_waits_follow_rerank_share(share, seats):
     """While a generation waits, rerank pairs get max(1, int(rerank_share * free seats)); generation the rest.
     rerank_share=1.0 gives rerank everything, as it does with the token budget."""
-    sim = Sim(num_blocks=512, budget=256, block_size=4, max_seqs=8)
-    sim.cfg.rerank_share = sim.sched.rerank_share = share
+    sim = Sim(num_blocks=512, budget=256, block_size=4, max_seqs=8, rerank_share=share)
     _flood(sim, uses_kv=False)
     chats = [sim.add(f"chat{i}", toks(3, 9000 + 10 * i), max_tokens=50) for i in range(8)]
     batch = sim.step()

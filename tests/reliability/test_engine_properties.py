@@ -67,7 +67,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.engine.add_request(rid, prompt, params)
         except ValueError as exc:  # too long for this pool: refused, nothing queued
             assert "max_model_len" in str(exc)
-            assert rid not in self.engine._requests
+            assert rid not in self.engine.request_ids
             SEEN["refused"] += 1
             return
         self.live[rid] = dict(kind="generate", max_tokens=max_tokens, stops_early=eos and not ignore_eos)
@@ -91,7 +91,7 @@ class EngineMachine(RuleBasedStateMachine):
                                    RerankParams(truncate=truncate, priority=priority))
         except ValueError as exc:  # the judge prompt does not fit this budget/context
             assert "too long" in str(exc) or "over the limit" in str(exc)
-            assert rid not in self.engine._requests
+            assert rid not in self.engine.request_ids
             SEEN["refused"] += 1
             return
         self.live[rid] = dict(kind="rerank", documents=len(docs))
@@ -124,7 +124,7 @@ class EngineMachine(RuleBasedStateMachine):
         for _ in range(steps):
             self._step()
 
-    @precondition(lambda self: self.engine.scheduler.has_unfinished())
+    @precondition(lambda self: self.engine.scheduler.running or self.engine.scheduler.num_waiting)
     @rule()
     def failing_step(self):
         self.runner.fail_next = RuntimeError("injected fault")
@@ -185,7 +185,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.finished[rid] = reason
         del self.live[rid]
         # Nothing left behind.
-        assert rid not in self.engine._requests
+        assert rid not in self.engine.request_ids
         for seq in self._seqs_in_scheduler():
             assert seq.request_id != rid
 
@@ -217,8 +217,8 @@ class EngineMachine(RuleBasedStateMachine):
         assert len(sched.running) <= self.engine.config.max_num_seqs
         # The engine's live requests are exactly the ones the test has not seen finish (aborted ones may
         # await their final output, already out of the engine's table).
-        assert set(self.engine._requests) <= set(self.live)
-        assert set(self.live) - set(self.engine._requests) <= {r for r, e in self.live.items() if e.get("aborted")}
+        assert set(self.engine.request_ids) <= set(self.live)
+        assert set(self.live) - set(self.engine.request_ids) <= {r for r, e in self.live.items() if e.get("aborted")}
 
     def teardown(self):
         if not hasattr(self, "engine"):

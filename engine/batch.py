@@ -1,0 +1,39 @@
+"""What one step computes: the plain record the scheduler hands the model runner and the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Sequence, SeqKind
+
+
+@dataclass(slots=True)
+class Batch:
+    """What one step computes: for each sequence, its next num_new_tokens tokens."""
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens that newly admitted sequences took from the prefix cache
+    num_rerank_pairs: int = 0
+    num_rerank_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    decode_request_ids: list[str] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+        if seq.kind is SeqKind.RERANK:
+            self.num_rerank_pairs += 1
+            self.num_rerank_tokens += n
+        elif n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1:
+            self.num_decode_tokens += 1
+            self.decode_request_ids.append(seq.request_id)
+        else:
+            self.num_prefill_tokens += n
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)

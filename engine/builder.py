@@ -1,0 +1,86 @@
+"""Building an engine: load the model and tokenizer, size the KV pool, pick the rerank mode, capture CUDA graphs."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+
+from engine.config import EngineConfig
+from engine.cuda_graphs import capture_sizes, cuda_graph_capture
+from engine.kv_cache import BlockPool, KVCacheManager
+from engine.models.llama import LlamaArgs, LlamaForCausalLM
+from engine.models.loader import load_state_dict, read_config, resolve_model_dir
+from engine.rerank import PairScorer, build_scorer
+from engine.runner import DTYPES, ModelRunner
+from engine.scheduler import Scheduler
+
+log = logging.getLogger("tandem.engine")
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """Everything a running engine needs, built once from an EngineConfig."""
+    model_dir: str
+    tokenizer: object
+    hf_config: dict
+    model_args: LlamaArgs
+    model: LlamaForCausalLM
+    max_model_len: int
+    pool: BlockPool
+    kv: KVCacheManager
+    scheduler: Scheduler
+    scorer: PairScorer
+    runner: ModelRunner
+    eos_token_ids: set[int]
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    model_dir = resolve_model_dir(config.model)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf_config = read_config(model_dir)
+    args = LlamaArgs.from_hf_config(hf_config)
+    model = _build_model(args, load_state_dict(model_dir), config.device, config.dtype)
+    max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+    per_block = ModelRunner.kv_bytes_per_block(args, config.block_size, config.dtype)
+    num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+    # A sequence must fit the whole pool, or it would be preempted forever once it outgrew it.
+    max_model_len = min(max_model_len, num_blocks * config.block_size)
+    pool = BlockPool(num_blocks)
+    kv = KVCacheManager(pool, config.block_size, config.enable_prefix_caching)
+    scorer = build_scorer(config, tokenizer, model)
+    runner = ModelRunner(model, num_blocks, config.block_size, config.device, config.dtype, scorer)
+    kernels.prepare(config.device, DTYPES[config.dtype])
+    if runner.device.type == "cuda" and not config.enforce_eager:
+        started = time.monotonic()
+        if runner.capture_decode_graphs(capture_sizes(config.max_num_seqs),
+                                        -(-max_model_len // config.block_size), cuda_graph_capture()):
+            log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
+                     runner.decode_graphs.sizes, time.monotonic() - started)
+    return EngineParts(model_dir=str(model_dir), tokenizer=tokenizer, hf_config=hf_config, model_args=args,
+                       model=model, max_model_len=max_model_len, pool=pool, kv=kv,
+                       scheduler=Scheduler(config, kv), scorer=scorer, runner=runner,
+                       eos_token_ids=_eos_ids(hf_config, tokenizer))
+
+
+def _build_model(args: LlamaArgs, state: dict, device: str, dtype: str) -> LlamaForCausalLM:
+    # Built on the meta device so no time goes into random init of weights we overwrite.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    model.load_hf_state_dict({k: v.to(DTYPES[dtype]) for k, v in state.items()}, assign=True)
+    return model.to(device).eval()
+
+
+def _eos_ids(hf_config: dict, tokenizer) -> set[int]:
+    ids = hf_config.get("eos_token_id")
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
