@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from engine.admission import AdmissionPolicy
 
 
 RERANK_MODES = ("likelihood", "judge", "cross-encoder")
@@ -29,6 +32,9 @@ class EngineConfig:
     # Share of the step's token budget and of its free seats that rerank pairs get while generation waits or
     # decodes (always at least one pair); 1.0: rerank first, generation gets the leftovers.
     rerank_share: float = 0.5
+    # How a step's leftover budget and seats are split between prompts and rerank pairs; None: a ShareAdmission
+    # with rerank_share (engine/admission.py). Any AdmissionPolicy object may be given.
+    admission: "AdmissionPolicy | None" = None
     max_rerank_documents: int = 1000
     priority_aging_steps: int = 64  # a waiting request gains one priority level per this many steps
     scheduling: Literal["continuous", "static"] = "continuous"
@@ -46,6 +52,11 @@ class EngineConfig:
             raise ValueError(f"rerank_share must be in (0, 1], got {self.rerank_share}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.admission is not None:
+            from engine.admission import AdmissionPolicy
+
+            if not isinstance(self.admission, AdmissionPolicy):
+                raise ValueError(f"admission must be an AdmissionPolicy or None, got {self.admission!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.rerank_mode is not None and self.rerank_mode not in RERANK_MODES:

@@ -69,12 +69,12 @@ class WaitQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: AdmissionPolicy | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.kv = kv
         self.budget = config.max_num_batched_tokens
         # Every running sequence must fit in one step's budget, or decodes could be skipped.
         self.max_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
-        self.policy = policy or ShareAdmission(config.rerank_share)
+        self.policy: AdmissionPolicy = config.admission or ShareAdmission(config.rerank_share)
         self.static = config.scheduling == "static"
         self.watermark = max(1, kv.num_blocks // 100)  # headroom admissions leave for decodes
         self.waiting = WaitQueue(config.priority_aging_steps)

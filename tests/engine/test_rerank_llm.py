@@ -108,8 +108,9 @@ def test_likelihood_query_span_is_never_taken_from_the_prefix_cache(llm):
 
 
 @pytest.mark.parametrize("mode", ["likelihood", "judge"])
-def test_pair_score_does_not_depend_on_batch_composition(mode, llm, judge_llm):
-    llm = judge_llm if mode == "judge" else llm
+def test_pair_score_does_not_depend_on_batch_composition(mode):
+    # rerank_share 1.0: the whole remaining budget, so many pairs ride in one step beside the decodes
+    llm = make_llm(rerank_mode=mode, rerank_share=1.0)
     alone = llm.rerank(QUERY, [DOCS[2]])[0]
     eng = llm.engine
     for i in range(3):
@@ -119,12 +120,8 @@ def test_pair_score_does_not_depend_on_batch_composition(mode, llm, judge_llm):
     records = record_steps(llm)
     eng.add_rerank("crowded", QUERY, others[:31] + [DOCS[2]] + others[31:])
     outs = []
-    eng.scheduler.rerank_share = 1.0  # the whole remaining budget: many pairs ride in one step beside the decodes
-    try:
-        while eng.has_unfinished():
-            outs.extend(eng.step())
-    finally:
-        eng.scheduler.rerank_share = eng.config.rerank_share
+    while eng.has_unfinished():
+        outs.extend(eng.step())
     crowded = next(o for o in outs if o.request_id == "crowded").scores[31]
     assert abs(crowded - alone) <= 1e-5
     assert max(r.rerank_pairs for r in records) >= 12 and any(r.decode_tokens for r in records if r.rerank_pairs)

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.admission import AdmissionPolicy, AdmissionStep
 from engine.config import EngineConfig, RerankParams, SamplingParams
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.request import RerankPair, Sequence, SequenceStatus, SeqKind
@@ -31,11 +32,11 @@ def fake_token(rid: str, index: int) -> int:
 
 class Sim:
     def __init__(self, *, num_blocks=64, block_size=4, budget=32, max_seqs=16, aging=10**6,
-                 prefix_caching=True, scheduling="continuous", rerank_share=0.5):
+                 prefix_caching=True, scheduling="continuous", rerank_share=0.5, admission=None):
         self.cfg = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
                                 max_num_seqs=max_seqs, priority_aging_steps=aging,
                                 enable_prefix_caching=prefix_caching, scheduling=scheduling,
-                                rerank_share=rerank_share)
+                                rerank_share=rerank_share, admission=admission)
         self.bs = block_size
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, block_size, prefix_caching)
@@ -646,3 +647,38 @@ def test_stream_of_generation_does_not_stop_rerank_and_rerank_does_not_stop_gene
             first_step.setdefault(s.request_id, n)
     waits = [first_step[rid] - arrived[rid] for rid in arrived]
     assert max(waits) <= 4, waits
+
+
+# ---- admission policies are objects the config hands the scheduler ----------------------------------------------
+
+
+class RerankFirstTwoSeats(AdmissionPolicy):
+    """A test policy: while pairs wait, admit at most two of them and no prompt; then prompts."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int, int]] = []
+
+    def admit(self, step: AdmissionStep) -> None:
+        self.seen.append((step.budget, step.free_seats, step.generation_waiting, step.rerank_waiting))
+        if step.rerank_waiting:
+            step.admit_rerank(max_seats=2)
+        else:
+            step.admit_generation()
+
+
+def test_the_admission_policy_comes_from_the_config_and_decides_the_split():
+    policy = RerankFirstTwoSeats()
+    sim = Sim(num_blocks=256, budget=64, block_size=4, max_seqs=8, admission=policy)
+    chat = sim.add("chat", toks(5, 7000), max_tokens=3)
+    pairs = sim.add_rerank_job("job", [], [toks(3, 100 + 5 * i) for i in range(5)], uses_kv=False)
+    first = sim.step()
+    assert policy.seen[0] == (64, 8, 1, 5)
+    assert [s.request_id for s in first.seqs] == ["job/0", "job/1"]
+    sim.run()
+    assert sim.admitted_order.index("chat") > max(sim.admitted_order.index(p.request_id) for p in pairs)
+    assert chat.status is SequenceStatus.FINISHED_LENGTH
+
+
+def test_a_config_admission_that_is_not_a_policy_is_rejected():
+    with pytest.raises(ValueError, match="admission must be an AdmissionPolicy"):
+        EngineConfig(admission=lambda step: None)
