@@ -1,6 +1,6 @@
 """Mixed load on one engine: does a rerank flood hurt streaming decode, and does decode starve the flood?
 
-Three phases on ONE engine (the embedded SmolLM2 for generation; the reranker is the MiniLM-L6 cross-encoder of
+Three phases, the same engine configuration throughout (the embedded SmolLM2 for generation; the reranker is the MiniLM-L6 cross-encoder of
 bench/models.py by default, the small model that sits beside an LLM in a retrieval deployment, or the LLM itself
 with --reranker judge|likelihood):
 
