@@ -1,8 +1,8 @@
 """Mixed load on one engine: does a rerank flood hurt streaming decode, and does decode starve the flood?
 
-Three phases, the same engine configuration throughout (the embedded SmolLM2 for generation; the reranker is the MiniLM-L6 cross-encoder of
-bench/models.py by default, the small model that sits beside an LLM in a retrieval deployment, or the LLM itself
-with --reranker judge|likelihood):
+Three phases (the embedded SmolLM2 for generation; the reranker is the MiniLM-L6 cross-encoder of bench/models.py
+by default, the small model that sits beside an LLM in a retrieval deployment, or the LLM itself with --reranker
+judge|likelihood):
 
 (a) decode alone: --requests AlpacaEval chat requests (greedy, EOS ignored, up to --max-output-tokens each), all
     submitted at once. Time per output token (TPOT) = the time between consecutive tokens of one request, each
