@@ -124,8 +124,12 @@ def _decode_group(query, k_cache, v_cache, block_tables, starts, lens, group, sc
     out[rows] = o.reshape(q.shape)
 
 
-# Pairs longer than this go through SDPA's fused kernel (1.5x faster at 400 tokens, about even at 256 on CPU).
+# A lone pair longer than this goes through SDPA's fused kernel (1.5x faster at 400 tokens, about even at 256 on CPU).
 _FUSED_VARLEN_MIN = 256
+# Consecutive pairs at least this fraction of their group's longest attend in one SDPA call, padded to that longest
+# (keys masked): one call per group instead of one per pair. Callers that sort pairs longest first (the
+# cross-encoder does) get tight groups; pairs of one length need no padding and no copies at all.
+_GROUP_MIN_FILL = 0.75
 
 
 def varlen_attention(
@@ -135,18 +139,51 @@ def varlen_attention(
     cu_seqlens: torch.Tensor,  # [B + 1] int32
     scale: float,
 ) -> torch.Tensor:
-    """Bidirectional attention inside each packed sequence (cross-encoder pairs), no padding."""
+    """Bidirectional attention inside each packed sequence (cross-encoder pairs), no attention across them."""
     out = torch.empty_like(query)
     bounds = cu_seqlens.tolist()
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if e == s:
-            continue
-        q, k, v = (t[s:e].transpose(0, 1) for t in (query, key, value))
-        if e - s > _FUSED_VARLEN_MIN:
-            out[s:e] = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale)[0].transpose(0, 1)
-            continue
-        # Plain batched matmuls and softmax: up to ~256 tokens this beats SDPA's fused CPU kernel (whose per-call
-        # cost dominates short pairs), and agrees with it to float rounding.
-        scores = torch.baddbmm(q.new_empty(q.shape[0], e - s, e - s), q, k.transpose(1, 2), beta=0, alpha=scale)
-        out[s:e] = torch.bmm(scores.softmax(-1), v).transpose(0, 1)
+    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    i = 0
+    while i < len(lens):
+        longest, j = lens[i], i + 1
+        while j < len(lens) and _GROUP_MIN_FILL * longest <= lens[j] <= longest:
+            j += 1
+        if j - i == 1:
+            _attend_one(query, key, value, bounds[i], bounds[i + 1], scale, out)
+        else:
+            _attend_group(query, key, value, bounds[i:j + 1], lens[i:j], scale, out)
+        i = j
     return out
+
+
+def _attend_one(query, key, value, s: int, e: int, scale: float, out: torch.Tensor) -> None:
+    if e == s:
+        return
+    q, k, v = (t[s:e].transpose(0, 1) for t in (query, key, value))
+    if e - s > _FUSED_VARLEN_MIN:
+        out[s:e] = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale)[0].transpose(0, 1)
+        return
+    # Plain batched matmuls and softmax: up to ~256 tokens this beats SDPA's fused CPU kernel (whose per-call
+    # cost dominates short pairs), and agrees with it to float rounding.
+    scores = torch.baddbmm(q.new_empty(q.shape[0], e - s, e - s), q, k.transpose(1, 2), beta=0, alpha=scale)
+    out[s:e] = torch.bmm(scores.softmax(-1), v).transpose(0, 1)
+
+
+def _attend_group(query, key, value, bounds: list[int], lens: list[int], scale: float, out: torch.Tensor) -> None:
+    """Pairs bounds[0]..bounds[-1] (lengths `lens`, the first the longest) in one SDPA call, [G, H, longest, D]."""
+    s, e = bounds[0], bounds[-1]
+    g, longest, (heads, dim) = len(lens), lens[0], query.shape[1:]
+    if all(n == longest for n in lens):  # one length: the packed rows already are [G, L, H, D], a view
+        q, k, v = (t[s:e].view(g, longest, heads, dim).transpose(1, 2) for t in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, scale=scale)
+        out[s:e] = o.transpose(1, 2).reshape(e - s, heads, dim)
+        return
+    dev = query.device
+    offsets = torch.arange(longest, device=dev)
+    n = torch.tensor(lens, device=dev)
+    real = offsets[None, :] < n[:, None]  # [G, longest]
+    # Row of each padded slot; padding slots read the group's first row (masked as keys, dropped as queries).
+    rows = torch.where(real, torch.tensor(bounds[:-1], device=dev)[:, None] + offsets[None, :], s).reshape(-1)
+    q, k, v = (t.index_select(0, rows).view(g, longest, heads, dim).transpose(1, 2) for t in (query, key, value))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=real[:, None, None, :], scale=scale)
+    out[s:e] = o.transpose(1, 2).reshape(g * longest, heads, dim)[real.reshape(-1)]

@@ -39,6 +39,22 @@ def test_varlen_reference_matches_block_diagonal_sdpa() -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def _block_diagonal_sdpa(q, k, v, lengths: list[int], scale: float) -> torch.Tensor:
+    seq_id = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = seq_id[:, None] == seq_id[None, :]
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale).transpose(0, 1)
+
+
+def test_varlen_reference_groups_match_block_diagonal_sdpa() -> None:
+    # Longest first, as the cross-encoder packs them: runs of one length (a view, no padding), runs within
+    # _GROUP_MIN_FILL of their longest (padded, keys masked), and lone pairs on either side of _FUSED_VARLEN_MIN.
+    lengths = [420, 300, 300, 300, 200, 120, 64, 64, 60, 17, 3, 1, 1]
+    q, k, v, cu = varlen_batch(lengths, num_heads=3, head_dim=32, seed=5)
+    got = reference.varlen_attention(q, k, v, cu, 0.2)
+    torch.testing.assert_close(got, _block_diagonal_sdpa(q, k, v, lengths, 0.2), atol=1e-5, rtol=1e-5)
+
+
 def test_write_kv_cache_reference_matches_per_token_copy() -> None:
     g = torch.Generator().manual_seed(0)
     key, value = torch.randn(2, 9, 2, 16, generator=g)
