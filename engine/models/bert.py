@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
@@ -95,6 +96,24 @@ def packed_positions(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, a: Encod
     return (total - before) * mask + a.pad_token_id
 
 
+def longest_first(cu_seqlens: torch.Tensor, *per_token: torch.Tensor
+                  ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...], torch.Tensor]:
+    """The packed batch reordered so its sequences run from longest to shortest (stable among equal lengths):
+    (order, per-token tensors reordered, new cu_seqlens); order is None when the batch already runs that way.
+    Sequence i of the new batch is sequence order[i] of the old one."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    if lens.shape[0] < 2 or bool((lens[1:] <= lens[:-1]).all()):
+        return None, per_token, cu_seqlens
+    order = torch.sort(lens, descending=True, stable=True).indices
+    new_lens = lens[order].long()
+    new_cu = torch.zeros_like(cu_seqlens)
+    torch.cumsum(new_lens, 0, out=new_cu[1:])
+    # Token t of new sequence i comes from old position old_start[order[i]] + (t - new_start[i]).
+    shift = torch.repeat_interleave(cu_seqlens[:-1].long()[order] - new_cu[:-1].long(), new_lens)
+    index = torch.arange(int(new_cu[-1]), device=cu_seqlens.device) + shift
+    return order, tuple(t.index_select(0, index) for t in per_token), new_cu
+
+
 class Embeddings(nn.Module):
     def __init__(self, a: EncoderArgs) -> None:
         super().__init__()
@@ -116,11 +135,46 @@ class SelfAttention(nn.Module):
         self.query = nn.Linear(a.hidden_size, a.hidden_size)
         self.key = nn.Linear(a.hidden_size, a.hidden_size)
         self.value = nn.Linear(a.hidden_size, a.hidden_size)
+        self._fused_cache: dict[int, tuple] = {}  # not a buffer: the state dict keeps HF's three projections
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output of every token [T, H], or with `rows` (each sequence's first token) of those only."""
         shape = (x.shape[0], self.num_heads, self.head_dim)
-        q, k, v = (proj(x).view(shape) for proj in (self.query, self.key, self.value))
+        if rows is not None:
+            k, v = F.linear(x, *self._fused(self.key, self.value)).view(x.shape[0], 2, *shape[1:]).unbind(1)
+            q = self.query(x[rows]).view(rows.shape[0], self.num_heads, self.head_dim)
+            return first_token_attention(q, k, v, cu_seqlens, self.scale).reshape(rows.shape[0], -1)
+        # One GEMM for Q, K and V (three [T, H] outputs side by side), then views: no copies.
+        q, k, v = F.linear(x, *self._fused(self.query, self.key, self.value)).view(
+            x.shape[0], 3, *shape[1:]).unbind(1)
         return kernels.varlen_attention(q, k, v, cu_seqlens, self.scale).reshape(x.shape[0], -1)
+
+    def _fused(self, *projs: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projections' weights and biases concatenated, built once and rebuilt if a weight changes."""
+        key = tuple((p.weight.data_ptr(), p.weight._version, p.bias.data_ptr(), p.bias._version) for p in projs)
+        cached = self._fused_cache.get(len(projs))
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs]))
+            self._fused_cache[len(projs)] = cached
+        return cached[1], cached[2]
+
+
+def first_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Attention of one query row per sequence (q [B, heads, D]) over that sequence's keys (k, v [T, heads, D]).
+
+    The last layer only feeds the classifier its sequences' first tokens, so their rows are all it attends for:
+    a softmax per sequence over its own tokens (segment max and sums), no [L, L] scores and no per-sequence calls.
+    """
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=k.device), lens)  # [T] sequence of each token
+    scores = (q.index_select(0, seq) * k).sum(-1) * scale  # [T, heads]
+    index = seq[:, None].expand_as(scores)
+    top = scores.new_full(q.shape[:2], -torch.inf).scatter_reduce_(0, index, scores, "amax")
+    p = (scores - top.index_select(0, seq)).exp_()
+    total = scores.new_zeros(q.shape[:2]).index_add_(0, seq, p)
+    out = q.new_zeros(q.shape).index_add_(0, seq, p[..., None] * v)
+    return out / total[..., None]
 
 
 class DenseLayerNorm(nn.Module):
@@ -163,9 +217,9 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """`rows`: keep only these tokens after attention (the last layer only needs each pair's first token)."""
-        ctx = self.attention.self(x, cu_seqlens)
+        ctx = self.attention.self(x, cu_seqlens, rows)
         if rows is not None:
-            ctx, x = ctx[rows], x[rows]
+            x = x[rows]
         h = self.attention.output(ctx, x)
         return self.output(self.intermediate(h), h)
 
@@ -201,12 +255,17 @@ class EncoderModel(nn.Module):
             token_type_ids = torch.zeros_like(input_ids)
         if positions is None:
             positions = packed_positions(input_ids, cu_seqlens, self.args)
+        # Longest sequences first, so the attention kernel finds runs of similar length to batch into one call;
+        # only token ids move here, and the outputs go back to input order at the end.
+        order, (input_ids, token_type_ids, positions), cu_seqlens = longest_first(
+            cu_seqlens, input_ids, token_type_ids, positions)
         x = self.embeddings(input_ids, token_type_ids, positions)
         first = cu_seqlens[:-1].long()
         layers = self.encoder.layer
         for i, layer in enumerate(layers):
             x = layer(x, cu_seqlens, first if i == len(layers) - 1 else None)
-        return x if len(layers) else x[first]
+        x = x if len(layers) else x[first]
+        return x if order is None else x[torch.argsort(order)]
 
 
 class ClassificationHead(nn.Module):
@@ -273,4 +332,4 @@ def pack_pairs(pairs: list[tuple[list[int], list[int]]], device: torch.device | 
 
 
 __all__ = ["EncoderArgs", "BertForSequenceClassification", "RobertaForSequenceClassification", "build_model",
-           "pack_pairs", "packed_positions", "FAMILIES"]
+           "pack_pairs", "packed_positions", "longest_first", "first_token_attention", "FAMILIES"]
