@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from engine.batch import Batch
+from engine.step_time import CROSS_ENCODER, LLM_RERANK, PREFILL, OnlineStepTime, StepShape
+
+if TYPE_CHECKING:
+    from engine.outputs import StepRecord
+    from engine.request import Sequence
+    from engine.step_time import LinearStepTime
 
 # admit(max_tokens, max_seats) -> tokens admitted; None: no limit but the step's own
 Admit = Callable[[int | None, int | None], int]
+Peek = Callable[[], "Sequence | None"]
+
+
+def _nobody() -> None:
+    return None
 
 
 @dataclass(slots=True)
@@ -24,6 +35,16 @@ class AdmissionStep:
     rerank_head_tokens: int  # tokens of the rerank pair that would be admitted next (0: none)
     _admit_generation: Admit = field(repr=False)
     _admit_rerank: Admit = field(repr=False)
+    _peek_generation: Peek = field(default=_nobody, repr=False)
+    _peek_rerank: Peek = field(default=_nobody, repr=False)
+
+    def generation_head(self) -> "Sequence | None":
+        """The prompt admit_generation would take next (it changes as admissions pop the queue)."""
+        return self._peek_generation()
+
+    def rerank_head(self) -> "Sequence | None":
+        """The pair admit_rerank would take next."""
+        return self._peek_rerank()
 
     def admit_generation(self, max_tokens: int | None = None, max_seats: int | None = None) -> int:
         return self._take(self._admit_generation, max_tokens, max_seats)
@@ -39,9 +60,28 @@ class AdmissionStep:
 
 
 class AdmissionPolicy(ABC):
+    observes_steps = False  # True: the engine builds a StepRecord every step and hands it to observe()
+
     @abstractmethod
     def admit(self, step: AdmissionStep) -> None:
         """Admit waiting work into `step.batch` through step.admit_generation / step.admit_rerank."""
+
+    def prefill_budget(self, step: AdmissionStep, continuing: list["Sequence"]) -> int:
+        """Tokens the prompts already running (`continuing`, chunked prefill) may take next, of the `step.budget`
+        the decodes in `step.batch` left; called before admit (which then sees what they took)."""
+        return step.budget
+
+    def predict(self, batch: Batch) -> float | None:
+        """Predicted seconds of the step that runs `batch` (None: this policy has no step-time model)."""
+        return None
+
+    @property
+    def target_s(self) -> float | None:
+        """The step time this policy keeps decodes under (None: none)."""
+        return None
+
+    def observe(self, record: "StepRecord") -> None:
+        """What the step the engine just ran did and took (called when observes_steps)."""
 
 
 @dataclass(slots=True)
@@ -64,3 +104,131 @@ class ShareAdmission(AdmissionPolicy):
             return
         step.admit_generation()
         step.admit_rerank()
+
+
+@dataclass(slots=True)
+class LatencyAdmission(AdmissionPolicy):
+    """A latency objective: while decodes ride in a step, admit the most prompt and rerank tokens whose predicted
+    step time (`model`, fitted online by default) keeps the decodes' time per output token at or under
+    `tpot_target_s`, planning with the model's own error margin (predicted x (1 + margin) <= target).
+
+    * No decodes in the step: nothing to protect, `fallback` (ShareAdmission: the whole budget) decides.
+    * Floors, so nothing starves: at least one rerank pair per step while pairs wait, and at least
+      `min_prefill_tokens` of prompt (chunked) while prompts wait, even when the decodes alone are over the target.
+      Floors come on top of what the objective admits: a step can exceed the target by one pair plus that prefill
+      floor.
+    * Priority: work whose declared priority is strictly better (lower) than every decode in the step is not held
+      to the objective; it is admitted as if no decode ran (it may push those decodes past the target). Otherwise
+      the more urgent of the two queue heads fills the headroom first; at equal priority pairs get `rerank_share`
+      of the headroom (and of the free seats) first, prompts the rest, then pairs whatever prompts left.
+    * Until the model is `ready` (its first few steps) only the floors are admitted beside decodes.
+    """
+    tpot_target_s: float
+    model: "LinearStepTime" = field(default_factory=OnlineStepTime)
+    rerank_share: float = 0.5
+    min_prefill_tokens: int = 32
+    fallback: AdmissionPolicy | None = None
+
+    _prefill_over: int = field(default=0, init=False, repr=False)  # floor tokens prefill_budget gave this step
+
+    observes_steps = True
+
+    def __post_init__(self) -> None:
+        if not self.tpot_target_s > 0:
+            raise ValueError(f"tpot_target_s must be > 0, got {self.tpot_target_s!r}")
+        if self.fallback is None:
+            self.fallback = ShareAdmission(self.rerank_share)
+
+    @property
+    def target_s(self) -> float:
+        return self.tpot_target_s
+
+    def limit_s(self) -> float:
+        """The predicted step time admissions stay under: the target less the model's error margin."""
+        if not self.model.ready:
+            return 0.0
+        return self.tpot_target_s / (1.0 + self.model.margin())
+
+    def predict(self, batch: Batch) -> float:
+        return self.model.predict(StepShape.of_batch(batch))
+
+    def observe(self, record: "StepRecord") -> None:
+        self.model.observe(StepShape.of_record(record), record.duration_s)
+
+    def prefill_budget(self, step: AdmissionStep, continuing: list["Sequence"]) -> int:
+        batch = step.batch
+        if not batch.num_decode_tokens or not continuing:
+            return step.budget
+        urgent = min(s.priority for s in continuing)
+        if urgent < batch.min_decode_priority:
+            return step.budget  # a prompt more urgent than every decode: not held to the objective
+        # Prompts already running keep their place before new admissions, but not before more urgent pairs, and
+        # at equal priority they leave the pairs their share of the headroom.
+        head = step.rerank_head()
+        share = 1.0 if head is None or head.priority > urgent else 0.0 if head.priority < urgent \
+            else 1.0 - self.rerank_share
+        allowed = self._tokens(step, PREFILL, self.limit_s(), share)
+        granted = min(step.budget, max(allowed, self.min_prefill_tokens))
+        self._prefill_over = max(0, granted - allowed)
+        return granted
+
+    def _tokens(self, step: AdmissionStep, kind: str, limit: float, share: float = 1.0) -> int:
+        """Tokens of `kind` that keep the step's predicted time under `limit`, or under its `share` of the headroom."""
+        shape = StepShape.of_batch(step.batch)
+        if share < 1.0:
+            now = self.model.predict(shape)
+            limit = now + max(0.0, limit - now) * share
+        return self.model.tokens_within(shape, kind, limit)
+
+    def admit(self, step: AdmissionStep) -> None:
+        batch = step.batch
+        if not batch.num_decode_tokens:
+            self.fallback.admit(step)
+            return
+        self._admit_urgent(step, batch.min_decode_priority)
+        # Prefill the floor gave running prompts beyond their share does not count against the others.
+        over, self._prefill_over = min(self._prefill_over, batch.num_prefill_tokens), 0
+        limit = self.limit_s() + over * self.model.token_cost_s(PREFILL)
+        rerank, gen = step.rerank_head(), step.generation_head()
+        if rerank is not None and gen is not None and rerank.priority != gen.priority:
+            order = (self._fill_rerank, self._fill_generation) if rerank.priority < gen.priority \
+                else (self._fill_generation, self._fill_rerank)
+            for fill in order:
+                fill(step, limit)
+            return
+        if rerank is not None and gen is not None:  # one priority: pairs' share of the headroom and seats first
+            self._fill_rerank(step, limit, self.rerank_share, max(1, int(step.free_seats * self.rerank_share)))
+        self._fill_generation(step, limit)
+        self._fill_rerank(step, limit)
+
+    def _admit_urgent(self, step: AdmissionStep, decode_priority: int) -> None:
+        """Admit, most urgent first, the heads declared more urgent than every decode, with the whole budget."""
+        while True:
+            rerank, gen = step.rerank_head(), step.generation_head()
+            urgent_rerank = rerank is not None and rerank.priority < decode_priority
+            urgent_gen = gen is not None and gen.priority < decode_priority
+            if urgent_rerank and (not urgent_gen or (rerank.priority, rerank.arrival) < (gen.priority, gen.arrival)):
+                admitted = step.admit_rerank(max_seats=1)
+            elif urgent_gen:
+                admitted = step.admit_generation(max_seats=1)
+            else:
+                return
+            if not admitted:
+                return
+
+    def _fill_rerank(self, step: AdmissionStep, limit: float, share: float = 1.0, seats: int | None = None) -> None:
+        head = step.rerank_head()
+        if head is None:
+            return
+        tokens = self._tokens(step, LLM_RERANK if head.uses_kv else CROSS_ENCODER, limit, share)
+        admitted = step.admit_rerank(tokens, seats) if tokens else 0
+        if not admitted and not step.batch.num_rerank_pairs:
+            step.admit_rerank(max_seats=1)  # the floor: one pair a step, whatever it costs
+
+    def _fill_generation(self, step: AdmissionStep, limit: float) -> None:
+        if step.generation_head() is None:
+            return
+        tokens = self._tokens(step, PREFILL, limit)
+        tokens = max(tokens, self.min_prefill_tokens - step.batch.num_prefill_tokens)  # the prefill floor
+        if tokens > 0:
+            step.admit_generation(tokens)

@@ -16,6 +16,9 @@ class Batch:
     num_cached_tokens: int = 0  # prompt tokens that newly admitted sequences took from the prefix cache
     num_rerank_pairs: int = 0
     num_rerank_tokens: int = 0
+    num_cross_encoder_tokens: int = 0  # rerank tokens that run in the cross-encoder's forward, not the LLM's
+    num_decode_context_tokens: int = 0  # context the decode rows attend to (their sequence lengths, summed)
+    min_decode_priority: int | None = None  # the most urgent decode's priority (lower runs first)
     preempted: list[Sequence] = field(default_factory=list)
     decode_request_ids: list[str] = field(default_factory=list)
 
@@ -25,8 +28,13 @@ class Batch:
         if seq.kind is SeqKind.RERANK:
             self.num_rerank_pairs += 1
             self.num_rerank_tokens += n
+            if not seq.uses_kv:
+                self.num_cross_encoder_tokens += n
         elif n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1:
             self.num_decode_tokens += 1
+            self.num_decode_context_tokens += seq.num_tokens
+            if self.min_decode_priority is None or seq.priority < self.min_decode_priority:
+                self.min_decode_priority = seq.priority
             self.decode_request_ids.append(seq.request_id)
         else:
             self.num_prefill_tokens += n

@@ -35,6 +35,9 @@ class EngineConfig:
     # How a step's leftover budget and seats are split between prompts and rerank pairs; None: a ShareAdmission
     # with rerank_share (engine/admission.py). Any AdmissionPolicy object may be given.
     admission: "AdmissionPolicy | None" = None
+    # A latency objective (engine/admission.py LatencyAdmission): while decodes run, each step admits the prompt and
+    # rerank tokens a step-time model fitted online predicts keep it under this many ms; None: rerank_share decides.
+    tpot_target_ms: float | None = None
     max_rerank_documents: int = 1000
     priority_aging_steps: int = 64  # a waiting request gains one priority level per this many steps
     scheduling: Literal["continuous", "static"] = "continuous"
@@ -57,6 +60,11 @@ class EngineConfig:
 
             if not isinstance(self.admission, AdmissionPolicy):
                 raise ValueError(f"admission must be an AdmissionPolicy or None, got {self.admission!r}")
+        if self.tpot_target_ms is not None and (not _finite(self.tpot_target_ms) or self.tpot_target_ms <= 0):
+            raise ValueError(f"tpot_target_ms must be a number > 0 or None, got {self.tpot_target_ms!r}")
+        if self.tpot_target_ms is not None and self.admission is not None:
+            raise ValueError("tpot_target_ms and admission are both set: give LatencyAdmission(tpot_target_s=...) as "
+                             "the admission policy instead")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.rerank_mode is not None and self.rerank_mode not in RERANK_MODES:

@@ -127,6 +127,7 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = start
         outputs, self._pending = self._pending, []
+        predicted = self.scheduler.policy.predict(batch) if batch.seqs else None
         forward_s = 0.0
         if batch.seqs:
             try:
@@ -140,7 +141,7 @@ class LLMEngine:
                 outputs.extend(self._process(batch, result, finished))
                 self.scheduler.update(batch, finished)
         self._steps += 1
-        self._emit_record(batch, start, forward_s)
+        self._emit_record(batch, start, forward_s, predicted)
         return outputs
 
     def _process(self, batch: Batch, result: RunnerOutput, finished: dict[Sequence, SequenceStatus]
@@ -198,8 +199,9 @@ class LLMEngine:
             outputs.append(_final_output(req, "error", message))
         return outputs
 
-    def _emit_record(self, batch: Batch, start: float, forward_s: float) -> None:
-        if not self._observers:
+    def _emit_record(self, batch: Batch, start: float, forward_s: float, predicted_s: float | None) -> None:
+        policy = self.scheduler.policy
+        if not self._observers and not policy.observes_steps:
             return
         record = StepRecord(
             step=self._steps, start_time=start, duration_s=time.monotonic() - start,
@@ -210,7 +212,11 @@ class LLMEngine:
             kv_blocks_cached=self.pool.num_cached, preempted=len(batch.preempted),
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
             request_ids=list(dict.fromkeys(s.request_id for s in batch.seqs)),
-            decode_request_ids=batch.decode_request_ids, forward_s=forward_s)
+            decode_request_ids=batch.decode_request_ids, forward_s=forward_s,
+            decode_context_tokens=batch.num_decode_context_tokens, cross_encoder_tokens=batch.num_cross_encoder_tokens,
+            predicted_s=predicted_s, target_s=policy.target_s)
+        if policy.observes_steps:
+            policy.observe(record)  # the step-time model learns from every step
         for fn in self._observers:
             fn(record)
 

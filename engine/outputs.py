@@ -73,6 +73,17 @@ class StepRecord:
     request_ids: list[str]  # every request (generation or rerank job) this step served
     decode_request_ids: list[str] = field(default_factory=list)
     forward_s: float = 0.0  # part of duration_s spent in model forwards; the rest is engine overhead
+    decode_context_tokens: int = 0  # context the decode rows attended to (their sequence lengths, summed)
+    cross_encoder_tokens: int = 0  # of rerank_tokens, those the cross-encoder ran (not the LLM)
+    predicted_s: float | None = None  # the admission policy's step-time prediction (None: it has no model)
+    target_s: float | None = None  # the step time the policy keeps decodes under (--tpot-target-ms)
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(actual - predicted) / actual: the share of the step's time the model missed (> 0: ran longer)."""
+        if self.predicted_s is None or self.duration_s <= 0:
+            return None
+        return (self.duration_s - self.predicted_s) / self.duration_s
 
     @property
     def budget_used(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-from engine.admission import AdmissionPolicy, AdmissionStep, ShareAdmission
+from engine.admission import AdmissionPolicy, AdmissionStep, LatencyAdmission, ShareAdmission
 from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.kv_cache import NO_PREFIX, KVCacheManager
@@ -74,7 +74,9 @@ class Scheduler:
         self.budget = config.max_num_batched_tokens
         # Every running sequence must fit in one step's budget, or decodes could be skipped.
         self.max_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
-        self.policy: AdmissionPolicy = config.admission or ShareAdmission(config.rerank_share)
+        self.policy: AdmissionPolicy = config.admission or (
+            LatencyAdmission(config.tpot_target_ms / 1000, rerank_share=config.rerank_share)
+            if config.tpot_target_ms is not None else ShareAdmission(config.rerank_share))
         self.static = config.scheduling == "static"
         self.watermark = max(1, kv.num_blocks // 100)  # headroom admissions leave for decodes
         self.waiting = WaitQueue(config.priority_aging_steps)
@@ -113,15 +115,21 @@ class Scheduler:
         batch = Batch()
         self.running.sort(key=lambda s: (s.priority, s.arrival))
         budget = self._schedule_decodes(batch, self.budget)
-        budget = self._schedule_prefill_chunks(batch, budget)
+        head = self.waiting_rerank.peek(self.num_steps)
+        step = AdmissionStep(
+            batch=batch, budget=budget, free_seats=self.max_seqs - len(self.running),
+            generation_waiting=len(self.waiting), rerank_waiting=len(self.waiting_rerank),
+            rerank_head_tokens=head.num_tokens if head else 0,
+            _admit_generation=lambda tokens, seats: self._admit_from(self.waiting, batch, tokens, seats),
+            _admit_rerank=lambda tokens, seats: self._admit_from(self.waiting_rerank, batch, tokens, seats),
+            _peek_generation=lambda: self.waiting.peek(self.num_steps),
+            _peek_rerank=lambda: self.waiting_rerank.peek(self.num_steps))
+        continuing = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        if continuing:  # chunked prefill of prompts already running, as much as the policy lets them take
+            chunk_budget = min(step.budget, self.policy.prefill_budget(step, continuing))
+            step.budget -= chunk_budget - self._schedule_prefill_chunks(batch, chunk_budget)
         if not (self.static and self.running):
-            head = self.waiting_rerank.peek(self.num_steps)
-            self.policy.admit(AdmissionStep(
-                batch=batch, budget=budget, free_seats=self.max_seqs - len(self.running),
-                generation_waiting=len(self.waiting), rerank_waiting=len(self.waiting_rerank),
-                rerank_head_tokens=head.num_tokens if head else 0,
-                _admit_generation=lambda tokens, seats: self._admit_from(self.waiting, batch, tokens, seats),
-                _admit_rerank=lambda tokens, seats: self._admit_from(self.waiting_rerank, batch, tokens, seats)))
+            self.policy.admit(step)
         return batch
 
     def _schedule_decodes(self, batch: Batch, budget: int) -> int:

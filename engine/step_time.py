@@ -1,0 +1,213 @@
+"""How long a step will take, predicted from what is in it: the model a latency objective plans against.
+
+A step's time is linear in its composition (`StepShape`): a fixed cost for running the LLM forward at all, per decode
+row, per token of context those rows attend to, per prompt token, per LLM-scored rerank token, and, for a
+cross-encoder, a fixed cost for its own forward plus per pair token. `LinearStepTime` holds fixed coefficients (the
+fake tests inject); `OnlineStepTime` fits them from the engine's own steps:
+
+* Least squares over a sliding window of the last `window` steps, each weighted by 1 / predicted time^2, so it fits
+  relative error (a 5 ms decode step counts as much as a 500 ms prefill step).
+* Robust: Huber weights on the relative residuals with a MAD scale (IRLS, a few passes per fit), so a step that ran
+  10x long because the machine was busy gets a weight near zero instead of pulling every coefficient up. Only when
+  slow steps become the majority of the window (the machine really is slower now) does the fit follow them.
+* A ridge toward the previous coefficients, worth `prior_steps` steps, keeps directions the window says nothing
+  about (no cross-encoder tokens seen yet; decode rows always 16) where they were, and coefficients are >= 0.
+* The first coefficients are a device-agnostic prior, deliberately slow (2 ms a token, 10 ms a forward), that the
+  first real steps replace; until `min_samples` steps have been seen `ready` is False and the objective admits
+  only its floors (one pair, `min_prefill_tokens`). No start-up calibration: it would cost every start, measure an
+  idle machine, and the steps before the first decode (prompts, a rerank flood at full budget) measure the
+  load the objective has to hold anyway.
+
+Fitting is lazy (on the first predict after new steps), so its cost lands inside a step's measured time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("llm_forward", "decode_rows", "decode_context_tokens", "prefill_tokens", "llm_rerank_tokens",
+            "cross_encoder_forward", "cross_encoder_tokens")
+# Token kinds a policy admits, and the coefficient each one costs.
+PREFILL, LLM_RERANK, CROSS_ENCODER = "prefill_tokens", "llm_rerank_tokens", "cross_encoder_tokens"
+
+
+@dataclass(slots=True)
+class StepShape:
+    """What a step computes, as far as its time goes."""
+    decode_rows: int = 0
+    decode_context_tokens: int = 0  # sum over decode rows of the context each attends to
+    prefill_tokens: int = 0
+    llm_rerank_tokens: int = 0  # rerank pair tokens that run in the LLM forward (likelihood, judge)
+    cross_encoder_tokens: int = 0  # rerank pair tokens that run in the cross-encoder's own forward
+
+    @classmethod
+    def of_batch(cls, batch) -> "StepShape":
+        return cls(batch.num_decode_tokens, batch.num_decode_context_tokens, batch.num_prefill_tokens,
+                   batch.num_rerank_tokens - batch.num_cross_encoder_tokens, batch.num_cross_encoder_tokens)
+
+    @classmethod
+    def of_record(cls, r) -> "StepShape":
+        return cls(r.decode_tokens, r.decode_context_tokens, r.prefill_tokens,
+                   r.rerank_tokens - r.cross_encoder_tokens, r.cross_encoder_tokens)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decode_rows or self.prefill_tokens or self.llm_rerank_tokens or self.cross_encoder_tokens)
+
+    def features(self) -> tuple[float, ...]:
+        llm = self.decode_rows or self.prefill_tokens or self.llm_rerank_tokens
+        return (1.0 if llm else 0.0, self.decode_rows, self.decode_context_tokens, self.prefill_tokens,
+                self.llm_rerank_tokens, 1.0 if self.cross_encoder_tokens else 0.0, self.cross_encoder_tokens)
+
+
+# Seconds per unit of each feature: slow on purpose (conservative), replaced by the first real steps.
+PRIOR = dict(llm_forward=0.010, decode_rows=0.002, decode_context_tokens=2e-6, prefill_tokens=0.002,
+             llm_rerank_tokens=0.002, cross_encoder_forward=0.010, cross_encoder_tokens=0.001)
+_FORWARD_OF = {PREFILL: 0, LLM_RERANK: 0, CROSS_ENCODER: 5}  # the fixed cost a kind's first token brings
+
+
+class LinearStepTime:
+    """Fixed coefficients (seconds per unit of each FEATURE): the step-time model tests inject, and the base of the
+    fitted one. `ready` and `margin` are what a policy asks before trusting it."""
+
+    def __init__(self, coef: dict[str, float] | None = None) -> None:
+        coef = {**PRIOR, **(coef or {})}
+        unknown = set(coef) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"unknown step-time features {sorted(unknown)}; known: {', '.join(FEATURES)}")
+        self.coef = [float(coef[name]) for name in FEATURES]
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    def margin(self) -> float:
+        """Relative headroom to plan with: a policy keeps predict(shape) * (1 + margin) under its target."""
+        return 0.0
+
+    def coefficients(self) -> dict[str, float]:
+        return dict(zip(FEATURES, self.coef))
+
+    def predict(self, shape: StepShape) -> float:
+        if shape.empty:
+            return 0.0
+        return sum(c * x for c, x in zip(self.coef, shape.features()))
+
+    def token_cost_s(self, kind: str) -> float:
+        """Seconds one more token of `kind` adds to a step that already runs its forward."""
+        return self.coef[FEATURES.index(kind)]
+
+    def tokens_within(self, shape: StepShape, kind: str, limit_s: float) -> int:
+        """The most tokens of `kind` (PREFILL, LLM_RERANK, CROSS_ENCODER) that `shape` can take with its predicted
+        time still <= limit_s (0 when it is over already)."""
+        i = FEATURES.index(kind)
+        extra = (shape.llm_rerank_tokens or shape.prefill_tokens or shape.decode_rows) if kind != CROSS_ENCODER \
+            else shape.cross_encoder_tokens
+        fixed = 0.0 if extra else self.coef[_FORWARD_OF[kind]]
+        room = limit_s - self.predict(shape) - fixed
+        if room < 0:
+            return 0
+        per_token = self.coef[i]
+        return int(room / per_token) if per_token > 0 else 1 << 30
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """A step of this shape took `seconds` (a fixed model ignores it)."""
+
+
+class OnlineStepTime(LinearStepTime):
+    """Coefficients fitted online, robustly, over the last `window` steps (see the module docstring)."""
+
+    def __init__(self, window: int = 256, min_samples: int = 8, prior_steps: float = 2.0, huber_k: float = 2.0,
+                 quantile_z: float = 1.28, max_margin: float = 0.5, refit_every: int = 4,
+                 prior: dict[str, float] | None = None) -> None:
+        super().__init__(prior)
+        self.window = window
+        self.min_samples = min_samples
+        self.prior_steps = prior_steps
+        self.huber_k = huber_k
+        self.quantile_z = quantile_z  # margin = z x the robust spread of relative errors (1.28: about p90)
+        self.max_margin = max_margin
+        self.refit_every = refit_every
+        self._x = np.zeros((window, len(FEATURES)))  # ring buffers of the last `window` steps
+        self._y = np.zeros(window)
+        self._seen = 0
+        self._fitted_at = 0  # _seen at the last fit
+        self._spread = 0.0  # robust (MAD) standard deviation of relative residuals at the last fit
+        self.num_fits = 0
+
+    @property
+    def ready(self) -> bool:
+        return self._seen >= self.min_samples
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if shape.empty or not seconds > 0 or not math.isfinite(seconds):
+            return
+        i = self._seen % self.window
+        self._x[i] = shape.features()
+        self._y[i] = seconds
+        self._seen += 1
+
+    def margin(self) -> float:
+        self._refit()
+        return min(self.max_margin, self.quantile_z * self._spread)
+
+    def predict(self, shape: StepShape) -> float:
+        self._refit()
+        return LinearStepTime.predict(self, shape)
+
+    def tokens_within(self, shape: StepShape, kind: str, limit_s: float) -> int:
+        self._refit()
+        return LinearStepTime.tokens_within(self, shape, kind, limit_s)
+
+    def _refit(self) -> None:
+        new = self._seen - self._fitted_at
+        # Every `refit_every` steps (each fit costs ~0.2 ms), and at once while the model is young.
+        if not new or (new < self.refit_every and self._fitted_at >= self.min_samples):
+            return
+        self._fitted_at = self._seen
+        self.num_fits += 1
+        n = min(self._seen, self.window)
+        x, y = self._x[:n], self._y[:n]
+        prev = np.asarray(self.coef)
+        theta = prev
+        active = np.ones(len(prev), dtype=bool)
+        for _ in range(2):  # IRLS: relative residuals, Huber weights with a MAD scale
+            pred = np.maximum(x @ theta, 1e-6)
+            rel = (y - pred) / pred
+            spread = max(1.4826 * float(np.median(np.abs(rel - np.median(rel)))), 0.01)
+            abs_rel = np.abs(rel)
+            w = np.where(abs_rel <= self.huber_k * spread, 1.0, self.huber_k * spread / np.maximum(abs_rel, 1e-12))
+            w = w / pred ** 2
+            # Ridge toward the previous coefficients, worth `prior_steps` average steps of the window per feature
+            # (a tiny floor pins the features the window never saw where they were).
+            scale = (x * x * (1.0 / pred ** 2)[:, None]).mean(axis=0)
+            ridge = self.prior_steps * np.maximum(scale, 1e-9 * max(float(scale.max()), 1e-12))
+            theta = self._solve(x, y, w, ridge, prev, active)
+        self.coef = [float(c) for c in theta]
+        pred = np.maximum(x @ theta, 1e-6)
+        rel = (y - pred) / pred
+        self._spread = 1.4826 * float(np.median(np.abs(rel - np.median(rel))))
+
+    @staticmethod
+    def _solve(x, y, w, ridge, prev, active) -> np.ndarray:
+        """Weighted ridge least squares toward `prev`; coefficients that come out negative are held at 0 and the
+        rest refitted (a step never gets faster by adding work)."""
+        theta = prev.copy()
+        for _ in range(len(prev)):
+            idx = np.flatnonzero(active)
+            xa = x[:, idx]
+            a = (xa * w[:, None]).T @ xa + np.diag(ridge[idx])
+            b = (xa * w[:, None]).T @ y + ridge[idx] * prev[idx]
+            try:
+                sol = np.linalg.solve(a, b)
+            except np.linalg.LinAlgError:
+                return prev
+            theta = np.zeros_like(prev)
+            theta[idx] = sol
+            negative = idx[sol < 0]
+            if not len(negative):
+                return theta
+            active[negative] = False
+        return np.maximum(theta, 0.0)

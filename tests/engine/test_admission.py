@@ -1,0 +1,327 @@
+"""LatencyAdmission (the --tpot-target-ms objective) in the scheduler simulator, on a fake clock: a step's "duration" is
+what a known linear step-time model (TRUE) says it costs, so nothing here runs a model or reads a clock.
+
+The policy plans either with TRUE itself (a fake, fixed step-time model: admissions must be exactly the most that
+keep the prediction under the target) or with the OnlineStepTime it would use in production, fed the fake durations
+(it must converge to the same admissions, and shrug off a step that ran 10x long).
+"""
+from __future__ import annotations
+
+import pytest
+
+from engine.admission import LatencyAdmission, ShareAdmission
+from engine.config import EngineConfig
+from engine.outputs import StepRecord
+from engine.request import SeqKind
+from engine.step_time import LinearStepTime, OnlineStepTime, StepShape
+from tests.engine.test_scheduler import Sim, decode_ids, toks
+
+# Seconds: an LLM forward costs 10 ms, each decode row 1 ms, prompt and LLM-scored pair tokens 0.2 ms, a cross-encoder
+# forward 2 ms plus 0.1 ms a token.
+TRUE = dict(llm_forward=0.010, decode_rows=0.001, decode_context_tokens=0.0, prefill_tokens=0.0002,
+            llm_rerank_tokens=0.0002, cross_encoder_forward=0.002, cross_encoder_tokens=0.0001)
+T = 0.0205  # 4 decodes: 14 ms, so 6.5 ms of headroom: 45 cross-encoder tokens after its 2 ms forward, 32 LLM tokens
+
+
+def record_of(batch, seconds: float, predicted: float | None = None) -> StepRecord:
+    return StepRecord(step=0, start_time=0.0, duration_s=seconds, decode_tokens=batch.num_decode_tokens,
+                      prefill_tokens=batch.num_prefill_tokens, cached_tokens=0, rerank_pairs=batch.num_rerank_pairs,
+                      rerank_tokens=batch.num_rerank_tokens, num_seqs=len(batch), budget=0, kv_blocks_total=1,
+                      kv_blocks_free=1, kv_blocks_cached=0, preempted=0, num_running=0, num_waiting=0,
+                      request_ids=[], decode_context_tokens=batch.num_decode_context_tokens,
+                      cross_encoder_tokens=batch.num_cross_encoder_tokens, predicted_s=predicted)
+
+
+class ClockSim(Sim):
+    """The simulator plus the engine's part in the objective: each step takes TRUE's time (times `slow[step]`), and
+    the policy observes the record, as LLMEngine does after every step."""
+
+    def __init__(self, policy: LatencyAdmission, slow: dict[int, float] | None = None, **kw) -> None:
+        kw = dict(num_blocks=1024, budget=256, block_size=4, max_seqs=32) | kw
+        super().__init__(admission=policy, **kw)
+        self.policy = policy
+        self.true = LinearStepTime(TRUE)
+        self.slow = slow or {}
+        self.seconds: list[float] = []
+        self.predicted: list[float] = []
+
+    def step(self):
+        batch = super().step()
+        predicted = self.policy.predict(batch)
+        seconds = self.true.predict(StepShape.of_batch(batch)) * self.slow.get(self.steps, 1.0)
+        self.predicted.append(predicted)
+        self.seconds.append(seconds)
+        self.policy.observe(record_of(batch, seconds, predicted))
+        return batch
+
+
+def chats(sim: Sim, n: int = 4, max_tokens: int = 200, priority: int = 0) -> list:
+    return [sim.add(f"chat{i}", toks(3, 10 * i), max_tokens=max_tokens, priority=priority) for i in range(n)]
+
+
+def xenc_flood(sim: Sim, rid: str = "flood", n: int = 200, tokens: int = 10, priority: int = 0) -> list:
+    return sim.add_rerank_job(rid, [], [toks(tokens, 5000 + tokens * i) for i in range(n)], priority=priority,
+                              uses_kv=False)
+
+
+def most_pairs(decodes: int, pair_tokens: int, kind: str = "cross_encoder_tokens", target: float = T) -> int:
+    """The most whole pairs of `pair_tokens` whose true step time, beside `decodes` decode rows, stays <= target."""
+    true = LinearStepTime(TRUE)
+    k = 0
+    while true.predict(StepShape(decode_rows=decodes, **{kind: (k + 1) * pair_tokens})) <= target:
+        k += 1
+    return k
+
+
+def pairs_in(batch) -> int:
+    return sum(s.kind is SeqKind.RERANK for s in batch.seqs)
+
+
+def flood_steps(sim: Sim) -> list[int]:
+    """Indices of the steps that ran the 4 steady decodes beside rerank pairs."""
+    return [i for i, b in enumerate(sim.batches) if b.num_decode_tokens == 4 and b.num_rerank_pairs]
+
+
+# ---- a fixed (fake) step-time model ------------------------------------------------------------------------------
+
+
+def test_steady_decodes_and_a_flood_get_the_most_pairs_that_keep_the_prediction_under_the_target():
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE))
+    sim = ClockSim(policy)
+    chats(sim)
+    xenc_flood(sim)
+    for _ in range(30):
+        sim.step()
+    steady = flood_steps(sim)
+    assert len(steady) >= 25
+    best = most_pairs(4, 10)
+    assert best == 4
+    for i in steady:
+        assert pairs_in(sim.batches[i]) == best
+        assert sim.predicted[i] <= T and sim.seconds[i] <= T
+    sim.run()
+
+
+def test_llm_scored_pairs_are_costed_as_llm_tokens():
+    """Pairs that run in the LLM forward (likelihood, judge) cost 0.2 ms a token and no second forward."""
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE))
+    sim = ClockSim(policy)
+    chats(sim)
+    sim.add_rerank_job("llm", [], [toks(8, 5000 + 8 * i) for i in range(200)], uses_kv=True)
+    for _ in range(30):
+        sim.step()
+    best = most_pairs(4, 8, "llm_rerank_tokens")
+    assert best == 4  # 32 tokens in 6.5 ms
+    steady = [i for i in flood_steps(sim) if i > 3]
+    assert steady and all(pairs_in(sim.batches[i]) == best and sim.predicted[i] <= T for i in steady)
+    sim.run()
+
+
+def test_with_no_decodes_rerank_takes_the_whole_budget_as_without_an_objective():
+    def batches(admission):
+        sim = Sim(num_blocks=512, budget=256, block_size=4, max_seqs=8, admission=admission)
+        sim.add_rerank_job("flood", toks(8, 500), [toks(4, 1000 + 4 * i) for i in range(100)])
+        sim.add_rerank_job("ce", [], [toks(40, 3000 + 40 * i) for i in range(30)], uses_kv=False)
+        sim.run()
+        return [[s.request_id for s in b.seqs] for b in sim.batches]
+
+    objective = batches(LatencyAdmission(0.001, model=LinearStepTime(TRUE)))  # a target no step could meet
+    assert objective == batches(ShareAdmission())
+    assert max(map(len, objective)) == 8  # every seat
+
+
+def test_one_pair_a_step_even_when_the_decodes_alone_are_over_the_target():
+    policy = LatencyAdmission(0.005, model=LinearStepTime(TRUE))  # 4 decodes alone take 14 ms
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=80)
+    sim.step()
+    pairs = xenc_flood(sim, n=40)
+    sim.run()
+    during = [b for b in sim.batches if b.num_decode_tokens == 4]
+    waiting_steps = [b for b in during if b.num_rerank_pairs][:35]
+    assert len(waiting_steps) >= 35 and all(pairs_in(b) == 1 for b in waiting_steps)
+    assert all(p.status.finished for p in pairs)
+
+
+def test_prompts_get_the_prefill_floor_when_the_decodes_alone_are_over_the_target():
+    policy = LatencyAdmission(0.005, model=LinearStepTime(TRUE), min_prefill_tokens=16)
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=60)
+    sim.step()
+    sim.step()
+    late = sim.add("late", toks(100, 7000), max_tokens=2)
+    chunks = []
+    while late.num_computed_tokens < late.num_prompt_tokens:
+        batch = sim.step()
+        chunks += [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is late]
+    assert chunks == [16] * 6 + [4]
+    sim.run()
+
+
+def test_a_long_prompt_during_decodes_is_chunked_to_the_headroom():
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE), min_prefill_tokens=8)
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=60)
+    sim.step()
+    sim.step()
+    late = sim.add("late", toks(200, 7000), max_tokens=2)
+    while late.num_computed_tokens < late.num_prompt_tokens:
+        batch = sim.step()
+        assert decode_ids(batch) >= {f"chat{i}" for i in range(4)}
+        assert sim.predicted[-1] <= T
+        assert batch.num_prefill_tokens == min(32, late.num_prompt_tokens - (late.num_computed_tokens
+                                                                             - batch.num_prefill_tokens))
+    sim.run()
+
+
+# ---- priority ----------------------------------------------------------------------------------------------------
+
+
+def test_a_rerank_more_urgent_than_every_decode_is_not_held_to_the_objective():
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE))
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=60)
+    sim.step()
+    sim.step()
+    urgent = xenc_flood(sim, "urgent", n=20, priority=-1)
+    batch = sim.step()
+    assert batch.num_decode_tokens == 4 and pairs_in(batch) == 20  # all of it, far over the target
+    assert sim.predicted[-1] > T
+    assert all(p.status.finished for p in urgent)
+    sim.run()
+
+
+def test_a_lower_priority_chat_does_not_hold_back_a_rerank():
+    """Pairs (priority 0) fill the headroom before a waiting chat of priority 1, which gets only its prefill floor
+    (8 tokens, on top of the target) in every step until the flood is done."""
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE), min_prefill_tokens=8)
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=100)
+    sim.step()
+    sim.step()
+    pairs = xenc_flood(sim, n=40)
+    low = sim.add("low", toks(200, 7000), max_tokens=2, priority=1)
+    for _ in range(10):
+        batch = sim.step()
+        assert pairs_in(batch) == 4 and sim.predicted[-1] <= T + 8 * TRUE["prefill_tokens"]
+        assert [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is low] == [8]
+    assert all(p.status.finished for p in pairs)
+    batch = sim.step()  # the flood is gone: the chat takes the headroom
+    assert [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is low] == [32]
+    sim.run()
+
+
+def test_a_lower_priority_flood_leaves_the_headroom_to_prompts_but_still_gets_its_pair():
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE))
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=100)
+    sim.step()
+    sim.step()
+    xenc_flood(sim, n=40, priority=1)
+    chat = sim.add("chat", toks(100, 7000), max_tokens=2)
+    batch = sim.step()
+    assert [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is chat] == [32]  # the whole headroom
+    assert pairs_in(batch) == 1  # and the floor
+    sim.run()
+
+
+def test_at_equal_priority_pairs_get_their_share_of_the_headroom_first():
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE), rerank_share=0.5, min_prefill_tokens=8)
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=100)
+    sim.step()
+    sim.step()
+    xenc_flood(sim, n=40, tokens=5)
+    chat = sim.add("chat", toks(100, 7000), max_tokens=2)
+    batch = sim.step()
+    # Half of 6.5 ms: the 2 ms forward and 12 tokens (2 pairs); the chat then gets (6.5 - 3.0) / 0.2 = 17 tokens
+    # and the pairs what is left: none.
+    assert pairs_in(batch) == 2
+    assert [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is chat] == [17]
+    assert sim.predicted[-1] <= T
+    sim.run()
+
+
+# ---- the fitted model on the fake clock --------------------------------------------------------------------------
+
+
+def test_the_online_model_converges_to_the_admissions_of_the_true_one():
+    policy = LatencyAdmission(T, model=OnlineStepTime())
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=120)
+    xenc_flood(sim, n=1000, tokens=10)
+    for _ in range(100):
+        sim.step()
+    assert not any(b.num_decode_tokens and pairs_in(b) > 1 for b in sim.batches[:3])  # cold: floors only
+    steady = flood_steps(sim)[-50:]
+    assert len(steady) == 50
+    assert all(pairs_in(sim.batches[i]) == 4 for i in steady), [pairs_in(sim.batches[i]) for i in steady]
+    assert all(sim.seconds[i] <= T for i in steady)
+    coef = policy.model.coefficients()
+    assert coef["cross_encoder_tokens"] == pytest.approx(TRUE["cross_encoder_tokens"], rel=0.05)
+
+
+@pytest.mark.parametrize("bad_steps", [[60], [60, 61, 62], [60, 70, 80, 90]])
+def test_steps_that_ran_10x_long_do_not_collapse_the_admissions(bad_steps):
+    """A busy machine makes one step (or a burst of three, or one every ten) take 10x its time: the robust fit
+    ignores them, so at most a few steps admit less than the converged 4 pairs."""
+    policy = LatencyAdmission(T, model=OnlineStepTime())
+    sim = ClockSim(policy, slow={s: 10.0 for s in bad_steps})
+    chats(sim, max_tokens=150)
+    xenc_flood(sim, n=1000, tokens=10)
+    for _ in range(120):
+        sim.step()
+    after = [pairs_in(sim.batches[i]) for i in flood_steps(sim) if i >= 50]
+    assert sum(n < 4 for n in after) <= 3, after
+    assert min(after) >= 1
+
+
+def test_a_lasting_slowdown_is_followed():
+    """When every step runs 3x long from some point on (the machine is that much slower now), the fit follows and
+    the admissions shrink to what the slower machine allows: the decodes alone then take 42 ms, over the target."""
+    policy = LatencyAdmission(T, model=OnlineStepTime(window=64))
+    sim = ClockSim(policy, slow={s: 3.0 for s in range(60, 400)})
+    chats(sim, max_tokens=200)
+    xenc_flood(sim, n=2000, tokens=10)
+    for _ in range(160):
+        sim.step()
+    late = [pairs_in(sim.batches[i]) for i in flood_steps(sim) if i >= 130]
+    assert late and all(n == 1 for n in late)
+
+
+def test_cold_model_admits_only_the_floors_beside_decodes():
+    policy = LatencyAdmission(T, model=OnlineStepTime(min_samples=10**6))
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=30)
+    xenc_flood(sim, n=50)
+    for _ in range(20):
+        batch = sim.step()
+        if batch.num_decode_tokens:
+            assert pairs_in(batch) <= 1
+    sim.run()
+
+
+# ---- config --------------------------------------------------------------------------------------------------------
+
+
+def test_tpot_target_ms_selects_the_objective():
+    from engine.kv_cache import BlockPool, KVCacheManager
+    from engine.scheduler import Scheduler
+
+    kv = KVCacheManager(BlockPool(16), 4, True)
+    policy = Scheduler(EngineConfig(num_kv_blocks=16, block_size=4, tpot_target_ms=40, rerank_share=0.3), kv).policy
+    assert isinstance(policy, LatencyAdmission)
+    assert policy.tpot_target_s == pytest.approx(0.040) and policy.rerank_share == 0.3
+    assert isinstance(policy.model, OnlineStepTime)
+    assert isinstance(Scheduler(EngineConfig(num_kv_blocks=16, block_size=4), kv).policy, ShareAdmission)
+
+
+@pytest.mark.parametrize("value", [0, -5, float("nan"), float("inf"), "40"])
+def test_a_bad_tpot_target_is_a_config_error(value):
+    with pytest.raises(ValueError, match="tpot_target_ms"):
+        EngineConfig(tpot_target_ms=value)
+
+
+def test_tpot_target_and_an_explicit_policy_conflict():
+    with pytest.raises(ValueError, match="tpot_target_ms and admission"):
+        EngineConfig(tpot_target_ms=40, admission=ShareAdmission())

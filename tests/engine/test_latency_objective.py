@@ -1,0 +1,89 @@
+"""The latency objective through LLMEngine.step() with the real embedded model: the policy plans with an injected
+step-time model (fixed coefficients, so what it admits does not depend on how fast this machine is), the engine feeds
+it every StepRecord and records its prediction. No wall-clock asserts."""
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from engine.admission import LatencyAdmission
+from engine.step_time import LinearStepTime, OnlineStepTime, StepShape
+from tests.engine.conftest import assert_no_leaks, make_llm, record_steps
+
+COEF = dict(llm_forward=0.010, decode_rows=0.001, decode_context_tokens=0.0, prefill_tokens=0.0002,
+            llm_rerank_tokens=0.0002, cross_encoder_forward=0.002, cross_encoder_tokens=0.0001)
+GEN = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+DOCS = [f"Document {i} says that bees make honey from nectar, and stores it in wax cells number {i}."
+        for i in range(12)]
+
+
+class CountingModel(LinearStepTime):
+    """A fixed step-time model that counts what the engine told it."""
+
+    def __init__(self) -> None:
+        super().__init__(COEF)
+        self.observed: list[tuple[StepShape, float]] = []
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        self.observed.append((shape, seconds))
+
+
+def _run(llm, kind_tokens: str):
+    model = llm.engine.scheduler.policy.model
+    records = record_steps(llm)
+    engine = llm.engine
+    for i in range(4):
+        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", GEN)
+    engine.step()  # the prompts, alone
+    engine.add_rerank("job", "how do bees make honey", DOCS)
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leaks(llm)
+    return model, records
+
+
+@pytest.mark.parametrize("mode", ["likelihood", "cross-encoder"])
+def test_engine_steps_keep_the_predicted_time_under_the_target(mode, minilm_dir):
+    target = LinearStepTime(COEF).predict(StepShape(decode_rows=4, llm_rerank_tokens=60, cross_encoder_tokens=100))
+    policy = LatencyAdmission(target, model=CountingModel(), min_prefill_tokens=8)
+    extra = dict(reranker=str(minilm_dir)) if mode == "cross-encoder" else {}
+    llm = make_llm(admission=policy, max_num_batched_tokens=512, num_kv_blocks=512, **extra)
+    model, records = _run(llm, mode)
+    mixed = [r for r in records if r.decode_tokens == 4 and r.rerank_pairs]
+    assert len(mixed) >= 3
+    for r in records:
+        if r.num_seqs:
+            assert r.predicted_s == pytest.approx(model.predict(StepShape.of_record(r)))
+            assert r.target_s == target
+        if mode == "cross-encoder":
+            assert r.cross_encoder_tokens == r.rerank_tokens
+        else:
+            assert r.cross_encoder_tokens == 0
+        if r.decode_tokens:
+            assert r.decode_context_tokens > r.decode_tokens
+    for r in mixed:
+        assert r.predicted_s <= target or r.rerank_pairs == 1
+    assert max(r.rerank_pairs for r in mixed) >= 2  # the headroom, not just the floor
+    # The engine fed the model every step that computed something, with the record's own shape and duration.
+    computed = [r for r in records if r.num_seqs]
+    assert [(s, t) for s, t in model.observed] == [(StepShape.of_record(r), r.duration_s) for r in computed]
+
+
+def test_tpot_target_ms_runs_the_fitted_model_and_records_its_predictions():
+    llm = make_llm(tpot_target_ms=50.0, max_num_batched_tokens=256, num_kv_blocks=512)
+    policy = llm.engine.scheduler.policy
+    assert isinstance(policy, LatencyAdmission) and isinstance(policy.model, OnlineStepTime)
+    _, records = _run(llm, "likelihood")
+    assert all(r.predicted_s is not None and r.predicted_s >= 0 for r in records if r.num_seqs)
+    assert all(r.target_s == pytest.approx(0.050) for r in records)
+    assert policy.model.ready and policy.model.num_fits > 0
+    assert all(c >= 0 for c in policy.model.coefficients().values())
+
+
+def test_without_an_objective_records_have_no_prediction(llm):
+    records = record_steps(llm)
+    llm.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0.0))
+    llm.engine.remove_observer(records.append)
+    assert records and all(r.predicted_s is None and r.target_s is None and r.prediction_error is None
+                           for r in records)
+    assert EngineConfig().tpot_target_ms is None
