@@ -29,6 +29,10 @@ _ENGINE_FLAGS = [
     ("--block-size", int, None, "tokens per KV block"),
     ("--rerank-share", float, None, "share of a step's token budget and free seats rerank pairs get while "
                                      "generation waits or decodes"),
+    ("--tpot-target-ms", float, None, "latency objective: while chats decode, admit only the prompt and rerank "
+                                       "tokens a step-time model fitted online predicts keep each step (time per "
+                                       "output token) under this many ms, plus one pair and a little prefill; "
+                                       "unset: --rerank-share splits the budget"),
     ("--num-threads", int, None, "torch CPU threads"),
     ("--enforce-eager", "switch", None, "on CUDA, run decode steps eagerly instead of replaying captured CUDA "
                                         "graphs"),

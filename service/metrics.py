@@ -18,6 +18,8 @@ from service.lifecycle import Hooks, RequestLifecycle
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# (actual - predicted) / actual of a step's time: < 0 the step ran faster than predicted, > 0 slower.
+_ERROR = (-1.0, -0.5, -0.25, -0.15, -0.1, -0.05, 0.0, 0.05, 0.1, 0.15, 0.25, 0.5, 0.75, 0.9)
 
 
 class Metrics(Hooks):
@@ -39,6 +41,10 @@ class Metrics(Hooks):
                                        buckets=_LATENCY, registry=r)
         self.step_tokens = Histogram("tandem_step_tokens", "Tokens per engine step by part of the batch",
                                      ["part"], buckets=_TOKENS, registry=r)
+        self.prediction_error = Histogram(
+            "tandem_step_time_prediction_error_ratio",
+            "Latency objective: (actual - predicted) / actual step time; > 0: the step ran longer than predicted",
+            buckets=_ERROR, registry=r)
         self.kv_usage = Gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks held by live sequences",
                               registry=r)
         self.kv_cached = Gauge("tandem_kv_cache_cached_blocks", "KV blocks holding reusable prefixes", registry=r)
@@ -71,6 +77,9 @@ class Metrics(Hooks):
 
     def on_step(self, record) -> None:
         self.step_duration.observe(record.duration_s)
+        error = getattr(record, "prediction_error", None)
+        if error is not None:
+            self.prediction_error.observe(error)
         for part, n in (("decode", record.decode_tokens), ("prefill", record.prefill_tokens),
                         ("rerank", record.rerank_tokens)):
             if n:

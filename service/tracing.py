@@ -100,7 +100,13 @@ class TracingHooks(Hooks):
                         "tandem.kv.blocks_used": used, "tandem.kv.blocks_free": record.kv_blocks_free,
                         "tandem.kv.blocks_cached": record.kv_blocks_cached,
                         "tandem.step.preempted": record.preempted,
-                        "tandem.step.duration_s": record.duration_s})
+                        "tandem.step.duration_s": record.duration_s,
+                        "tandem.step.decode_context_tokens": record.decode_context_tokens,
+                        "tandem.step.cross_encoder_tokens": record.cross_encoder_tokens})
+        if record.predicted_s is not None:  # a latency objective sized this step (--tpot-target-ms)
+            span.set_attributes({"tandem.step.predicted_s": record.predicted_s,
+                                 "tandem.step.prediction_error": record.prediction_error or 0.0,
+                                 "tandem.step.target_s": record.target_s})
         span.end(end_time=_ns(record.start_time + record.duration_s))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:

@@ -119,3 +119,13 @@ def test_unknown_rerank_mode_stops_serve_at_start_with_the_valid_modes(capsys):
     assert main(["serve", "--rerank-mode", "yesno", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "rerank_mode must be one of likelihood, judge, cross-encoder, got 'yesno'" in err
+
+
+def test_tpot_target_flag_and_variable_reach_the_engine_config(monkeypatch):
+    assert _engine_config().tpot_target_ms is None  # unset: the fixed rerank share, as before
+    assert _engine_config("--tpot-target-ms", "45").tpot_target_ms == 45.0
+    monkeypatch.setenv("TANDEM_TPOT_TARGET_MS", "30.5")
+    assert _engine_config().tpot_target_ms == 30.5
+    monkeypatch.setenv("TANDEM_TPOT_TARGET_MS", "-1")
+    with pytest.raises(ValueError, match="tpot_target_ms must be a number > 0"):
+        _engine_config()

@@ -185,3 +185,35 @@ class socket_closed_port:
 
     def __exit__(self, *exc) -> None:
         pass
+
+
+def _record(**overrides):
+    from engine.outputs import StepRecord
+
+    fields = dict(step=3, start_time=time.monotonic(), duration_s=0.05, decode_tokens=4, prefill_tokens=0,
+                  cached_tokens=0, rerank_pairs=2, rerank_tokens=60, num_seqs=6, budget=512, kv_blocks_total=10,
+                  kv_blocks_free=5, kv_blocks_cached=1, preempted=0, num_running=4, num_waiting=9, request_ids=[],
+                  decode_context_tokens=400, cross_encoder_tokens=60)
+    return StepRecord(**(fields | overrides))
+
+
+def test_a_step_sized_by_the_latency_objective_shows_predicted_vs_actual_in_its_span_and_the_error_metric():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing, metrics = TracingHooks(tracer_provider_from_env(exporter)), Metrics()
+    tracing.on_step(_record(predicted_s=0.04, target_s=0.045))  # ran 10 ms longer than predicted
+    tracing.on_step(_record())  # no objective: no prediction
+    metrics.on_step(_record(predicted_s=0.04, target_s=0.045))
+    metrics.on_step(_record())
+    tracing.shutdown()
+    objective, plain = (dict(s.attributes) for s in exporter.get_finished_spans())
+    assert objective["tandem.step.predicted_s"] == 0.04 and objective["tandem.step.target_s"] == 0.045
+    assert objective["tandem.step.prediction_error"] == pytest.approx(0.2)
+    assert objective["tandem.step.decode_context_tokens"] == 400
+    assert objective["tandem.step.cross_encoder_tokens"] == 60
+    assert "tandem.step.predicted_s" not in plain and "tandem.step.prediction_error" not in plain
+    count = metrics.registry.get_sample_value("tandem_step_time_prediction_error_ratio_count")
+    assert count == 1  # only the predicted step
+    assert metrics.registry.get_sample_value("tandem_step_time_prediction_error_ratio_bucket", {"le": "0.25"}) == 1
+    assert metrics.registry.get_sample_value("tandem_step_time_prediction_error_ratio_bucket", {"le": "0.15"}) == 0
