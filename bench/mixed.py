@@ -26,6 +26,13 @@ lets rerank have at most 1/3 of each step, so rerank throughput <= 1/3 of what i
 have slack (memory-bound: extra tokens in the same forward cost little). `analysis` measures that slack: the
 decode step time at full width vs the time the same number of tokens take at the compute-bound prefill rate.
 
+(d) objective (issue #18): phase (c) once more on a fresh engine with the latency objective on instead of a fixed
+    share, `tpot_target_ms` = --objective-factor (1.5) x the steady decode TPOT p50 of phase (a): its p99 TPOT
+    against 1.1 x that target, its rerank pairs/s against the best swept share whose p99 stayed under the target,
+    and the step-time model's prediction error (median and p90 of |actual - predicted| / actual over its steps).
+    Then --wide-requests chats decode at once on an engine with the objective on (>= 128 sequences a step, a loose
+    target so the batch gets wide): the engine overhead (step time outside model forwards) and the policy's share.
+
 The JSON also records the 1-minute load average (start, after each phase, end) and `contended` when it went above
 --threads + 1: figures from a contended run are indicative only. Prints one JSON line, writes bench/results/mixed.json
 (or --out).
@@ -47,9 +54,13 @@ from bench.datasets import synthetic_rerank
 from bench.report import parse_bench_args, percentile, step_series, write_result
 from bench.rerank import StepLog, matmul_peak_gflops
 from engine import LLM, EngineConfig, RerankParams, SamplingParams
+from engine.admission import AdmissionPolicy, LatencyAdmission
 
 QUICK = dict(requests=4, max_output_tokens=8, queries=2, docs=6, min_doc_tokens=16, max_doc_tokens=64,
-             rerank_shares=[0.5])
+             rerank_shares=[0.5], wide_requests=8, wide_tokens=4)
+SHARES = [0.1, 0.3, 0.5, 0.7, 0.9]
+OBJECTIVE_P99_MAX = 1.1  # p99 TPOT under the objective <= this x its target
+OBJECTIVE_RERANK_MIN = 0.9  # rerank pairs/s >= this x the best fixed share whose p99 met the target
 TARGET_TPOT_RATIO = 1.5
 TARGET_RERANK_RATIO = 0.8
 
@@ -261,19 +272,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=128,
                     help="engine seats; rerank pairs take seats too, so --requests seats would leave the flood one "
                          "pair a step")
-    ap.add_argument("--rerank-shares", type=float, nargs="+", default=[0.5],
+    ap.add_argument("--rerank-shares", type=float, nargs="+", default=SHARES,
                     help="EngineConfig.rerank_share values, one mixed phase (on its own engine) each")
+    ap.add_argument("--objective-factor", type=float, default=1.5,
+                    help="phase (d): tpot_target_ms = this x decode alone's steady TPOT p50 (0: skip phase (d))")
+    ap.add_argument("--wide-requests", type=int, default=128,
+                    help="chats decoding at once for the overhead check with the objective on (0: skip)")
+    ap.add_argument("--wide-tokens", type=int, default=8)
     return parse_bench_args(ap, argv, "mixed", QUICK)
 
 
-def build_llm(args: argparse.Namespace, reranker: str | None, share: float) -> LLM:
+class TimedPolicy(AdmissionPolicy):
+    """Wraps an admission policy and sums the time its calls take (the engine calls it once or twice a step)."""
+
+    def __init__(self, inner: AdmissionPolicy) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+        self.observes_steps = inner.observes_steps
+
+    def _timed(self, fn, *args):
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+    def admit(self, step):
+        return self._timed(self.inner.admit, step)
+
+    def prefill_budget(self, step, continuing):
+        return self._timed(self.inner.prefill_budget, step, continuing)
+
+    def predict(self, batch):
+        return self._timed(self.inner.predict, batch)
+
+    def observe(self, record):
+        return self._timed(self.inner.observe, record)
+
+    @property
+    def target_s(self):
+        return self.inner.target_s
+
+
+def build_llm(args: argparse.Namespace, reranker: str | None, share: float,
+              admission: AdmissionPolicy | None = None) -> LLM:
     """An engine for these settings (reranker: a cross-encoder directory, or None for the LLM itself as reranker),
     warmed up with a little of both kinds of work so no phase pays first-call costs."""
     from bench.workloads import alpaca_eval_chat
 
     llm = LLM(EngineConfig(reranker=reranker, rerank_mode=None if reranker else args.reranker,
                            max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
-                           kv_cache_bytes=512 * 2**20, rerank_share=share, num_threads=args.threads))
+                           kv_cache_bytes=512 * 2**20, rerank_share=share, num_threads=args.threads,
+                           admission=admission))
     warm = synthetic_rerank(llm.engine.scorer.tokenizer, 1, 4, args.min_doc_tokens, args.max_doc_tokens,
                             args.seed + 1)
     run_mixed(llm, StepLog(llm), alpaca_eval_chat(llm.tokenizer, 2, 4, seed=args.seed + 1), warm)
@@ -351,6 +401,83 @@ def run_shares(args: argparse.Namespace, reranker: str | None, solo: Solo, load:
     return settings, series
 
 
+def prediction_errors(records: list) -> dict:
+    """|actual - predicted| / actual over the steps the model predicted: all of them and those with decodes."""
+    def stats(rs):
+        errs = [abs(r.prediction_error) for r in rs if r.predicted_s is not None and r.duration_s > 0]
+        return {"steps": len(errs), "median": percentile(errs, 50), "p90": percentile(errs, 90)}
+    return {"all_steps": stats(records), "decode_steps": stats([r for r in records if r.decode_tokens])}
+
+
+def best_fixed_share(settings: list[dict], target_s: float, key: str) -> dict | None:
+    """The swept share with the most rerank pairs/s among those whose p99 TPOT (`key`) stayed under target_s."""
+    ok = [s for s in settings if s[key] <= target_s]
+    return max(ok, key=lambda s: s["rerank_pairs_s"]) if ok else None
+
+
+def run_objective(args: argparse.Namespace, reranker: str | None, solo: Solo, settings: list[dict],
+                  load: dict) -> dict:
+    """Phase (d): the mixed phase on an engine with the latency objective, against the swept fixed shares."""
+    target_s = args.objective_factor * solo.decode["steady_tpot_p50_s"]
+    policy = TimedPolicy(LatencyAdmission(target_s, rerank_share=main_share(args.rerank_shares)))
+    llm = build_llm(args, reranker, main_share(args.rerank_shares), policy)
+    policy.seconds = 0.0
+    mixed, records, t0 = run_mixed(llm, StepLog(llm), solo.reqs, solo.queries)
+    coefficients = policy.inner.model.coefficients()
+    del llm
+    gc.collect()
+    load["after_mixed_objective"] = os.getloadavg()[0]
+    out = {"target_s": target_s, "target_factor_of_decode_alone_steady_p50": args.objective_factor, **mixed,
+           "prediction_error": prediction_errors(records), "model_coefficients": coefficients,
+           "policy_time_share": policy.seconds / max(1e-9, sum(r.duration_s for r in records)),
+           "mean_rerank_tokens_per_decode_step": (sum(r.rerank_tokens for r in records if r.decode_tokens)
+                                                 / max(1, sum(1 for r in records if r.decode_tokens)))}
+    for key in ("tpot_p99_s", "steady_tpot_p99_s"):
+        out[f"{key[:-2]}_over_target"] = mixed[key] / target_s
+        best = best_fixed_share(settings, target_s, key)
+        out[f"best_share_by_{key[:-2]}"] = None if best is None else {
+            "rerank_share": best["rerank_share"], "rerank_pairs_s": best["rerank_pairs_s"], key: best[key],
+            "objective_rerank_ratio": mixed["rerank_pairs_s"] / best["rerank_pairs_s"]}
+    best = out["best_share_by_steady_tpot_p99"]
+    out["p99_target_met"] = out["steady_tpot_p99_over_target"] <= OBJECTIVE_P99_MAX
+    out["rerank_vs_best_share"] = None if best is None else best["objective_rerank_ratio"]
+    out["rerank_target_met"] = None if best is None else best["objective_rerank_ratio"] >= OBJECTIVE_RERANK_MIN
+    out["steps"] = step_series(records, t0)
+    return out
+
+
+def run_wide(args: argparse.Namespace, reranker: str | None, load: dict, target_s: float = 60.0) -> dict:
+    """--wide-requests chats decoding at once with the objective on: engine overhead at the widest steps (as
+    bench/throughput.py computes it) and the policy's own share of those steps' time. The target is loose (60 s) on
+    purpose: the policy still predicts, fits and sizes every step, but 128 decodes alone are over any tight target
+    on this CPU, and the prompts would then trickle in at the prefill floor and the batch never get wide."""
+    from bench.throughput import step_efficiency
+    from bench.workloads import alpaca_eval_chat
+
+    policy = TimedPolicy(LatencyAdmission(target_s))
+    llm = LLM(EngineConfig(reranker=reranker, rerank_mode=None if reranker else args.reranker,
+                           max_num_batched_tokens=args.budget, max_num_seqs=max(args.max_num_seqs, args.wide_requests),
+                           kv_cache_bytes=512 * 2**20, num_threads=args.threads, admission=policy))
+    reqs = alpaca_eval_chat(llm.tokenizer, args.wide_requests, args.wide_tokens, seed=args.seed + 2)
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in reqs]
+    llm.generate([r.prompt_token_ids for r in reqs[:4]], params[:4])  # warm-up
+    records: list = []
+    llm.engine.add_observer(records.append)
+    policy.seconds = 0.0
+    llm.generate([r.prompt_token_ids for r in reqs], params)
+    wide = min(args.wide_requests, 128)
+    out = step_efficiency(records, 1, 1.0, wide)
+    out.pop("decode_gflops", None)
+    out.pop("mfu", None)
+    out["policy_time_share"] = policy.seconds / max(1e-9, sum(r.duration_s for r in records))
+    out["requests"] = args.wide_requests
+    out["target_s"] = target_s
+    del llm
+    gc.collect()
+    load["after_wide"] = os.getloadavg()[0]
+    return out
+
+
 def add_mfu(analysis: dict, linear_flops: int, peak_gflops: float) -> None:
     analysis["matmul_peak_gflops"] = peak_gflops
     if "decode_step_s" in analysis:
@@ -359,7 +486,7 @@ def add_mfu(analysis: dict, linear_flops: int, peak_gflops: float) -> None:
 
 
 def report(args: argparse.Namespace, solo: Solo, settings: list[dict], series: dict, load: dict,
-           wall_s: float) -> dict:
+           wall_s: float, objective: dict | None = None, wide: dict | None = None) -> dict:
     main_setting = next(s for s in settings if s["rerank_share"] == main_share(args.rerank_shares))
     reqs = solo.reqs
     return {
@@ -384,6 +511,9 @@ def report(args: argparse.Namespace, solo: Solo, settings: list[dict], series: d
         "analysis": solo.analysis, "note": NOTE,
         "load_avg_1min": load, "contended": max(load.values()) > args.threads + 1,
         "steps_rerank_share": main_setting["rerank_share"], "steps": series,
+        "objective": objective, "objective_targets": {"tpot_p99_over_target_max": OBJECTIVE_P99_MAX,
+                                                      "rerank_vs_best_share_min": OBJECTIVE_RERANK_MIN},
+        "wide_overhead": wide,
         "wall_s": wall_s,
     }
 
@@ -401,10 +531,12 @@ def main(argv: list[str] | None = None) -> dict:
             reranker = str(minilm_cross_encoder_dir(Path(tmp) / "minilm_ce"))
         solo = run_solo(args, reranker, load, peaks)
         settings, series = run_shares(args, reranker, solo, load)
+        objective = run_objective(args, reranker, solo, settings, load) if args.objective_factor > 0 else None
+        wide = run_wide(args, reranker, load) if args.wide_requests > 0 else None
         peaks.append(matmul_peak_gflops())
     add_mfu(solo.analysis, solo.linear_flops, max(peaks))
     load["end"] = os.getloadavg()[0]
-    result = report(args, solo, settings, series, load, time.perf_counter() - t_start)
+    result = report(args, solo, settings, series, load, time.perf_counter() - t_start, objective, wide)
     write_result(result, args.out)
     return result
 

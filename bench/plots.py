@@ -5,6 +5,7 @@
 * steps_throughput.png, steps_mixed.png: batch composition per step over time, stacked decode / prefill / rerank
   tokens (the `steps` series of throughput.json and mixed.json).
 * mixed.png: decode TPOT p99 and rerank pairs/s, alone vs mixed per setting, with the targets (mixed.json).
+* mixed_objective.png: decode TPOT p99 vs rerank pairs/s for the swept shares and the latency objective (mixed.json).
 * rerank_quality.png: nDCG@10 (+- one standard error) per ranker per corpus, one panel per first-stage depth K,
   with BM25's recall@K (the ceiling) as a dotted line (rerank_quality.json).
 
@@ -158,6 +159,31 @@ def plot_mixed(data: dict | None, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_objective(data: dict | None, path: Path) -> Path | None:
+    """Decode TPOT p99 against rerank pairs/s during the flood: each fixed share swept, and the latency objective
+    (issue #18), with its target and 1.1x it."""
+    objective = (data or {}).get("objective")
+    settings = (data or {}).get("settings") or []
+    if not objective or not settings:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs, ys = [s["rerank_pairs_s"] for s in settings], [s["steady_tpot_p99_s"] for s in settings]
+    ax.plot(xs, ys, "o-", color="tab:blue", label="fixed rerank_share (sweep)")
+    for s, x, y in zip(settings, xs, ys):
+        ax.annotate(f"{s['rerank_share']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.plot([objective["rerank_pairs_s"]], [objective["steady_tpot_p99_s"]], "*", ms=14, color="tab:red",
+            label="latency objective")
+    target = objective["target_s"]
+    ax.axhline(target, color="tab:red", ls="--", lw=1, label="target T")
+    ax.axhline(1.1 * target, color="tab:red", ls=":", lw=1, label="1.1 T")
+    ax.set_xlabel("rerank pairs / s during the flood")
+    ax.set_ylabel("decode TPOT p99, steady (s)")
+    ax.set_title("mixed run: decode latency vs rerank throughput")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
 def plot_rerank_quality(data: dict | None, path: Path) -> Path | None:
     corpora = (data or {}).get("corpora")
     ks = (data or {}).get("ks")
@@ -214,6 +240,7 @@ def plot_all(results_dir: Path = RESULTS) -> list[Path]:
         plot_steps((mixed or {}).get("steps"), "mixed run (generation + rerank flood): batch composition per step",
                    results_dir / "steps_mixed.png"),
         plot_mixed(mixed, results_dir / "mixed.png"),
+        plot_objective(mixed, results_dir / "mixed_objective.png"),
     ]
     return [p for p in written if p is not None]
 
