@@ -189,10 +189,16 @@ def plot_rerank_quality(data: dict | None, path: Path) -> Path | None:
     ks = (data or {}).get("ks")
     if not isinstance(corpora, dict) or not corpora or not isinstance(ks, list) or not ks:
         return None
-    def row(name: str, k: int) -> dict:  # every ranker on the same queries when the LLM modes scored fewer
-        return corpora[name].get(f"k{k}_common") or corpora[name].get(f"k{k}", {})
 
-    rankers = [r for r in data.get("rankers", []) if all(r in row(n, ks[0]) for n in corpora)]
+    def metrics(name: str, k: int, ranker: str) -> dict | None:
+        """The ranker on the queries every ranker scored (k{K}_common) where it is there, else on its own."""
+        for key in (f"k{k}_common", f"k{k}"):
+            m = (corpora[name].get(key) or {}).get(ranker)
+            if isinstance(m, dict):
+                return m
+        return None
+
+    rankers = [r for r in data.get("rankers", []) if all(metrics(n, ks[0], r) for n in corpora)]
     if not rankers:
         return None
     plt = _plt()
@@ -203,23 +209,22 @@ def plot_rerank_quality(data: dict | None, path: Path) -> Path | None:
     default = data.get("default_mode")
     for ax, k in zip(axes[0], ks):
         for j, r in enumerate(rankers):
-            rows = [row(n, k)[r] for n in names]
+            rows = [metrics(n, k, r) for n in names]
             xs = [i + (j - (len(rankers) - 1) / 2) * width for i in range(len(names))]
-            label = r + (" (default)" if r == default else "")
+            label = r + (" (default)" if r == default else "") + f" [{'/'.join(str(m['queries']) for m in rows)}q]"
             label += " (seeded head: floor)" if r == "cross-encoder" else ""
             bars = ax.bar(xs, [m["ndcg@10"] for m in rows], width, yerr=[m["ndcg@10_stderr"] for m in rows],
                           capsize=2, color=colors[j % len(colors)], label=label)
             ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=2)
         for i, n in enumerate(names):
-            ceiling = row(n, k).get("bm25_recall", {}).get("recall")
+            ceiling = (metrics(n, k, "bm25_recall") or {}).get("recall")
             if isinstance(ceiling, (int, float)):
                 ax.hlines(ceiling, i - 0.45, i + 0.45, colors="black", linestyles=":", lw=1,
                           label="BM25 recall@K (ceiling)" if i == 0 else None)
-        queries = sorted({row(n, k)[rankers[0]]["queries"] for n in names})
         ax.set_xticks(range(len(names)), names)
         ax.set_ylim(0, 1.1)
         ax.set_ylabel("nDCG@10")
-        ax.set_title(f"rerank BM25 top {k} ({'/'.join(map(str, queries))} queries per corpus)")
+        ax.set_title(f"reranking BM25's top {k} (queries per corpus: legend)", fontsize=10)
     axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     return _save(fig, path)
 
