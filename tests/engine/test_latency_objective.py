@@ -13,8 +13,10 @@ from tests.engine.conftest import assert_no_leaks, make_llm, record_steps
 COEF = dict(llm_forward=0.010, decode_rows=0.001, decode_context_tokens=0.0, prefill_tokens=0.0002,
             llm_rerank_tokens=0.0002, cross_encoder_forward=0.002, cross_encoder_tokens=0.0001)
 GEN = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# 20 documents: a cross-encoder pair is ~27 tokens, so the headroom (~220 cross-encoder tokens beside 4 decodes)
+# takes 8 pairs a step and the job spans at least 3 steps with decodes in every mode.
 DOCS = [f"Document {i} says that bees make honey from nectar, and stores it in wax cells number {i}."
-        for i in range(12)]
+        for i in range(20)]
 
 
 class CountingModel(LinearStepTime):
