@@ -17,6 +17,7 @@ from engine.detokenizer import TextStream
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.models.llama import LlamaArgs, LlamaForCausalLM
 from engine.models.loader import load_state_dict, read_config, resolve_model_dir
+from engine.models.quantized import build_quantized_model, resolve_quantization, weight_bytes, weight_format
 from engine.outputs import StepOutput, StepRecord
 from engine.request import Sequence, SequenceStatus, SeqKind
 from engine.rerank import JudgePrompt, RerankJob
@@ -45,7 +46,13 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.hf_config = read_config(self.model_dir)
         self.model_args = LlamaArgs.from_hf_config(self.hf_config)
-        self.model = _build_model(self.model_args, load_state_dict(self.model_dir), config.device, config.dtype)
+        self.quantization = resolve_quantization(config)  # "gguf" | "int8" | "none" (see EngineConfig)
+        if self.quantization == "none":
+            self.model = _build_model(self.model_args, load_state_dict(self.model_dir), config.device, config.dtype)
+        else:
+            self.model = build_quantized_model(self.model_args, self.model_dir, self.quantization)
+        self.weight_bytes, self.weight_format = weight_bytes(self.model), weight_format(self.model)
+        log.info("weights: %s, %.1f MB", self.weight_format, self.weight_bytes / 1e6)
         self.max_model_len = min(config.max_model_len or self.model_args.max_position_embeddings,
                                  self.model_args.max_position_embeddings)
         per_block = ModelRunner.kv_bytes_per_block(self.model_args, config.block_size, config.dtype)
@@ -190,6 +197,7 @@ class LLMEngine:
             "num_requests": len(self._requests),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self._steps,
+            "weight_bytes": self.weight_bytes,
         }
 
     def model_info(self) -> dict:
@@ -202,6 +210,9 @@ class LLMEngine:
             "kv_blocks_total": self.pool.num_blocks,
             "device": self.config.device,
             "dtype": self.config.dtype,
+            "quantization": self.quantization,
+            "weight_format": self.weight_format,
+            "weight_bytes": self.weight_bytes,
             "reranker": str(self.config.reranker) if self.config.reranker else "llm",
         }
 

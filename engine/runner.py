@@ -142,7 +142,7 @@ class ModelRunner:
         """P(yes) / (P(yes) + P(no)) from the last position, using only the two lm_head rows needed."""
         if self.judge_token_ids is None:
             raise RuntimeError("no judge tokens configured for LLM reranking")
-        weight = self.model.lm_head.weight[list(self.judge_token_ids)]  # [2, hidden]
+        weight = self.model.lm_head_rows(list(self.judge_token_ids))  # [2, hidden]
         logits = (hidden @ weight.T).float()
         return logits.softmax(dim=-1)[:, 0].tolist()
 

@@ -176,6 +176,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def lm_head_rows(self, ids: list[int]) -> torch.Tensor:
+        """Rows `ids` of the LM head's weight, dense (a quantized head dequantizes only those)."""
+        rows = getattr(self.lm_head, "rows", None)
+        return rows(ids) if rows is not None else self.lm_head.weight[ids]
+
     def load_hf_state_dict(self, state: dict[str, torch.Tensor], assign: bool = False) -> None:
         """Load HF-named weights; with assign=True a model built on the meta device takes the tensors."""
         a = self.args
