@@ -220,7 +220,8 @@ class TandemServicer:
             architecture=info.get("architecture", ""), max_model_len=info.get("max_model_len", 0),
             block_size=info.get("block_size", 0), kv_blocks_total=info.get("kv_blocks_total", 0),
             reranker=info.get("reranker", ""), device=info.get("device", ""), dtype=info.get("dtype", ""),
-            replica=self.replica,
+            replica=self.replica, weight_format=info.get("weight_format", ""),
+            weight_bytes=info.get("weight_bytes", 0),
             limits=pb.Limits(max_waiting=self.bridge.max_waiting, max_documents=self.limits.max_documents,
                              max_message_bytes=self.limits.max_message_bytes))
 

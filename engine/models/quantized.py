@@ -127,6 +127,40 @@ def read_gguf(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, 
     return dense, quantized
 
 
+_CACHE_VERSION = "v1"
+
+
+def load_gguf(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, torch.Tensor],
+                                                                      dict[str, QuantWeight]]:
+    """read_gguf through a cache: the first start writes the tensors (blocks as stored, q/k rows already in HF
+    order) to a safetensors file under TANDEM_CACHE_DIR; later starts load it in a fraction of a second (GGUFReader
+    parses the whole tokenizer vocabulary in Python, seconds on a small CPU)."""
+    import json
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from engine.models.loader import cache_root
+
+    stat = path.stat()
+    target = cache_root() / f"{path.stem}.blocks-{_CACHE_VERSION}-{stat.st_size}.safetensors"
+    if target.is_file():
+        with safe_open(str(target), framework="pt") as f:
+            formats = json.loads(f.metadata()["formats"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        quantized = {k: QuantWeight(tensors.pop(k), fmt, (n, kk)) for k, (fmt, n, kk) in formats.items()}
+        return tensors, quantized
+    dense, quantized = read_gguf(path, num_heads, num_kv_heads)
+    formats = {k: [w.fmt, *w.shape] for k, w in quantized.items()}
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    save_file({**dense, **{k: w.data for k, w in quantized.items()}}, str(tmp),
+              metadata={"format": "pt", "formats": json.dumps(formats)})
+    os.replace(tmp, target)
+    return dense, quantized
+
+
 def _fuse(quantized: dict[str, QuantWeight], dense: dict[str, torch.Tensor]) -> None:
     """Concatenate q/k/v and gate/up rows into the model's fused projections (rows are independent, so blocks
     concatenate as they are); parts in different formats are dequantized and fused dense."""
@@ -232,7 +266,7 @@ def build_quantized_model(args, model_dir: Path, quantization: str):
     from engine.models.loader import embedded_gguf_path, load_state_dict
 
     if quantization == "gguf":
-        dense, quantized = read_gguf(embedded_gguf_path(), args.num_heads, args.num_kv_heads)
+        dense, quantized = load_gguf(embedded_gguf_path(), args.num_heads, args.num_kv_heads)
         _fuse(quantized, dense)
         dense = _fuse_projections(dense)
     elif quantization == "int8":

@@ -106,3 +106,13 @@ def test_engine_flags_reach_the_engine_config_and_unset_ones_keep_its_defaults(m
     monkeypatch.setenv("TANDEM_ENFORCE_EAGER", "maybe")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve"])
+
+
+def test_quantization_flag_and_dtype_float32_asking_for_the_dense_path(monkeypatch):
+    assert _engine_config().quantization is None  # the engine decides: the embedded model's GGUF blocks on CPU
+    assert _engine_config("--quantization", "int8").quantization == "int8"
+    # --dtype alone asks for dense weights in that dtype (issue #19: "unless --dtype float32 asks for it")
+    assert _engine_config("--dtype", "float32").quantization == "none"
+    assert _engine_config("--dtype", "float32", "--quantization", "gguf").quantization == "gguf"
+    monkeypatch.setenv("TANDEM_QUANTIZATION", "none")
+    assert _engine_config().quantization == "none"
