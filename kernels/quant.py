@@ -113,7 +113,7 @@ def _module():
     try:
         return cpp_extension.load(
             name=extension_name(), sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, unsupported platform
         log.warning("C++ quantized matmul unavailable (%s: %s); quantized weights fall back to dense float32",
                     type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
@@ -122,6 +122,14 @@ def _module():
 
 def available() -> bool:
     return _module() is not None
+
+
+def fused_ops(x: torch.Tensor):
+    """The compiled module when `x` is a float32 CPU tensor and the extension is built (its add_rms_norm, silu_mul
+    and rotary_ serve the model's decode path), else None. TANDEM_FUSED_OPS=0 turns them off (for A/B runs)."""
+    if x.is_cuda or x.dtype != torch.float32 or os.environ.get("TANDEM_FUSED_OPS", "1") == "0":
+        return None
+    return _module()
 
 
 def matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:

@@ -128,3 +128,31 @@ def test_without_the_cpp_build_the_reference_computes(monkeypatch, caplog) -> No
         monkeypatch.undo()
         quant._module.cache_clear()
     assert quant.available()
+
+
+# ---- the fused small ops of the CPU decode step ------------------------------------------------------------
+
+
+def test_fused_decode_ops_match_torch() -> None:
+    from engine.models.llama import apply_rotary
+
+    ops = quant._module()
+    g = torch.Generator().manual_seed(5)
+    for t in (1, 7, 70):
+        x, residual, weight = torch.randn(t, 96, generator=g), torch.randn(t, 96, generator=g), torch.randn(96, generator=g)
+        summed = residual + x
+        expected = weight * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5))  # transformers' RMSNorm
+        out = ops.add_rms_norm(x, residual, weight, 1e-5)
+        assert torch.equal(residual, summed)  # updated in place
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ops.add_rms_norm(None, summed.clone(), weight, 1e-5), expected, rtol=1e-6, atol=1e-6)
+        gate_up = torch.randn(t, 2 * 40, generator=g) * 4
+        torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:],
+                                   rtol=1e-6, atol=1e-6)
+        qkv = torch.randn(t, 3 + 2 * 1, 16, generator=g)
+        cos, sin = torch.randn(t, 16, generator=g), torch.randn(t, 16, generator=g)
+        expected_qk = apply_rotary(qkv[:, :4], cos[:, None], sin[:, None])
+        v = qkv[:, 4:].clone()
+        ops.rotary_(qkv, 4, cos, sin)
+        assert torch.equal(qkv[:, :4], expected_qk)  # same products and sums, each rounded alike
+        assert torch.equal(qkv[:, 4:], v)
