@@ -49,6 +49,8 @@ cluster: $(STAMP) haproxy
 	$(VENV)/bin/tandem cluster --replicas $(REPLICAS) --port $(PORT)
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[peers]' --config-settings editable_mode=compat || \
+	  echo "llama-cpp-python did not install: bench.single reports the reason and skips llama.cpp" >&2
 	$(PY) -m bench
 
 # Regenerate the committed gRPC stubs (a test fails when they drift from proto/tandem.proto).
