@@ -40,7 +40,7 @@ import torch
 
 from bench.datasets import synthetic_rerank
 from bench.report import parse_bench_args, percentile, step_series, write_result
-from bench.rerank import StepLog, matmul_peak_gflops
+from bench.rerank import StepLog, linear_params, matmul_peak_gflops
 from engine import LLM, EngineConfig, RerankParams, SamplingParams
 
 QUICK = dict(requests=4, max_output_tokens=8, queries=2, docs=6, min_doc_tokens=16, max_doc_tokens=64,
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
         peaks.append(matmul_peak_gflops())
         analysis["matmul_peak_gflops"] = max(peaks)
         if "decode_step_s" in analysis:
-            flops = 2 * sum(m.weight.numel() for m in engine.model.modules() if isinstance(m, torch.nn.Linear))
+            flops = 2 * linear_params(engine.model)
             analysis["decode_gflops"] = flops * analysis["decode_width"] / analysis["decode_step_s"] / 1e9
             analysis["decode_mfu"] = analysis["decode_gflops"] / max(peaks)
 
