@@ -101,3 +101,19 @@ def test_gguf_tensors_are_cached_as_stored(tmp_path, monkeypatch) -> None:
         for name, w in quantized.items():
             assert (got_quant[name].fmt, got_quant[name].shape) == (w.fmt, w.shape)
             assert torch.equal(got_quant[name].data, w.data)
+
+
+def test_quantization_config_is_validated() -> None:
+    import pytest
+
+    from engine import EngineConfig
+
+    assert EngineConfig().quantization is None
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(quantization="fp8")
+    with pytest.raises(ValueError, match="runs on device 'cpu' with dtype 'float32'"):
+        EngineConfig(quantization="int8", device="cuda")
+    with pytest.raises(ValueError, match="runs on device 'cpu' with dtype 'float32'"):
+        EngineConfig(quantization="gguf", dtype="bfloat16")
+    with pytest.raises(ValueError, match="embedded model's GGUF"):
+        EngineConfig(model="/some/dir", quantization="gguf")
