@@ -49,11 +49,14 @@ REPLICAS ?= 2
 cluster: $(STAMP) haproxy
 	$(VENV)/bin/tandem cluster --replicas $(REPLICAS) --port $(PORT)
 
-# The peer libraries the benchmarks compare against (the `peers` extra: sentence-transformers' CrossEncoder for
-# bench.rerank) install here only, so `make test` never needs them; without them a benchmark skips that baseline
-# and says why in its JSON.
+# The peer libraries the benchmarks compare against install here only, so `make test` never needs them: the
+# `peers` extra (sentence-transformers' CrossEncoder for bench.rerank) and, when it builds, the `llamacpp` extra
+# (llama-cpp-python, compiled from source, for bench.single); without one a benchmark skips that baseline and says
+# why in its JSON.
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[test,bench,peers]' --config-settings editable_mode=compat
+	$(PY) -m pip install -q -e '.[llamacpp]' --config-settings editable_mode=compat || \
+	  echo "llama-cpp-python did not install: bench.single reports the reason and skips llama.cpp" >&2
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)

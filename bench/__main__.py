@@ -17,7 +17,7 @@ from typing import Callable
 
 from bench.report import RESULTS, write_result
 
-BENCHMARKS = ("throughput", "rerank", "mixed", "latency", "prefill", "sampling", "rerank_quality")
+BENCHMARKS = ("throughput", "rerank", "mixed", "latency", "prefill", "sampling", "rerank_quality", "single")
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,11 @@ TARGETS = (
            "rerank_quality", ("targets", "vs_bm25_min_stderrs"), 2.0, unit=""),
     Target("Rerank quality: default LLM reranker nDCG@10 minus the dense MiniLM bi-encoder (worst corpus, K)",
            "rerank_quality", ("targets", "minus_dense_min"), -0.02, unit=""),
+    # issue #19: one chat at a time, on the embedded model's own 4-bit blocks, against llama.cpp on the same file.
+    Target("Batch-1 decode tok/s, tandem (GGUF 4-bit) vs llama.cpp on the same file and threads", "single",
+           ("ratios", "gguf_vs_llama_cpp"), 1.0),
+    Target("Batch-1 greedy tokens (4-bit path) identical to transformers on the same file", "single",
+           ("systems", "tandem_gguf", "vs_transformers", "same_position_share"), 1.0, unit=""),
 )
 
 
@@ -79,6 +84,8 @@ FIGURES = (
     ("Prefill 4096 tokens (TTFT), transformers / tandem", "prefill", ("ratios", "tandem_4096")),
     ("Prefill 4096 tokens in one chunk (TTFT), transformers / tandem", "prefill",
      ("ratios", "tandem_one_chunk_4096")),
+    ("Batch-1 decode tok/s, tandem 4-bit / transformers generate (fp32)", "single", ("ratios", "gguf_vs_hf_generate")),
+    ("Batch-1 decode tok/s, tandem 4-bit / tandem dense fp32", "single", ("ratios", "gguf_vs_tandem_fp32")),
     ("Sampler, real logits, slowest case: transformers / tandem", "sampling", ("min_ratio", "real")),
     ("Sampler, random N(0, 3) logits, slowest case: transformers / tandem", "sampling", ("min_ratio", "random_n3")),
 )

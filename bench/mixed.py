@@ -52,7 +52,7 @@ import torch
 
 from bench.datasets import synthetic_rerank
 from bench.report import parse_bench_args, percentile, step_series, write_result
-from bench.rerank import StepLog, matmul_peak_gflops
+from bench.rerank import StepLog, linear_params, matmul_peak_gflops
 from engine import LLM, EngineConfig, RerankParams, SamplingParams
 from engine.admission import AdmissionPolicy, LatencyAdmission
 
@@ -338,7 +338,7 @@ class Solo:
     decode: dict
     rerank: dict
     analysis: dict
-    linear_flops: int  # 2 x the LLM's nn.Linear weights: FLOPs per decoded token in its matmuls
+    linear_flops: int  # 2 x the LLM's linear weights (dense or quantized): FLOPs per decoded token in its matmuls
 
 
 def run_solo(args: argparse.Namespace, reranker: str | None, load: dict, peaks: list[float]) -> Solo:
@@ -357,7 +357,7 @@ def run_solo(args: argparse.Namespace, reranker: str | None, load: dict, peaks: 
     load["after_rerank_alone"] = os.getloadavg()[0]
     width = min(args.requests, args.max_num_seqs, args.budget)  # sequences a decode step can hold
     analysis = slack_analysis(decode_records, rerank_records, width, args.reranker)
-    flops = 2 * sum(m.weight.numel() for m in llm.engine.model.modules() if isinstance(m, torch.nn.Linear))
+    flops = 2 * linear_params(llm.engine.model)
     return Solo(reqs, queries, decode, rerank, analysis, flops)
 
 

@@ -61,9 +61,12 @@ def matmul_peak_gflops(n: int = 1024, reps: int = 8) -> float:
 
 
 def linear_params(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
-    """Weights of the per-token matmuls (nn.Linear), leaving out modules whose name starts with one of `skip`."""
-    return sum(m.weight.numel() for name, m in module.named_modules()
-               if isinstance(m, torch.nn.Linear) and not name.startswith(skip))
+    """Weights of the per-token matmuls (nn.Linear, and quantized linears, which have no dense .weight), leaving out
+    modules whose name starts with one of `skip`."""
+    from engine.models.quantized import QuantizedLinear
+
+    return sum(m.in_features * m.out_features for name, m in module.named_modules()
+               if isinstance(m, (torch.nn.Linear, QuantizedLinear)) and not name.startswith(skip))
 
 
 class StepLog:

@@ -29,7 +29,7 @@ import time
 import torch
 
 from bench.report import parse_bench_args, step_series, write_result
-from bench.rerank import matmul_peak_gflops
+from bench.rerank import linear_params, matmul_peak_gflops
 from bench.workloads import GenerationRequest, alpaca_eval_chat
 from engine import LLM, EngineConfig, SamplingParams
 
@@ -100,7 +100,7 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> dict:
 def decoder_flops_per_token(llm: LLM) -> int:
     """2 x the weights every token multiplies (all decoder linears and the LM head)."""
     model = llm.engine.model
-    return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return 2 * linear_params(model)
 
 
 def step_efficiency(records: list, flops_per_token: int, peak_gflops: float, wide: int) -> dict:

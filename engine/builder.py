@@ -14,6 +14,7 @@ from engine.cuda_graphs import capture_sizes, cuda_graph_capture
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.models.llama import LlamaArgs, LlamaForCausalLM
 from engine.models.loader import load_state_dict, read_config, resolve_model_dir
+from engine.models.quantized import build_quantized_model, resolve_quantization, weight_bytes, weight_format
 from engine.rerank import PairScorer, build_scorer
 from engine.runner import DTYPES, ModelRunner
 from engine.scheduler import Scheduler
@@ -36,6 +37,9 @@ class EngineParts:
     scorer: PairScorer
     runner: ModelRunner
     eos_token_ids: set[int]
+    quantization: str  # "gguf" | "int8" | "none" (see EngineConfig.quantization)
+    weight_bytes: int
+    weight_format: str
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -47,7 +51,12 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf_config = read_config(model_dir)
     args = LlamaArgs.from_hf_config(hf_config)
-    model = _build_model(args, load_state_dict(model_dir), config.device, config.dtype)
+    quantization = resolve_quantization(config)
+    if quantization == "none":
+        model = _build_model(args, load_state_dict(model_dir), config.device, config.dtype)
+    else:
+        model = build_quantized_model(args, model_dir, quantization)
+    log.info("weights: %s, %.1f MB", weight_format(model), weight_bytes(model) / 1e6)
     max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
     per_block = ModelRunner.kv_bytes_per_block(args, config.block_size, config.dtype)
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
@@ -67,7 +76,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     return EngineParts(model_dir=str(model_dir), tokenizer=tokenizer, hf_config=hf_config, model_args=args,
                        model=model, max_model_len=max_model_len, pool=pool, kv=kv,
                        scheduler=Scheduler(config, kv), scorer=scorer, runner=runner,
-                       eos_token_ids=_eos_ids(hf_config, tokenizer))
+                       eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
+                       weight_bytes=weight_bytes(model), weight_format=weight_format(model))
 
 
 def _build_model(args: LlamaArgs, state: dict, device: str, dtype: str) -> LlamaForCausalLM:

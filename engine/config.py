@@ -43,6 +43,13 @@ class EngineConfig:
     scheduling: Literal["continuous", "static"] = "continuous"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     enforce_eager: bool = False  # on CUDA, decode-only steps replay captured CUDA graphs unless this is True
+    # How the weights are held (activations are float32 either way; CPU only except "none"):
+    #   None (default): as the checkpoint stores them: the embedded model's GGUF 4-bit blocks on CPU in float32,
+    #     dense `dtype` weights otherwise (a Hugging Face directory, CUDA, or another dtype);
+    #   "gguf": the embedded model's GGUF blocks (Q4_1, its embedding/LM head Q8_0); "int8": weight-only int8 with
+    #   per-output-channel scales, for dense checkpoints; "none": dense `dtype` weights (the embedded model's GGUF
+    #   dequantized once into float32). `tandem serve --dtype float32` without --quantization means "none".
+    quantization: Literal["gguf", "int8", "none"] | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes",
@@ -74,6 +81,14 @@ class EngineConfig:
         if self.reranker and self.rerank_mode not in (None, "cross-encoder"):
             raise ValueError(f"reranker={self.reranker!r} is a cross-encoder; rerank_mode {self.rerank_mode!r} "
                              "scores with the LLM: leave one of them unset")
+        if self.quantization not in (None, "gguf", "int8", "none"):
+            raise ValueError(f"quantization must be 'gguf', 'int8', 'none' or None, got {self.quantization!r}")
+        if self.quantization in ("gguf", "int8") and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError(f"quantization={self.quantization!r} runs on device 'cpu' with dtype 'float32' "
+                             f"(got {self.device!r}, {self.dtype!r}); use quantization='none' elsewhere")
+        if self.quantization == "gguf" and self.model is not None:
+            raise ValueError("quantization='gguf' serves the embedded model's GGUF file; for a Hugging Face "
+                             "directory use 'int8' or 'none'")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
 

@@ -35,6 +35,8 @@ class LLMEngine:
         self.scorer = parts.scorer
         self.runner = parts.runner
         self.eos_token_ids = parts.eos_token_ids
+        self.quantization = parts.quantization
+        self.weight_bytes, self.weight_format = parts.weight_bytes, parts.weight_format
         self.intake = RequestIntake(config, self.tokenizer, self.model_args.vocab_size, self.max_model_len,
                                     self.scheduler.budget, self.scorer)
         self._requests: dict[str, Request] = {}
@@ -102,6 +104,7 @@ class LLMEngine:
             "num_requests": len(self._requests),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self._steps,
+            "weight_bytes": self.weight_bytes,
         }
 
     def model_info(self) -> dict:
@@ -114,6 +117,9 @@ class LLMEngine:
             "kv_blocks_total": self.pool.num_blocks,
             "device": self.config.device,
             "dtype": self.config.dtype,
+            "quantization": self.quantization,
+            "weight_format": self.weight_format,
+            "weight_bytes": self.weight_bytes,
             "reranker": str(self.config.reranker) if self.config.reranker else "llm",
             "rerank_mode": self.scorer.mode,
         }

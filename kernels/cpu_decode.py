@@ -24,8 +24,8 @@ _CPUINFO = Path("/proc/cpuinfo")
 _CPUINFO_KEYS = ("model name", "flags", "Features", "CPU implementer", "CPU part")  # x86, then Arm
 
 
-def extension_name() -> str:
-    """`tandem_paged_decode_<hash of this CPU>`: torch keys its cache by name and source, but -march=native code
+def extension_name(prefix: str = "tandem_paged_decode") -> str:
+    """`<prefix>_<hash of this CPU>` (default `tandem_paged_decode_<hash>`): torch keys its cache by name and source, but -march=native code
     is only valid on the CPU it was built for. The CPU is the first processor's model name and feature flags in
     /proc/cpuinfo (Linux), else platform.machine() and platform.processor()."""
     fields: dict[str, str] = {}
@@ -38,7 +38,7 @@ def extension_name() -> str:
         pass
     identity = "\n".join(f"{k}: {fields[k]}" for k in _CPUINFO_KEYS if k in fields)
     identity = identity or f"{platform.machine()} {platform.processor()}"
-    return "tandem_paged_decode_" + hashlib.sha256(identity.encode()).hexdigest()[:12]
+    return f"{prefix}_" + hashlib.sha256(identity.encode()).hexdigest()[:12]
 
 
 @functools.cache

@@ -212,7 +212,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "served_names", "architecture", "max_model_len", "block_size", "kv_blocks_total", "reranker", "device", "dtype", "replica", "limits", "rerank_mode")
+    __slots__ = ("model", "served_names", "architecture", "max_model_len", "block_size", "kv_blocks_total", "reranker", "device", "dtype", "replica", "limits", "rerank_mode", "weight_format", "weight_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SERVED_NAMES_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,8 @@ class ModelInfoResponse(_message.Message):
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     RERANK_MODE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     served_names: _containers.RepeatedScalarFieldContainer[str]
     architecture: str
@@ -237,7 +239,9 @@ class ModelInfoResponse(_message.Message):
     replica: str
     limits: Limits
     rerank_mode: str
-    def __init__(self, model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., reranker: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., replica: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., rerank_mode: _Optional[str] = ...) -> None: ...
+    weight_format: str
+    weight_bytes: int
+    def __init__(self, model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., reranker: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., replica: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., rerank_mode: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_waiting", "max_documents", "max_message_bytes")

@@ -20,7 +20,10 @@ _ENGINE_FLAGS = [
     ("--rerank-mode", str, None, "likelihood | judge | cross-encoder: how rerank pairs are scored (default: "
                                  "cross-encoder with --reranker, else likelihood)"),
     ("--device", str, None, "cpu | cuda | cuda:N"),
-    ("--dtype", str, None, "float32 | float16 | bfloat16"),
+    ("--dtype", str, None, "float32 | float16 | bfloat16; given without --quantization, the dense weights are "
+                           "served in it"),
+    ("--quantization", str, None, "gguf | int8 | none (default: the embedded model's 4-bit GGUF blocks on CPU, "
+                                  "dense weights otherwise)"),
     ("--max-num-batched-tokens", int, None, "token budget of one engine step"),
     ("--max-num-seqs", int, None, "sequences one step may serve"),
     ("--kv-cache-bytes", "bytes", None, "KV cache budget, e.g. 1073741824 or 2GiB"),
@@ -150,6 +153,8 @@ def build_engine_config(args: argparse.Namespace):
 
     names = [flag.lstrip("-").replace("-", "_") for flag, *_ in _ENGINE_FLAGS]
     fields = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if "dtype" in fields and "quantization" not in fields:  # --dtype float32 asks for the dense path (issue #19)
+        fields["quantization"] = "none"
     return EngineConfig(**fields, max_rerank_documents=args.max_documents)
 
 

@@ -221,7 +221,8 @@ class TandemServicer:
             block_size=info.get("block_size", 0), kv_blocks_total=info.get("kv_blocks_total", 0),
             reranker=info.get("reranker", ""), rerank_mode=info.get("rerank_mode", ""),
             device=info.get("device", ""), dtype=info.get("dtype", ""),
-            replica=self.replica,
+            replica=self.replica, weight_format=info.get("weight_format", ""),
+            weight_bytes=info.get("weight_bytes", 0),
             limits=pb.Limits(max_waiting=self.bridge.max_waiting, max_documents=self.limits.max_documents,
                              max_message_bytes=self.limits.max_message_bytes))
 

