@@ -143,8 +143,11 @@ inline void dequant_block(const uint8_t* blk, __m256 w[4]) {
 template <int64_t FMT, int MT>
 inline void row_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t nblocks, float* y, int64_t ldy) {
   constexpr int64_t BB = block_bytes(FMT);
-  __m256 acc[MT][2];
-  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  // Up to 4 rows: two accumulators per row (independent FMA chains); 8 rows: one each (8 chains, 12 registers).
+  constexpr int NA = MT <= 4 ? 2 : 1;
+  __m256 acc[MT][NA];
+  for (int m = 0; m < MT; ++m)
+    for (int a = 0; a < NA; ++a) acc[m][a] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     __m256 w[4];
     dequant_block<FMT>(row + b * BB, w);
@@ -152,19 +155,21 @@ inline void row_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t 
     for (int m = 0; m < MT; ++m) {
       const float* xm = xb + m * ldx;
       acc[m][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xm), acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xm + 8), acc[m][1]);
+      acc[m][NA - 1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xm + 8), acc[m][NA - 1]);
       acc[m][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xm + 16), acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xm + 24), acc[m][1]);
+      acc[m][NA - 1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xm + 24), acc[m][NA - 1]);
     }
   }
-  for (int m = 0; m < MT; ++m) y[m * ldy] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
+  for (int m = 0; m < MT; ++m) y[m * ldy] = hsum(NA == 2 ? _mm256_add_ps(acc[m][0], acc[m][NA - 1]) : acc[m][0]);
 }
 
 // Per-channel int8: y[m, n] = s * sum_k q[k] x[m, k]; K needs no alignment (a scalar tail).
 template <int MT>
 inline void row_i8(const int8_t* q, float s, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
-  __m256 acc[MT][2];
-  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  constexpr int NA = MT <= 4 ? 2 : 1;
+  __m256 acc[MT][NA];
+  for (int m = 0; m < MT; ++m)
+    for (int a = 0; a < NA; ++a) acc[m][a] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k))));
@@ -172,13 +177,13 @@ inline void row_i8(const int8_t* q, float s, const float* x, int64_t ldx, int64_
         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k + 8))));
     for (int m = 0; m < MT; ++m) {
       acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k), acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * ldx + k + 8), acc[m][1]);
+      acc[m][NA - 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * ldx + k + 8), acc[m][NA - 1]);
     }
   }
   for (int m = 0; m < MT; ++m) {
     float tail = 0.f;
     for (int64_t t = k; t < K; ++t) tail += static_cast<float>(q[t]) * x[m * ldx + t];
-    y[m * ldy] = s * (hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + tail);
+    y[m * ldy] = s * (hsum(NA == 2 ? _mm256_add_ps(acc[m][0], acc[m][NA - 1]) : acc[m][0]) + tail);
   }
 }
 
@@ -270,6 +275,7 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_
     const uint8_t* row = row_ptr(w, n);
     const float s = scale_of(scales, fmt, n);
     int64_t m = 0;
+    for (; m + 8 <= M; m += 8) row_any<8>(fmt, row, s, xp + m * K, K, K, yp + m * N + n, N);
     for (; m + 4 <= M; m += 4) row_any<4>(fmt, row, s, xp + m * K, K, K, yp + m * N + n, N);
     switch (M - m) {
       case 3: row_any<3>(fmt, row, s, xp + m * K, K, K, yp + m * N + n, N); break;
