@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from bench import latency, mixed, plots, report
-from bench.rerank import StepLog, hf_padded_scores
+from bench.datasets import RerankQuery
+from bench.rerank import StepLog, st_tokens
 from engine.outputs import StepOutput
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -108,43 +109,14 @@ def test_step_series_thins_to_the_limit():
 
 # ---- padding waste -------------------------------------------------------------------------------------------
 
-class FakePairTokenizer:
-    """One token per word of query and document, plus 3 specials; pads with 0 when asked."""
-
-    def __call__(self, queries, docs, padding=False, truncation=None, max_length=None, return_tensors=None):
-        ids = [[1] + [5] * len(q.split()) + [2] + [6] * len(d.split()) + [2] for q, d in zip(queries, docs)]
-        ids = [x[:max_length] for x in ids]
-        if not padding:
-            return {"input_ids": ids}
-        width = max(map(len, ids))
-        return {"input_ids": torch.tensor([x + [0] * (width - len(x)) for x in ids]),
-                "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])}
-
-
-def fake_model(input_ids, attention_mask):
-    # Logit = the pair's real length, so each score says which pair it belongs to.
-    return SimpleNamespace(logits=attention_mask.sum(-1, keepdim=True).float() / 10)
-
-
-@pytest.mark.parametrize("sort", [False, True])
-def test_padding_waste_counts(sort):
-    docs = ["a " * 1, "a " * 9, "a " * 2, "a " * 8]  # pair lengths (query "q w"): 6, 14, 7, 13
-    lengths = [6, 14, 7, 13]
-    scores, real, total = hf_padded_scores(fake_model, FakePairTokenizer(), "q w", docs, batch_size=2,
-                                           max_length=64, sort_by_length=sort)
-    assert real == sum(lengths) == 40
-    # Unsorted batches (6, 14) and (7, 13) pad to 14 and 13; sorted batches (6, 7) and (13, 14) to 7 and 14.
-    assert total == (2 * 7 + 2 * 14 if sort else 2 * 14 + 2 * 13)
-    waste = 1 - real / total
-    assert waste == pytest.approx(2 / 42 if sort else 14 / 54)
-    # Scores come back in input order either way.
-    assert scores == pytest.approx([torch.sigmoid(torch.tensor(n / 10)).item() for n in lengths])
-
-
-def test_padding_waste_respects_truncation():
-    _, real, total = hf_padded_scores(fake_model, FakePairTokenizer(), "q", ["a " * 50, "a"], batch_size=8,
-                                      max_length=10)
-    assert real == 10 + 5 and total == 20
+def test_sentence_transformers_padding_is_counted_per_sorted_batch():
+    """sentence-transformers sorts a call's pairs by characters, longest first, and pads each batch to its longest."""
+    work = [RerankQuery("q", ["aaaa", "a", "aaaaaaaa", "aa"])]  # characters with the query: 5, 2, 9, 3
+    lengths = [[6, 3, 10, 4]]  # tokens per pair, input order
+    # Sorted: pairs 2 (10 tokens), 0 (6) | 3 (4), 1 (3): batches pad to 10 and 4.
+    assert st_tokens(lengths, work, batch_size=2) == 2 * 10 + 2 * 4
+    assert st_tokens(lengths, work, batch_size=4) == 4 * 10
+    assert st_tokens(lengths, work, batch_size=1) == sum(lengths[0])  # no padding at all
 
 
 # ---- the mixed phases' counting on a fake engine ---------------------------------------------------------------
