@@ -37,7 +37,7 @@ class ReplicaInfo:
 class ClusterProcess:
     """Starts `tandem cluster --replicas 2` with a hashing and a round-robin frontend; parses what it prints."""
 
-    def __init__(self, replicas: int = 2, *extra: str) -> None:
+    def __init__(self, replicas: int = 2, *extra: str, serve_args: tuple[str, ...] = ()) -> None:
         self.port, self.roundrobin_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.roundrobin_address = f"127.0.0.1:{self.roundrobin_port}"
@@ -48,7 +48,7 @@ class ClusterProcess:
             [TANDEM, "cluster", "--replicas", str(replicas), "--port", str(self.port),
              "--roundrobin-port", str(self.roundrobin_port), "--run-dir", str(self.run_dir / "run"),
              "--check-inter-ms", "300", "--check-fall", "2", "--check-rise", "1", "--drain-timeout", "60",
-             *extra, "--", *SERVE_ARGS],
+             *extra, "--", *SERVE_ARGS, *serve_args],
             cwd=ROOT, env={**os.environ, **REPLICA_ENV}, stdout=subprocess.PIPE, stderr=self._log, text=True)
         self.lines: queue.Queue = queue.Queue()
         self.replicas: dict[str, ReplicaInfo] = {}

@@ -85,8 +85,10 @@ async def workload(target: str, tag: str) -> tuple[list[list[str]], list[list[st
 
 @pytest.fixture(scope="module")
 def cluster():
-    # No respawn: the SIGKILL test needs the killed replica to stay down while it looks.
-    proc = ClusterProcess(2, "--no-respawn")
+    # No respawn: the SIGKILL test needs the killed replica to stay down while it looks. The judge rerank mode: its
+    # pairs share the instruction and query ahead of the document, which is what routing by query keeps warm (query
+    # likelihood puts the document first, so its pairs share only the system turn, on every replica alike).
+    proc = ClusterProcess(2, "--no-respawn", serve_args=("--rerank-mode", "judge"))
     yield proc
     proc.stop()
 
