@@ -48,8 +48,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from bench.datasets import synthetic_rerank
 from bench.report import parse_bench_args, percentile, step_series, write_result
 from bench.rerank import StepLog, linear_params, matmul_peak_gflops
