@@ -29,8 +29,6 @@ class PairTemplate:
     def fit(self, documents: list[list[int]], limit: int, truncate: Truncate) -> list[PairTokens]:
         """Each document between prefix and suffix, cut at its end to fit `limit` tokens ("end") or rejected with a
         ValueError naming it ("none")."""
-        if truncate not in ("end", "none"):
-            raise ValueError(f"truncate must be 'end' or 'none', got {truncate!r}")
         fixed = len(self.prefix) + len(self.suffix)
         room = limit - fixed
         if room < 1:
