@@ -10,6 +10,8 @@ if TYPE_CHECKING:
 
 
 RERANK_MODES = ("likelihood", "judge", "cross-encoder")
+MAX_LOGPROBS = 20  # most alternatives `logprobs` / `prompt_logprobs` may ask for per position (as vLLM's default)
+MAX_N = 16  # most completions one request may ask for (each needs a seat among max_num_seqs)
 
 
 @dataclass(slots=True)
@@ -94,7 +96,35 @@ class EngineConfig:
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain a generation to a language (vLLM's StructuredOutputsParams): exactly one of a JSON schema (a dict
+    or its JSON text), a regular expression, or a list of choices. Checked and compiled at submission."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice (got {given or 'none'})")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json must be a JSON schema: a dict or its JSON text")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError("structured_outputs.regex must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+
+@dataclass(slots=True)
 class SamplingParams:
+    """Per-request generation parameters, with vLLM's names and semantics.
+
+    Order in the sampler (vLLM v1's): min_tokens (stop tokens masked), logit_bias, structured-output mask,
+    repetition/frequency/presence penalties, then temperature, min_p, top_k, top_p. A row that sets none of the
+    processors is left untouched; penalties apply to greedy rows too, as in vLLM. `logprobs` and `prompt_logprobs`
+    are of the raw model distribution (log_softmax of the logits before any processing: vLLM's "raw_logprobs").
+    """
     max_tokens: int = 16
     temperature: float = 1.0  # 0 (or below 1e-5, as in vLLM): greedy
     top_p: float = 1.0
@@ -104,6 +134,19 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0  # lower runs first, as in vLLM
+    n: int = 1  # completions of this prompt, sharing its prefill; 1..MAX_N
+    # Per generated token: the chosen token's log-probability plus the top `logprobs` alternatives (0..MAX_LOGPROBS);
+    # None: none.
+    logprobs: int | None = None
+    # The same for each prompt token after the first (computed in prefill, never served from the prefix cache).
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0  # > 0; 1: off. Divides positive / multiplies negative logits of seen tokens
+    presence_penalty: float = 0.0  # [-2, 2]; subtracted once from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # [-2, 2]; subtracted per occurrence in the generated tokens
+    min_p: float = 0.0  # [0, 1]; drop tokens below min_p times the most likely token's probability
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, each in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,12 +173,41 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if not _is_int(self.priority):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must be a dict of token id -> bias")
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+            if any(not _finite(v) or not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be numbers in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:
         # Dividing logits by a tiny temperature overflows to inf and NaN probabilities, which failed every
         # request of the step (found by tests/reliability/test_fuzz.py); vLLM treats < 1e-5 as greedy too.
         return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(slots=True)
@@ -155,6 +227,15 @@ class RerankParams:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_key(key) -> int:
+    """A logit_bias key: a token id, also as the decimal string JSON (and OpenAI's API) gives."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        key = int(key)
+    if not _is_int(key) or key < 0:
+        raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+    return key
 
 
 def _finite(x) -> bool:

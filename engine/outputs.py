@@ -6,15 +6,28 @@ from dataclasses import dataclass, field
 from engine.request import SeqKind
 
 
+# Per position: token id -> log-probability, holding the chosen (or prompt) token and the top-k alternatives.
+Logprobs = dict[int, float]
+
+
 @dataclass(slots=True)
 class StepOutput:
-    """One request's progress in one step. Generation: new tokens/text; rerank: scores when finished."""
+    """One request's progress in one step. Generation: new tokens/text of one completion (`index`); rerank: scores
+    when finished.
+
+    With n > 1 a request streams n completions; `finish_reason` is set on the output where a completion ends, and
+    `finished` only on the request's last output (every completion done, or the request aborted / failed)."""
     request_id: str
     kind: SeqKind
     new_token_ids: list[int] = field(default_factory=list)
     text: str = ""  # text delta, never a broken UTF-8 sequence or a partial stop string
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    index: int = 0  # which completion (0..n-1) the tokens belong to
+    logprobs: list[Logprobs] | None = None  # one per new token, with SamplingParams.logprobs set
+    # With SamplingParams.prompt_logprobs: on the first output of the request only, one per prompt token (None for
+    # the first, which nothing predicts).
+    prompt_logprobs: list[Logprobs | None] | None = None
     error: str | None = None  # set with finish_reason "error"
     scores: list[float] | None = None  # rerank: one per document, input order, only when finished
     prompt_tokens: int = 0
@@ -26,14 +39,28 @@ class StepOutput:
 
 
 @dataclass(slots=True)
+class CompletionOutput:
+    """One of a request's n completions."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[Logprobs] | None = None  # one per token, with SamplingParams.logprobs set
+
+
+@dataclass(slots=True)
 class RequestOutput:
-    """A finished generation, as `LLM.generate` returns it."""
+    """A finished generation, as `LLM.generate` returns it. text / token_ids / finish_reason / logprobs are those
+    of the first completion; `outputs` holds all n (as in vLLM, also for n = 1)."""
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str
     cached_tokens: int = 0
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 @dataclass(slots=True)
