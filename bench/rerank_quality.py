@@ -247,13 +247,14 @@ def bm25_recall(sample: Sample, k: int, n: int | None = None) -> dict:
     return {"recall": recall, "recall_stderr": stderr, "queries_with_a_relevant": float(np.mean([h for _, h in rows]))}
 
 
-def score_all(sample: Sample, fn, n: int | None = None) -> tuple[list[list[float]], dict]:
-    """fn(query, docs) for the first n queries (default: all): their scores and the pairs/s of the scoring."""
+def score_all(sample: Sample, fn, n: int | None = None, depth: int | None = None) -> tuple[list[list[float]], dict]:
+    """fn(query, docs) for the first n queries (default: all): their scores and the pairs/s of the scoring. fn may
+    score only the first `depth` candidates."""
     n = len(sample.queries) if n is None else min(n, len(sample.queries))
     t = time.perf_counter()
     scores = [list(map(float, fn(sample.queries[i], sample.docs(i)))) for i in range(n)]
     seconds = time.perf_counter() - t
-    pairs = sum(len(c) for c in sample.candidates[:n])
+    pairs = sum(len(c[:depth]) for c in sample.candidates[:n])
     return scores, {"queries": n, "pairs": pairs, "seconds": seconds,
                     "pairs_s": pairs / seconds if seconds > 0 else math.nan}
 
@@ -273,6 +274,18 @@ def paired_margin(sample: Sample, a: list[list[float]], b: list[list[float]] | N
 
 
 @lru_cache(maxsize=1)
+def _mode_queries(item: str) -> tuple[str, int]:
+    mode, _, m = item.partition("=")
+    if mode not in (*LLM_MODES, "cross-encoder") or not m.isdigit():
+        raise SystemExit(f"--mode-queries takes MODE=M with MODE one of {LLM_MODES + ('cross-encoder',)}: {item!r}")
+    return mode, int(m)
+
+
+def depth_of(scores: list[list[float]]) -> int:
+    """How many candidates per query a ranker scored (the LLM modes: --llm-depth)."""
+    return min((len(q) for q in scores), default=0)
+
+
 def _cross_encoder_dir():
     from bench.models import minilm_cross_encoder_dir
 
@@ -286,12 +299,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ks", type=int, nargs="+", default=[20, 50], help="first-stage depths reranked")
     ap.add_argument("--llm-queries", type=int, default=None,
                     help="the LLM modes and the cross-encoder score only the first M queries (default: all)")
+    ap.add_argument("--llm-depth", type=int, default=None,
+                    help="the LLM modes and the cross-encoder score only each query's top D candidates, so they are "
+                         "evaluated at the K <= D only (default: max K); their CPU cost grows with D")
+    ap.add_argument("--mode-queries", nargs="*", default=[], metavar="MODE=M",
+                    help="per-mode override of --llm-queries, e.g. judge=50")
     ap.add_argument("--doc-tokens", type=int, default=64, help="candidates are cut to this many tokens for rankers")
     ap.add_argument("--query-tokens", type=int, default=48, help="queries are cut to this many tokens")
     ap.add_argument("--budget", type=int, default=1024, help="tandem max_num_batched_tokens")
     ap.add_argument("--skip", nargs="*", default=[], choices=[r for r in RANKERS if r != "bm25"])
     args = parse_bench_args(ap, argv, "rerank_quality", QUICK)
     args.ks = sorted(set(args.ks))
+    args.llm_depth = max(args.ks) if args.llm_depth is None else min(args.llm_depth, max(args.ks))
+    args.mode_queries = dict(_mode_queries(item) for item in args.mode_queries)
     t0 = time.perf_counter()
     load = [os.getloadavg()[0]]
     from transformers import AutoTokenizer
@@ -332,7 +352,9 @@ def main(argv: list[str] | None = None) -> dict:
         llm.engine.add_observer(records.append)
         for name, s in samples.items():
             records.clear()
-            scores[name][mode], speed[name][mode] = score_all(s, llm.rerank, args.llm_queries)
+            rerank = lambda q, docs: llm.rerank(q, docs[:args.llm_depth])  # noqa: E731
+            scores[name][mode], speed[name][mode] = score_all(s, rerank, args.mode_queries.get(mode, args.llm_queries),
+                                                              args.llm_depth)
             if mode in LLM_MODES:
                 computed = sum(r.rerank_tokens for r in records)
                 cached = sum(r.cached_tokens for r in records)
@@ -358,11 +380,13 @@ def report(args, samples: dict[str, Sample], scores: dict, speed: dict, default:
         out["common_queries"] = common
         for k in args.ks:
             row = {"bm25_recall": bm25_recall(s, k), "bm25": evaluate(s, None, k)}
-            row |= {r: evaluate(s, scores[name][r], k) for r in RANKERS if r in scores[name]}
+            ranked = [r for r in RANKERS if r in scores[name] and depth_of(scores[name][r]) >= min(
+                k, min(len(c) for c in s.candidates))]
+            row |= {r: evaluate(s, scores[name][r], k) for r in ranked}
             out[f"k{k}"] = row
             if common < len(s.queries):
                 row = {"bm25_recall": bm25_recall(s, k, common), "bm25": evaluate(s, None, k, common)}
-                row |= {r: evaluate(s, scores[name][r], k, common) for r in RANKERS if r in scores[name]}
+                row |= {r: evaluate(s, scores[name][r], k, common) for r in ranked}
                 out[f"k{k}_common"] = row
         out["speed"] = speed[name]
         corpora_out[name] = out
@@ -370,7 +394,7 @@ def report(args, samples: dict[str, Sample], scores: dict, speed: dict, default:
     targets: dict = {"default_mode": default}
     if default is not None and all(default in sc for sc in scores.values()):
         per_k = {}
-        for k in args.ks:
+        for k in [k for k in args.ks if k <= args.llm_depth]:
             vs_bm25 = {n: paired_margin(s, scores[n][default], None, k) for n, s in samples.items()}
             vs_dense = {n: paired_margin(s, scores[n][default], scores[n]["dense"], k)["diff"]
                         for n, s in samples.items() if "dense" in scores[n]}
@@ -397,6 +421,7 @@ def report(args, samples: dict[str, Sample], scores: dict, speed: dict, default:
         "cross_encoder_note": "MiniLM-L6 encoder with a SEEDED, untrained classification head: a floor that shows "
                               "the path runs, not a trained reranker",
         "bm25_impl": BM25_IMPL, "ks": args.ks, "queries": args.queries, "llm_queries": args.llm_queries,
+        "mode_queries": args.mode_queries, "llm_depth": args.llm_depth,
         "doc_tokens": args.doc_tokens, "query_tokens": args.query_tokens, "budget": args.budget,
         "seed": args.seed, "threads": args.threads, "quick": args.quick,
         "rankers": [r for r in RANKERS if r == "bm25" or any(r in sc for sc in scores.values())],
