@@ -11,9 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import platform
-import sys
 from pathlib import Path
 
 import torch
@@ -24,10 +22,11 @@ _CPUINFO = Path("/proc/cpuinfo")
 _CPUINFO_KEYS = ("model name", "flags", "Features", "CPU implementer", "CPU part")  # x86, then Arm
 
 
-def extension_name(prefix: str = "tandem_paged_decode") -> str:
-    """`<prefix>_<hash of this CPU>` (default `tandem_paged_decode_<hash>`): torch keys its cache by name and source, but -march=native code
-    is only valid on the CPU it was built for. The CPU is the first processor's model name and feature flags in
-    /proc/cpuinfo (Linux), else platform.machine() and platform.processor()."""
+def extension_name(prefix: str = "tandem_paged_decode", source: Path = _SOURCE) -> str:
+    """`<prefix>_<hash of this CPU and the source>`: -march=native code is only valid on the CPU it was built for,
+    and checkouts with different sources must not rebuild each other's module in one shared directory. The CPU is
+    the first processor's model name and feature flags in /proc/cpuinfo (Linux), else platform.machine() and
+    platform.processor()."""
     fields: dict[str, str] = {}
     try:
         for line in _CPUINFO.read_text(errors="replace").splitlines():
@@ -38,22 +37,18 @@ def extension_name(prefix: str = "tandem_paged_decode") -> str:
         pass
     identity = "\n".join(f"{k}: {fields[k]}" for k in _CPUINFO_KEYS if k in fields)
     identity = identity or f"{platform.machine()} {platform.processor()}"
-    return f"{prefix}_" + hashlib.sha256(identity.encode()).hexdigest()[:12]
+    return f"{prefix}_" + hashlib.sha256(identity.encode() + source.read_bytes()).hexdigest()[:12]
 
 
 @functools.cache
 def _module():
     """The compiled extension, or None when it cannot be built here (the reason is logged once)."""
-    from torch.utils import cpp_extension
+    from kernels.cpu_build import load_extension
 
-    # pip's ninja lives next to the interpreter, which is not on PATH when the venv is not activated.
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     try:
-        return cpp_extension.load(
-            name=extension_name(), sources=[str(_SOURCE)],
-            # fast-math lets the dot products and exp vectorize (reassociated sums: ~1e-7 relative, scores are finite)
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
-            verbose=False)
+        # fast-math lets the dot products and exp vectorize (reassociated sums: ~1e-7 relative, scores are finite)
+        return load_extension(extension_name(), _SOURCE, ["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                              ["-fopenmp"])
     except Exception as exc:  # no compiler, no ninja, unsupported platform: the reference still works
         log.warning("C++ decode attention unavailable, using the torch reference: %s", exc)
         return None

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,19 +100,17 @@ _NO_SCALES = torch.empty(0, dtype=torch.float32)
 def extension_name() -> str:
     from kernels.cpu_decode import extension_name as keyed
 
-    return keyed("tandem_quant_matmul")
+    return keyed("tandem_quant_matmul", _SOURCE)
 
 
 @functools.cache
 def _module():
     """The compiled extension, or None when it cannot be built here (the reason is logged once)."""
-    from torch.utils import cpp_extension
+    from kernels.cpu_build import load_extension
 
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     try:
-        return cpp_extension.load(
-            name=extension_name(), sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"], verbose=False)
+        return load_extension(extension_name(), _SOURCE, ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                              ["-fopenmp"])
     except Exception as exc:  # no compiler, no ninja, unsupported platform
         log.warning("C++ quantized matmul unavailable (%s: %s); quantized weights fall back to dense float32",
                     type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")

@@ -1,0 +1,37 @@
+"""Building the C++ CPU kernels with torch's cpp_extension, safely when processes race or die mid-build.
+
+torch guards a build with a `lock` file in the build directory and waits, without a timeout, while that file
+exists. A process killed during a build (Ctrl-C in the first `make serve`, a test timeout) leaves the file behind and
+every later engine start hung. Here every build first takes an OS lock (flock) on a file of its own in the same
+directory: the kernel releases that lock when its holder dies, and while we hold it no other tandem process is
+building, so a torch `lock` file found then is stale and is removed.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+from pathlib import Path
+
+
+def build_directory(name: str) -> Path:
+    """Where torch would build `name` (TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions, per Python version)."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
+
+
+def load_extension(name: str, source: Path, extra_cflags: list[str], extra_ldflags: list[str]):
+    """cpp_extension.load of one source file, under an flock that makes a leftover torch lock file harmless."""
+    from torch.utils import cpp_extension
+
+    # pip's ninja lives next to the interpreter, which is not on PATH when the venv is not activated.
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    directory = build_directory(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "tandem.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # waits for a live build by another process; released if it dies
+        (directory / "lock").unlink(missing_ok=True)  # held by no live tandem build: a dead process's leftover
+        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=extra_cflags,
+                                  extra_ldflags=extra_ldflags, build_directory=str(directory), verbose=False)

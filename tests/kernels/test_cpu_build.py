@@ -1,0 +1,25 @@
+"""The C++ kernels load even when a killed build left torch's lock file behind (it used to hang every start)."""
+import subprocess
+import sys
+
+from kernels import cpu_build, cpu_decode, quant
+
+
+def test_a_stale_torch_lock_does_not_hang_the_next_load() -> None:
+    for module in (cpu_decode, quant):
+        assert module.available()  # built (or loaded) in this process first
+        lock = cpu_build.build_directory(module.extension_name()) / "lock"
+        lock.write_text("")  # what a process killed mid-build leaves
+        code = f"from kernels import {module.__name__.split('.')[-1]} as m; assert m.available()"
+        # Without the fix torch waits on the file forever; the timeout turns that into a failure.
+        done = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert not lock.exists()
+
+
+def test_the_name_changes_with_the_source(tmp_path) -> None:
+    """Two checkouts with different kernel sources build into different directories instead of rebuilding one."""
+    other = tmp_path / "paged_decode.cpp"
+    other.write_text(cpu_decode._SOURCE.read_text() + "\n// another version\n")
+    assert cpu_decode.extension_name(source=other) != cpu_decode.extension_name()
+    assert cpu_decode.extension_name(source=cpu_decode._SOURCE) == cpu_decode.extension_name()
