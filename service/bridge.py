@@ -336,7 +336,8 @@ class EngineBridge:
             lc.first_token = out.first_token_time
             self._emit("on_first_token", lc)
         if not out.finished:
-            self._send(handle, out)
+            if not (handle.expired and out.finish_reason == "abort"):  # its request ends in DEADLINE_EXCEEDED
+                self._send(handle, out)
             return
         if handle.expired and out.finish_reason == "abort":
             self._finish_error(out.request_id, ServiceError(
