@@ -297,3 +297,42 @@ def test_a_token_the_grammar_rejects_fails_the_request_once(fake_grammar):
     errors = [o for o in outs if o.finish_reason == "error"]
     assert len(errors) == 1 and errors[0].finished and outs[-1] is errors[0] and "grammar" in errors[0].error
     assert_no_leaks(llm)
+
+
+# ---- the fork itself, and n > 1 under preemption ------------------------------------------------------------------
+
+def test_fork_prefix_takes_only_computed_full_blocks_of_an_equal_prefix(llm):
+    from engine.request import Sequence
+
+    kv = llm.engine.kv
+    bs = kv.block_size
+
+    def seq(ids: list[int]) -> Sequence:
+        return Sequence(request_id="f", token_ids=list(ids), num_prompt_tokens=len(ids), params=SamplingParams(),
+                        arrival=0, arrival_time=0.0)
+
+    src = seq(list(range(3 * bs + 5)))
+    src.block_table, src.block_hashes, src.num_computed_tokens = [7, 8, 9, 10], [1, 2, 3], 3 * bs + 5
+    prefix = kv.fork_prefix(src, seq(src.token_ids))
+    assert prefix.blocks == (7, 8, 9) and prefix.num_tokens == 3 * bs
+    short = seq(src.token_ids[:3 * bs])  # its last token must be computed by itself: two blocks only
+    assert kv.fork_prefix(src, short).blocks == (7, 8)
+    other = seq([1] + src.token_ids[1:])
+    assert kv.fork_prefix(src, other).num_tokens == 0  # different tokens: nothing shared
+    src.num_computed_tokens = bs + 3  # still prefilling: only what it computed
+    assert kv.fork_prefix(src, seq(src.token_ids)).blocks == (7,)
+
+
+def test_n4_under_preemption_matches_transformers(tokenizer, hf_model):
+    """A pool too small for four 64-token completions: they preempt one another and recompute, and still give
+    transformers' greedy tokens, then free everything."""
+    llm = make_llm(num_kv_blocks=9, enable_prefix_caching=False)
+    records = record_steps(llm)
+    ids = _ids(tokenizer, 40, salt="tight ")
+    out = llm.generate([ids], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, n=4))[0]
+    with torch.inference_mode():
+        ref = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.eos_token_id)[0, 40:]
+    assert sum(r.preempted for r in records) > 0
+    assert all(c.token_ids == ref.tolist() for c in out.outputs)
+    assert_no_leaks(llm)
