@@ -7,6 +7,9 @@ Call, Stop); the engine thread applies them between steps, runs `step()`, and
 hands each step's outputs back with one `loop.call_soon_threadsafe`. Nothing
 here blocks the loop.
 
+A generation with n > 1 sends the outputs of all its completions (StepOutput.index) to its sink; only the one
+with finished=True ends it, and an abort stops all n.
+
 Admission: `max_waiting` bounds the requests that are admitted but not yet
 served by any engine step (RESOURCE_EXHAUSTED beyond it); running work is
 bounded by the engine itself (max_num_seqs, the KV pool).

@@ -195,3 +195,21 @@ def test_sync_client_raises_the_refusal(served, params):
     with Client(served.address) as client, pytest.raises(TandemError) as info:
         list(client.generate("Hi", **params))
     assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT and next(iter(params)) in info.value.message
+
+
+def test_cli_generate_prints_n_completions_with_logprobs_as_json(served, offline):
+    import io
+
+    from clients.cli import run
+    from service.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--target", served.address, "--n", "2", "--max-tokens", "8",
+                                      "--temperature", "0", "--logprobs", "1", "--json", PROMPTS[0]])
+    out = io.StringIO()
+    assert run(args, out) == 0
+    result = json.loads(out.getvalue())
+    assert [c["index"] for c in result["completions"]] == [0, 1]
+    for c in result["completions"]:
+        assert c["token_ids"] == offline.greedy[0].token_ids and c["text"] == offline.greedy[0].text
+        assert [lp[0][0] for lp in c["logprobs"]] == c["token_ids"]  # chosen token first at every position
+    assert result["usage"]["completion_tokens"] == 2 * len(offline.greedy[0].token_ids)
