@@ -164,7 +164,7 @@ class EngineBridge:
         """Admit a generation; its outputs (or a ServiceError) go to sink on the loop. Raises ServiceError."""
         command = AddGeneration(self._next_id(SeqKind.GENERATE), params, prompt=prompt, messages=messages)
         lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.GENERATE.value,
-                              metadata=dict(metadata or {}))
+                              metadata=dict(metadata or {}), completions=params.n)
         return self._submit(command, lc, sink, timeout_ms)
 
     def submit_rerank(self, client_id: str, sink: Sink, *, query: str, documents: list[str],
