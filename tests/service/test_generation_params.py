@@ -17,7 +17,7 @@ from clients import AsyncClient
 from clients.params import sampling_params
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
-from tests.service.conftest import LONG_12, PROMPTS
+from tests.service.conftest import PROMPTS
 from tests.service.harness import assert_all_blocks_free
 
 VOCAB = 49152  # SmolLM2's vocabulary (ModelInfo.vocab_size says so; checked below)
