@@ -38,7 +38,9 @@ class SamplingContext:
 
 
 def apply_processors(logits: torch.Tensor, params: list[SamplingParams], context: SamplingContext | None) -> None:
-    """Apply, in place on logits [N, V], every processor some row sets; the other rows are not written."""
+    """Apply, in place on logits [N, V] (contiguous), every processor some row sets; other rows are not written."""
+    if not logits.is_contiguous():
+        raise ValueError("the logits processors write a contiguous [N, V] tensor in place")
     if context is None and any(p.min_tokens or p.has_penalties for p in params):
         raise ValueError("min_tokens and penalties need a SamplingContext (each row's tokens and the EOS ids)")
     _min_tokens(logits, params, context)
@@ -58,7 +60,7 @@ def _min_tokens(logits: torch.Tensor, params: list[SamplingParams], context: Sam
             rows += [r] * len(banned)
             tokens += banned
     if tokens:
-        logits[_index(rows, logits), _index(tokens, logits)] = float("-inf")
+        _write(logits, _positions(logits, rows, tokens), float("-inf"))
 
 
 def _logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
@@ -71,8 +73,7 @@ def _logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
                 tokens.append(t)
                 bias.append(b)
     if tokens:
-        logits.index_put_((_index(rows, logits), _index(tokens, logits)),
-                          torch.tensor(bias, dtype=logits.dtype, device=logits.device), accumulate=True)
+        logits.view(-1).index_add_(0, _positions(logits, rows, tokens), _values(bias, logits))
 
 
 def _grammar_mask(logits: torch.Tensor, context: SamplingContext | None) -> None:
@@ -99,38 +100,46 @@ def _grammar_mask(logits: torch.Tensor, context: SamplingContext | None) -> None
 def _penalties(logits: torch.Tensor, params: list[SamplingParams], context: SamplingContext | None) -> None:
     """Repetition over prompt + generated tokens (transformers' RepetitionPenaltyLogitsProcessor, vLLM), then
     OpenAI's logit - count * frequency - (count > 0) * presence over the generated ones."""
+    flat = logits.view(-1)
     rep = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep:
-        rows, tokens, _, which = _seen(logits, rep, [context.token_ids[r] for r in rep])
-        penalty = _values([params[r].repetition_penalty for r in rep], logits)[which]
-        seen = logits[rows, tokens]
-        logits[rows, tokens] = torch.where(seen > 0, seen / penalty, seen * penalty)
+        where, _, which = _seen(logits, rep, [context.token_ids[r] for r in rep])
+        penalty = _values([params[r].repetition_penalty for r in rep], logits).index_select(0, which)
+        seen = flat.index_select(0, where)
+        flat.index_copy_(0, where, torch.where(seen > 0, seen / penalty, seen * penalty))
     counted = [r for r, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
     counted = [r for r in counted if context.num_output_tokens(r) > 0]
     if counted:
         outputs = [context.token_ids[r][context.num_prompt_tokens[r]:] for r in counted]
-        rows, tokens, counts, which = _seen(logits, counted, outputs)
-        frequency = _values([params[r].frequency_penalty for r in counted], logits)[which]
-        presence = _values([params[r].presence_penalty for r in counted], logits)[which]
-        logits[rows, tokens] = logits[rows, tokens] - counts.to(logits.dtype) * frequency - presence
+        where, counts, which = _seen(logits, counted, outputs)
+        frequency = _values([params[r].frequency_penalty for r in counted], logits).index_select(0, which)
+        presence = _values([params[r].presence_penalty for r in counted], logits).index_select(0, which)
+        flat.index_copy_(0, where, flat.index_select(0, where) - counts.to(logits.dtype) * frequency - presence)
 
 
 def _seen(logits: torch.Tensor, rows: list[int],
-          token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The distinct (row, token) pairs of each row's tokens: logits row, token id, occurrences, and the pair's
-    position in `rows` (to pick per-row parameters), each a 1-D tensor on the logits' device."""
+          token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct (row, token) pairs of each row's tokens: their positions in the flattened logits, their
+    occurrences, and their row's index in `rows` (to pick per-row parameters), each 1-D on the logits' device."""
     vocab = logits.shape[-1]
     lengths = torch.tensor([len(t) for t in token_lists])
-    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
     which = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-    keys, counts = torch.unique(which * vocab + flat, return_counts=True)
-    which, tokens = keys // vocab, keys % vocab
+    keys, counts = torch.unique(which * vocab + tokens, return_counts=True)
+    which = keys // vocab
+    where = keys + (torch.tensor(rows) - torch.arange(len(rows))).index_select(0, which) * vocab  # key's row j -> logits row
     device = logits.device
-    return (torch.tensor(rows)[which].to(device), tokens.to(device), counts.to(device), which.to(device))
+    return where.to(device), counts.to(device), which.to(device)
 
 
-def _index(values: list[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=like.device)
+def _positions(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> torch.Tensor:
+    """Positions of (row, token) pairs in the flattened logits."""
+    vocab = logits.shape[-1]
+    return torch.tensor([r * vocab + t for r, t in zip(rows, tokens)], dtype=torch.int64, device=logits.device)
+
+
+def _write(logits: torch.Tensor, positions: torch.Tensor, value: float) -> None:
+    logits.view(-1).index_fill_(0, positions, value)
 
 
 def _values(values: list[float], like: torch.Tensor) -> torch.Tensor:
