@@ -1,6 +1,6 @@
 """Python clients for tandem (grpcio + the proto stubs only; never torch)."""
 from clients.aio import AsyncClient
 from clients.sync import Client
-from clients.types import Delta, RerankResult, RerankResults, TandemError, Usage
+from clients.types import Completion, Delta, RerankResult, RerankResults, TandemError, Usage
 
-__all__ = ["AsyncClient", "Client", "Delta", "RerankResult", "RerankResults", "TandemError", "Usage"]
+__all__ = ["AsyncClient", "Client", "Completion", "Delta", "RerankResult", "RerankResults", "TandemError", "Usage"]

@@ -10,7 +10,8 @@ from typing import Any, AsyncIterator, Sequence
 
 import grpc
 
-from clients.types import FINISH_REASONS, Delta, RerankResult, RerankResults, TandemError, Usage, status_code
+from clients.params import sampling_params
+from clients.types import Completion, Delta, RerankResult, RerankResults, TandemError, Usage, status_code
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
 
@@ -171,12 +172,16 @@ class AsyncClient:
     # ---- generation ------------------------------------------------------------------------------
 
     async def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
-                       token_ids: Sequence[int] | None = None, max_tokens: int | None = None,
-                       temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                       seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                       ignore_eos: bool = False, priority: int = 0, model: str = "", timeout: float | None = None,
-                       request_id: str | None = None, routing_key: str | None = None) -> AsyncIterator[Delta]:
+                       token_ids: Sequence[int] | None = None, model: str = "", timeout: float | None = None,
+                       request_id: str | None = None, routing_key: str | None = None,
+                       **params: Any) -> AsyncIterator[Delta]:
         """Stream one generation. Give exactly one of prompt, messages (chat) or token_ids.
+
+        params: the sampling keywords of `clients.params.sampling_params` (vLLM's names: max_tokens, temperature,
+        top_p, top_k, seed, stop, stop_token_ids, ignore_eos, priority, n, logprobs, prompt_logprobs,
+        repetition_penalty, presence_penalty, frequency_penalty, min_p, min_tokens, logit_bias, json_schema,
+        regex, choice); unset ones take the server's defaults. With n > 1 the deltas of the n completions
+        interleave, told apart by `Delta.index`; `Delta.logprobs` / `Delta.prompt_logprobs` are filled when asked.
 
         routing_key: sent as x-tandem-prefix (default: for messages, a hash of the system prompt and first user
         turn, which every later turn of the chat shares; for a prompt or token ids, none).
@@ -187,11 +192,7 @@ class AsyncClient:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use on this client")
-        request = _generate_request(request_id, prompt, messages, token_ids, model, timeout,
-                                    pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                                      top_k=top_k, seed=seed, stop=list(stop),
-                                                      stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                                                      priority=priority))
+        request = _generate_request(request_id, prompt, messages, token_ids, model, timeout, sampling_params(**params))
         key = chat_routing_key(messages) if routing_key is None and messages is not None else (routing_key or "")
         delay = self._backoff_s
         for attempt in range(self._max_retries + 1):
@@ -208,16 +209,9 @@ class AsyncClient:
                         done, error = True, reply
                         break
                     kind = reply.WhichOneof("kind")
-                    if kind == "delta":
-                        streamed = True
-                        yield Delta(request_id, reply.delta.text, list(reply.delta.token_ids),
-                                    replica=stream.replica)
-                    elif kind == "final":
-                        done = True
-                        final = reply.final
-                        yield Delta(request_id, final.text, list(final.token_ids),
-                                    FINISH_REASONS.get(final.finish_reason, "unknown"), Usage.from_proto(final.usage),
-                                    replica=stream.replica)
+                    if kind in ("delta", "final"):
+                        streamed, done = True, kind == "final"
+                        yield Delta.from_proto(request_id, getattr(reply, kind), stream.replica, final=done)
                     else:
                         done, error = True, TandemError(status_code(reply.error.code), reply.error.message)
             finally:
@@ -239,12 +233,15 @@ class AsyncClient:
         return self.generate(messages=messages, **kwargs)
 
     async def complete(self, prompt: str | None = None, **kwargs) -> Delta:
-        """Run a generation to the end; one Delta with the whole text, token ids, finish reason and usage."""
-        texts, ids, last = [], [], None
-        async for last in self.generate(prompt, **kwargs):
-            texts.append(last.text)
-            ids.extend(last.token_ids)
-        return Delta(last.request_id, "".join(texts), ids, last.finish_reason, last.usage, last.replica)
+        """Run a generation to the end: one Delta with completion 0's whole text, token ids, finish reason and
+        logprobs, the request's usage and prompt_logprobs, and `.outputs`: every completion, index order."""
+        deltas = [delta async for delta in self.generate(prompt, **kwargs)]
+        outputs = [_gather(index, [d for d in deltas if d.index == index])
+                   for index in sorted({d.index for d in deltas})]
+        first, last = outputs[0], deltas[-1]
+        return Delta(last.request_id, first.text, first.token_ids, first.finish_reason, last.usage, last.replica,
+                     first.index, first.logprobs, next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None),
+                     outputs)
 
     def cancel(self, request_id: str) -> None:
         """Ask the server to stop a running generation; its generate() then ends with finish_reason "abort"."""
@@ -319,6 +316,14 @@ def chat_routing_key(messages: Sequence[dict]) -> str:
     system = next((m["content"] for m in messages if m["role"] == "system"), "")
     user = next((m["content"] for m in messages if m["role"] == "user"), None)
     return "" if user is None else prefix_key("chat", system, user)
+
+
+def _gather(index: int, deltas: list[Delta]) -> Completion:
+    """One completion from its deltas, in order."""
+    logprobs = [lp for d in deltas for lp in d.logprobs or ()]
+    reason = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
+    return Completion(index, "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids], reason,
+                      logprobs if any(d.logprobs for d in deltas) else None)
 
 
 def _generate_request(request_id: str, prompt, messages, token_ids, model: str, timeout: float | None,

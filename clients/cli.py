@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from clients.sync import Client
-from clients.types import TandemError
+from clients.types import Delta, TandemError
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -17,6 +18,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _connection(gen)
     gen.add_argument("prompt", help="the prompt text (sent raw; use `tandem chat` for the chat template)")
     _sampling(gen)
+    gen.add_argument("--json", action="store_true",
+                     help="print the whole result as JSON (completions, token ids, logprobs, usage) instead of text")
     gen.set_defaults(run=_generate)
 
     chat = sub.add_parser("chat", help="chat on stdin (one user turn per line)",
@@ -59,6 +62,22 @@ def _sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--n", type=int, default=None, help="completions of the prompt (printed one after another)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="print each token's log-probability and its K most likely alternatives")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K", help="the same for the prompt (--json)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1: off")
+    p.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2]; 0: off")
+    p.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2]; 0: off")
+    p.add_argument("--min-p", type=float, default=None, help="in [0, 1]; 0: off")
+    p.add_argument("--min-tokens", type=int, default=None, help="no EOS / stop before this many tokens")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit (repeatable)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", default=None, metavar="FILE|TEXT",
+                     help="constrain the output to this JSON schema (a file, or the schema's JSON text)")
+    fmt.add_argument("--regex", default=None, help="constrain the output to this regular expression")
+    fmt.add_argument("--choice", action="append", default=None, help="the output is one of these (repeatable)")
 
 
 def _client(args: argparse.Namespace) -> Client:
@@ -68,7 +87,32 @@ def _client(args: argparse.Namespace) -> Client:
 
 def _params(args: argparse.Namespace) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                seed=args.seed, stop=args.stop, timeout=args.timeout)
+                seed=args.seed, stop=args.stop, timeout=args.timeout, n=args.n, logprobs=args.logprobs,
+                prompt_logprobs=args.prompt_logprobs, repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                min_p=args.min_p, min_tokens=args.min_tokens, logit_bias=_logit_bias(args.logit_bias),
+                json_schema=_schema_text(args.json_schema), regex=args.regex, choice=args.choice)
+
+
+def _logit_bias(items: list[str]) -> dict[int, float] | None:
+    bias = {}
+    for item in items:
+        token, sep, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise SystemExit(f"tandem: --logit-bias takes ID=BIAS (e.g. 42=-100), got {item!r}") from None
+        if not sep:
+            raise SystemExit(f"tandem: --logit-bias takes ID=BIAS (e.g. 42=-100), got {item!r}")
+    return bias or None
+
+
+def _schema_text(value: str | None) -> str | None:
+    """--json-schema: a file's content when the value names one, else the value itself (the server checks it)."""
+    if value is None or value.lstrip().startswith(("{", "[")):
+        return value
+    path = Path(value)
+    return path.read_text() if path.is_file() else value
 
 
 def _stream(deltas, out: TextIO) -> str:
@@ -81,13 +125,46 @@ def _stream(deltas, out: TextIO) -> str:
     return "".join(text)
 
 
+def _print_result(result: Delta, args: argparse.Namespace, out: TextIO) -> None:
+    """A finished request (complete()): every completion, with its log-probabilities when asked."""
+    if args.json:
+        out.write(json.dumps(_as_json(result)) + "\n")
+        return
+    for c in result.outputs:
+        if len(result.outputs) > 1:
+            out.write(f"--- completion {c.index} ({c.finish_reason}) ---\n")
+        out.write(c.text + "\n")
+        for token, lp in zip(c.token_ids, c.logprobs or ()):
+            alternatives = "  ".join(f"{t}:{v:.4f}" for t, v in list(lp.items())[1:])
+            out.write(f"  {token:>6}  {lp.get(token, float('nan')):9.4f}  {alternatives}\n")
+
+
+def _as_json(result: Delta) -> dict:
+    completions = [{"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                    "logprobs": _pairs(c.logprobs)} for c in result.outputs]
+    return {"request_id": result.request_id, "completions": completions,
+            "prompt_logprobs": _pairs(result.prompt_logprobs),
+            "usage": dataclasses.asdict(result.usage) if result.usage else None}
+
+
+def _pairs(positions: list | None) -> list | None:
+    """Logprob dicts as JSON: [[token_id, logprob], ...] per position, chosen first (JSON keys must be strings)."""
+    if positions is None:
+        return None
+    return [None if p is None else [[t, v] for t, v in p.items()] for p in positions]
+
+
 def _generate(args: argparse.Namespace, out: TextIO) -> int:
     with _client(args) as client:
-        _stream(client.generate(args.prompt, **_params(args)), out)
+        if args.json or (args.n or 1) > 1 or args.logprobs is not None:
+            _print_result(client.complete(args.prompt, **_params(args)), args, out)
+        else:
+            _stream(client.generate(args.prompt, **_params(args)), out)
     return 0
 
 
 def _chat(args: argparse.Namespace, out: TextIO) -> int:
+    """Each reply streams (completion 0 with --n > 1 is the one the chat continues from)."""
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     with _client(args) as client:
@@ -101,7 +178,7 @@ def _chat(args: argparse.Namespace, out: TextIO) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            reply = _stream(client.chat(messages, **_params(args)), out)
+            reply = _stream((d for d in client.chat(messages, **_params(args)) if d.index == 0), out)
             messages.append({"role": "assistant", "content": reply})
 
 

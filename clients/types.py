@@ -24,19 +24,57 @@ class Usage:
                    msg.duration_s)
 
 
+# Per position: token id -> log-probability; the chosen (or prompt) token first, then the alternatives by rank.
+Logprobs = dict[int, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One of a request's n completions, whole (what `complete()` gathers per index)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[Logprobs] | None = None  # one per token, when logprobs was asked for
+
+
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """New text of one generation; the last one has finish_reason ("stop" | "length" | "abort") and usage."""
+    """New text of one completion (`index`, 0..n-1) of a generation.
+
+    `finish_reason` ("stop" | "length" | "abort") is set on the delta where a completion ends; the request's
+    last delta (`finished`) also carries the usage of the whole request. With n = 1 both are the last delta.
+    """
     request_id: str
     text: str
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
     replica: str | None = None  # the serving replica (x-tandem-replica), when the server named it
+    index: int = 0
+    logprobs: list[Logprobs] | None = None  # one per token_ids entry, when logprobs was asked for
+    # On the request's first delta, when prompt_logprobs was asked for: one per prompt token (None for the first).
+    prompt_logprobs: list[Logprobs | None] | None = None
+    # Only on what complete() returns: every completion, index order (text etc. above are completion 0's).
+    outputs: list[Completion] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """The request's last delta."""
+        return self.usage is not None
+
+    @classmethod
+    def from_proto(cls, request_id: str, msg: "pb.TokenDelta | pb.GenerateFinal", replica: str | None,
+                   final: bool) -> "Delta":
+        reason = FINISH_REASONS.get(msg.finish_reason, "unknown") if final or msg.finish_reason else None
+        return cls(request_id, msg.text, list(msg.token_ids), reason,
+                   Usage.from_proto(msg.usage) if final else None, replica, msg.index,
+                   [logprobs_dict(p) for p in msg.logprobs] or None,
+                   [logprobs_dict(p) or None for p in msg.prompt_logprobs] or None)
+
+
+def logprobs_dict(msg: pb.TokenLogprobs) -> Logprobs:
+    return {e.token_id: e.logprob for e in msg.entries}
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,7 +65,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, config.block_size, config.enable_prefix_caching)
     scorer = build_scorer(config, tokenizer, model)
-    runner = ModelRunner(model, num_blocks, config.block_size, config.device, config.dtype, scorer)
+    runner = ModelRunner(model, num_blocks, config.block_size, config.device, config.dtype, scorer,
+                         eos_token_ids=_eos_ids(hf_config, tokenizer))
     kernels.prepare(config.device, DTYPES[config.dtype])
     if runner.device.type == "cuda" and not config.enforce_eager:
         started = time.monotonic()

@@ -5,9 +5,11 @@ from __future__ import annotations
 class TextStream:
     """Turns a growing list of output token ids into text deltas and finds stop strings."""
 
-    def __init__(self, tokenizer, stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer, stop: list[str] | None = None, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = stop or []
+        # As vLLM: stop strings are looked for only in text that arrives once more than min_tokens tokens exist.
+        self.min_tokens = min_tokens
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""  # decoded so far (possibly cut at a stop string)
@@ -32,7 +34,7 @@ class TextStream:
         return self._take(final=self.stopped)
 
     def _find_stop(self, before: int) -> None:
-        if not self.stop:
+        if not self.stop or len(self.token_ids) <= self.min_tokens:
             return
         start = max(0, before - self.holdback)
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]

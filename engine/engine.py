@@ -3,16 +3,20 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from engine.batch import Batch
 from engine.builder import build_engine_parts
 from engine.config import EngineConfig, RerankParams, SamplingParams
 from engine.intake import Generation, RequestIntake
-from engine.outputs import StepOutput, StepRecord
+from engine.detokenizer import TextStream
+from engine.outputs import Logprobs, StepOutput, StepRecord
 from engine.rerank import RerankJob
 from engine.request import Sequence, SequenceStatus, SeqKind
 from engine.runner import RunnerOutput
+
+if TYPE_CHECKING:
+    from engine.structured import GrammarCompiler
 
 log = logging.getLogger("tandem.engine")
 
@@ -37,8 +41,10 @@ class LLMEngine:
         self.eos_token_ids = parts.eos_token_ids
         self.quantization = parts.quantization
         self.weight_bytes, self.weight_format = parts.weight_bytes, parts.weight_format
+        # Built on the first request with structured_outputs (engine/structured.py imports a grammar library).
+        self.grammar_compiler: "GrammarCompiler | None" = None
         self.intake = RequestIntake(config, self.tokenizer, self.model_args.vocab_size, self.max_model_len,
-                                    self.scheduler.budget, self.scorer)
+                                    self.scheduler.budget, self.scorer, self._grammar_compiler)
         self._requests: dict[str, Request] = {}
         self._pending: list[StepOutput] = []  # final outputs of aborts, handed out with the next step
         self._observers: list[Callable[[StepRecord], None]] = []
@@ -53,7 +59,8 @@ class LLMEngine:
         self._check_new_id(request_id)
         gen = self.intake.generation(request_id, prompt, params, messages)
         self._requests[request_id] = gen
-        self.scheduler.add(gen.seq)
+        for seq in gen.seqs:
+            self.scheduler.add(seq)
         return list(gen.seq.token_ids)
 
     def add_rerank(self, request_id: str, query: str, documents: list[str],
@@ -68,6 +75,13 @@ class LLMEngine:
     def chat_token_ids(self, messages: list[dict]) -> list[int]:
         return self.intake.chat_token_ids(messages)
 
+    def _grammar_compiler(self) -> "GrammarCompiler":
+        if self.grammar_compiler is None:
+            from engine.structured import GrammarCompiler
+
+            self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_args.vocab_size)
+        return self.grammar_compiler
+
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks are freed now, its final output comes with the next step."""
         req = self._requests.pop(request_id, None)
@@ -76,7 +90,10 @@ class LLMEngine:
         for seq in _seqs_of(req):
             if not seq.status.finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        self._pending.append(_final_output(req, "abort"))
+        if isinstance(req, RerankJob):
+            self._pending.append(_final_output(req, "abort"))
+        else:
+            self._pending.extend(_abort_outputs(req))
         return True
 
     def has_unfinished(self) -> bool:
@@ -156,7 +173,8 @@ class LLMEngine:
         with the sequences the scheduler must let go."""
         outputs = []
         now = time.monotonic()
-        for seq, token, score in zip(batch.seqs, result.sampled, result.scores):
+        logprobs = getattr(result, "logprobs", None) or [None] * len(batch.seqs)
+        for seq, token, score, lp in zip(batch.seqs, result.sampled, result.scores, logprobs):
             if score is not None:
                 finished[seq] = SequenceStatus.FINISHED_STOPPED
                 job = seq.pair.job
@@ -166,28 +184,60 @@ class LLMEngine:
                     del self._requests[job.request_id]
                     outputs.append(_final_output(job, "stop"))
                 continue
-            if token is None or seq.status is not SequenceStatus.RUNNING:
+            if token is None or seq.status is not SequenceStatus.RUNNING or seq in finished:
                 continue
-            gen = self._requests[seq.request_id]
-            seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            text = gen.stream.add(token)
-            status = self._stop_status(seq, token, gen)
-            if status is None:
-                outputs.append(_delta_output(seq, token, text))
-                continue
-            finished[seq] = status
-            del self._requests[seq.request_id]
-            out = _final_output(gen, status.finish_reason)
-            out.new_token_ids = [token]
-            out.text = text + out.text
-            outputs.append(out)
+            outputs.append(self._append(self._requests[seq.request_id], seq, token, lp, now, finished))
         return outputs
 
-    def _stop_status(self, seq: Sequence, token: int, gen: Generation) -> SequenceStatus | None:
+    def _append(self, gen: Generation, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float,
+                finished: dict[Sequence, SequenceStatus]) -> StepOutput:
+        """One sampled token of one completion: its output, and the request's end when it was the last one."""
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if gen.first_token_time is None:
+            gen.first_token_time = now
+        stream = gen.streams[seq.index]
+        out = _delta_output(gen, seq, token, stream.add(token))
+        if seq.params.logprobs is not None:
+            out.logprobs = [logprobs if logprobs is not None else {}]
+        if not gen.sent_first:
+            gen.sent_first = True
+            out.prompt_logprobs = _prompt_logprobs(gen.seq)
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            return self._fail_request(gen, out, f"structured output: the grammar rejected token {token}", finished)
+        status = self._stop_status(seq, token, stream)
+        if status is None:
+            return out
+        finished[seq] = status
+        out.text += stream.finish()
+        out.finish_reason = status.finish_reason
+        gen.finish_reasons[seq.index] = status.finish_reason
+        gen.num_done += 1
+        if gen.num_done == len(gen.seqs):
+            del self._requests[gen.request_id]
+            _close(out, gen)
+        return out
+
+    def _fail_request(self, gen: Generation, out: StepOutput, message: str,
+                      finished: dict[Sequence, SequenceStatus]) -> StepOutput:
+        """End every completion of `gen` with an error inside the step (the scheduler lets them go in update)."""
+        log.error("request %s failed: %s", gen.request_id, message)
+        for s in gen.seqs:
+            if not s.status.finished:
+                finished[s] = SequenceStatus.FINISHED_ERROR
+        del self._requests[gen.request_id]
+        out.finish_reason, out.error = "error", message
+        _close(out, gen)
+        return out
+
+    def _stop_status(self, seq: Sequence, token: int, stream: TextStream) -> SequenceStatus | None:
         p = seq.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids or gen.stream.stopped:
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return SequenceStatus.FINISHED_STOPPED
+        # The first min_tokens tokens never stop a sequence (the sampler masks EOS and stop_token_ids there).
+        if seq.num_output_tokens > p.min_tokens and (
+                (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids or stream.stopped):
             return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
@@ -236,14 +286,55 @@ class LLMEngine:
 # ---- outputs: built here and nowhere else ----------------------------------------------------------------
 
 def _seqs_of(req: Request) -> list[Sequence]:
-    return req.pairs if isinstance(req, RerankJob) else [req.seq]
+    return req.pairs if isinstance(req, RerankJob) else req.seqs
 
 
-def _delta_output(seq: Sequence, token: int, text: str) -> StepOutput:
+def _delta_output(gen: Generation, seq: Sequence, token: int, text: str) -> StepOutput:
+    """Usage is the request's: the prompt once (completion 0's cached tokens), completion tokens summed over n."""
+    first = gen.seq
     return StepOutput(request_id=seq.request_id, kind=SeqKind.GENERATE, new_token_ids=[token], text=text,
-                      completion_tokens=seq.num_output_tokens, prompt_tokens=seq.num_prompt_tokens,
-                      cached_tokens=seq.num_cached_tokens, first_token_time=seq.first_token_time,
-                      arrival_time=seq.arrival_time)
+                      index=seq.index, completion_tokens=gen.completion_tokens, prompt_tokens=first.num_prompt_tokens,
+                      cached_tokens=first.num_cached_tokens, first_token_time=gen.first_token_time,
+                      arrival_time=first.arrival_time)
+
+
+def _close(out: StepOutput, gen: Generation) -> None:
+    """Make `out` the request's last output."""
+    out.finished = True
+    out.completion_tokens = gen.completion_tokens
+    out.queue_time_s = _queue_time(gen.seq)
+
+
+def _queue_time(seq: Sequence) -> float | None:
+    return seq.first_scheduled_time - seq.arrival_time if seq.first_scheduled_time is not None else None
+
+
+def _prompt_logprobs(seq: Sequence) -> list[Logprobs | None] | None:
+    """One entry per prompt token: None for the first, then the prompt token's raw log-probability followed by the
+    top alternatives the runner found (the prompt token is there even when it is not among them)."""
+    if seq.num_prompt_logprobs is None:
+        return None
+    tops = seq.prompt_top_logprobs
+    out: list[Logprobs | None] = [None]
+    for j, value in enumerate(seq.prompt_logprobs):
+        token = seq.token_ids[j + 1]
+        top = tops[j] if j < len(tops) else {}
+        out.append({token: value, **{t: v for t, v in top.items() if t != token}})
+    return out
+
+
+def _abort_outputs(gen: Generation) -> list[StepOutput]:
+    """One output per completion still running, finish reason "abort"; the last one ends the request."""
+    outs = []
+    for seq, stream, reason in zip(gen.seqs, gen.streams, gen.finish_reasons):
+        if reason is not None:
+            continue
+        outs.append(StepOutput(request_id=gen.request_id, kind=SeqKind.GENERATE, text=stream.finish(),
+                               finish_reason="abort", index=seq.index, prompt_tokens=gen.seq.num_prompt_tokens,
+                               cached_tokens=gen.seq.num_cached_tokens, completion_tokens=gen.completion_tokens,
+                               first_token_time=gen.first_token_time, arrival_time=gen.seq.arrival_time))
+    _close(outs[-1], gen)
+    return outs
 
 
 def _final_output(req: Request, reason: str, error: str | None = None) -> StepOutput:
@@ -255,10 +346,8 @@ def _final_output(req: Request, reason: str, error: str | None = None) -> StepOu
                           arrival_time=req.arrival_time,
                           queue_time_s=min(started) - req.arrival_time if started else None)
     seq = req.seq
-    return StepOutput(request_id=req.request_id, kind=SeqKind.GENERATE, text=req.stream.finish(),
+    return StepOutput(request_id=req.request_id, kind=SeqKind.GENERATE, text=req.streams[0].finish(),
                       finished=True, finish_reason=reason, error=error,
                       prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
-                      completion_tokens=seq.num_output_tokens, first_token_time=seq.first_token_time,
-                      arrival_time=seq.arrival_time,
-                      queue_time_s=(seq.first_scheduled_time - seq.arrival_time
-                                    if seq.first_scheduled_time is not None else None))
+                      completion_tokens=req.completion_tokens, first_token_time=req.first_token_time,
+                      arrival_time=seq.arrival_time, queue_time_s=_queue_time(seq))

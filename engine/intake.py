@@ -6,37 +6,59 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
+import xxhash
 
 from engine.config import EngineConfig, RerankParams, SamplingParams
 from engine.detokenizer import TextStream
 from engine.rerank import PairScorer, RerankJob
 from engine.request import RerankPair, Sequence, SeqKind
 
+if TYPE_CHECKING:
+    from engine.structured import GrammarCompiler
+
 
 @dataclass(slots=True, eq=False)
 class Generation:
-    """A live generation request: its sequence and its text stream."""
+    """A live generation request: its n completions (sequences, index order) and their text streams."""
     request_id: str
-    seq: Sequence
-    stream: TextStream
+    seqs: list[Sequence]
+    streams: list[TextStream]
+    num_done: int = 0  # completions that have finished
+    first_token_time: float | None = None  # of the request: its first token of any completion
+    sent_first: bool = False  # the request's first output went out (it carries prompt_logprobs)
+    finish_reasons: list[str | None] = field(default_factory=list)
+
+    @property
+    def seq(self) -> Sequence:
+        """Completion 0: it prefills the prompt, computes prompt log-probabilities and carries the usage."""
+        return self.seqs[0]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(s.num_output_tokens for s in self.seqs)
 
 
 class RequestIntake:
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, max_model_len: int, budget: int,
-                 scorer: PairScorer) -> None:
+                 scorer: PairScorer, grammar_compiler: "Callable[[], GrammarCompiler] | None" = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.budget = budget  # tokens of one step: a rerank pair is atomic, so it must fit
         self.scorer = scorer
+        self.grammar_compiler = grammar_compiler  # called only for a request with structured_outputs
         self._arrivals = itertools.count()
 
     def generation(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams | None,
                    messages: list[dict] | None) -> Generation:
+        """n sequences over the same prompt. Completion 0 prefills it; the others wait for that and share its full
+        blocks. With prompt_logprobs, completion 0 scores every prompt position from 1 on, so a prefix the cache
+        holds is recomputed for it (a cached position has no logits), never refused."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
@@ -44,12 +66,36 @@ class RequestIntake:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
-        seq = Sequence(request_id=request_id, token_ids=token_ids, num_prompt_tokens=len(token_ids),
-                       params=params, arrival=next(self._arrivals), arrival_time=time.monotonic(),
-                       priority=params.priority)
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
-        return Generation(request_id, seq, TextStream(self.tokenizer, params.stop))
+        self._check_token_params(params)
+        grammar = self._grammar(params)  # compiled before anything is built: a bad schema queues nothing
+        arrival_time = time.monotonic()
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seq = Sequence(request_id=request_id, token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
+                           params=params, arrival=next(self._arrivals), arrival_time=arrival_time,
+                           priority=params.priority, index=i, fork_of=seqs[0] if seqs else None,
+                           generator=_generator(params.seed, i), grammar=grammar() if grammar else None)
+            seqs.append(seq)
+        if params.prompt_logprobs is not None:
+            seqs[0].logprob_start = 1
+            seqs[0].num_prompt_logprobs = params.prompt_logprobs
+        streams = [TextStream(self.tokenizer, params.stop, params.min_tokens) for _ in seqs]
+        return Generation(request_id, seqs, streams, finish_reasons=[None] * params.n)
+
+    def _check_token_params(self, params: SamplingParams) -> None:
+        vocab = self.vocab_size
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+
+    def _grammar(self, params: SamplingParams) -> "Callable[[], object] | None":
+        """A factory of fresh matchers (one per completion) for the request's compiled grammar; None: no grammar."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammar_compiler is None:
+            raise ValueError("structured_outputs is not supported by this engine")
+        compiler = self.grammar_compiler()
+        compiled = compiler.compile(params.structured_outputs)
+        return lambda: compiler.matcher(compiled)
 
     def rerank(self, request_id: str, query: str, documents: list[str], params: RerankParams | None) -> RerankJob:
         """A job with one prefill-only pair sequence per document."""
@@ -110,3 +156,13 @@ class RequestIntake:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
             return list(prompt)
         raise ValueError("prompt must be a string or a list of token ids")
+
+
+def _generator(seed: int | None, index: int) -> torch.Generator | None:
+    """Completion 0 draws from the request's seed itself (so n = 1 is what it always was); completion i > 0 from a
+    seed derived from (seed, i), so a seeded request is reproducible and its completions differ."""
+    if seed is None:
+        return None
+    if index == 0:
+        return torch.Generator().manual_seed(seed)
+    return torch.Generator().manual_seed(xxhash.xxh64_intdigest(f"{seed}/{index}".encode()))

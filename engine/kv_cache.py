@@ -95,7 +95,8 @@ NO_PREFIX = CachedPrefix()
 
 class KVCacheManager:
     """Gives sequences blocks for the tokens they are about to compute, reusing cached prefixes. The scheduler sees
-    only this: a pure lookup, one allocate that commits everything or nothing, commit, free, and the free count."""
+    only this: pure lookups (the prefix cache, a fork of another sequence's prompt), one allocate that commits
+    everything or nothing, commit, free, and the free count."""
 
     def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.pool = pool
@@ -126,6 +127,20 @@ class KVCacheManager:
             hashes.append(h)
             parent = h
         return CachedPrefix(tuple(blocks), tuple(hashes), len(blocks) * bs) if blocks else NO_PREFIX
+
+    def fork_prefix(self, src: Sequence, dst: Sequence) -> CachedPrefix:
+        """src's computed full blocks that hold dst's leading tokens, short of dst's last cacheable one (dst computes
+        at least that itself, so it samples its own next token): shared by reference count at allocate, so it works
+        with prefix caching off too. Changes nothing."""
+        if dst.block_table or not src.block_table:
+            return NO_PREFIX
+        bs = self.block_size
+        n = min(src.num_computed_tokens, dst.num_cacheable_tokens) // bs
+        n = min(n, len(src.block_table), len(src.block_hashes) if self.enable_prefix_caching else n)
+        if n <= 0 or src.token_ids[:n * bs] != dst.token_ids[:n * bs]:
+            return NO_PREFIX
+        hashes = tuple(src.block_hashes[:n]) if self.enable_prefix_caching else ()
+        return CachedPrefix(tuple(src.block_table[:n]), hashes, n * bs)
 
     def blocks_to_take(self, seq: Sequence, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> int:
         """Free blocks that allocate(seq, num_new_tokens, prefix) would take from the pool: new blocks plus cached

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, RerankParams, SamplingParams
 from engine.engine import LLMEngine
-from engine.outputs import RequestOutput, RerankResult, rank_scores
+from engine.outputs import CompletionOutput, Logprobs, RequestOutput, RerankResult, StepOutput, rank_scores
 
 
 class LLM:
@@ -66,22 +67,62 @@ class LLM:
                 self.engine.abort(rid)
             self._drain()
             raise
-        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-        texts: dict[str, list[str]] = {rid: [] for rid in ids}
+        collected = {rid: _Collected(prompts[rid], p.n, p.logprobs is not None) for rid, p in zip(ids, params)}
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                if out.request_id not in tokens:
+                got = collected.get(out.request_id)
+                if got is None:
                     continue
-                tokens[out.request_id].extend(out.new_token_ids)
-                texts[out.request_id].append(out.text)
+                got.add(out)
                 if out.finished:
-                    results[out.request_id] = RequestOutput(
-                        request_id=out.request_id, prompt_token_ids=prompts[out.request_id],
-                        token_ids=tokens[out.request_id], text="".join(texts[out.request_id]),
-                        finish_reason=out.finish_reason, cached_tokens=out.cached_tokens)
+                    results[out.request_id] = got.result(out)
         return [results[rid] for rid in ids]
 
     def _drain(self) -> None:
         while self.engine.has_unfinished():
             self.engine.step()
+
+
+@dataclass(slots=True)
+class _Completion:
+    token_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Collected:
+    """What the step outputs of one request have delivered so far, per completion."""
+    prompt_token_ids: list[int]
+    n: int
+    wants_logprobs: bool
+    completions: list[_Completion] = field(default_factory=list)
+    prompt_logprobs: list[Logprobs | None] | None = None
+
+    def __post_init__(self) -> None:
+        self.completions = [_Completion(logprobs=[] if self.wants_logprobs else None) for _ in range(self.n)]
+
+    def add(self, out: StepOutput) -> None:
+        c = self.completions[out.index]
+        c.token_ids.extend(out.new_token_ids)
+        c.texts.append(out.text)
+        if c.logprobs is not None and out.logprobs is not None:
+            c.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.finish_reason is not None:
+            c.finish_reason = out.finish_reason
+
+    def result(self, last: StepOutput) -> RequestOutput:
+        """The request's RequestOutput once `last` (its finished output) is in; a completion the request's end cut
+        short (an error) takes the request's finish reason."""
+        outputs = [CompletionOutput(index=i, text="".join(c.texts), token_ids=c.token_ids,
+                                    finish_reason=c.finish_reason or last.finish_reason, logprobs=c.logprobs)
+                   for i, c in enumerate(self.completions)]
+        first = outputs[0]
+        return RequestOutput(request_id=last.request_id, prompt_token_ids=self.prompt_token_ids,
+                             token_ids=first.token_ids, text=first.text, finish_reason=first.finish_reason,
+                             cached_tokens=last.cached_tokens, logprobs=first.logprobs,
+                             prompt_logprobs=self.prompt_logprobs, outputs=outputs)

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.rerank.job import RerankJob
+    from engine.structured import GrammarMatcher
 
 
 class SequenceStatus(enum.IntEnum):
@@ -56,7 +57,7 @@ class RerankPair:
     """What only a rerank pair has: its job, its document, and what it waits for."""
     job: "RerankJob"
     index: int  # which document of the job
-    wait_for: "Sequence | None" = None  # admitted only after this one finishes (it fills the shared prefix)
+    wait_for: "Sequence | None" = None  # admitted only after this one computed its pair (it fills the shared prefix)
     token_type_ids: list[int] | None = None  # cross-encoder segment ids
 
 
@@ -87,10 +88,29 @@ class Sequence:
     # before it may come from the prefix cache, the ones after may not (a cached position has no logits).
     logprob_start: int | None = None
     prompt_logprobs: list[float] = field(default_factory=list)  # of tokens logprob_start.., as computed
+    # Top alternatives wanted per scored prompt position (SamplingParams.prompt_logprobs); None: none.
+    num_prompt_logprobs: int | None = None
+    # Filled by the runner when num_prompt_logprobs is set: per scored prompt position, in prompt_logprobs' order,
+    # token id -> raw log-probability of the top alternatives.
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    index: int = 0  # which completion of its request (0..n-1)
+    # Completion 0 of the same request, for completions 1..n-1: they share its prompt's KV blocks.
+    fork_of: "Sequence | None" = None
+    grammar: "GrammarMatcher | None" = None  # structured output: masks the sampler, accepts each appended token
 
     @property
     def wait_for(self) -> "Sequence | None":
-        return self.pair.wait_for if self.pair is not None else None
+        """The sequence whose prompt this one shares: the job's first pair, or completion 0 of the request."""
+        return self.pair.wait_for if self.pair is not None else self.fork_of
+
+    @property
+    def blocked(self) -> bool:
+        """Not admissible yet: `wait_for` is still computing the prompt this sequence will share. (A rerank pair
+        that has computed its tokens is scored and finished in the same step, so for pairs this is "until the
+        first pair finished".)"""
+        first = self.wait_for
+        return (first is not None and not first.status.finished
+                and first.num_computed_tokens < first.num_prompt_tokens)
 
     @property
     def num_cacheable_tokens(self) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ from engine.cuda_graphs import Capture, DecodeGraphs, try_capture
 from engine.models.llama import LlamaForCausalLM
 from engine.rerank.scorer import PairScorer
 from engine.request import Sequence, SeqKind
-from engine.sampling import sample
+from engine.sampling import sample_sequences, top_logprobs
 from engine.scheduler import Batch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -22,6 +23,9 @@ class RunnerOutput:
     sampled: list[int | None]  # per batch sequence: its next token, if its prompt completed this step
     scores: list[float | None]  # per batch sequence: the rerank score, for rerank pairs
     forward_s: float = 0.0  # time inside model forwards (LLM and cross-encoder), the rest is engine overhead
+    # Per batch sequence: its sampled token's raw log-probability and top alternatives, if its params ask;
+    # None (the whole list) from runners that compute none.
+    logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -41,8 +45,9 @@ class ModelRunner:
     LOGPROB_CHUNK = 256
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: str, dtype: str,
-                 scorer: PairScorer | None = None) -> None:
+                 scorer: PairScorer | None = None, eos_token_ids: Collection[int] = ()) -> None:
         a = model.args
+        self.eos_token_ids = frozenset(eos_token_ids)  # masked while a sequence is short of its min_tokens
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -113,20 +118,22 @@ class ModelRunner:
     def run(self, batch: Batch) -> RunnerOutput:
         sampled: list[int | None] = [None] * len(batch)
         scores: list[float | None] = [None] * len(batch)
+        logprobs: list[dict[int, float] | None] = [None] * len(batch)
         llm_rows = [i for i, s in enumerate(batch.seqs) if s.uses_kv]
         own_rows = [i for i, s in enumerate(batch.seqs) if not s.uses_kv]  # pairs the scorer's own model runs
         clock = ForwardClock(self.device)
         if llm_rows:
-            self._run_llm(batch, llm_rows, sampled, scores, clock)
+            self._run_llm(batch, llm_rows, sampled, scores, logprobs, clock)
         if own_rows:
             with clock:
                 own_scores = self.scorer.score([batch.seqs[i] for i in own_rows], None)
             for i, score in zip(own_rows, own_scores):
                 scores[i] = score
-        return RunnerOutput(sampled=sampled, scores=scores, forward_s=clock.seconds())
+        return RunnerOutput(sampled=sampled, scores=scores, forward_s=clock.seconds(), logprobs=logprobs)
 
-    def _run_llm(self, batch: Batch, rows: list[int], sampled: list, scores: list, clock: ForwardClock) -> None:
-        """Fills `sampled` and `scores` for the LLM rows; model forwards are timed on `clock`."""
+    def _run_llm(self, batch: Batch, rows: list[int], sampled: list, scores: list, logprobs: list,
+                 clock: ForwardClock) -> None:
+        """Fills `sampled`, `scores` and `logprobs` for the LLM rows; model forwards are timed on `clock`."""
         seqs = [batch.seqs[i] for i in rows]
         prepared = self.prepare(seqs, [batch.num_new_tokens[i] for i in rows])
         with clock:
@@ -148,25 +155,44 @@ class ModelRunner:
         if gen_rows:
             with clock:
                 logits = self.model.compute_logits(hidden[gen_rows])
-            chosen = [batch.seqs[i] for i in gen_seqs]
-            tokens = sample(logits, [s.params for s in chosen], [s.generator for s in chosen])
-            for i, t in zip(gen_seqs, tokens):
+            out = sample_sequences(logits, [batch.seqs[i] for i in gen_seqs], self.eos_token_ids)
+            for i, t, lp in zip(gen_seqs, out.tokens, out.logprobs):
                 sampled[i] = t
+                logprobs[i] = lp
         if pair_rows:
             for i, s in zip(pair_seqs, self.scorer.score([batch.seqs[i] for i in pair_seqs], hidden[pair_rows])):
                 scores[i] = s
 
     def _add_prompt_logprobs(self, hidden: torch.Tensor, prepared: PreparedBatch, seqs: list[Sequence]) -> None:
-        """Append to each sequence's prompt_logprobs the log-probabilities of the prompt tokens this chunk predicts:
-        the LM head runs on those rows only, never on the whole batch."""
+        """Append to each sequence's prompt_logprobs the log-probabilities of the prompt tokens this chunk predicts,
+        and to prompt_top_logprobs, for sequences that ask (num_prompt_logprobs), the top alternatives: the LM head
+        runs on those rows only, never on the whole batch."""
         values: list[float] = []
+        tops: list[dict[int, float] | None] = []
+        ks = [getattr(seqs[owner], "num_prompt_logprobs", None) for owner in prepared.logprob_owners]
         for lo in range(0, len(prepared.logprob_rows), self.LOGPROB_CHUNK):
             rows = prepared.logprob_rows[lo:lo + self.LOGPROB_CHUNK]
-            targets = torch.tensor(prepared.logprob_targets[lo:lo + self.LOGPROB_CHUNK], device=hidden.device)
+            chunk_targets = prepared.logprob_targets[lo:lo + self.LOGPROB_CHUNK]
+            targets = torch.tensor(chunk_targets, device=hidden.device)
             logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
             values.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
-        for owner, value in zip(prepared.logprob_owners, values):
+            tops.extend(self._prompt_tops(logprobs, chunk_targets, ks[lo:lo + self.LOGPROB_CHUNK]))
+        for owner, value, top in zip(prepared.logprob_owners, values, tops):
             seqs[owner].prompt_logprobs.append(value)
+            if top is not None:
+                seqs[owner].prompt_top_logprobs.append(top)
+
+    @staticmethod
+    def _prompt_tops(logprobs: torch.Tensor, targets: list[int], ks: list[int | None]) -> list[dict | None]:
+        """Per row of a chunk: the prompt token and the top k alternatives, for rows whose sequence asks."""
+        asking = [j for j, k in enumerate(ks) if k is not None]
+        out: list[dict | None] = [None] * len(ks)
+        if asking:
+            index = asking if len(asking) < len(ks) else slice(None)
+            found = top_logprobs(logprobs[index], [targets[j] for j in asking], [ks[j] for j in asking])
+            for j, top in zip(asking, found):
+                out[j] = top
+        return out
 
 
 class ForwardClock:

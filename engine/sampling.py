@@ -1,22 +1,70 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, for all rows of a step at once.
+"""Token sampling: logits processors, greedy, temperature, min-p, top-k, top-p, per-request seeds, and the raw
+log-probabilities of the chosen tokens, for all rows of a step at once.
 
 Each sampled row draws one uniform number and inverts its cumulative distribution (a cumsum and a searchsorted).
 Rows with top-k or top-p draw among candidates: the row's most likely tokens, 256 first and more only when a
 nucleus is wider. On CPU torch.multinomial and a full-vocabulary sort each took ~35 ms per row, so a step of 128
 sampled sequences spent seconds here; this way it is one softmax, one top-k and small cumsums.
+
+Order (vLLM v1's): the logits processors (engine/logits_processors.py: min_tokens, logit_bias, structured mask,
+penalties), then temperature, min_p, top_k, top_p. Log-probabilities are of the raw logits, before any of it.
 """
 from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import SamplingParams
+from engine.logits_processors import SamplingContext, apply_processors
+
+if TYPE_CHECKING:
+    from engine.request import Sequence
 
 FIRST_CANDIDATES = 256
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of logits [N, V] (fp32)."""
+@dataclass(slots=True)
+class Sampled:
+    tokens: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: the chosen token and top alternatives, if params.logprobs
+
+
+def sample_sequences(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> Sampled:
+    """The next token of each sequence (one row of logits [N, V] each, overwritten by the processors) and, for
+    those that ask, its raw log-probability with the top params.logprobs alternatives."""
+    params = [s.params for s in seqs]
+    wanted = [j for j, p in enumerate(params) if p.logprobs is not None]
+    raw = _take(logits, wanted).log_softmax(dim=-1) if wanted else None  # before the processors write
+    tokens = sample(logits, params, [s.generator for s in seqs], SamplingContext.of(seqs, eos_token_ids))
+    logprobs: list[dict[int, float] | None] = [None] * len(seqs)
+    if wanted:
+        tops = top_logprobs(raw, [tokens[j] for j in wanted], [params[j].logprobs for j in wanted])
+        for j, top in zip(wanted, tops):
+            logprobs[j] = top
+    return Sampled(tokens=tokens, logprobs=logprobs)
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: list[int], ks: list[int]) -> list[dict[int, float]]:
+    """Per row of logprobs [R, V]: {chosen token: its log-probability} plus the row's k most likely tokens."""
+    index = torch.tensor(chosen, dtype=torch.int64, device=logprobs.device).unsqueeze(-1)
+    picked = logprobs.gather(-1, index).squeeze(-1).tolist()
+    width = max(ks, default=0)
+    values, ids = logprobs.topk(width, dim=-1) if width else (None, None)
+    values, ids = (values.tolist(), ids.tolist()) if width else ([[]] * len(ks), [[]] * len(ks))
+    out = []
+    for token, value, k, row_ids, row_values in zip(chosen, picked, ks, ids, values):
+        out.append({token: value, **dict(zip(row_ids[:k], row_values[:k]))})
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           context: SamplingContext | None = None) -> list[int]:
+    """One token per row of logits [N, V] (fp32). Rows that set a logits processor are processed in place first;
+    min_tokens and the penalties need the context (each row's tokens, the EOS ids)."""
+    apply_processors(logits, params, context)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -24,7 +72,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     chosen = [params[i] for i in rows]
     vocab = logits.shape[-1]
     temperature = torch.tensor([p.temperature for p in chosen], device=logits.device).unsqueeze(-1)
-    probs = (_take(logits, rows) / temperature).softmax(dim=-1)
+    probs = _min_p((_take(logits, rows) / temperature).softmax(dim=-1), [p.min_p for p in chosen])
     u = _uniforms([generators[i] for i in rows]).to(probs.device)
     narrowed = [0 < p.top_k < vocab or p.top_p < 1.0 for p in chosen]
     filtered = [j for j, n in enumerate(narrowed) if n]
@@ -41,6 +89,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t if len(rows) == t.shape[0] else t[rows]
+
+
+def _min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Zero the tokens less likely than min_p times the row's most likely one (transformers' MinPLogitsWarper) and
+    renormalise, so top-p then measures the mass of what is left, as in vLLM."""
+    rows = [j for j, m in enumerate(min_p) if m > 0.0]
+    if not rows:
+        return probs
+    kept = _take(probs, rows)
+    floor = kept.amax(dim=-1, keepdim=True) * torch.tensor([min_p[j] for j in rows], device=probs.device)[:, None]
+    kept = kept.masked_fill(kept < floor, 0.0)
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    if len(rows) == probs.shape[0]:
+        return kept
+    probs[rows] = kept
+    return probs
 
 
 def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -3,7 +3,9 @@
 Order: running decodes (one token each), then chunked-prefill continuations, then admissions from
 the waiting queues (generation and rerank pairs, shared by a fairness policy). A sequence's whole
 prompt gets its blocks at admission, so only decodes grow; a decode that finds no free block
-preempts the lowest-priority, newest running sequence (recomputed later).
+preempts the lowest-priority, newest running sequence (recomputed later). A sequence that shares another's
+prompt (`Sequence.blocked`: rerank pairs after their job's first, completions 1..n-1 after completion 0) is admitted
+once that one has computed it, and then takes its full blocks from the prefix cache or as a fork.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from collections.abc import Mapping
 from engine.admission import AdmissionPolicy, AdmissionStep, LatencyAdmission, ShareAdmission
 from engine.batch import Batch
 from engine.config import EngineConfig
-from engine.kv_cache import NO_PREFIX, KVCacheManager
+from engine.kv_cache import NO_PREFIX, CachedPrefix, KVCacheManager
 from engine.request import Sequence, SequenceStatus, SeqKind
 
 __all__ = ["Batch", "Scheduler", "WaitQueue"]
@@ -167,9 +169,9 @@ class Scheduler:
         max_running = self.max_seqs if seats is None else min(self.max_seqs, len(self.running) + seats)
         while used < budget and len(self.running) < max_running:
             seq = queue.peek(self.num_steps)
-            if seq is None or (seq.wait_for is not None and not seq.wait_for.status.finished):
+            if seq is None or seq.blocked:
                 break
-            prefix = self.kv.find_cached_prefix(seq) if seq.uses_kv else NO_PREFIX
+            prefix = self._prefix_of(seq) if seq.uses_kv else NO_PREFIX
             n = seq.num_tokens - prefix.num_tokens  # a waiting sequence has nothing computed
             if seq.kind is SeqKind.RERANK and n > budget - used:
                 break  # a pair is atomic
@@ -187,11 +189,21 @@ class Scheduler:
             used += chunk
         return used
 
+    def _prefix_of(self, seq: Sequence) -> CachedPrefix:
+        """What seq need not compute: its fork source's prompt blocks (completions 1..n-1 of a request) or the prefix
+        cache, whichever covers more (with prefix caching on they are usually the same blocks)."""
+        cached = self.kv.find_cached_prefix(seq)
+        if seq.fork_of is None:
+            return cached
+        fork = self.kv.fork_prefix(seq.fork_of, seq)
+        return fork if fork.num_tokens >= cached.num_tokens else cached
+
     def _preempt(self, seq: Sequence, batch: Batch) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.prompt_logprobs.clear()  # recomputed with the prompt
+        seq.prompt_top_logprobs.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(seq)

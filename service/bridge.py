@@ -7,6 +7,9 @@ Call, Stop); the engine thread applies them between steps, runs `step()`, and
 hands each step's outputs back with one `loop.call_soon_threadsafe`. Nothing
 here blocks the loop.
 
+A generation with n > 1 sends the outputs of all its completions (StepOutput.index) to its sink; only the one
+with finished=True ends it, and an abort stops all n.
+
 Admission: `max_waiting` bounds the requests that are admitted but not yet
 served by any engine step (RESOURCE_EXHAUSTED beyond it); running work is
 bounded by the engine itself (max_num_seqs, the KV pool).
@@ -161,7 +164,7 @@ class EngineBridge:
         """Admit a generation; its outputs (or a ServiceError) go to sink on the loop. Raises ServiceError."""
         command = AddGeneration(self._next_id(SeqKind.GENERATE), params, prompt=prompt, messages=messages)
         lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.GENERATE.value,
-                              metadata=dict(metadata or {}))
+                              metadata=dict(metadata or {}), completions=params.n)
         return self._submit(command, lc, sink, timeout_ms)
 
     def submit_rerank(self, client_id: str, sink: Sink, *, query: str, documents: list[str],
@@ -336,7 +339,8 @@ class EngineBridge:
             lc.first_token = out.first_token_time
             self._emit("on_first_token", lc)
         if not out.finished:
-            self._send(handle, out)
+            if not (handle.expired and out.finish_reason == "abort"):  # its request ends in DEADLINE_EXCEEDED
+                self._send(handle, out)
             return
         if handle.expired and out.finish_reason == "abort":
             self._finish_error(out.request_id, ServiceError(

@@ -22,6 +22,15 @@ refuses). Tests: tests/service/test_errors.py walks this table.
 | max_tokens < 1                                         | INVALID_ARGUMENT   | `max_tokens must be an integer >= 1, got -1`                     |
 | temperature NaN, infinite or < 0                       | INVALID_ARGUMENT   | `temperature must be a finite number >= 0, got nan`              |
 | top_p outside (0, 1] / top_k < -1                      | INVALID_ARGUMENT   | `top_p must be in (0, 1] ...` / `top_k must be ...`              |
+| n = 0 or over 16                                       | INVALID_ARGUMENT   | `n must be an integer in [1, 16], got 0`                         |
+| logprobs / prompt_logprobs over 20                     | INVALID_ARGUMENT   | `logprobs must be an integer in [0, 20] or None, got 21`         |
+| repetition_penalty <= 0, NaN or infinite               | INVALID_ARGUMENT   | `repetition_penalty must be a finite number > 0, got nan`        |
+| presence / frequency_penalty outside [-2, 2] or NaN    | INVALID_ARGUMENT   | `presence_penalty must be a number in [-2, 2], got nan`          |
+| min_p outside [0, 1] or NaN                            | INVALID_ARGUMENT   | `min_p must be in [0, 1], got 1.5`                               |
+| min_tokens over max_tokens                             | INVALID_ARGUMENT   | `min_tokens must be an integer in [0, max_tokens=M], got N`      |
+| logit_bias id < 0 / >= the vocabulary, bias outside [-100, 100] | INVALID_ARGUMENT | `logit_bias keys must be token ids ...` / `logit_bias token ids must be in [0, V)` / `logit_bias values must be ...` |
+| response_format.json_schema not JSON / not an object   | INVALID_ARGUMENT   | `response_format.json_schema is not valid JSON: ...`             |
+| a schema or regex the grammar library cannot compile, an empty choice | INVALID_ARGUMENT | `structured_outputs.json is not a usable JSON schema: ...` / `structured_outputs.regex is not a usable regular expression: ...` / `structured_outputs.choice must be ...` (at submission, never a failed step) |
 | model names something this replica does not serve      | NOT_FOUND          | `model 'X' is not served by this replica; it serves [...]`       |
 | empty rerank query                                     | INVALID_ARGUMENT   | `query must be a non-empty string`                               |
 | zero documents                                         | INVALID_ARGUMENT   | `documents must be a non-empty list of strings`                  |

@@ -28,7 +28,8 @@ class RequestLifecycle:
     error: str | None = None  # status code name when it ended with an error
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # summed over the n completions of a generation
+    completions: int = 1  # a generation's n (they decode side by side)
     documents: int = 0  # rerank: pairs to score
     metadata: dict[str, str] = field(default_factory=dict)  # e.g. peer, traceparent, for exporters
 

@@ -72,8 +72,9 @@ class Metrics(Hooks):
         self.completion_tokens.inc(lc.completion_tokens)
         if lc.first_token is not None:
             self.ttft.observe(lc.ttft_s)
-            if lc.completion_tokens > 1 and lc.finished is not None:
-                self.tpot.observe((lc.finished - lc.first_token) / (lc.completion_tokens - 1))
+            per_completion = lc.completion_tokens / max(1, lc.completions)  # n completions decode side by side
+            if per_completion > 1 and lc.finished is not None:
+                self.tpot.observe((lc.finished - lc.first_token) / (per_completion - 1))
 
     def on_step(self, record) -> None:
         self.step_duration.observe(record.duration_s)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import grpc
 
+from engine.config import MAX_LOGPROBS, MAX_N
 from proto import tandem_pb2 as pb
 from service import convert
 from service.bridge import EngineBridge
@@ -67,7 +68,7 @@ class TandemServicer:
         self._streams = itertools.count()
 
     async def load_model_info(self) -> None:
-        self.info = await self.bridge.call(lambda engine: engine.model_info())
+        self.info = await self.bridge.call(_model_info)
         self.served_names = {"", self.info["model"], os.path.basename(str(self.info.get("model_dir", "")))} - {None}
 
     # ---- Generate --------------------------------------------------------------------------------
@@ -222,9 +223,10 @@ class TandemServicer:
             reranker=info.get("reranker", ""), rerank_mode=info.get("rerank_mode", ""),
             device=info.get("device", ""), dtype=info.get("dtype", ""),
             replica=self.replica, weight_format=info.get("weight_format", ""),
-            weight_bytes=info.get("weight_bytes", 0),
+            weight_bytes=info.get("weight_bytes", 0), vocab_size=info.get("vocab_size", 0),
             limits=pb.Limits(max_waiting=self.bridge.max_waiting, max_documents=self.limits.max_documents,
-                             max_message_bytes=self.limits.max_message_bytes))
+                             max_message_bytes=self.limits.max_message_bytes, max_n=MAX_N,
+                             max_logprobs=MAX_LOGPROBS))
 
     # ---- checks ----------------------------------------------------------------------------------
 
@@ -243,6 +245,11 @@ class TandemServicer:
             raise ServiceError(grpc.StatusCode.NOT_FOUND,
                                f"model {model!r} is not served by this replica; it serves {served} "
                                "(leave model empty for the default)")
+
+
+def _model_info(engine) -> dict:
+    """engine.model_info() plus the vocabulary size clients need for token ids and logit_bias."""
+    return {**engine.model_info(), "vocab_size": engine.model_args.vocab_size}
 
 
 def _generate_error(client_id: str, error: ServiceError) -> pb.GenerateServerMessage:

@@ -73,6 +73,7 @@ class TracingHooks(Hooks):
                  "tandem.finish_reason": lc.finish_reason or ""}
         if lc.kind == "generate":
             attrs["tandem.completion_tokens"] = lc.completion_tokens
+            attrs["tandem.n"] = lc.completions
             if lc.first_token is not None:
                 attrs["tandem.ttft_s"] = lc.ttft_s
         else:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import pytest
@@ -108,10 +110,11 @@ class Fuzzer:
             self._fill(msg, spec)
         return msg
 
-    def _fill(self, msg, spec: dict) -> None:
+    @staticmethod
+    def _fill(msg, spec: dict) -> None:
         for name, value in spec.items():
             if isinstance(value, dict):
-                self._fill(getattr(msg, name), value)
+                Fuzzer._fill(getattr(msg, name), value)
             elif isinstance(value, list):
                 getattr(msg, name).extend(value)
             else:
@@ -401,6 +404,111 @@ async def test_fuzzing_gets_only_documented_statuses_and_leaks_nothing(fuzz_serv
     assert expected <= fuzzer.covered, sorted(expected - fuzzer.covered)
     assert {"OK", "INVALID_ARGUMENT"} <= set(tally.statuses), tally.statuses
     await _assert_healthy(fuzz_server)
+
+
+# Every field of tandem.v1.SamplingParams, as the server reflects it, and the values proto/tandem.proto and the
+# README's parameter table document as refused (INVALID_ARGUMENT, the message naming the field: `needle`). A field
+# added to the proto without an entry here fails the test below, so its bad values get documented and checked.
+# Values are on the template (max_tokens 4); VOCAB stands for ModelInfo.vocab_size.
+class _Vocab:
+    def __repr__(self) -> str:
+        return "VOCAB"
+
+
+VOCAB = _Vocab()
+BAD_VALUES: dict[str, tuple[str, list]] = {
+    "max_tokens": ("max_tokens", [0, -1, -(2**31)]),
+    "temperature": ("temperature", [math.nan, -1.0, math.inf, -math.inf]),
+    "top_p": ("top_p", [0.0, 1.5, math.nan, -math.inf]),
+    "top_k": ("top_k", [-2, -(2**31)]),
+    "seed": ("seed", []),
+    "stop": ("stop", [[""], ["ok", ""]]),
+    "stop_token_ids": ("stop_token_ids", []),
+    "ignore_eos": ("ignore_eos", []),
+    "priority": ("priority", []),
+    "n": ("n", [0, 17, 2**32 - 1]),
+    "logprobs": ("logprobs", [21, 2**32 - 1]),
+    "prompt_logprobs": ("prompt_logprobs", [21, 2**32 - 1]),
+    "repetition_penalty": ("repetition_penalty", [0.0, -1.0, math.nan, math.inf]),
+    "presence_penalty": ("presence_penalty", [math.nan, 2.5, -2.5, math.inf]),
+    "frequency_penalty": ("frequency_penalty", [math.nan, 2.5, -math.inf]),
+    "min_p": ("min_p", [math.nan, -0.1, 1.5]),
+    "min_tokens": ("min_tokens", [5, 2**32 - 1]),
+    "logit_bias": ("logit_bias", [{-1: 0.0}, {-(2**63): 1.0}, {VOCAB: 1.0}, {2**63 - 1: 1.0}, {5: math.nan},
+                                  {5: 101.0}, {5: -math.inf}]),
+    "json_schema": ("json", ["", "not json", "[1, 2]", "{", '{"type": "no-such-type"}']),
+    "regex": ("regex", ["", "(ab", "[z-a]"]),
+    "choice": ("choice", [[], ["yes", ""]]),
+}
+
+
+def _readme_rows() -> dict[str, str]:
+    """The README's generation parameter table: field name -> its row."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Generation parameters", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", section, re.M)}
+
+
+def _bad_request(pool, request_id: str, field: str, value, vocab: int):
+    """A Generate request (the fuzz template) with one SamplingParams field set to a bad value, via reflection."""
+    cls = message_factory.GetMessageClass(pool.FindMessageTypeByName("tandem.v1.GenerateClientMessage"))
+    msg = cls()
+    Fuzzer._fill(msg, TEMPLATES["GenerateClientMessage"])
+    msg.request.request_id = request_id
+    params = msg.request.params
+    f = params.DESCRIPTOR.fields_by_name[field]
+    if _is_map(f):
+        getattr(params, field).update({vocab if k is VOCAB else k: v for k, v in value.items()})
+    elif f.type == FD.TYPE_MESSAGE:  # choice: the member message holds the list
+        member = getattr(params, field)
+        member.SetInParent()
+        getattr(member, member.DESCRIPTOR.fields[0].name).extend(value)
+    elif f.is_repeated:
+        getattr(params, field).extend(value)
+    else:
+        setattr(params, field, value)
+    return msg
+
+
+async def test_every_sampling_field_documents_its_bad_values_and_each_gets_invalid_argument(fuzz_server):
+    pool, service = await asyncio.to_thread(reflected_service, fuzz_server.address)
+    fields = {f.name for f in pool.FindMessageTypeByName("tandem.v1.SamplingParams").fields}
+    assert fields == set(BAD_VALUES), f"undocumented fields {fields - set(BAD_VALUES)}, gone {set(BAD_VALUES) - fields}"
+    rows = _readme_rows()
+    assert fields <= set(rows), f"README table misses {sorted(fields - set(rows))}"
+    for name, (_, values) in BAD_VALUES.items():  # a field with refused values says so in its row, and vice versa
+        assert rows[name].rstrip(" |").endswith("—") == (not values), rows[name]
+
+    from proto import tandem_pb2 as pb
+    from proto import tandem_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(fuzz_server.address) as channel:
+        stub = pb_grpc.TandemStub(channel)
+        vocab = (await stub.ModelInfo(pb.ModelInfoRequest())).vocab_size
+        cases = {f"{name}-{i}": (name, value) for name, (_, values) in BAD_VALUES.items()
+                 for i, value in enumerate(values)}
+        call = stub.Generate()
+        # A neighbour on the same stream, running while every refusal happens.
+        await call.write(pb.GenerateClientMessage(request=pb.GenerateRequest(
+            request_id="neighbour", prompt="Hello there", params=pb.SamplingParams(max_tokens=24, ignore_eos=True))))
+        for rid, (name, value) in cases.items():
+            await call.write(_bad_request(pool, rid, name, value, vocab))
+        await call.done_writing()
+        replies = [r async for r in call]
+    by_id: dict[str, list] = {}
+    for r in replies:
+        by_id.setdefault(r.request_id, []).append(r)
+    wrong = {}
+    for rid, (name, value) in cases.items():
+        got = by_id.get(rid, [])
+        needle = BAD_VALUES[name][0]
+        if [r.WhichOneof("kind") for r in got] != ["error"] or CODES.get(got[0].error.code) is not S.INVALID_ARGUMENT \
+                or needle not in got[0].error.message:
+            wrong[f"{name}={value!r}"] = [str(r)[:160] for r in got]
+    assert not wrong, "\n".join(f"{case}: {got}" for case, got in wrong.items())
+    neighbour = by_id["neighbour"]
+    assert neighbour[-1].final.usage.completion_tokens == 24 and len(by_id) == len(cases) + 1
+    assert_all_blocks_free(await fuzz_server.idle_stats())
 
 
 async def _assert_healthy(server: ServerThread) -> None:

@@ -139,3 +139,30 @@ def test_quantization_flag_and_dtype_float32_asking_for_the_dense_path(monkeypat
     assert _engine_config("--dtype", "float32", "--quantization", "gguf").quantization == "gguf"
     monkeypatch.setenv("TANDEM_QUANTIZATION", "none")
     assert _engine_config().quantization == "none"
+
+
+def test_generate_flags_become_the_request_sampling_params(tmp_path):
+    """The client command's generation flags reach the proto message the server reads (a schema from a file)."""
+    from clients.cli import _params
+    from clients.params import sampling_params
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    args = build_parser().parse_args([
+        "generate", "--n", "2", "--logprobs", "3", "--prompt-logprobs", "1", "--repetition-penalty", "1.2",
+        "--presence-penalty", "0.5", "--frequency-penalty", "-0.5", "--min-p", "0.1", "--min-tokens", "2",
+        "--logit-bias", "5=-100", "--logit-bias", "7=2.5", "--json-schema", str(schema), "--seed", "3", "Hi"])
+    params = _params(args)
+    params.pop("timeout")
+    msg = sampling_params(**params)
+    assert (msg.n, msg.logprobs, msg.prompt_logprobs, msg.min_tokens, msg.seed) == (2, 3, 1, 2, 3)
+    assert (msg.repetition_penalty, msg.presence_penalty, msg.frequency_penalty) == (1.2, 0.5, -0.5)
+    assert abs(msg.min_p - 0.1) < 1e-9 and dict(msg.logit_bias) == {5: -100.0, 7: 2.5}
+    assert msg.WhichOneof("response_format") == "json_schema" and msg.json_schema == '{"type": "object"}'
+    plain = sampling_params(**{k: v for k, v in _params(build_parser().parse_args(["generate", "Hi"])).items()
+                               if k != "timeout"})
+    assert not plain.HasField("n") and not plain.HasField("logprobs") and plain.WhichOneof("response_format") is None
+    choice = build_parser().parse_args(["generate", "--choice", "yes", "--choice", "no", "Q"])
+    assert list(sampling_params(choice=choice.choice).choice.choices) == ["yes", "no"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--regex", "a", "--choice", "b", "Q"])
