@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from engine.config import SamplingParams, StructuredOutputsParams
-from engine.structured import GrammarCompiler, allocate_bitmask, apply_bitmask, choice_regex
+from engine.structured import (CompiledGrammar, GrammarCompiler, GrammarMatcher, allocate_bitmask, apply_bitmask,
+                               choice_regex)
 
 NESTED = {"type": "object", "additionalProperties": False, "required": ["name", "address"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -100,6 +101,19 @@ def test_eos_is_allowed_only_where_the_grammar_can_end(tokenizer, compiler, voca
     assert matcher.is_terminated()  # "123": three digits, nothing may follow
     assert fill(matcher, vocab) == [eos]  # a finished grammar can only stop
     assert matcher.accept(eos) and not matcher.accept(enc(tokenizer, "4")[0])
+
+
+def test_a_matcher_past_the_parser_limits_fails_instead_of_completing(tokenizer, compiler, vocab):
+    """llguidance bounds the work of one mask (its parser limits; tiny here): past them the matcher fails, its mask
+    allows only the stop tokens, and the stop token is refused, so the engine fails the request."""
+    compiled = compiler.compile(StructuredOutputsParams(regex="[a-z]{1,40}"))
+    template = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab), compiled.grammar,
+                                    log_level=0, limits=llguidance.LLParserLimits(max_lexer_states=2))
+    matcher = GrammarMatcher(CompiledGrammar(compiled.kind, compiled.key, compiled.grammar, template),
+                             compiler.stop_token_ids)
+    assert fill(matcher, vocab) == [tokenizer.eos_token_id]
+    assert not matcher.accept(tokenizer.eos_token_id) and not matcher.is_terminated()
+    assert fill(compiler.matcher(compiled), vocab) != [tokenizer.eos_token_id]  # the default limits are far off
 
 
 def test_choice_strings_are_literal_not_regex(tokenizer, compiler):
