@@ -391,6 +391,40 @@ def choose(libraries: dict) -> tuple[str | None, str]:
                   f"that enforce every common keyword" + (f" ({left_out})" if left_out else ""))
 
 
+def prepare(names: list[str], tokenizer, args) -> tuple[dict, dict]:
+    """Per library: its wrapper (libs) and its figures so far (compile times, conformance, the cases ready to run)."""
+    libs, libraries = {}, {}
+    cases = [c for c in CASES if c[0] in args.cases]
+    for name in names:
+        try:
+            t0 = time.perf_counter()
+            libs[name] = LIBRARIES[name](tokenizer, len(tokenizer), args.threads)
+            setup_s = time.perf_counter() - t0
+        except ImportError as e:
+            libraries[name] = {"error": f"not installed: {e}"}
+            continue
+        figures, ready = measure_library(libs[name], tokenizer, cases, args.compiles)
+        common = conformance(libs[name], tokenizer, COMMON)
+        libraries[name] = {"setup_s": setup_s, "cases": figures, "ready": ready,
+                           "ignores_common": [k for k, v in common.items() if v.startswith("ignored")],
+                           "refuses_common": [k for k, v in common.items() if v.startswith("refused")],
+                           "common_keywords": common, "extra_keywords": conformance(libs[name], tokenizer, EXTRA)}
+    return libs, libraries
+
+
+def time_masks(libs: dict, libraries: dict, n: int, rounds: int, vocab: int) -> None:
+    """Lockstep replays, every library once per round in rotated order; summaries into each library's cases."""
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in range(rounds):
+        for name in rotated(list(libs), r):
+            for case, (compiled, ids) in libraries[name]["ready"].items():
+                runs.setdefault((name, case), []).append(replay(libs[name], compiled, ids, n, vocab))
+    for (name, case), results in runs.items():
+        libraries[name]["cases"][case].update(summarize(results, n))
+    for lib in libraries.values():
+        lib.pop("ready", None)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=64, help="sequences (matchers) per mask step")
@@ -404,30 +438,8 @@ def main(argv: list[str] | None = None) -> dict:
     from engine.models.loader import default_model_dir
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     vocab = len(tokenizer)
-    libs, libraries = {}, {}
-    for name in args.libraries:
-        try:
-            t0 = time.perf_counter()
-            libs[name] = LIBRARIES[name](tokenizer, vocab, args.threads)
-            setup_s = time.perf_counter() - t0
-        except ImportError as e:
-            libraries[name] = {"error": f"not installed: {e}"}
-            continue
-        cases, ready = measure_library(libs[name], tokenizer, [c for c in CASES if c[0] in args.cases], args.compiles)
-        common = conformance(libs[name], tokenizer, COMMON)
-        libraries[name] = {"setup_s": setup_s, "cases": cases, "ready": ready,
-                           "ignores_common": [k for k, v in common.items() if v.startswith("ignored")],
-                           "refuses_common": [k for k, v in common.items() if v.startswith("refused")],
-                           "common_keywords": common, "extra_keywords": conformance(libs[name], tokenizer, EXTRA)}
-    runs: dict[tuple[str, str], list[dict]] = {}
-    for r in range(args.rounds):
-        for name in rotated([k for k in libraries if "ready" in libraries[k]], r):
-            for case, (compiled, ids) in libraries[name]["ready"].items():
-                runs.setdefault((name, case), []).append(replay(libs[name], compiled, ids, args.n, vocab))
-    for (name, case), rounds in runs.items():
-        libraries[name]["cases"][case].update(summarize(rounds, args.n))
-    for lib in libraries.values():
-        lib.pop("ready", None)
+    libs, libraries = prepare(args.libraries, tokenizer, args)
+    time_masks(libs, libraries, args.n, args.rounds, vocab)
     chosen, why = choose(libraries)
     load = os.getloadavg()[0]
     result = {"benchmark": "structured", "quick": args.quick, "vocab": vocab, "n": args.n, "rounds": args.rounds,

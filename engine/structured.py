@@ -55,14 +55,18 @@ class GrammarMatcher:
         llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
 
     def accept(self, token: int) -> bool:
-        """Advance by `token`; False (and no change) when the grammar does not allow it."""
+        """Advance by `token`; False (and no change) when the grammar does not allow it, or when the matcher has
+        failed (llguidance's parser limits: its mask then allows only the stop tokens, which this refuses, so the
+        engine fails the request instead of ending it as if complete)."""
+        if self._matcher.is_error():
+            return False
         if self._matcher.is_stopped():
             return token in self._stops
         return self._matcher.try_consume_tokens([token]) == 1
 
     def is_terminated(self) -> bool:
         """True once the grammar can take no further token (its output is complete), or a stop token ended it."""
-        return self._matcher.is_stopped()
+        return self._matcher.is_stopped() and not self._matcher.is_error()
 
 
 class GrammarCompiler:

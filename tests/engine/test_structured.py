@@ -11,8 +11,9 @@ import llguidance.hf
 import pytest
 import torch
 
-from engine.config import StructuredOutputsParams
-from engine.structured import GrammarCompiler, allocate_bitmask, apply_bitmask, choice_regex
+from engine.config import SamplingParams, StructuredOutputsParams
+from engine.structured import (CompiledGrammar, GrammarCompiler, GrammarMatcher, allocate_bitmask, apply_bitmask,
+                               choice_regex)
 
 NESTED = {"type": "object", "additionalProperties": False, "required": ["name", "address"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -100,6 +101,19 @@ def test_eos_is_allowed_only_where_the_grammar_can_end(tokenizer, compiler, voca
     assert matcher.is_terminated()  # "123": three digits, nothing may follow
     assert fill(matcher, vocab) == [eos]  # a finished grammar can only stop
     assert matcher.accept(eos) and not matcher.accept(enc(tokenizer, "4")[0])
+
+
+def test_a_matcher_past_the_parser_limits_fails_instead_of_completing(tokenizer, compiler, vocab):
+    """llguidance bounds the work of one mask (its parser limits; tiny here): past them the matcher fails, its mask
+    allows only the stop tokens, and the stop token is refused, so the engine fails the request."""
+    compiled = compiler.compile(StructuredOutputsParams(regex="[a-z]{1,40}"))
+    template = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab), compiled.grammar,
+                                    log_level=0, limits=llguidance.LLParserLimits(max_lexer_states=2))
+    matcher = GrammarMatcher(CompiledGrammar(compiled.kind, compiled.key, compiled.grammar, template),
+                             compiler.stop_token_ids)
+    assert fill(matcher, vocab) == [tokenizer.eos_token_id]
+    assert not matcher.accept(tokenizer.eos_token_id) and not matcher.is_terminated()
+    assert fill(compiler.matcher(compiled), vocab) != [tokenizer.eos_token_id]  # the default limits are far off
 
 
 def test_choice_strings_are_literal_not_regex(tokenizer, compiler):
@@ -250,3 +264,46 @@ def test_matchers_of_one_grammar_are_independent(tokenizer, compiler, vocab):
         assert m1.accept(t)
     assert m1.is_terminated() and not m2.is_terminated()
     assert fill(m2, vocab) == fill(compiler.matcher(compiled), vocab)
+
+
+# ---- acceptance (#20): 50 seeded sampled generations per case, through the engine -------------------------------
+
+SEEDS = range(50)
+
+
+def generate(llm, structured: StructuredOutputsParams, prompt: str) -> list:
+    """50 completions of one chat prompt, temperature 1.0, seeds 0..49, in one LLM.chat call."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=96, structured_outputs=structured) for s in SEEDS]
+    outs = llm.chat([[{"role": "user", "content": prompt}]] * len(params), params)
+    assert [o.finish_reason for o in outs] == ["stop"] * len(params)  # every one ended by its grammar or EOS
+    return [o.text for o in outs]
+
+
+@pytest.mark.parametrize("schema, prompt", [
+    (NESTED, "Make up a person and give their name and address (city and zip code) as JSON."),
+    (ENUM_ARRAY, "Which colours do you like? Answer with a JSON array."),
+    (PATTERN, "Invent a product code for a shoe and give it as JSON."),
+], ids=["nested_object", "array_of_enums", "string_pattern"])
+def test_sampled_generations_validate_against_the_schema(llm, schema, prompt):
+    texts = generate(llm, StructuredOutputsParams(json=schema), prompt)
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    assert len(set(texts)) > 1  # the seeds drew different completions: the mask constrains, it does not decide
+
+
+def test_sampled_generations_match_the_regex(llm):
+    texts = generate(llm, StructuredOutputsParams(regex=DATE), "When was the first moon landing? Give the date.")
+    assert all(re.fullmatch(DATE, t) for t in texts), texts
+
+
+def test_sampled_generations_are_one_of_the_choices(llm):
+    texts = generate(llm, StructuredOutputsParams(choice=CHOICES),
+                     "Is this review positive, negative or neutral? 'The battery died after a day.'")
+    assert set(texts) <= set(CHOICES), texts
+
+
+def test_an_invalid_schema_is_refused_at_submission(llm):
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": 3}))
+    with pytest.raises(ValueError, match="properties must be an object"):
+        llm.engine.add_request("bad-schema", "Hello", bad)
+    assert "bad-schema" not in llm.engine.request_ids and not llm.engine.has_unfinished()
