@@ -79,7 +79,8 @@ class LLMEngine:
         if self.grammar_compiler is None:
             from engine.structured import GrammarCompiler
 
-            self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_args.vocab_size)
+            self.grammar_compiler = GrammarCompiler(self.tokenizer, self.model_args.vocab_size,
+                                                    stop_token_ids=sorted(self.eos_token_ids))
         return self.grammar_compiler
 
     def abort(self, request_id: str) -> bool:

@@ -245,7 +245,7 @@ class FakeMatcher:
 class FakeCompiler:
     built: list = []
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids=None) -> None:
         FakeCompiler.built.append(vocab_size)
         self.matchers: list[FakeMatcher] = []
         self.reject: int | None = None
@@ -261,9 +261,14 @@ class FakeCompiler:
 
 @pytest.fixture
 def fake_grammar(llm, monkeypatch):
-    """engine.structured replaced by a fake module, and a fresh (unbuilt) compiler slot on the engine."""
+    """engine.structured with a fake compiler (the real bitmask helpers, which the sampler uses), and a fresh
+    (unbuilt) compiler slot on the engine."""
+    from engine import structured
+
     FakeCompiler.built = []
-    monkeypatch.setitem(sys.modules, "engine.structured", types.SimpleNamespace(GrammarCompiler=FakeCompiler))
+    fake = types.SimpleNamespace(GrammarCompiler=FakeCompiler, allocate_bitmask=structured.allocate_bitmask,
+                                 apply_bitmask=structured.apply_bitmask)
+    monkeypatch.setitem(sys.modules, "engine.structured", fake)
     monkeypatch.setattr(llm.engine, "grammar_compiler", None)
     return llm
 
