@@ -191,23 +191,24 @@ def plot_rerank_quality(data: dict | None, path: Path) -> Path | None:
         return None
 
     def metrics(name: str, k: int, ranker: str) -> dict | None:
-        """The ranker on the queries every ranker scored (k{K}_common) where it is there, else on its own."""
-        for key in (f"k{k}_common", f"k{k}"):
+        """The ranker on the queries it scored (k{K}; the legend gives their number)."""
+        for key in (f"k{k}",):
             m = (corpora[name].get(key) or {}).get(ranker)
             if isinstance(m, dict):
                 return m
         return None
 
-    rankers = [r for r in data.get("rankers", []) if all(metrics(n, ks[0], r) for n in corpora)]
-    if not rankers:
+    if not any(metrics(n, k, r) for n in corpora for k in ks for r in data.get("rankers", [])):
         return None
     plt = _plt()
     names = list(corpora)
     fig, axes = plt.subplots(1, len(ks), figsize=(6.5 * len(ks), 4.2), squeeze=False)
-    width = 0.8 / len(rankers)
     colors = plt.get_cmap("tab10").colors
     default = data.get("default_mode")
     for ax, k in zip(axes[0], ks):
+        # Rankers scored at this depth (the LLM modes only up to --llm-depth).
+        rankers = [r for r in data.get("rankers", []) if all(metrics(n, k, r) for n in names)]
+        width = 0.8 / max(1, len(rankers))
         for j, r in enumerate(rankers):
             rows = [metrics(n, k, r) for n in names]
             xs = [i + (j - (len(rankers) - 1) / 2) * width for i in range(len(names))]
@@ -222,10 +223,10 @@ def plot_rerank_quality(data: dict | None, path: Path) -> Path | None:
                 ax.hlines(ceiling, i - 0.45, i + 0.45, colors="black", linestyles=":", lw=1,
                           label="BM25 recall@K (ceiling)" if i == 0 else None)
         ax.set_xticks(range(len(names)), names)
-        ax.set_ylim(0, 1.1)
+        ax.set_ylim(0, 1.45)
         ax.set_ylabel("nDCG@10")
         ax.set_title(f"reranking BM25's top {k} (queries per corpus: legend)", fontsize=10)
-    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        ax.legend(fontsize=6, loc="upper center", ncol=3)  # per panel: the LLM modes may be missing at larger K
     return _save(fig, path)
 
 
