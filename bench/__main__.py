@@ -17,7 +17,7 @@ from typing import Callable
 
 from bench.report import RESULTS, write_result
 
-BENCHMARKS = ("throughput", "rerank", "mixed", "latency", "prefill", "sampling", "rerank_quality", "single")
+BENCHMARKS = ("throughput", "rerank", "mixed", "latency", "prefill", "sampling", "rerank_quality", "single", "structured")
 
 
 @dataclass(frozen=True)
