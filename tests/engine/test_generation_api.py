@@ -191,6 +191,23 @@ def test_n2_with_prompt_logprobs(any_llm, tokenizer, hf_model, k):
     assert_no_leaks(any_llm)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_generated_token_logprobs_match_transformers(any_llm, tokenizer, hf_model, n):
+    """Raw log-probabilities (k = 5) of every sampled token, penalties and temperature notwithstanding: transformers'
+    log_softmax at the same positions of prompt + completion (teacher-forced), within 1e-4."""
+    ids = _ids(tokenizer, 21, salt=f"sampled {n} ")
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=7, n=n, logprobs=5, repetition_penalty=1.3,
+                            presence_penalty=0.5, ignore_eos=True)
+    out = any_llm.generate([ids], params)[0]
+    assert len(out.outputs) == n and out.logprobs == out.outputs[0].logprobs
+    for completion in out.outputs:
+        assert len(completion.logprobs) == len(completion.token_ids) == 6
+        ref = _hf_logprobs(hf_model, ids + completion.token_ids)
+        for j, (token, got) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            _check_position(got, ref[len(ids) - 1 + j], token, 5)
+    assert_no_leaks(any_llm)
+
+
 # ---- intake checks and min_tokens ---------------------------------------------------------------------------------
 
 def test_logit_bias_token_id_beyond_the_vocabulary_is_rejected(llm):
