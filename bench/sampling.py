@@ -24,11 +24,21 @@ with a 1e-4 slack at the top_p edge); `outside_allowed` counts the misses and th
 JSON if any. The allowed sets' sizes are recorded as `nucleus` (how peaked the logits are). The JSON records the
 1-minute load average and `contended` (above --threads + 1). Prints one JSON line and writes
 bench/results/sampling.json (or --out).
+
+Generation API (#20), key `generation_api`: tokens/s through LLMEngine (LLM.generate) of --engine-seqs AlpacaEval
+chat prompts, each generating exactly --engine-tokens tokens (ignore_eos), two ways on one engine: plain greedy,
+and sampled with repetition_penalty 1.1, presence_penalty 0.5, frequency_penalty 0.5, top_p 0.9 and logprobs 5
+(unseeded). Prefix caching is off so every run prefills the same prompts. --engine-rounds rounds, the order
+alternating; a system's rate is its tokens over its summed wall time; ratio = sampled / greedy (goal >= 0.85).
+Also per system the median engine overhead (step time outside the model forward, where the sampler runs) of
+full-width decode steps, and how many raw log-probability dicts the runner computed (they reach outputs once the
+engine delivers them). --skip-sampler-cases runs only this part, keeping the other keys of an existing --out.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import statistics
 import time
@@ -39,7 +49,9 @@ from bench.report import parse_bench_args, rotated, write_result
 from engine.config import SamplingParams
 from engine.sampling import sample
 
-QUICK = dict(ns=[4, 16], calls=2, prompts=2, steps=4)
+QUICK = dict(ns=[4, 16], calls=2, prompts=2, steps=4, engine_seqs=8, engine_tokens=6, engine_rounds=2)
+PENALISED = dict(temperature=1.0, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
+                 logprobs=5)
 SETTINGS = (
     ("t1.0", dict(temperature=1.0)),
     ("t0.8_p0.95", dict(temperature=0.8, top_p=0.95)),
@@ -156,13 +168,68 @@ def run_case(case: dict, logits: torch.Tensor, calls: int) -> dict:
             "nucleus": {"median": int(width.median()), "max": int(width.max()), "mean": float(width.mean())}}
 
 
+def generation_api(seqs: int, tokens: int, rounds: int, seed: int) -> dict:
+    """Engine throughput of `seqs` sequences of `tokens` tokens each: greedy vs PENALISED (see the docstring)."""
+    from bench.workloads import alpaca_eval_chat
+    from engine import LLM, EngineConfig
+
+    llm = LLM(EngineConfig(enable_prefix_caching=False, max_num_seqs=max(seqs, 1)))
+    prompts = [r.prompt_token_ids for r in alpaca_eval_chat(llm.tokenizer, seqs, tokens, seed)]
+    params = {"greedy": SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
+              "sampled": SamplingParams(max_tokens=tokens, ignore_eos=True, **PENALISED)}
+    logprob_dicts = _count_runner_logprobs(llm)
+    records: list = []
+    llm.engine.add_observer(records.append)
+    seconds = {name: 0.0 for name in params}
+    overhead: dict[str, list[float]] = {name: [] for name in params}
+    computed = {name: 0 for name in params}
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True, **PENALISED))  # warm-up
+    for i in range(rounds):
+        for name in rotated(list(params), i):
+            records.clear()
+            before = logprob_dicts[0]
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params[name])
+            seconds[name] += time.perf_counter() - t
+            assert all(len(o.token_ids) == tokens for o in outs)
+            computed[name] += logprob_dicts[0] - before
+            overhead[name] += [r.duration_s - r.forward_s for r in records if r.decode_tokens == seqs]
+    rates = {name: rounds * seqs * tokens / s for name, s in seconds.items()}
+    return {"seqs": seqs, "tokens_per_seq": tokens, "rounds": rounds, "sampled_params": PENALISED,
+            "prefix_caching": False, "tokens_per_s": rates, "ratio": rates["sampled"] / rates["greedy"],
+            "goal": 0.85,
+            "decode_step_overhead_ms": {n: 1e3 * statistics.median(v) if v else None for n, v in overhead.items()},
+            "runner_logprob_dicts": computed}
+
+
+def _count_runner_logprobs(llm) -> list[int]:
+    """A one-item counter of the log-probability dicts the runner returns (wraps the engine's runner.run)."""
+    count = [0]
+    run = llm.engine.runner.run
+
+    def counting(batch):
+        out = run(batch)
+        count[0] += sum(lp is not None for lp in (out.logprobs or []))
+        return out
+
+    llm.engine.runner.run = counting
+    return count
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ns", type=int, nargs="+", default=[16, 128], help="rows per call")
     ap.add_argument("--calls", type=int, default=9, help="timed calls per system and case")
     ap.add_argument("--prompts", type=int, default=8, help="prompts behind the real logits")
     ap.add_argument("--steps", type=int, default=16, help="greedy decode steps per prompt behind the real logits")
+    ap.add_argument("--engine-seqs", type=int, default=128, help="sequences of the generation-API throughput case")
+    ap.add_argument("--engine-tokens", type=int, default=64, help="tokens each of them generates")
+    ap.add_argument("--engine-rounds", type=int, default=2, help="timed runs per system, the order alternating")
+    ap.add_argument("--skip-sampler-cases", action="store_true",
+                    help="only the generation-API case; other keys are kept from an existing --out")
     args = parse_bench_args(ap, argv, "sampling", QUICK)
+    if args.skip_sampler_cases:
+        return _generation_api_only(args)
     load = [os.getloadavg()[0]]
 
     real = model_logits(args.prompts, args.steps, args.seed)
@@ -190,10 +257,28 @@ def main(argv: list[str] | None = None) -> dict:
         "min_ratio": {src: min(r["ratio"] for r in results.values() if r["source"] == src) for src in SOURCES},
         "all_draws_allowed": not misses,
         "load_avg_1min": load, "contended": max(load) > args.threads + 1,
+        "generation_api": _with_load(args, lambda: generation_api(args.engine_seqs, args.engine_tokens,
+                                                                  args.engine_rounds, args.seed)),
     }
     write_result(result, args.out)
     if misses:
         raise AssertionError(f"draws outside the allowed set: {misses}")
+    return result
+
+
+def _with_load(args, fn) -> dict:
+    """fn()'s result with the 1-minute load average before and after and whether the host was contended."""
+    before = os.getloadavg()[0]
+    result = fn()
+    load = [before, os.getloadavg()[0]]
+    return {**result, "threads": args.threads, "load_avg_1min": load, "contended": max(load) > args.threads + 1}
+
+
+def _generation_api_only(args) -> dict:
+    result = json.loads(args.out.read_text()) if args.out.exists() else {}
+    result["generation_api"] = _with_load(args, lambda: generation_api(args.engine_seqs, args.engine_tokens,
+                                                                       args.engine_rounds, args.seed))
+    write_result(result, args.out)
     return result
 
 

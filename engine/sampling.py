@@ -65,14 +65,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """One token per row of logits [N, V] (fp32). Rows that set a logits processor are processed in place first;
     min_tokens and the penalties need the context (each row's tokens, the EOS ids)."""
     apply_processors(logits, params, context)
-    tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return tokens.tolist()
+        return logits.argmax(dim=-1).tolist()
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+    if greedy:  # argmax of a [128, 49152] block costs as much as its softmax on CPU: only where it is the answer
+        tokens[greedy] = _take(logits, greedy).argmax(dim=-1)
     chosen = [params[i] for i in rows]
     vocab = logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in chosen], device=logits.device).unsqueeze(-1)
-    probs = _min_p((_take(logits, rows) / temperature).softmax(dim=-1), [p.min_p for p in chosen])
+    probs = _min_p(_scaled(_take(logits, rows), [p.temperature for p in chosen]).softmax(dim=-1),
+                   [p.min_p for p in chosen])
     u = _uniforms([generators[i] for i in rows]).to(probs.device)
     narrowed = [0 < p.top_k < vocab or p.top_p < 1.0 for p in chosen]
     filtered = [j for j, n in enumerate(narrowed) if n]
@@ -89,6 +92,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t if len(rows) == t.shape[0] else t[rows]
+
+
+def _scaled(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+    """logits / temperature per row; no pass over the block when every row is at 1 (x / 1 is x exactly)."""
+    if all(t == 1.0 for t in temperatures):
+        return logits
+    return logits / torch.tensor(temperatures, device=logits.device).unsqueeze(-1)
 
 
 def _min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
