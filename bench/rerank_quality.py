@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       "cached_fraction": cached / max(1, computed + cached)}
         load.append(os.getloadavg()[0])
         report(args, samples, scores, speed, default, unavailable, load, t0, complete=False)
-    del llm
+    llm = None  # frees the last engine (not `del`: the rerank closure above names llm)
     report(args, samples, scores, speed, default, unavailable, load, t0, complete=True)
     return json.loads(args.out.read_text())
 

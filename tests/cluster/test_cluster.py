@@ -165,10 +165,15 @@ async def test_sigkill_fails_only_the_killed_replicas_in_flight_requests(cluster
         before = {place: (await client.rerank(query("kill", place), DOCS[:2])).replica for place in PLACES[:10]}
         assert set(before.values()) == addresses
 
-        # Long generations on both replicas, each past its first token.
-        streams = [client.generate(messages=[SYSTEM, first_turn("kill", place)], max_tokens=64, ignore_eos=True)
-                   for place in PLACES[:8]]
-        firsts = [await s.__anext__() for s in streams]
+        # Generations on both replicas, each past its first token, that cannot end before the kill: EOS ignored and
+        # as long as the context allows (thousands of decode steps; the test cancels the survivors' itself).
+        info = await client.model_info()
+        long = info.max_model_len - 256  # the prompt (system + first turn) is well under 256 tokens
+        ids = [f"kill-{place}" for place in PLACES[:8]]
+        streams = [client.generate(messages=[SYSTEM, first_turn("kill", place)], max_tokens=long, ignore_eos=True,
+                                   request_id=rid) for rid, place in zip(ids, PLACES[:8])]
+        firsts = await asyncio.gather(*(s.__anext__() for s in streams))
+        assert all(d.finish_reason is None for d in firsts), firsts
         on = [d.replica for d in firsts]
         assert set(on) == addresses, on
         victim = cluster.by_address(on[0])
@@ -176,19 +181,25 @@ async def test_sigkill_fails_only_the_killed_replicas_in_flight_requests(cluster
 
         os.kill(victim.pid, signal.SIGKILL)
 
-        async def finish(stream) -> object:
+        async def fail(stream) -> object:
             try:
                 return [d async for d in stream][-1]
             except TandemError as exc:
                 return exc
 
-        outcomes = await asyncio.gather(*(finish(s) for s in streams))
-        for replica, outcome in zip(on, outcomes):
-            if replica == victim.address:
-                assert isinstance(outcome, TandemError) and outcome.code is grpc.StatusCode.UNAVAILABLE, outcome
-            else:
-                assert not isinstance(outcome, TandemError), outcome
-                assert outcome.finish_reason == "length" and outcome.usage.completion_tokens == 64
+        killed = [s for s, replica in zip(streams, on) if replica == victim.address]
+        for outcome in await asyncio.gather(*(fail(s) for s in killed)):
+            assert isinstance(outcome, TandemError) and outcome.code is grpc.StatusCode.UNAVAILABLE, outcome
+
+        # Every stream on the survivor still streams after the victim's have all failed; then the test stops them.
+        kept = [(rid, s) for rid, s, replica in zip(ids, streams, on) if replica != victim.address]
+        for rid, stream in kept:
+            later = await stream.__anext__()
+            assert later.finish_reason is None and later.replica == survivor, later
+            client.cancel(rid)
+        for rid, stream in kept:
+            last = [d async for d in stream][-1]
+            assert last.finish_reason == "abort" and 2 <= last.usage.completion_tokens < long, last
 
         # The victim's keys move to the survivor; the client's rerank retries cover the moment of the kill.
         after = {place: (await client.rerank(query("kill", place), DOCS[2:4])).replica for place in before}

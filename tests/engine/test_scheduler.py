@@ -250,10 +250,10 @@ def test_random_workloads_keep_every_invariant(workload):
     arrivals: dict[int, list] = {}
     for at, rid, prompt, max_tokens, priority, uses_kv in reqs:
         if max_tokens is None:  # rerank job: prompt is the list of pairs
-            fn = (lambda rid=rid, pairs=prompt, p=priority, kv=uses_kv:
+            fn = (lambda rid=rid, pairs=prompt, p=priority, kv=uses_kv:  # noqa: E731
                   sim.add_rerank_job(rid, [], pairs, p, uses_kv=kv))
         else:
-            fn = (lambda rid=rid, prompt=prompt, m=max_tokens, p=priority: sim.add(rid, prompt, m, p))
+            fn = (lambda rid=rid, prompt=prompt, m=max_tokens, p=priority: sim.add(rid, prompt, m, p))  # noqa: E731
         arrivals.setdefault(at, []).append(fn)
     sim.run(arrivals=arrivals)  # checks every step; at the end: all finished, all blocks free
     expected = sum(len(r[2]) if r[3] is None else 1 for r in reqs)
