@@ -320,8 +320,8 @@ def build_llm(args: argparse.Namespace, reranker: str | None, share: float,
 
     llm = LLM(EngineConfig(reranker=reranker, rerank_mode=None if reranker else args.reranker,
                            max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
-                           kv_cache_bytes=512 * 2**20, rerank_share=share, num_threads=args.threads,
-                           admission=admission))
+                           kv_cache_bytes=512 * 2**20, rerank_share=share, num_threads=args.threads),
+              admission=admission)
     warm = synthetic_rerank(llm.engine.scorer.tokenizer, 1, 4, args.min_doc_tokens, args.max_doc_tokens,
                             args.seed + 1)
     run_mixed(llm, StepLog(llm), alpaca_eval_chat(llm.tokenizer, 2, 4, seed=args.seed + 1), warm)
@@ -455,7 +455,7 @@ def run_wide(args: argparse.Namespace, reranker: str | None, load: dict, target_
     policy = TimedPolicy(LatencyAdmission(target_s))
     llm = LLM(EngineConfig(reranker=reranker, rerank_mode=None if reranker else args.reranker,
                            max_num_batched_tokens=args.budget, max_num_seqs=max(args.max_num_seqs, args.wide_requests),
-                           kv_cache_bytes=512 * 2**20, num_threads=args.threads, admission=policy))
+                           kv_cache_bytes=512 * 2**20, num_threads=args.threads), admission=policy)
     reqs = alpaca_eval_chat(llm.tokenizer, args.wide_requests, args.wide_tokens, seed=args.seed + 2)
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in reqs]
     llm.generate([r.prompt_token_ids for r in reqs[:4]], params[:4])  # warm-up

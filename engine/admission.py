@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from engine.batch import Batch
+from engine.config import EngineConfig
 from engine.step_time import CROSS_ENCODER, LLM_RERANK, PREFILL, OnlineStepTime, StepShape
 
 if TYPE_CHECKING:
@@ -232,3 +233,18 @@ class LatencyAdmission(AdmissionPolicy):
         tokens = max(tokens, self.min_prefill_tokens - step.batch.num_prefill_tokens)  # the prefill floor
         if tokens > 0:
             step.admit_generation(tokens)
+
+
+def policy_for(config: EngineConfig, given: AdmissionPolicy | None = None) -> AdmissionPolicy:
+    """The admission policy an engine built from `config` runs: `given` (any AdmissionPolicy object), else a
+    LatencyAdmission with config.tpot_target_ms, else a ShareAdmission with config.rerank_share."""
+    if given is not None:
+        if not isinstance(given, AdmissionPolicy):
+            raise ValueError(f"admission must be an AdmissionPolicy or None, got {given!r}")
+        if config.tpot_target_ms is not None:
+            raise ValueError("tpot_target_ms and admission are both set: give LatencyAdmission(tpot_target_s=...) "
+                             "as the admission policy instead")
+        return given
+    if config.tpot_target_ms is not None:
+        return LatencyAdmission(config.tpot_target_ms / 1000, rerank_share=config.rerank_share)
+    return ShareAdmission(config.rerank_share)

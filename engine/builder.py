@@ -9,6 +9,7 @@ import torch
 
 import kernels
 
+from engine.admission import AdmissionPolicy, policy_for
 from engine.config import EngineConfig
 from engine.cuda_graphs import capture_sizes, cuda_graph_capture
 from engine.kv_cache import BlockPool, KVCacheManager
@@ -42,7 +43,9 @@ class EngineParts:
     weight_format: str
 
 
-def build_engine_parts(config: EngineConfig) -> EngineParts:
+def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None = None) -> EngineParts:
+    """`admission`: the policy the scheduler runs (None: the one config names, engine/admission.py policy_for)."""
+    policy = policy_for(config, admission)  # checked before anything slow is loaded
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     model_dir = resolve_model_dir(config.model)
@@ -76,7 +79,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                      runner.decode_graphs.sizes, time.monotonic() - started)
     return EngineParts(model_dir=str(model_dir), tokenizer=tokenizer, hf_config=hf_config, model_args=args,
                        model=model, max_model_len=max_model_len, pool=pool, kv=kv,
-                       scheduler=Scheduler(config, kv), scorer=scorer, runner=runner,
+                       scheduler=Scheduler(config, kv, policy), scorer=scorer, runner=runner,
                        eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
                        weight_bytes=weight_bytes(model), weight_format=weight_format(model))
 

@@ -1,12 +1,10 @@
-"""Configuration dataclasses, validated on construction."""
+"""Configuration dataclasses, validated on construction. A leaf: parameters only, no engine module imported here
+(the admission policy object is handed to the engine beside its config, engine/builder.py)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from engine.admission import AdmissionPolicy
+from typing import Literal
 
 
 RERANK_MODES = ("likelihood", "judge", "cross-encoder")
@@ -34,11 +32,9 @@ class EngineConfig:
     # Share of the step's token budget and of its free seats that rerank pairs get while generation waits or
     # decodes (always at least one pair); 1.0: rerank first, generation gets the leftovers.
     rerank_share: float = 0.5
-    # How a step's leftover budget and seats are split between prompts and rerank pairs; None: a ShareAdmission
-    # with rerank_share (engine/admission.py). Any AdmissionPolicy object may be given.
-    admission: "AdmissionPolicy | None" = None
     # A latency objective (engine/admission.py LatencyAdmission): while decodes run, each step admits the prompt and
     # rerank tokens a step-time model fitted online predicts keep it under this many ms; None: rerank_share decides.
+    # (Another AdmissionPolicy object is given beside the config: LLMEngine(config, admission=...).)
     tpot_target_ms: float | None = None
     max_rerank_documents: int = 1000
     priority_aging_steps: int = 64  # a waiting request gains one priority level per this many steps
@@ -64,16 +60,8 @@ class EngineConfig:
             raise ValueError(f"rerank_share must be in (0, 1], got {self.rerank_share}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.admission is not None:
-            from engine.admission import AdmissionPolicy
-
-            if not isinstance(self.admission, AdmissionPolicy):
-                raise ValueError(f"admission must be an AdmissionPolicy or None, got {self.admission!r}")
         if self.tpot_target_ms is not None and (not _finite(self.tpot_target_ms) or self.tpot_target_ms <= 0):
             raise ValueError(f"tpot_target_ms must be a number > 0 or None, got {self.tpot_target_ms!r}")
-        if self.tpot_target_ms is not None and self.admission is not None:
-            raise ValueError("tpot_target_ms and admission are both set: give LatencyAdmission(tpot_target_s=...) as "
-                             "the admission policy instead")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.rerank_mode is not None and self.rerank_mode not in RERANK_MODES:

@@ -5,6 +5,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
+from engine.admission import AdmissionPolicy
 from engine.batch import Batch
 from engine.builder import build_engine_parts
 from engine.config import EngineConfig, RerankParams, SamplingParams
@@ -24,9 +25,11 @@ Request = Generation | RerankJob
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, admission: AdmissionPolicy | None = None) -> None:
+        """`admission`: how a step's leftover budget goes to prompts and rerank pairs (engine/admission.py); None:
+        the policy the config names (tpot_target_ms, else rerank_share)."""
         self.config = config = config or EngineConfig()
-        parts = build_engine_parts(config)
+        parts = build_engine_parts(config, admission)
         self.model_dir = parts.model_dir
         self.tokenizer = parts.tokenizer
         self.hf_config = parts.hf_config
@@ -178,7 +181,7 @@ class LLMEngine:
         for seq, token, score, lp in zip(batch.seqs, result.sampled, result.scores, logprobs):
             if score is not None:
                 finished[seq] = SequenceStatus.FINISHED_STOPPED
-                job = seq.pair.job
+                job = self._requests[seq.request_id]
                 job.scores[seq.pair.index] = score
                 job.remaining -= 1
                 if not job.remaining:

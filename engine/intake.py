@@ -125,7 +125,7 @@ class RequestIntake:
                 request_id=request_id, token_ids=pair.token_ids, num_prompt_tokens=len(pair.token_ids),
                 params=params, arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.RERANK,
                 priority=params.priority, uses_kv=scorer.runs_on_llm, logprob_start=pair.logprob_start,
-                pair=RerankPair(job, i, wait_for=first, token_type_ids=pair.token_type_ids)))
+                pair=RerankPair(i, wait_for=first, token_type_ids=pair.token_type_ids)))
         return job
 
     def chat_token_ids(self, messages: list[dict]) -> list[int]:

@@ -4,16 +4,19 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from engine.admission import AdmissionPolicy
 from engine.config import EngineConfig, RerankParams, SamplingParams
 from engine.engine import LLMEngine
 from engine.outputs import CompletionOutput, Logprobs, RequestOutput, RerankResult, StepOutput, rank_scores
 
 
 class LLM:
-    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, admission: AdmissionPolicy | None = None,
+                 **kwargs) -> None:
+        """`admission`: an AdmissionPolicy object (engine/admission.py) instead of the one the config names."""
         if config is not None and kwargs:
             raise ValueError("pass either an EngineConfig or keyword options, not both")
-        self.engine = LLMEngine(config or EngineConfig(**kwargs))
+        self.engine = LLMEngine(config or EngineConfig(**kwargs), admission=admission)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -3,15 +3,26 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.config import RerankParams, SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.rerank.job import RerankJob
-    from engine.structured import GrammarMatcher
+
+class Grammar(Protocol):
+    """What a sequence's structured-output matcher does for the engine and the sampler (engine/structured.py's
+    GrammarMatcher implements it; nothing here names the implementation)."""
+
+    def accept(self, token: int) -> bool:
+        """Advance by `token`; False (no change) when the grammar does not allow it."""
+
+    def is_terminated(self) -> bool:
+        """The grammar can take no further token."""
+
+    def fill_bitmask(self, bitmask: "torch.Tensor", row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]`."""
 
 
 class SequenceStatus(enum.IntEnum):
@@ -54,8 +65,8 @@ class SeqKind(str, enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class RerankPair:
-    """What only a rerank pair has: its job, its document, and what it waits for."""
-    job: "RerankJob"
+    """What only a rerank pair has: its document's place in its job, and what it waits for. (The job itself is the
+    engine's, found by the pair's request_id: rerank/ depends on this module, never the reverse.)"""
     index: int  # which document of the job
     wait_for: "Sequence | None" = None  # admitted only after this one computed its pair (it fills the shared prefix)
     token_type_ids: list[int] | None = None  # cross-encoder segment ids
@@ -96,7 +107,7 @@ class Sequence:
     index: int = 0  # which completion of its request (0..n-1)
     # Completion 0 of the same request, for completions 1..n-1: they share its prompt's KV blocks.
     fork_of: "Sequence | None" = None
-    grammar: "GrammarMatcher | None" = None  # structured output: masks the sampler, accepts each appended token
+    grammar: Grammar | None = None  # structured output: masks the sampler, accepts each appended token
 
     @property
     def wait_for(self) -> "Sequence | None":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-from engine.admission import AdmissionPolicy, AdmissionStep, LatencyAdmission, ShareAdmission
+from engine.admission import AdmissionPolicy, AdmissionStep, policy_for
 from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.kv_cache import NO_PREFIX, CachedPrefix, KVCacheManager
@@ -71,14 +71,13 @@ class WaitQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: AdmissionPolicy | None = None) -> None:
+        """`policy`: how admissions share a step (the builder hands it over); None: the one `config` names."""
         self.kv = kv
         self.budget = config.max_num_batched_tokens
         # Every running sequence must fit in one step's budget, or decodes could be skipped.
         self.max_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
-        self.policy: AdmissionPolicy = config.admission or (
-            LatencyAdmission(config.tpot_target_ms / 1000, rerank_share=config.rerank_share)
-            if config.tpot_target_ms is not None else ShareAdmission(config.rerank_share))
+        self.policy: AdmissionPolicy = policy_for(config, policy)
         self.static = config.scheduling == "static"
         self.watermark = max(1, kv.num_blocks // 100)  # headroom admissions leave for decodes
         self.waiting = WaitQueue(config.priority_aging_steps)

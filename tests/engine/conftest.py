@@ -71,8 +71,8 @@ def llm() -> LLM:
     return LLM()
 
 
-def make_llm(**overrides) -> LLM:
-    return LLM(EngineConfig(**overrides))
+def make_llm(admission=None, **overrides) -> LLM:
+    return LLM(EngineConfig(**overrides), admission=admission)
 
 
 def record_steps(llm: LLM) -> list:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.admission import LatencyAdmission, ShareAdmission
+from engine.admission import LatencyAdmission, ShareAdmission, policy_for
 from engine.config import EngineConfig
 from engine.outputs import StepRecord
 from engine.request import SeqKind
@@ -324,4 +324,4 @@ def test_a_bad_tpot_target_is_a_config_error(value):
 
 def test_tpot_target_and_an_explicit_policy_conflict():
     with pytest.raises(ValueError, match="tpot_target_ms and admission"):
-        EngineConfig(tpot_target_ms=40, admission=ShareAdmission())
+        policy_for(EngineConfig(tpot_target_ms=40), ShareAdmission())

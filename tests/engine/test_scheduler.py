@@ -36,11 +36,11 @@ class Sim:
         self.cfg = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
                                 max_num_seqs=max_seqs, priority_aging_steps=aging,
                                 enable_prefix_caching=prefix_caching, scheduling=scheduling,
-                                rerank_share=rerank_share, admission=admission)
+                                rerank_share=rerank_share)
         self.bs = block_size
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, block_size, prefix_caching)
-        self.sched = Scheduler(self.cfg, self.kv)
+        self.sched = Scheduler(self.cfg, self.kv, admission)
         self._arrivals = itertools.count()
         self.seqs: dict[str, Sequence] = {}
         self.shadow: dict[tuple[int, int], int] = {}  # (block, slot) -> token whose KV sits there
@@ -69,7 +69,7 @@ class Sim:
         seq = Sequence(request_id=rid, token_ids=list(prompt), num_prompt_tokens=len(prompt),
                        params=RerankParams(priority=priority), arrival=next(self._arrivals), arrival_time=0.0,
                        kind=SeqKind.RERANK, priority=priority, uses_kv=uses_kv,
-                       pair=RerankPair(job=None, index=0, wait_for=wait_for))
+                       pair=RerankPair(index=0, wait_for=wait_for))
         self.seqs[rid] = seq
         self.sched.add(seq)
         return seq
@@ -666,7 +666,7 @@ class RerankFirstTwoSeats(AdmissionPolicy):
             step.admit_generation()
 
 
-def test_the_admission_policy_comes_from_the_config_and_decides_the_split():
+def test_the_admission_policy_handed_to_the_scheduler_decides_the_split():
     policy = RerankFirstTwoSeats()
     sim = Sim(num_blocks=256, budget=64, block_size=4, max_seqs=8, admission=policy)
     chat = sim.add("chat", toks(5, 7000), max_tokens=3)
@@ -679,6 +679,7 @@ def test_the_admission_policy_comes_from_the_config_and_decides_the_split():
     assert chat.status is SequenceStatus.FINISHED_LENGTH
 
 
-def test_a_config_admission_that_is_not_a_policy_is_rejected():
+def test_an_admission_that_is_not_a_policy_is_rejected():
+    kv = KVCacheManager(BlockPool(16), 4, True)
     with pytest.raises(ValueError, match="admission must be an AdmissionPolicy"):
-        EngineConfig(admission=lambda step: None)
+        Scheduler(EngineConfig(num_kv_blocks=16, block_size=4), kv, lambda step: None)
