@@ -17,7 +17,8 @@ from typing import Callable
 
 from bench.report import RESULTS, write_result
 
-BENCHMARKS = ("throughput", "rerank", "mixed", "latency", "prefill", "sampling", "rerank_quality", "single", "structured")
+BENCHMARKS = ("throughput", "rerank", "mixed", "latency", "prefill", "sampling", "rerank_quality", "single", "structured",
+              "cpu_peer")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,17 @@ TARGETS = (
            ("ratios", "gguf_vs_llama_cpp"), 1.0),
     Target("Batch-1 greedy tokens (4-bit path) identical to transformers on the same file", "single",
            ("systems", "tandem_gguf", "vs_transformers", "same_position_share"), 1.0, unit=""),
+    # Issue #28: through the service, tandem serve vs llama.cpp's own llama-server on the same GGUF file and threads.
+    Target("CPU batch 1, tok/s incl. prefill, tandem serve vs llama-server (same file, threads, prompts)", "cpu_peer",
+           ("ratios", "batch1_vs_llama_cpp"), 1.0),
+    Target("CPU prefill of one 512-token prompt, tok/s, tandem serve vs llama-server", "cpu_peer",
+           ("ratios", "prefill_vs_llama_cpp"), 1.3),
+    Target("CPU 32 concurrent requests, useful tok/s, tandem serve vs llama-server -np 32", "cpu_peer",
+           ("ratios", "concurrent32_vs_llama_cpp"), 1.5),
+    Target("CPU 128 concurrent requests, useful tok/s, tandem serve vs llama-server -np 128", "cpu_peer",
+           ("ratios", "concurrent128_vs_llama_cpp"), 2.0),
+    Target("CPU batch-1 greedy tokens identical to transformers on the same file (share of prompts)", "cpu_peer",
+           ("vs_transformers", "tandem", "identical_share"), 1.0, unit=""),
     # Issue #20: the generation parameters cost little next to plain greedy decoding.
     Target("Throughput, 128 sampled sequences with penalties + top_p + logprobs=5 vs plain greedy (same run)",
            "sampling", ("generation_api", "ratio"), 0.85),

@@ -190,8 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--concurrency", type=int, nargs="*", default=[32, 128])
     ap.add_argument("--no-llama", action="store_true", help="tandem alone (the peer's rows are skipped)")
-    args = parse_bench_args(ap, argv, "cpu_peer" if argv is None or "--model" not in argv else "cpu_peer_model",
-                            QUICK)
+    args = parse_bench_args(ap, argv, "cpu_peer", QUICK)  # another --model: give --out too
     from transformers import AutoTokenizer
 
     from engine.models.loader import embedded_gguf_path
