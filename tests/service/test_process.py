@@ -102,7 +102,7 @@ async def test_full_waiting_queue_is_resource_exhausted_until_it_drains(serve_pr
     async with grpc.aio.insecure_channel(serve_proc.address) as channel:
         stub = pb_grpc.TandemStub(channel)
         call = stub.Generate()
-        await call.write(_request("running", 4000))
+        await call.write(_request("running", 2048 - 64))  # cannot end: the context is 2048
         await _read_until(call, "running", ("delta",))  # it holds the only sequence slot now
         for request_id in ("wait-1", "wait-2", "over"):
             await call.write(_request(request_id, 3))
@@ -127,11 +127,18 @@ async def _health(channel: grpc.aio.Channel) -> int:
 
 
 async def test_sigterm_drains_in_flight_work_refuses_new_work_and_exits_zero(serve_proc):
+    # "holder" cannot end on its own (EOS ignored, nearly the whole 2048-token context) and waits behind "inflight"
+    # (--max-num-seqs 1), so the server is still draining, not gone, whatever the machine's speed, until the test
+    # cancels it after checking the refusals.
     async with AsyncClient(serve_proc.address, max_retries=0) as client, \
             grpc.aio.insecure_channel(serve_proc.address) as probe:
         assert await _health(probe) == health_pb2.HealthCheckResponse.SERVING
         inflight = client.generate(PROMPT, max_tokens=48, ignore_eos=True, request_id="inflight")
         deltas = [await inflight.__anext__()]
+        held = pb_grpc.TandemStub(probe).Generate()
+        await held.write(_request("holder", 2048 - 64))
+        await held.write(pb.GenerateClientMessage(cancel=pb.CancelRequest(request_id="probe")))
+        await _read_until(held, "probe", ("error",))  # messages are handled in order: "holder" is admitted
         serve_proc.proc.send_signal(signal.SIGTERM)
         while await _health(probe) != health_pb2.HealthCheckResponse.NOT_SERVING:
             await asyncio.sleep(0.02)
@@ -140,8 +147,12 @@ async def test_sigterm_drains_in_flight_work_refuses_new_work_and_exits_zero(ser
         with pytest.raises(TandemError) as unary:
             await client.rerank("q", ["d"])
         deltas += [d async for d in inflight]
+        await held.write(pb.GenerateClientMessage(cancel=pb.CancelRequest(request_id="holder")))
+        holder = (await _read_until(held, "holder", ("final", "error"))).final
+        await held.done_writing()
     for refusal in (on_stream.value, unary.value):
         assert refusal.code is grpc.StatusCode.UNAVAILABLE and "draining" in refusal.message
     assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 48
     assert sum(len(d.token_ids) for d in deltas) == 48
+    assert holder.finish_reason == pb.FINISH_REASON_ABORT and holder.usage.completion_tokens < 2048 - 64
     assert serve_proc.proc.wait(120) == 0
