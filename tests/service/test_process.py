@@ -28,7 +28,9 @@ class ServeProcess:
     """`tandem serve --port 0` in a subprocess; address parsed from its 'tandem listening on' line."""
 
     def __init__(self, *args: str, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([TANDEM, "serve", "--port", "0", *args], cwd=ROOT, env={**os.environ, **env},
+        # PYTHONPATH: this checkout's code even where the venv's editable install points at another one.
+        self.proc = subprocess.Popen([TANDEM, "serve", "--port", "0", *args], cwd=ROOT,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT), **env},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -128,8 +130,8 @@ async def _health(channel: grpc.aio.Channel) -> int:
 
 async def test_sigterm_drains_in_flight_work_refuses_new_work_and_exits_zero(serve_proc):
     # "holder" cannot end on its own (EOS ignored, nearly the whole 2048-token context) and waits behind "inflight"
-    # (--max-num-seqs 1), so the server is still draining, not gone, whatever the machine's speed, until the test
-    # cancels it after checking the refusals.
+    # (--max-num-seqs 1), so the server is still draining, not gone, whatever the machine's speed, until a second
+    # SIGTERM (what a second Ctrl-C sends as SIGINT) aborts it after the refusals were checked.
     async with AsyncClient(serve_proc.address, max_retries=0) as client, \
             grpc.aio.insecure_channel(serve_proc.address) as probe:
         assert await _health(probe) == health_pb2.HealthCheckResponse.SERVING
@@ -147,12 +149,16 @@ async def test_sigterm_drains_in_flight_work_refuses_new_work_and_exits_zero(ser
         with pytest.raises(TandemError) as unary:
             await client.rerank("q", ["d"])
         deltas += [d async for d in inflight]
-        await held.write(pb.GenerateClientMessage(cancel=pb.CancelRequest(request_id="holder")))
+        serve_proc.proc.send_signal(signal.SIGTERM)  # the second signal aborts what still runs and stops now
         holder = (await _read_until(held, "holder", ("final", "error"))).final
-        await held.done_writing()
     for refusal in (on_stream.value, unary.value):
         assert refusal.code is grpc.StatusCode.UNAVAILABLE and "draining" in refusal.message
     assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 48
     assert sum(len(d.token_ids) for d in deltas) == 48
     assert holder.finish_reason == pb.FINISH_REASON_ABORT and holder.usage.completion_tokens < 2048 - 64
     assert serve_proc.proc.wait(120) == 0
+    said = "".join(serve_proc.output) + "".join(iter(serve_proc.lines.get, None))
+    # Start-up said where traces and metrics go; the first signal said how to force the stop, the second did.
+    assert "tracing off: set OTEL_EXPORTER_OTLP_ENDPOINT" in said and "Prometheus metrics" in said
+    assert "Press Ctrl-C again (or send SIGTERM again) to abort them and stop now" in said
+    assert "second SIGTERM: aborting 1 in-flight requests and stopping now" in said
