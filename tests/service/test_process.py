@@ -36,7 +36,7 @@ class ServeProcess:
         threading.Thread(target=self._pump, daemon=True).start()
         self.output: list[str] = []
         while True:
-            line = self.lines.get(timeout=300)
+            line = self.lines.get(timeout=900)  # a hang guard: start-up is a state awaited
             if line is None:
                 raise RuntimeError("tandem serve exited early:\n" + "".join(self.output))
             self.output.append(line)
