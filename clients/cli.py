@@ -1,4 +1,9 @@
-"""Client commands of the `tandem` CLI: generate, chat, rerank, info. Never imports torch."""
+"""Client commands of the `tandem` CLI: generate, chat, rerank, info. Never imports torch.
+
+Exit codes (docs/cli.md): 0 done (finish reason stop or length); 1 refused or failed (the server's status code and
+message on stderr); 2 usage error; 3 incomplete: the server aborted the request ([abort]) or the stream was cut off
+before the final message (the text so far is printed); 130 Ctrl-C.
+"""
 from __future__ import annotations
 
 import argparse
@@ -12,11 +17,23 @@ from typing import Callable, TextIO
 from clients.sync import Client
 from clients.types import Delta, TandemError
 
+EXIT_INCOMPLETE = 3  # aborted by the server, or the stream was cut off before its final message
+EXCERPT_CHARS = 80  # `tandem rerank` prints this much of each document unless --full
+
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    gen = sub.add_parser("generate", help="stream a completion of a prompt", description="Stream a completion.")
+    gen = sub.add_parser(
+        "generate", help="stream a completion of a prompt (sent raw; --chat applies the chat template)",
+        description="Stream a completion. The prompt is sent raw, as is: an instruct model may end at once on a "
+                    "bare prompt ([stop] and nothing else); --chat (or `tandem chat`) wraps it in the model's chat "
+                    "template as one user turn. Why the completion ended is printed on stderr: [stop], [length] "
+                    "or [abort]. Exit code 0 when it ended by stop or length, 1 when the server refused or failed "
+                    "it, 3 when the server aborted it or the stream was cut off.")
     _connection(gen)
-    gen.add_argument("prompt", help="the prompt text (sent raw; use `tandem chat` for the chat template)")
+    gen.add_argument("prompt", help="the prompt text, sent raw unless --chat")
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as one user turn of a chat: the server applies the model's chat template")
+    gen.add_argument("--system", default=None, help="with --chat: a system prompt")
     _sampling(gen)
     gen.add_argument("--json", action="store_true",
                      help="print the whole result as JSON (completions, token ids, logprobs, usage) instead of text")
@@ -36,7 +53,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     rr.add_argument("--top-n", type=int, default=None)
     rr.add_argument("--instruction", default=None, help="replace the default relevance instruction")
     rr.add_argument("--truncate", choices=("end", "none"), default="end")
-    rr.add_argument("--json", action="store_true", help="print the results as JSON")
+    rr.add_argument("--json", action="store_true", help="print the results as JSON (whole documents)")
+    rr.add_argument("--full", action="store_true",
+                    help=f"print each document whole (default: its first {EXCERPT_CHARS} characters on one line)")
     rr.set_defaults(run=_rerank)
 
     info = sub.add_parser("info", help="what the server serves and its limits")
@@ -115,21 +134,47 @@ def _schema_text(value: str | None) -> str | None:
     return path.read_text() if path.is_file() else value
 
 
-def _stream(deltas, out: TextIO) -> str:
-    text = []
-    for delta in deltas:
-        out.write(delta.text)
-        out.flush()
-        text.append(delta.text)
+class CutOff(Exception):
+    """The stream ended before the request's final message (the server went away or failed mid-stream)."""
+
+    def __init__(self, text: str, error: TandemError) -> None:
+        super().__init__(f"{error.code.name}: {error.message}")
+        self.text = text
+
+
+def _stream(deltas, out: TextIO) -> tuple[str, str | None]:
+    """Print text as it streams; returns the text and why the completion ended. Raises CutOff when text had
+    streamed and the stream then broke (a refusal before any text is raised as the TandemError itself)."""
+    text: list[str] = []
+    reason = None
+    try:
+        for delta in deltas:
+            out.write(delta.text)
+            out.flush()
+            text.append(delta.text)
+            reason = delta.finish_reason or reason
+    except TandemError as exc:
+        if not text:
+            raise
+        out.write("\n")
+        raise CutOff("".join(text), exc) from None
     out.write("\n")
-    return "".join(text)
+    return "".join(text), reason
 
 
-def _print_result(result: Delta, args: argparse.Namespace, out: TextIO) -> None:
-    """A finished request (complete()): every completion, with its log-probabilities when asked."""
+def _say_why(reason: str | None, index: int | None = None) -> int:
+    """[stop] / [length] / [abort] on stderr (stdout keeps only the text); the exit code it means."""
+    which = f" completion {index}" if index is not None else ""
+    print(f"[{reason or 'unknown'}]{which}", file=sys.stderr)
+    return _exit_code(reason)
+
+
+def _print_result(result: Delta, args: argparse.Namespace, out: TextIO) -> int:
+    """A finished request (complete()): every completion, with its log-probabilities when asked; the exit code."""
     if args.json:
         out.write(json.dumps(_as_json(result)) + "\n")
-        return
+        return max(_exit_code(c.finish_reason) for c in result.outputs)
+    code = 0
     for c in result.outputs:
         if len(result.outputs) > 1:
             out.write(f"--- completion {c.index} ({c.finish_reason}) ---\n")
@@ -137,6 +182,13 @@ def _print_result(result: Delta, args: argparse.Namespace, out: TextIO) -> None:
         for token, lp in zip(c.token_ids, c.logprobs or ()):
             alternatives = "  ".join(f"{t}:{v:.4f}" for t, v in list(lp.items())[1:])
             out.write(f"  {token:>6}  {lp.get(token, float('nan')):9.4f}  {alternatives}\n")
+        out.flush()
+        code = max(code, _say_why(c.finish_reason, c.index if len(result.outputs) > 1 else None))
+    return code
+
+
+def _exit_code(reason: str | None) -> int:
+    return 0 if reason in ("stop", "length") else EXIT_INCOMPLETE
 
 
 def _as_json(result: Delta) -> dict:
@@ -155,12 +207,18 @@ def _pairs(positions: list | None) -> list | None:
 
 
 def _generate(args: argparse.Namespace, out: TextIO) -> int:
+    if args.system is not None and not args.chat:
+        raise SystemExit("tandem generate: --system needs --chat (a raw prompt has no system turn)")
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        source = dict(messages=[*system, {"role": "user", "content": args.prompt}])
+    else:
+        source = dict(prompt=args.prompt)
     with _client(args) as client:
         if args.json or (args.n or 1) > 1 or args.logprobs is not None:
-            _print_result(client.complete(args.prompt, **_params(args)), args, out)
-        else:
-            _stream(client.generate(args.prompt, **_params(args)), out)
-    return 0
+            return _print_result(client.complete(**source, **_params(args)), args, out)
+        _, reason = _stream(client.generate(**source, **_params(args)), out)
+    return _say_why(reason)
 
 
 def _chat(args: argparse.Namespace, out: TextIO) -> int:
@@ -178,7 +236,10 @@ def _chat(args: argparse.Namespace, out: TextIO) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            reply = _stream((d for d in client.chat(messages, **_params(args)) if d.index == 0), out)
+            reply, reason = _stream((d for d in client.chat(messages, **_params(args)) if d.index == 0), out)
+            if reason != "stop":  # a reply cut by max_tokens, or aborted, says so
+                if _say_why(reason):
+                    return EXIT_INCOMPLETE
             messages.append({"role": "assistant", "content": reply})
 
 
@@ -190,8 +251,14 @@ def _rerank(args: argparse.Namespace, out: TextIO) -> int:
         out.write(json.dumps([{"index": r.index, "score": r.score, "document": r.document} for r in results]) + "\n")
     else:
         for r in results:
-            out.write(f"{r.score:.4f}  [{r.index}]  {r.document}\n")
+            out.write(f"{r.score:.4f}  [{r.index}]  {r.document if args.full else excerpt(r.document)}\n")
     return 0
+
+
+def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """One line of at most `limit` characters: whitespace runs collapsed, a cut marked with an ellipsis."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit - 1].rstrip() + "\u2026"
 
 
 def _info(args: argparse.Namespace, out: TextIO) -> int:
@@ -207,6 +274,10 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     command: Callable[[argparse.Namespace, TextIO], int] = args.run
     try:
         return command(args, out)
+    except CutOff as exc:
+        print(f"tandem: the stream was cut off before the completion ended ({exc}); the text above is partial",
+              file=sys.stderr)
+        return EXIT_INCOMPLETE
     except TandemError as exc:
         print(f"tandem: {exc.code.name}: {exc.message}", file=sys.stderr)
         return 1

@@ -66,6 +66,10 @@ class RequestIntake:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
+        if len(token_ids) + params.max_tokens > self.max_model_len:  # refused, as vLLM does, never clamped
+            raise ValueError(f"max_tokens is too large: {params.max_tokens}; the prompt has {len(token_ids)} tokens "
+                             f"and max_model_len is {self.max_model_len}, so max_tokens can be at most "
+                             f"{self.max_model_len - len(token_ids)}")
         self._check_token_params(params)
         grammar = self._grammar(params)  # compiled before anything is built: a bad schema queues nothing
         arrival_time = time.monotonic()

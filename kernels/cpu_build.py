@@ -9,9 +9,12 @@ building, so a torch `lock` file found then is stale and is removed.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import sys
 from pathlib import Path
+
+log = logging.getLogger("tandem.kernels")
 
 
 def build_directory(name: str) -> Path:
@@ -30,6 +33,9 @@ def load_extension(name: str, source: Path, extra_cflags: list[str], extra_ldfla
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     directory = build_directory(name)
     directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / f"{name}.so").exists():
+        log.info("compiling the CPU kernel %s into %s: once per CPU and torch version, about a minute", name,
+                 directory)
     with open(directory / "tandem.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # waits for a live build by another process; released if it dies
         (directory / "lock").unlink(missing_ok=True)  # held by no live tandem build: a dead process's leftover

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import sys
+from pathlib import Path
 
 from clients import cli as client_cli
 from service import cluster  # no torch: it only starts `tandem serve` processes and HAProxy
@@ -36,7 +37,9 @@ _ENGINE_FLAGS = [
                                        "tokens a step-time model fitted online predicts keep each step (time per "
                                        "output token) under this many ms, plus one pair and a little prefill; "
                                        "unset: --rerank-share splits the budget"),
-    ("--num-threads", int, None, "torch CPU threads"),
+    ("--num-threads", int, None, "CPU threads for torch and OpenMP (also --threads; default: torch's, one per "
+                                 "core). OpenMP threads sleep while idle (OMP_WAIT_POLICY=PASSIVE unless set); "
+                                 "nothing is pinned to cores"),
     ("--enforce-eager", "switch", None, "on CUDA, run decode steps eagerly instead of replaying captured CUDA "
                                         "graphs"),
 ]
@@ -68,8 +71,9 @@ _SERVER_FLAGS = [
     ("--max-concurrent-streams", int, None, "calls one connection may have open at once (default: grpc's)"),
     ("--metrics-port", int, 9464, "Prometheus /metrics port on --host (-1: off, 0: any free port)"),
     ("--replica", str, None, "name sent as x-tandem-replica (default host:port)"),
-    ("--log-level", str, "INFO", "logging level"),
+    ("--log-level", str, "INFO", "logging level (DEBUG also prints the traceback of a start-up failure)"),
 ]
+_ALIASES = {"--num-threads": ("--threads",)}
 _UNITS = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
           "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -116,8 +120,8 @@ def _add_flags(p: argparse.ArgumentParser, flags: list) -> None:
         # given, so a malformed variable is a usage error of `tandem serve` (not a crash of every command).
         # A switch given bare is on; `--flag false` (or its variable set to 0/false/no/off) is off.
         extra = dict(nargs="?", const=True) if kind == "switch" else {}
-        p.add_argument(flag, type=_CONVERTERS.get(kind, kind), default=value if value is not None else default,
-                       help=f"{help_text} (env {env})", **extra)
+        p.add_argument(flag, *_ALIASES.get(flag, ()), type=_CONVERTERS.get(kind, kind),
+                       default=value if value is not None else default, help=f"{help_text} (env {env})", **extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,27 +162,79 @@ def build_engine_config(args: argparse.Namespace):
     return EngineConfig(**fields, max_rerank_documents=args.max_documents)
 
 
+def threading_environment(num_threads: int | None, environ=os.environ) -> None:
+    """Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning (on a busy host
+    spinning workers made batch-1 steps ~20x slower), and --threads sets OpenMP's thread count too. A variable the
+    user set wins; nothing is pinned to cores."""
+    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if num_threads:
+        environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+
+
+def startup_problem(exc: BaseException, args: argparse.Namespace) -> str:
+    """One line naming what stopped `tandem serve` from starting and what to do about it."""
+    text = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the library's message
+    for flag, value in (("--model", args.model), ("--reranker", args.reranker)):
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        if not path.exists():
+            return f"{flag} {value}: no such file or directory (give a Hugging Face model directory)"
+        if path.is_file() and path.suffix.lower() == ".gguf" and "config.json" in text:
+            return (f"{flag} {value} is a GGUF file, which {flag} does not load here: give a Hugging Face "
+                    f"directory (config.json + *.safetensors), or leave --model unset for the embedded GGUF model")
+    if "unsupported architecture" in text:
+        return f"{text} (--model {args.model})"
+    if isinstance(exc, (FileNotFoundError, ValueError, NotImplementedError, OSError)):
+        return text
+    return f"{type(exc).__name__}: {text}"
+
+
+def _cuda_problem(device: str | None) -> str | None:
+    if not device or not device.startswith("cuda"):
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+    return f"--device {device}: CUDA is not available ({why}); use --device cpu"
+
+
 def _serve(args: argparse.Namespace) -> int:
+    threading_environment(args.num_threads)  # before anything imports torch
     import asyncio
 
     import uvloop
 
-    from service.serve import serve
+    from service.serve import StartupError, serve
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("tandem.serve")
     try:
         engine_config = build_engine_config(args)
         server_config = build_server_config(args)
     except ValueError as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
+    problem = _cuda_problem(engine_config.device)
+    if problem:
+        print(f"tandem serve: {problem}", file=sys.stderr)
+        return 1
 
     def ready(address: str) -> None:
         print(f"tandem listening on {address}", flush=True)
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(serve(engine_config, server_config, max_waiting=args.max_waiting, ready=ready,
-                                metrics_port=args.metrics_port))
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(serve(engine_config, server_config, max_waiting=args.max_waiting, ready=ready,
+                                    metrics_port=args.metrics_port))
+    except StartupError as exc:
+        log.debug("start-up failed", exc_info=exc.cause)
+        hint = "" if level == "DEBUG" else " (the traceback: --log-level debug)"
+        print(f"tandem serve: cannot start: {startup_problem(exc.cause, args)}{hint}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ refuses). Tests: tests/service/test_errors.py walks this table.
 | chat message with an empty role                        | INVALID_ARGUMENT   | `messages[i].role must not be empty ...`                         |
 | no chat messages                                       | INVALID_ARGUMENT   | `messages must be a non-empty list of {role, content}`           |
 | max_tokens < 1                                         | INVALID_ARGUMENT   | `max_tokens must be an integer >= 1, got -1`                     |
+| prompt plus max_tokens over the context (never clamped) | INVALID_ARGUMENT  | `max_tokens is too large: N; the prompt has P tokens and max_model_len is M, so max_tokens can be at most M-P` |
 | temperature NaN, infinite or < 0                       | INVALID_ARGUMENT   | `temperature must be a finite number >= 0, got nan`              |
 | top_p outside (0, 1] / top_k < -1                      | INVALID_ARGUMENT   | `top_p must be in (0, 1] ...` / `top_k must be ...`              |
 | n = 0 or over 16                                       | INVALID_ARGUMENT   | `n must be an integer in [1, 16], got 0`                         |

@@ -95,7 +95,8 @@ class Metrics(Hooks):
     def serve(self, host: str, port: int, healthy: Callable[[], bool] = lambda: True):
         """Expose /metrics and /healthz on host:port from a daemon thread; returns (http server, thread).
 
-        `healthy()` decides /healthz: 200 "SERVING" when true, 503 "NOT_SERVING" when false.
+        `healthy()` decides /healthz (and /health): 200 "SERVING" when true, 503 "NOT_SERVING" when false. /metrics
+        answers the metrics; any other path is 404 (it used to answer every path with metrics).
         """
         metrics_app = make_wsgi_app(self.registry)
 
@@ -105,7 +106,10 @@ class Metrics(Hooks):
                 start_response("200 OK" if ok else "503 Service Unavailable",
                                [("Content-Type", "text/plain"), ("Cache-Control", "no-store")])
                 return [b"SERVING\n" if ok else b"NOT_SERVING\n"]
-            return metrics_app(environ, start_response)
+            if environ.get("PATH_INFO") == "/metrics":
+                return metrics_app(environ, start_response)
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: this port serves /metrics and /healthz only (gRPC and the APIs are on --port)\n"]
 
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         server_class = type("_Server", (_ThreadingServer,), {"address_family": family})  # "::" binds IPv6

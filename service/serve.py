@@ -10,7 +10,7 @@ from service.bridge import EngineBridge
 from service.lifecycle import LifecycleHooks
 from service.metrics import Metrics
 from service.server import ServerConfig, TandemServer
-from service.tracing import TracingHooks, tracer_provider_from_env
+from service.tracing import TracingHooks, describe_tracing, tracer_provider_from_env
 
 log = logging.getLogger("tandem.serve")
 
@@ -27,9 +27,13 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     """
     from engine import LLMEngine  # torch only here, so client commands stay light
 
-    engine = await asyncio.to_thread(LLMEngine, engine_config)
+    try:
+        engine = await asyncio.to_thread(LLMEngine, engine_config)
+    except Exception as exc:  # noqa: BLE001 (said in one line by the CLI; the traceback at --log-level debug)
+        raise StartupError(exc) from exc
     metrics = Metrics()
     provider = tracer_provider_from_env()  # None unless an OTLP endpoint is configured
+    log.info("%s", describe_tracing(provider))
     tracing = TracingHooks(provider) if provider is not None else None
     hooks = (*hooks, metrics) + ((tracing,) if tracing else ())
     bridge = EngineBridge(engine, max_waiting=max_waiting, hooks=hooks)
@@ -48,10 +52,15 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
         if stop.is_set():
-            log.warning("second %s: aborting in-flight requests", signal.Signals(signum).name)
+            log.warning("second %s: aborting %d in-flight requests and stopping now", name, bridge.num_live)
             bridge.abort_all()
             server.end_grace()  # a second signal cuts the grace short
+        else:
+            log.warning("%s: stopping; in-flight requests get up to %.0fs to finish (--drain-timeout). "
+                        "Press Ctrl-C again (or send %s again) to abort them and stop now",
+                        name, server_config.drain_timeout_s, name)
         stop.set()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -63,9 +72,18 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     return 0
 
 
+class StartupError(Exception):
+    """The engine could not be built (bad path, unsupported model, no CUDA...): the CLI says it in one line."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 def _serve_metrics(metrics: Metrics, host: str, port: int | None, healthy: Callable[[], bool]):
     """Start the /metrics and /healthz endpoint; a busy port costs the metrics, never the service."""
     if port is None or port < 0:
+        log.info("Prometheus metrics off (--metrics-port -1)")
         return None
     try:
         http, _ = metrics.serve(host, port, healthy)

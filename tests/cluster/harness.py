@@ -54,15 +54,18 @@ class ClusterProcess:
         self.replicas: dict[str, ReplicaInfo] = {}
         self.haproxy_pid = 0
         threading.Thread(target=self._pump, daemon=True).start()
-        self.wait_for("tandem cluster ready", timeout=300)
+        self.wait_for("tandem cluster ready", timeout=900)
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
             self.lines.put(line.rstrip("\n"))
         self.lines.put(None)
 
-    def wait_for(self, prefix: str, timeout: float = 120) -> str:
-        """Consume stdout lines up to the first one starting with prefix, keeping track of replica pids."""
+    def wait_for(self, prefix: str, timeout: float = 900) -> str:
+        """Consume stdout lines up to the first one starting with prefix, keeping track of replica pids.
+
+        It waits for the line (a state), not for a time: the timeout only turns a hang into a failure, so it is far
+        longer than a start or restart takes on a loaded 2-core machine."""
         while True:
             try:
                 line = self.lines.get(timeout=timeout)

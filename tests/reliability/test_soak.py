@@ -86,7 +86,8 @@ class Soak:
                 call.cancel()  # the client goes away mid-stream
                 self.outcomes["disconnect"] += 1
                 return
-            await call.done_writing()
+            if plan != "deadline":  # a deadline stream stays open: only its deadline can end it, however fast
+                await call.done_writing()
             async for reply in call:
                 kind = reply.WhichOneof("kind")
                 if kind == "delta":

@@ -35,6 +35,11 @@ DOCUMENTS = ["Paris is the capital and largest city of France.",
 MAX_DOCUMENTS = 8
 MAX_MESSAGE_BYTES = 256 * 1024
 NUM_KV_BLOCKS = 512
+MAX_MODEL_LEN = 8192  # the embedded SmolLM2's context (NUM_KV_BLOCKS * 16 tokens hold it); `served` checks it
+# max_tokens of a generation (EOS ignored) that cannot end before the event a test waits for (a cancel, a disconnect,
+# a deadline, a kill): thousands of decode steps on any machine; the test itself ends it. The prompts are shorter
+# than the 256 tokens left over.
+UNENDING = MAX_MODEL_LEN - 256
 
 
 @dataclass
@@ -64,6 +69,7 @@ def offline() -> Offline:
 @pytest.fixture(scope="session")
 def served(offline: Offline) -> ServerThread:
     """A server on an ephemeral localhost port over the offline LLM's engine (the LLM is not used after this)."""
+    assert offline.llm.engine.max_model_len == MAX_MODEL_LEN
     server = ServerThread(offline.llm.engine, ServerConfig(host="127.0.0.1", port=0, max_documents=MAX_DOCUMENTS,
                                                            max_message_bytes=MAX_MESSAGE_BYTES))
     yield server

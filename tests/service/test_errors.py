@@ -10,7 +10,7 @@ import pytest
 
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
-from tests.service.conftest import MAX_DOCUMENTS, MAX_MESSAGE_BYTES
+from tests.service.conftest import MAX_DOCUMENTS, MAX_MESSAGE_BYTES, UNENDING
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 
@@ -48,12 +48,15 @@ CASES = [
     Case("cancel of an unknown id", NOT_FOUND, "cancel: no live request 'ghost' on this stream",
          stream=[_cancel("ghost")]),
     Case("duplicate id on one stream", grpc.StatusCode.ALREADY_EXISTS, "request_id 'dup' is already live",
-         stream=[_gen("dup", params=dict(max_tokens=400, ignore_eos=True)), _gen("dup")]),
+         stream=[_gen("dup", params=dict(max_tokens=UNENDING, ignore_eos=True)), _gen("dup")]),
     Case("empty request id", INVALID, "request_id must be a non-empty string", stream=[_gen("")]),
     Case("no input", INVALID, "request has no input: set prompt, messages or token_ids", stream=[_gen(prompt=None)]),
     Case("empty prompt", INVALID, "prompt must not be empty", stream=[_gen(prompt="")]),
     Case("negative max_tokens", INVALID, "max_tokens must be an integer >= 1, got -1",
          stream=[_gen(params=dict(max_tokens=-1))]),
+    Case("max_tokens past the context", INVALID, "max_tokens is too large: 1000000; the prompt has 6 tokens and "
+         "max_model_len is 8192, so max_tokens can be at most 8186",
+         stream=[_gen(prompt=None, token_ids=pb.TokenIds(ids=[42] * 6), params=dict(max_tokens=10**6))]),
     Case("NaN temperature", INVALID, "temperature must be a finite number >= 0, got nan",
          stream=[_gen(params=dict(temperature=math.nan))]),
     Case("top_p out of range", INVALID, "top_p must be in (0, 1]", stream=[_gen(params=dict(top_p=1.5))]),

@@ -9,7 +9,7 @@ import pytest
 from clients import AsyncClient, Client, TandemError
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
-from tests.service.conftest import CHAT, PROMPTS
+from tests.service.conftest import CHAT, PROMPTS, UNENDING
 from tests.service.harness import assert_all_blocks_free
 
 
@@ -39,19 +39,28 @@ async def test_32_generations_over_4_streams_match_offline(served, offline):
 
 
 async def test_cancel_ends_one_request_with_abort_and_siblings_continue(served, offline):
+    # Neither generation can end on its own; the sibling is decoding before the cancel and is stopped only after
+    # the cancelled one's final message, so the order below is the protocol's, not the machine's speed.
     async with AsyncClient(served.address) as client:
-        sibling = asyncio.create_task(client.complete(PROMPTS[1], max_tokens=12, temperature=0.0, ignore_eos=True,
-                                                      request_id="sibling"))
+        sibling = client.generate(PROMPTS[1], max_tokens=UNENDING, temperature=0.0, ignore_eos=True,
+                                  request_id="sibling")
+        kept = [await sibling.__anext__()]
         deltas = []
-        async for delta in client.generate(PROMPTS[0], max_tokens=400, ignore_eos=True, temperature=0.0,
+        async for delta in client.generate(PROMPTS[0], max_tokens=UNENDING, ignore_eos=True, temperature=0.0,
                                            request_id="cancel-me"):
             deltas.append(delta)
             if len(deltas) == 1:
                 client.cancel("cancel-me")
-        done = await sibling
+        while sum(len(d.token_ids) for d in kept) < len(offline.long.token_ids):
+            kept.append(await sibling.__anext__())
+        assert not any(d.finished for d in kept)  # the cancel did not touch it
+        client.cancel("sibling")
+        kept += [d async for d in sibling]
     assert deltas[-1].finish_reason == "abort"
-    assert deltas[-1].usage.completion_tokens == sum(len(d.token_ids) for d in deltas) < 400
-    assert (done.text, done.token_ids, done.finish_reason) == (offline.long.text, offline.long.token_ids, "length")
+    assert deltas[-1].usage.completion_tokens == sum(len(d.token_ids) for d in deltas) < UNENDING
+    n = len(offline.long.token_ids)
+    assert [t for d in kept for t in d.token_ids][:n] == offline.long.token_ids  # greedy: LONG_12's tokens first
+    assert kept[-1].finish_reason == "abort"
     cancelled, finished = served.recorder.finished["cancel-me"][-1], served.recorder.finished["sibling"][-1]
     assert cancelled.finish_reason == "abort" and finished.finished > cancelled.finished
     assert_all_blocks_free(await served.idle_stats())
@@ -59,11 +68,11 @@ async def test_cancel_ends_one_request_with_abort_and_siblings_continue(served, 
 
 async def test_breaking_out_of_the_loop_cancels_on_the_server(served):
     async with AsyncClient(served.address) as client:
-        async for _ in client.generate(PROMPTS[2], max_tokens=400, ignore_eos=True, request_id="left-early"):
+        async for _ in client.generate(PROMPTS[2], max_tokens=UNENDING, ignore_eos=True, request_id="left-early"):
             break
         stats = await served.idle_stats()
     lc = served.recorder.finished["left-early"][-1]
-    assert lc.finish_reason == "abort" and 1 <= lc.completion_tokens < 400
+    assert lc.finish_reason == "abort" and 1 <= lc.completion_tokens < UNENDING
     assert_all_blocks_free(stats)
 
 
@@ -72,7 +81,7 @@ async def test_disconnect_cancels_every_request_on_the_stream(served):
     call = pb_grpc.TandemStub(channel).Generate()
     ids = [f"gone-{i}" for i in range(3)]
     for i, request_id in enumerate(ids):
-        await call.write(_request(request_id, PROMPTS[3 + i], max_tokens=400, ignore_eos=True))
+        await call.write(_request(request_id, PROMPTS[3 + i], max_tokens=UNENDING, ignore_eos=True))
     started: set[str] = set()
     while started != set(ids):
         message = await call.read()
@@ -82,36 +91,53 @@ async def test_disconnect_cancels_every_request_on_the_stream(served):
     stats = await served.idle_stats()
     for request_id in ids:
         lc = served.recorder.finished[request_id][-1]
-        assert lc.finish_reason == "abort" and lc.completion_tokens < 400
+        assert lc.finish_reason == "abort" and lc.completion_tokens < UNENDING
     assert_all_blocks_free(stats)
 
 
 async def test_stream_deadline_gets_deadline_exceeded_and_work_stops(served):
     async with grpc.aio.insecure_channel(served.address) as channel:
         call = pb_grpc.TandemStub(channel).Generate(timeout=1.0)
-        await call.write(_request("deadline", PROMPTS[4], max_tokens=2000, ignore_eos=True))
+        await call.write(_request("deadline", PROMPTS[4], max_tokens=UNENDING, ignore_eos=True))
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in call:
                 pass
     assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     stats = await served.idle_stats()
     lc = served.recorder.finished["deadline"][-1]
-    assert lc.finish_reason == "abort" and lc.completion_tokens < 2000
+    assert lc.finish_reason == "abort" and lc.completion_tokens < UNENDING
     assert_all_blocks_free(stats)
 
 
 async def test_request_timeout_gets_deadline_exceeded_and_work_stops(served):
     async with AsyncClient(served.address) as client:
         with pytest.raises(TandemError) as info:
-            async for _ in client.generate(PROMPTS[5], max_tokens=2000, ignore_eos=True, timeout=0.5,
+            async for _ in client.generate(PROMPTS[5], max_tokens=UNENDING, ignore_eos=True, timeout=0.5,
                                            request_id="timeout"):
                 pass
         assert info.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
         assert "timeout_ms of 500 ms" in info.value.message
         stats = await served.idle_stats()
     lc = served.recorder.finished["timeout"][-1]
-    assert lc.finish_reason == "deadline" and lc.error == "DEADLINE_EXCEEDED" and lc.completion_tokens < 2000
+    assert lc.finish_reason == "deadline" and lc.error == "DEADLINE_EXCEEDED" and lc.completion_tokens < UNENDING
     assert_all_blocks_free(stats)
+
+
+async def test_max_tokens_past_the_context_is_refused_while_a_neighbour_keeps_running(served, offline):
+    prompt_tokens = len(offline.greedy[0].prompt_token_ids)
+    async with AsyncClient(served.address) as client:
+        neighbour = client.generate(PROMPTS[0], max_tokens=UNENDING, ignore_eos=True, request_id="neighbour")
+        kept = [await neighbour.__anext__()]
+        with pytest.raises(TandemError) as info:
+            await client.complete(PROMPTS[0], max_tokens=1_000_000)
+        kept.append(await neighbour.__anext__())
+        client.cancel("neighbour")
+        kept += [d async for d in neighbour]
+    assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.message == (f"max_tokens is too large: 1000000; the prompt has {prompt_tokens} tokens and "
+                                  f"max_model_len is 8192, so max_tokens can be at most {8192 - prompt_tokens}")
+    assert not any(d.finished for d in kept[:2]) and kept[-1].finish_reason == "abort"
+    assert_all_blocks_free(await served.idle_stats())
 
 
 async def test_chat_and_token_ids_inputs_match_offline(served, offline):
@@ -153,7 +179,7 @@ def test_sync_client_streams_and_reranks(served, offline):
 async def test_sync_client_break_cancels_on_the_server(served):
     def run() -> None:
         with Client(served.address) as client:
-            for _ in client.generate(PROMPTS[9], max_tokens=400, ignore_eos=True, request_id="sync-left"):
+            for _ in client.generate(PROMPTS[9], max_tokens=UNENDING, ignore_eos=True, request_id="sync-left"):
                 break
     await asyncio.to_thread(run)
     stats = await served.idle_stats()

@@ -28,13 +28,15 @@ class ServeProcess:
     """`tandem serve --port 0` in a subprocess; address parsed from its 'tandem listening on' line."""
 
     def __init__(self, *args: str, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([TANDEM, "serve", "--port", "0", *args], cwd=ROOT, env={**os.environ, **env},
+        # PYTHONPATH: this checkout's code even where the venv's editable install points at another one.
+        self.proc = subprocess.Popen([TANDEM, "serve", "--port", "0", *args], cwd=ROOT,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT), **env},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self.output: list[str] = []
         while True:
-            line = self.lines.get(timeout=300)
+            line = self.lines.get(timeout=900)  # a hang guard: start-up is a state awaited
             if line is None:
                 raise RuntimeError("tandem serve exited early:\n" + "".join(self.output))
             self.output.append(line)
@@ -102,7 +104,7 @@ async def test_full_waiting_queue_is_resource_exhausted_until_it_drains(serve_pr
     async with grpc.aio.insecure_channel(serve_proc.address) as channel:
         stub = pb_grpc.TandemStub(channel)
         call = stub.Generate()
-        await call.write(_request("running", 4000))
+        await call.write(_request("running", 2048 - 64))  # cannot end: the context is 2048
         await _read_until(call, "running", ("delta",))  # it holds the only sequence slot now
         for request_id in ("wait-1", "wait-2", "over"):
             await call.write(_request(request_id, 3))
@@ -127,11 +129,18 @@ async def _health(channel: grpc.aio.Channel) -> int:
 
 
 async def test_sigterm_drains_in_flight_work_refuses_new_work_and_exits_zero(serve_proc):
+    # "holder" cannot end on its own (EOS ignored, nearly the whole 2048-token context) and waits behind "inflight"
+    # (--max-num-seqs 1), so the server is still draining, not gone, whatever the machine's speed, until a second
+    # SIGTERM (what a second Ctrl-C sends as SIGINT) aborts it after the refusals were checked.
     async with AsyncClient(serve_proc.address, max_retries=0) as client, \
             grpc.aio.insecure_channel(serve_proc.address) as probe:
         assert await _health(probe) == health_pb2.HealthCheckResponse.SERVING
         inflight = client.generate(PROMPT, max_tokens=48, ignore_eos=True, request_id="inflight")
         deltas = [await inflight.__anext__()]
+        held = pb_grpc.TandemStub(probe).Generate()
+        await held.write(_request("holder", 2048 - 64))
+        await held.write(pb.GenerateClientMessage(cancel=pb.CancelRequest(request_id="probe")))
+        await _read_until(held, "probe", ("error",))  # messages are handled in order: "holder" is admitted
         serve_proc.proc.send_signal(signal.SIGTERM)
         while await _health(probe) != health_pb2.HealthCheckResponse.NOT_SERVING:
             await asyncio.sleep(0.02)
@@ -140,8 +149,16 @@ async def test_sigterm_drains_in_flight_work_refuses_new_work_and_exits_zero(ser
         with pytest.raises(TandemError) as unary:
             await client.rerank("q", ["d"])
         deltas += [d async for d in inflight]
+        serve_proc.proc.send_signal(signal.SIGTERM)  # the second signal aborts what still runs and stops now
+        holder = (await _read_until(held, "holder", ("final", "error"))).final
     for refusal in (on_stream.value, unary.value):
         assert refusal.code is grpc.StatusCode.UNAVAILABLE and "draining" in refusal.message
     assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 48
     assert sum(len(d.token_ids) for d in deltas) == 48
+    assert holder.finish_reason == pb.FINISH_REASON_ABORT and holder.usage.completion_tokens < 2048 - 64
     assert serve_proc.proc.wait(120) == 0
+    said = "".join(serve_proc.output) + "".join(iter(serve_proc.lines.get, None))
+    # Start-up said where traces and metrics go; the first signal said how to force the stop, the second did.
+    assert "tracing off: set OTEL_EXPORTER_OTLP_ENDPOINT" in said and "Prometheus metrics" in said
+    assert "Press Ctrl-C again (or send SIGTERM again) to abort them and stop now" in said
+    assert "second SIGTERM: aborting 1 in-flight requests and stopping now" in said
