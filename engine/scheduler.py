@@ -78,7 +78,9 @@ class Scheduler:
         self.budget = config.max_num_batched_tokens
         # Every running sequence must fit in one step's budget, or decodes could be skipped.
         self.max_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
-        self.policy: AdmissionPolicy = policy_for(config, policy)
+        if policy is not None and not isinstance(policy, AdmissionPolicy):
+            raise ValueError(f"admission must be an AdmissionPolicy or None, got {policy!r}")
+        self.policy: AdmissionPolicy = policy if policy is not None else policy_for(config)
         self.static = config.scheduling == "static"
         self.watermark = max(1, kv.num_blocks // 100)  # headroom admissions leave for decodes
         self.waiting = WaitQueue(config.priority_aging_steps)

@@ -282,6 +282,45 @@ def test_the_online_model_converges_to_the_admissions_of_the_true_one():
     assert coef["cross_encoder_tokens"] == pytest.approx(TRUE["cross_encoder_tokens"], rel=0.05)
 
 
+def test_the_online_model_converges_with_chunked_llm_pairs():
+    """LLM-scored pairs of 50 tokens, longer than the 32 tokens of headroom: once fitted, every step beside the decodes
+    computes exactly what the true model allows (a chunk of a pair, or the end of one and the start of the next)."""
+    policy = LatencyAdmission(T, model=OnlineStepTime())
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=160)
+    pairs = sim.add_rerank_job("llm", [], [toks(50, 9000 + 50 * i) for i in range(200)])
+    for _ in range(140):
+        sim.step()
+    steady = flood_steps(sim)[-50:]
+    assert len(steady) == 50
+    assert [sim.batches[i].num_rerank_tokens for i in steady] == [32] * 50
+    assert all(sim.seconds[i] <= T for i in steady)
+    assert sum(p.status is SequenceStatus.FINISHED_STOPPED for p in pairs) >= 60
+    assert policy.model.coefficients()["llm_rerank_tokens"] == pytest.approx(TRUE["llm_rerank_tokens"], rel=0.05)
+
+
+def test_a_more_urgent_pair_overtakes_a_pair_half_way_through():
+    """An urgent job (priority -1, more urgent than every decode) arrives while a priority-0 pair is part-way: the
+    urgent pair takes the whole step at once, the half-done pair resumes after it with its computed tokens kept."""
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE))
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=60)
+    sim.step()
+    (slow,) = sim.add_rerank_job("slow", [], [toks(100, 9000)])
+    sim.step()
+    sim.step()
+    done_before = slow.num_computed_tokens
+    assert 0 < done_before < slow.num_tokens
+    (urgent,) = sim.add_rerank_job("urgent", [], [toks(80, 12000)], priority=-1)
+    batch = sim.step()
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if s.kind is SeqKind.RERANK][0] \
+        == ("urgent/0", 80)
+    assert urgent.status is SequenceStatus.FINISHED_STOPPED
+    assert slow.num_computed_tokens >= done_before  # kept, not recomputed
+    sim.run()
+    assert slow.status is SequenceStatus.FINISHED_STOPPED
+
+
 @pytest.mark.parametrize("bad_steps", [[60], [60, 61, 62], [60, 70, 80, 90]])
 def test_steps_that_ran_10x_long_do_not_collapse_the_admissions(bad_steps):
     """A busy machine makes one step (or a burst of three, or one every ten) take 10x its time: the robust fit
