@@ -275,7 +275,8 @@ class AsyncClient:
             return response, dict(await rpc.initial_metadata() or ()).get("x-tandem-replica")
 
         response, replica = await self._with_retries(call, timeout)
-        results = RerankResults(RerankResult(r.index, r.score, r.document if r.HasField("document") else None)
+        results = RerankResults(RerankResult(r.index, r.score, r.document if r.HasField("document") else None,
+                                             r.document_tokens, r.truncated)
                                 for r in response.results)
         results.usage = Usage.from_proto(response.usage)
         results.replica = replica

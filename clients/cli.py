@@ -248,10 +248,13 @@ def _rerank(args: argparse.Namespace, out: TextIO) -> int:
         results = client.rerank(args.query, args.documents, top_n=args.top_n, return_documents=True,
                                 instruction=args.instruction, truncate=args.truncate, timeout=args.timeout)
     if args.json:
-        out.write(json.dumps([{"index": r.index, "score": r.score, "document": r.document} for r in results]) + "\n")
+        out.write(json.dumps([{"index": r.index, "score": r.score, "document": r.document,
+                               "document_tokens": r.document_tokens, "truncated": r.truncated}
+                              for r in results]) + "\n")
     else:
         for r in results:
-            out.write(f"{r.score:.4f}  [{r.index}]  {r.document if args.full else excerpt(r.document)}\n")
+            mark = f"  [truncated to {r.document_tokens} tokens]" if r.truncated else ""
+            out.write(f"{r.score:.4f}  [{r.index}]  {r.document if args.full else excerpt(r.document)}{mark}\n")
     return 0
 
 

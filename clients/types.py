@@ -82,6 +82,8 @@ class RerankResult:
     index: int  # position in the documents sent
     score: float
     document: str | None = None  # set when return_documents=True
+    document_tokens: int = 0  # the document's tokens the score saw (all of them unless truncated)
+    truncated: bool = False  # the server cut the document to fit its rerank pair limit (truncate="end")
 
 
 class RerankResults(list):

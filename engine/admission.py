@@ -114,10 +114,16 @@ class LatencyAdmission(AdmissionPolicy):
     `tpot_target_s`, planning with the model's own error margin (predicted x (1 + margin) <= target).
 
     * No decodes in the step: nothing to protect, `fallback` (ShareAdmission: the whole budget) decides.
-    * Floors, so nothing starves: at least one rerank pair per step while pairs wait, and at least
-      `min_prefill_tokens` of prompt (chunked) while prompts wait, even when the decodes alone are over the target.
-      Floors come on top of what the objective admits: a step can exceed the target by one pair plus that prefill
-      floor.
+    * Reranking makes progress every step, and a prompt too (floors, on top of what the headroom admits):
+      - LLM-scored pairs (likelihood, judge) are prefilled in chunks like prompts, so while pairs wait every step
+        computes at least the rerank tokens whose predicted cost is `rerank_floor` x the target (at least one token;
+        about 10% of T: a step whose decodes alone are under T stays under 1.1 T with the floor);
+      - a cross-encoder pair cannot be split: it rides in a step whose predicted time with it stays within the
+        target, or, when no step has had room for `max_pair_wait_steps` steps in a row, in the next step whatever it
+        costs (so a pair waits at most that many steps, and at most one step in that many goes over the target);
+      - at least `min_prefill_tokens` of prompt (chunked) while prompts wait.
+      What no admission can fix: when the decodes alone take longer than the target (too many of them for this
+      device), only the floors ride beside them and every such step is over the target.
     * Priority: work whose declared priority is strictly better (lower) than every decode in the step is not held
       to the objective; it is admitted as if no decode ran (it may push those decodes past the target). Otherwise
       the more urgent of the two queue heads fills the headroom first; at equal priority pairs get `rerank_share`
@@ -128,15 +134,22 @@ class LatencyAdmission(AdmissionPolicy):
     model: "LinearStepTime" = field(default_factory=OnlineStepTime)
     rerank_share: float = 0.5
     min_prefill_tokens: int = 32
+    rerank_floor: float = 0.1  # share of the target the per-step rerank floor may cost (LLM-scored pairs)
+    max_pair_wait_steps: int = 128  # steps a cross-encoder pair waits for room before it rides regardless
     fallback: AdmissionPolicy | None = None
 
     _prefill_over: int = field(default=0, init=False, repr=False)  # floor tokens prefill_budget gave this step
+    _rerank_starved: int = field(default=0, init=False, repr=False)  # steps in a row pairs waited and none rode
 
     observes_steps = True
 
     def __post_init__(self) -> None:
         if not self.tpot_target_s > 0:
             raise ValueError(f"tpot_target_s must be > 0, got {self.tpot_target_s!r}")
+        if not 0.0 <= self.rerank_floor <= 1.0:
+            raise ValueError(f"rerank_floor must be in [0, 1], got {self.rerank_floor!r}")
+        if self.max_pair_wait_steps < 0:
+            raise ValueError(f"max_pair_wait_steps must be >= 0, got {self.max_pair_wait_steps!r}")
         if self.fallback is None:
             self.fallback = ShareAdmission(self.rerank_share)
 
@@ -181,7 +194,17 @@ class LatencyAdmission(AdmissionPolicy):
             limit = now + max(0.0, limit - now) * share
         return self.model.tokens_within(shape, kind, limit)
 
+    def rerank_floor_tokens(self) -> int:
+        """LLM-scored rerank tokens every step computes while pairs wait: those `rerank_floor` x the target buys."""
+        cost = self.model.token_cost_s(LLM_RERANK)
+        return max(1, int(self.rerank_floor * self.tpot_target_s / cost)) if cost > 0 else 1 << 30
+
     def admit(self, step: AdmissionStep) -> None:
+        waiting = step.rerank_head() is not None
+        self._admit(step)
+        self._rerank_starved = self._rerank_starved + 1 if waiting and not step.batch.num_rerank_tokens else 0
+
+    def _admit(self, step: AdmissionStep) -> None:
         batch = step.batch
         if not batch.num_decode_tokens:
             self.fallback.admit(step)
@@ -222,9 +245,14 @@ class LatencyAdmission(AdmissionPolicy):
         if head is None:
             return
         tokens = self._tokens(step, LLM_RERANK if head.uses_kv else CROSS_ENCODER, limit, share)
-        admitted = step.admit_rerank(tokens, seats) if tokens else 0
-        if not admitted and not step.batch.num_rerank_pairs:
-            step.admit_rerank(max_seats=1)  # the floor: one pair a step, whatever it costs
+        if tokens:
+            step.admit_rerank(tokens, seats)
+        if step.batch.num_rerank_tokens:
+            return
+        if head.uses_kv:  # the floor: a few tokens of the next pair's chunk
+            step.admit_rerank(self.rerank_floor_tokens(), seats)
+        elif self._rerank_starved >= self.max_pair_wait_steps:  # waited its bound: one pair, whatever it costs
+            step.admit_rerank(max_seats=1)
 
     def _fill_generation(self, step: AdmissionStep, limit: float) -> None:
         if step.generation_head() is None:

@@ -32,6 +32,7 @@ class EngineParts:
     model_args: LlamaArgs
     model: LlamaForCausalLM
     max_model_len: int
+    max_model_len_by: str  # what sets max_model_len (the model, the config, or the KV pool), named in errors
     pool: BlockPool
     kv: KVCacheManager
     scheduler: Scheduler
@@ -61,10 +62,14 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
         model = build_quantized_model(args, model_dir, quantization)
     log.info("weights: %s, %.1f MB", weight_format(model), weight_bytes(model) / 1e6)
     max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
+    max_model_len_by = ("max_model_len (tandem serve --max-model-len)" if max_model_len < args.max_position_embeddings
+                        else "the model's context, max_position_embeddings")
     per_block = ModelRunner.kv_bytes_per_block(args, config.block_size, config.dtype)
     num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
     # A sequence must fit the whole pool, or it would be preempted forever once it outgrew it.
-    max_model_len = min(max_model_len, num_blocks * config.block_size)
+    if num_blocks * config.block_size < max_model_len:
+        max_model_len = num_blocks * config.block_size
+        max_model_len_by = "the KV cache (tandem serve --kv-cache-bytes / --num-kv-blocks)"
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, config.block_size, config.enable_prefix_caching)
     scorer = build_scorer(config, tokenizer, model)
@@ -78,7 +83,8 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
             log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
                      runner.decode_graphs.sizes, time.monotonic() - started)
     return EngineParts(model_dir=str(model_dir), tokenizer=tokenizer, hf_config=hf_config, model_args=args,
-                       model=model, max_model_len=max_model_len, pool=pool, kv=kv,
+                       model=model, max_model_len=max_model_len,
+                       max_model_len_by=max_model_len_by, pool=pool, kv=kv,
                        scheduler=Scheduler(config, kv, policy), scorer=scorer, runner=runner,
                        eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
                        weight_bytes=weight_bytes(model), weight_format=weight_format(model))

@@ -47,7 +47,8 @@ class LLMEngine:
         # Built on the first request with structured_outputs (engine/structured.py imports a grammar library).
         self.grammar_compiler: "GrammarCompiler | None" = None
         self.intake = RequestIntake(config, self.tokenizer, self.model_args.vocab_size, self.max_model_len,
-                                    self.scheduler.budget, self.scorer, self._grammar_compiler)
+                                    self.scheduler.budget, self.scorer, self._grammar_compiler,
+                                    max_model_len_by=parts.max_model_len_by)
         self._requests: dict[str, Request] = {}
         self._pending: list[StepOutput] = []  # final outputs of aborts, handed out with the next step
         self._observers: list[Callable[[StepRecord], None]] = []
@@ -143,6 +144,9 @@ class LLMEngine:
             "weight_bytes": self.weight_bytes,
             "reranker": str(self.config.reranker) if self.config.reranker else "llm",
             "rerank_mode": self.scorer.mode,
+            # The most tokens one rerank pair may have (template, query and document), and what sets it.
+            "rerank_max_pair_tokens": self.intake.rerank_limit()[0],
+            "rerank_limit_by": self.intake.rerank_limit()[1],
         }
 
     # ---- the step ------------------------------------------------------------------------------
@@ -173,13 +177,26 @@ class LLMEngine:
 
     def _process(self, batch: Batch, result: RunnerOutput, finished: dict[Sequence, SequenceStatus]
                  ) -> list[StepOutput]:
-        """Append each sampled token and decide there whether its sequence stops; record scores. Fills `finished`
-        with the sequences the scheduler must let go."""
+        """Record the prompt log-probabilities each row computed, append each sampled token and decide there whether
+        its sequence stops, score the pairs whose last chunk ran. Fills `finished` with the sequences the scheduler
+        must let go."""
         outputs = []
         now = time.monotonic()
-        logprobs = getattr(result, "logprobs", None) or [None] * len(batch.seqs)
-        for seq, token, score, lp in zip(batch.seqs, result.sampled, result.scores, logprobs):
-            if score is not None:
+        none = [None] * len(batch.seqs)
+        logprobs = getattr(result, "logprobs", None) or none
+        spans = getattr(result, "prompt_logprobs", None) or none
+        tops = getattr(result, "prompt_top_logprobs", None) or none
+        for seq, n, token, score, lp, span, top in zip(batch.seqs, batch.num_new_tokens, result.sampled,
+                                                        result.scores, logprobs, spans, tops):
+            if span:
+                seq.prompt_logprobs.extend(span)
+            if top:
+                seq.prompt_top_logprobs.extend(top)
+            if seq.kind is SeqKind.RERANK:
+                if seq.num_computed_tokens + n < seq.num_tokens:
+                    continue  # a chunk of a pair: scored when its last chunk runs
+                if score is None:
+                    score = self.scorer.span_score(seq.prompt_logprobs)
                 finished[seq] = SequenceStatus.FINISHED_STOPPED
                 job = self._requests[seq.request_id]
                 job.scores[seq.pair.index] = score
@@ -346,6 +363,8 @@ def _final_output(req: Request, reason: str, error: str | None = None) -> StepOu
         started = [p.first_scheduled_time for p in req.pairs if p.first_scheduled_time is not None]
         return StepOutput(request_id=req.request_id, kind=SeqKind.RERANK, finished=True, finish_reason=reason,
                           error=error, scores=list(req.scores) if reason == "stop" else None,
+                          document_tokens=list(req.document_tokens) if reason == "stop" else None,
+                          truncated=list(req.truncated) if reason == "stop" else None,
                           prompt_tokens=req.prompt_tokens, cached_tokens=req.cached_tokens,
                           arrival_time=req.arrival_time,
                           queue_time_s=min(started) - req.arrival_time if started else None)

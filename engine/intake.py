@@ -44,12 +44,14 @@ class Generation:
 
 class RequestIntake:
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, max_model_len: int, budget: int,
-                 scorer: PairScorer, grammar_compiler: "Callable[[], GrammarCompiler] | None" = None) -> None:
+                 scorer: PairScorer, grammar_compiler: "Callable[[], GrammarCompiler] | None" = None,
+                 max_model_len_by: str = "max_model_len") -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.budget = budget  # tokens of one step: a rerank pair is atomic, so it must fit
+        self.budget = budget  # tokens of one step: a cross-encoder pair runs whole, so it must fit
+        self.max_model_len_by = max_model_len_by  # what sets max_model_len, named in errors
         self.scorer = scorer
         self.grammar_compiler = grammar_compiler  # called only for a request with structured_outputs
         self._arrivals = itertools.count()
@@ -118,9 +120,10 @@ class RequestIntake:
         job = RerankJob(request_id, query, list(documents), params, arrival_time=time.monotonic(),
                         scores=[None] * len(documents), remaining=len(documents))
         scorer = self.scorer
-        # A pair is atomic: it must fit one step's budget, and (through the LLM) the context.
-        limit = min(self.max_model_len - 1, self.budget) if scorer.runs_on_llm else self.budget
-        pairs, shared = scorer.pairs(query, job.documents, params, limit)
+        limit, limit_by = self.rerank_limit()
+        pairs, shared = scorer.pairs(query, job.documents, params, limit, limit_by)
+        job.document_tokens = [p.document_tokens for p in pairs]
+        job.truncated = [p.truncated for p in pairs]
         # Later pairs wait for the first when it fills at least one full block of their shared prefix.
         wait = scorer.runs_on_llm and self.config.enable_prefix_caching and shared >= self.config.block_size
         for i, pair in enumerate(pairs):
@@ -131,6 +134,19 @@ class RequestIntake:
                 priority=params.priority, uses_kv=scorer.runs_on_llm, logprob_start=pair.logprob_start,
                 pair=RerankPair(i, wait_for=first, token_type_ids=pair.token_type_ids)))
         return job
+
+    def rerank_limit(self) -> tuple[int, str]:
+        """The most tokens one rerank pair (template, query and document) may have, and what sets that limit.
+
+        A pair the LLM scores is prefilled in chunks across steps like a prompt, so it may fill the model's context;
+        a cross-encoder pair runs whole in one step, within its own max_position_embeddings and the step's budget."""
+        if self.scorer.runs_on_llm:
+            return self.max_model_len, self.max_model_len_by
+        own = self.scorer.max_length
+        if own is not None and own <= self.budget:
+            return own, "the cross-encoder's max_position_embeddings"
+        return self.budget, ("max_num_batched_tokens (tandem serve --max-num-batched-tokens): a cross-encoder pair "
+                             "runs whole in one step")
 
     def chat_token_ids(self, messages: list[dict]) -> list[int]:
         if not isinstance(messages, list) or not messages:

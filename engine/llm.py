@@ -35,23 +35,24 @@ class LLM:
     def rerank(self, query: str, documents: list[str], params: RerankParams | None = None, *,
                ranked: bool = False) -> list[float] | list[RerankResult]:
         """Relevance scores of documents for the query, in input order; with ranked=True the answer the service
-        gives: RerankResult(index, score, document) sorted by score, at most params.top_n, documents included with
-        params.return_documents (those two shape only a ranked answer, so without ranked=True they are rejected)."""
+        gives: RerankResult(index, score, document, document_tokens, truncated) sorted by score, at most
+        params.top_n, documents included with params.return_documents (those two shape only a ranked answer, so without ranked=True they are rejected)."""
         if params is not None and not ranked and (params.top_n is not None or params.return_documents):
             raise ValueError("top_n and return_documents shape a ranked answer: call rerank(..., ranked=True)")
         request_id = f"rerank-{next(self._ids)}"
         self.engine.add_rerank(request_id, query, documents, params)
-        scores = None
+        final = None
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.request_id == request_id and out.finished:
                     if out.error:
                         raise RuntimeError(out.error)
-                    scores = out.scores
+                    final = out
         if not ranked:
-            return scores
+            return final.scores
         params = params or RerankParams()
-        return rank_scores(scores, documents, params.top_n, params.return_documents)
+        return rank_scores(final.scores, documents, params.top_n, params.return_documents, final.document_tokens,
+                           final.truncated)
 
     def _run(self, requests: list[dict], params) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):

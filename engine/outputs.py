@@ -30,6 +30,8 @@ class StepOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     error: str | None = None  # set with finish_reason "error"
     scores: list[float] | None = None  # rerank: one per document, input order, only when finished
+    document_tokens: list[int] | None = None  # rerank, with scores: per document, its tokens the score saw
+    truncated: list[bool] | None = None  # rerank, with scores: per document, whether it was cut to fit the limit
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -69,13 +71,18 @@ class RerankResult:
     index: int  # position in the request's documents
     score: float
     document: str | None = None  # with RerankParams(return_documents=True)
+    document_tokens: int = 0  # the document's tokens the score saw
+    truncated: bool = False  # the document was cut at its end to fit the rerank pair limit (truncate="end")
 
 
-def rank_scores(scores: list[float], documents: list[str], top_n: int | None,
-                return_documents: bool) -> list[RerankResult]:
+def rank_scores(scores: list[float], documents: list[str], top_n: int | None, return_documents: bool,
+                document_tokens: list[int] | None = None, truncated: list[bool] | None = None
+                ) -> list[RerankResult]:
     """Highest score first (ties keep input order), at most top_n."""
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:top_n]
-    return [RerankResult(i, scores[i], documents[i] if return_documents else None) for i in order]
+    return [RerankResult(i, scores[i], documents[i] if return_documents else None,
+                         document_tokens[i] if document_tokens else 0, bool(truncated and truncated[i]))
+            for i in order]
 
 
 @dataclass(slots=True)

@@ -21,11 +21,19 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 @dataclass(slots=True)
 class RunnerOutput:
     sampled: list[int | None]  # per batch sequence: its next token, if its prompt completed this step
-    scores: list[float | None]  # per batch sequence: the rerank score, for rerank pairs
+    # Per batch sequence: the rerank score of a pair whose last token was computed this step, for modes that score
+    # at the last position (judge, cross-encoder); None for query likelihood, scored from its span (below).
+    scores: list[float | None]
     forward_s: float = 0.0  # time inside model forwards (LLM and cross-encoder), the rest is engine overhead
     # Per batch sequence: its sampled token's raw log-probability and top alternatives, if its params ask;
     # None (the whole list) from runners that compute none.
     logprobs: list[dict[int, float] | None] | None = None
+    # Per batch sequence: the log-probabilities of the prompt tokens this step's chunk predicts (positions from its
+    # logprob_start on: a likelihood pair's query span, a prompt_logprobs request's prompt), in order; and for
+    # sequences that ask for alternatives (num_prompt_logprobs), the top ones per position. None (the whole list)
+    # from runners that compute none. A chunked sequence gets its span over several steps' outputs.
+    prompt_logprobs: list[list[float] | None] | None = None
+    prompt_top_logprobs: list[list[dict[int, float]] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -119,21 +127,25 @@ class ModelRunner:
         sampled: list[int | None] = [None] * len(batch)
         scores: list[float | None] = [None] * len(batch)
         logprobs: list[dict[int, float] | None] = [None] * len(batch)
+        spans: list[list[float] | None] = [None] * len(batch)
+        tops: list[list[dict[int, float]] | None] = [None] * len(batch)
         llm_rows = [i for i, s in enumerate(batch.seqs) if s.uses_kv]
         own_rows = [i for i, s in enumerate(batch.seqs) if not s.uses_kv]  # pairs the scorer's own model runs
         clock = ForwardClock(self.device)
         if llm_rows:
-            self._run_llm(batch, llm_rows, sampled, scores, logprobs, clock)
+            self._run_llm(batch, llm_rows, sampled, scores, logprobs, (spans, tops), clock)
         if own_rows:
             with clock:
                 own_scores = self.scorer.score([batch.seqs[i] for i in own_rows], None)
             for i, score in zip(own_rows, own_scores):
                 scores[i] = score
-        return RunnerOutput(sampled=sampled, scores=scores, forward_s=clock.seconds(), logprobs=logprobs)
+        return RunnerOutput(sampled=sampled, scores=scores, forward_s=clock.seconds(), logprobs=logprobs,
+                            prompt_logprobs=spans, prompt_top_logprobs=tops)
 
     def _run_llm(self, batch: Batch, rows: list[int], sampled: list, scores: list, logprobs: list,
-                 clock: ForwardClock) -> None:
-        """Fills `sampled`, `scores` and `logprobs` for the LLM rows; model forwards are timed on `clock`."""
+                 prompt_logprobs: tuple[list, list], clock: ForwardClock) -> None:
+        """Fills `sampled`, `scores`, `logprobs` and the (spans, tops) of `prompt_logprobs` for the LLM rows; model
+        forwards are timed on `clock`."""
         seqs = [batch.seqs[i] for i in rows]
         prepared = self.prepare(seqs, [batch.num_new_tokens[i] for i in rows])
         with clock:
@@ -143,7 +155,7 @@ class ModelRunner:
             if hidden is None:
                 hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
             if prepared.logprob_rows:
-                self._add_prompt_logprobs(hidden, prepared, seqs)
+                self._prompt_logprobs(hidden, prepared, seqs, rows, *prompt_logprobs)
         gen_rows, gen_seqs, pair_rows, pair_seqs = [], [], [], []
         for row, j in zip(prepared.last_token_rows, prepared.completing):
             if seqs[j].kind is SeqKind.RERANK:
@@ -159,14 +171,15 @@ class ModelRunner:
             for i, t, lp in zip(gen_seqs, out.tokens, out.logprobs):
                 sampled[i] = t
                 logprobs[i] = lp
-        if pair_rows:
+        if pair_rows and self.scorer.scores_last_position:
             for i, s in zip(pair_seqs, self.scorer.score([batch.seqs[i] for i in pair_seqs], hidden[pair_rows])):
                 scores[i] = s
 
-    def _add_prompt_logprobs(self, hidden: torch.Tensor, prepared: PreparedBatch, seqs: list[Sequence]) -> None:
-        """Append to each sequence's prompt_logprobs the log-probabilities of the prompt tokens this chunk predicts,
-        and to prompt_top_logprobs, for sequences that ask (num_prompt_logprobs), the top alternatives: the LM head
-        runs on those rows only, never on the whole batch."""
+    def _prompt_logprobs(self, hidden: torch.Tensor, prepared: PreparedBatch, seqs: list[Sequence],
+                         batch_rows: list[int], spans: list, tops_out: list) -> None:
+        """Per batch row (`batch_rows` maps the prepared sequences to it): the log-probabilities of the prompt tokens this
+        chunk predicts into `spans`, and, for sequences that ask (num_prompt_logprobs), the top alternatives into
+        `tops_out`. The LM head runs on those rows only, never on the whole batch."""
         values: list[float] = []
         tops: list[dict[int, float] | None] = []
         ks = [getattr(seqs[owner], "num_prompt_logprobs", None) for owner in prepared.logprob_owners]
@@ -178,9 +191,14 @@ class ModelRunner:
             values.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
             tops.extend(self._prompt_tops(logprobs, chunk_targets, ks[lo:lo + self.LOGPROB_CHUNK]))
         for owner, value, top in zip(prepared.logprob_owners, values, tops):
-            seqs[owner].prompt_logprobs.append(value)
+            row = batch_rows[owner]
+            if spans[row] is None:
+                spans[row] = []
+            spans[row].append(value)
             if top is not None:
-                seqs[owner].prompt_top_logprobs.append(top)
+                if tops_out[row] is None:
+                    tops_out[row] = []
+                tops_out[row].append(top)
 
     @staticmethod
     def _prompt_tops(logprobs: torch.Tensor, targets: list[int], ks: list[int | None]) -> list[dict | None]:

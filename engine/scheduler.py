@@ -1,8 +1,9 @@
 """Iteration-level scheduling: each step, one ragged batch under a token budget.
 
-Order: running decodes (one token each), then chunked-prefill continuations, then admissions from
-the waiting queues (generation and rerank pairs, shared by a fairness policy). A sequence's whole
-prompt gets its blocks at admission, so only decodes grow; a decode that finds no free block
+Order: running decodes (one token each), then chunked-prefill continuations of prompts, then what the admission
+policy gives out: prompt admissions and rerank tokens (pairs the LLM scores continue in chunks, exactly like prompts,
+before new pairs are admitted; a cross-encoder pair runs whole). A sequence's whole prompt (a pair's whole text)
+gets its blocks at admission, so only decodes grow; a decode that finds no free block
 preempts the lowest-priority, newest running sequence (recomputed later). A sequence that shares another's
 prompt (`Sequence.blocked`: rerank pairs after their job's first, completions 1..n-1 after completion 0) is admitted
 once that one has computed it, and then takes its full blocks from the prefix cache or as a fork.
@@ -77,7 +78,9 @@ class Scheduler:
         self.budget = config.max_num_batched_tokens
         # Every running sequence must fit in one step's budget, or decodes could be skipped.
         self.max_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
-        self.policy: AdmissionPolicy = policy_for(config, policy)
+        if policy is not None and not isinstance(policy, AdmissionPolicy):
+            raise ValueError(f"admission must be an AdmissionPolicy or None, got {policy!r}")
+        self.policy: AdmissionPolicy = policy if policy is not None else policy_for(config)
         self.static = config.scheduling == "static"
         self.watermark = max(1, kv.num_blocks // 100)  # headroom admissions leave for decodes
         self.waiting = WaitQueue(config.priority_aging_steps)
@@ -116,16 +119,17 @@ class Scheduler:
         batch = Batch()
         self.running.sort(key=lambda s: (s.priority, s.arrival))
         budget = self._schedule_decodes(batch, self.budget)
-        head = self.waiting_rerank.peek(self.num_steps)
+        pairs = [s for s in self.running if s.kind is SeqKind.RERANK]  # LLM-scored pairs part-way through
+        head = self._rerank_head(pairs, batch)
         step = AdmissionStep(
             batch=batch, budget=budget, free_seats=self.max_seqs - len(self.running),
-            generation_waiting=len(self.waiting), rerank_waiting=len(self.waiting_rerank),
-            rerank_head_tokens=head.num_tokens if head else 0,
+            generation_waiting=len(self.waiting), rerank_waiting=len(self.waiting_rerank) + len(pairs),
+            rerank_head_tokens=(head.num_uncomputed_tokens if not head.uses_kv else 1) if head else 0,
             _admit_generation=lambda tokens, seats: self._admit_from(self.waiting, batch, tokens, seats),
-            _admit_rerank=lambda tokens, seats: self._admit_from(self.waiting_rerank, batch, tokens, seats),
+            _admit_rerank=lambda tokens, seats: self._admit_rerank(pairs, batch, tokens, seats),
             _peek_generation=lambda: self.waiting.peek(self.num_steps),
-            _peek_rerank=lambda: self.waiting_rerank.peek(self.num_steps))
-        continuing = [s for s in self.running if s.num_uncomputed_tokens > 1]
+            _peek_rerank=lambda: self._rerank_head(pairs, batch))
+        continuing = [s for s in self.running if s.kind is SeqKind.GENERATE and s.num_uncomputed_tokens > 1]
         if continuing:  # chunked prefill of prompts already running, as much as the policy lets them take
             chunk_budget = min(step.budget, self.policy.prefill_budget(step, continuing))
             step.budget -= chunk_budget - self._schedule_prefill_chunks(batch, chunk_budget)
@@ -137,7 +141,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_uncomputed_tokens != 1:
+            if seq.num_uncomputed_tokens != 1 or seq.kind is SeqKind.RERANK:
                 i += 1
                 continue
             while not self.kv.allocate(seq, 1):
@@ -156,13 +160,46 @@ class Scheduler:
             if budget <= 0:
                 break
             n = seq.num_uncomputed_tokens
-            if n > 1:  # blocks were reserved at admission
+            if n > 1 and seq.kind is SeqKind.GENERATE:  # blocks were reserved at admission
                 chunk = min(n, budget)
                 batch.add(seq, chunk)
                 budget -= chunk
         return budget
 
-    def _admit_from(self, queue: WaitQueue, batch: Batch, budget: int, seats: int | None = None) -> int:
+    def _rerank_head(self, pairs: list[Sequence], batch: Batch) -> Sequence | None:
+        """The pair the next rerank tokens go to: the most urgent of the running pairs not yet in this step (part-way
+        through, they hold KV) and the waiting queue's head; at equal priority the running pair."""
+        waiting = self.waiting_rerank.peek(self.num_steps)
+        for seq in pairs:  # running is sorted by (priority, arrival)
+            if seq.num_computed_tokens < seq.num_tokens and not _in_batch(seq, batch):
+                if waiting is None or seq.priority <= waiting.priority:
+                    return seq
+                break
+        return waiting
+
+    def _admit_rerank(self, pairs: list[Sequence], batch: Batch, budget: int, seats: int | None) -> int:
+        """Rerank tokens, at most `budget` of them: the next chunk of each running pair, then new pairs, most urgent
+        first (`_rerank_head`). An LLM-scored pair is chunked like a prompt; a cross-encoder pair runs whole or not
+        at all. `seats` bounds the pairs this call serves, running ones included (each holds a seat)."""
+        used = 0
+        while used < budget and (seats is None or seats > 0):
+            seq = self._rerank_head(pairs, batch)
+            if seq is None:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # the queue's head: a new pair
+                took = self._admit_from(self.waiting_rerank, batch, budget - used, seats, one=True)
+                if not took:
+                    break
+                used += took
+            else:
+                chunk = min(seq.num_uncomputed_tokens, budget - used)
+                batch.add(seq, chunk)
+                used += chunk
+            seats = None if seats is None else seats - 1
+        return used
+
+    def _admit_from(self, queue: WaitQueue, batch: Batch, budget: int, seats: int | None = None,
+                    one: bool = False) -> int:
         """Admit from the head of `queue` while `budget` tokens and (at most `seats` new) seats last."""
         used = 0
         max_running = self.max_seqs if seats is None else min(self.max_seqs, len(self.running) + seats)
@@ -172,8 +209,8 @@ class Scheduler:
                 break
             prefix = self._prefix_of(seq) if seq.uses_kv else NO_PREFIX
             n = seq.num_tokens - prefix.num_tokens  # a waiting sequence has nothing computed
-            if seq.kind is SeqKind.RERANK and n > budget - used:
-                break  # a pair is atomic
+            if not seq.uses_kv and n > budget - used:
+                break  # a cross-encoder pair is atomic (bidirectional attention over the whole pair)
             # Admissions leave a little headroom for decodes, unless nothing runs that could use it.
             if seq.uses_kv and not self.kv.allocate(seq, n, prefix, reserve=self.watermark if self.running else 0):
                 break
@@ -186,6 +223,8 @@ class Scheduler:
             chunk = min(n, budget - used)
             batch.add(seq, chunk)
             used += chunk
+            if one:
+                break
         return used
 
     def _prefix_of(self, seq: Sequence) -> CachedPrefix:
@@ -209,6 +248,11 @@ class Scheduler:
         self._queue_of(seq).push(seq, self.num_steps)
         seq.status = SequenceStatus.PREEMPTED
 
+    def preempt(self, seq: Sequence) -> None:
+        """Take a running sequence's blocks back now and queue it again to recompute (what a decode short of a block
+        does to the lowest-priority, newest running sequence; the engine calls it only in tests)."""
+        self._preempt(seq, Batch())
+
     def update(self, batch: Batch, finished: Mapping[Sequence, SequenceStatus]) -> None:
         """After the step: advance each scheduled sequence past the tokens it computed (its sampled token, if any,
         was appended by whoever decided whether it stops), then take the `finished` ones out for good."""
@@ -218,3 +262,7 @@ class Scheduler:
                 self.kv.commit(seq)
         for seq, status in finished.items():
             self.finish(seq, status)
+
+
+def _in_batch(seq: Sequence, batch: Batch) -> bool:
+    return any(s is seq for s in batch.seqs)

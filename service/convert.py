@@ -117,6 +117,8 @@ def request_error(error: ServiceError) -> pb.RequestError:
 def rerank_response(client_id: str, out: StepOutput, documents: list[str], params: RerankParams,
                     lc: RequestLifecycle) -> pb.RerankResponse:
     """Results sorted by score (ties by input index), cut to top_n, documents attached on request."""
-    results = [pb.RerankResult(index=r.index, score=r.score, document=r.document)
-               for r in rank_scores(out.scores, documents, params.top_n, params.return_documents)]
+    results = [pb.RerankResult(index=r.index, score=r.score, document=r.document, document_tokens=r.document_tokens,
+                               truncated=r.truncated)
+               for r in rank_scores(out.scores, documents, params.top_n, params.return_documents,
+                                    out.document_tokens, out.truncated)]
     return pb.RerankResponse(request_id=client_id, results=results, usage=usage(lc))

@@ -39,6 +39,11 @@ class Metrics(Hooks):
                                         buckets=_LATENCY, registry=r)
         self.step_duration = Histogram("tandem_step_duration_seconds", "Engine step duration",
                                        buckets=_LATENCY, registry=r)
+        # Time the engine thread spends between two steps that both served work: applying commands (tokenizing new
+        # requests, aborts) and handing outputs to the loop. Decodes wait for it as they wait for a step.
+        self.step_gap = Histogram("tandem_step_gap_seconds", "Engine-thread time between consecutive busy steps",
+                                  buckets=_LATENCY, registry=r)
+        self._last_step_end: float | None = None
         self.step_tokens = Histogram("tandem_step_tokens", "Tokens per engine step by part of the batch",
                                      ["part"], buckets=_TOKENS, registry=r)
         self.prediction_error = Histogram(
@@ -78,6 +83,12 @@ class Metrics(Hooks):
 
     def on_step(self, record) -> None:
         self.step_duration.observe(record.duration_s)
+        if record.num_seqs:
+            if self._last_step_end is not None:
+                self.step_gap.observe(max(0.0, record.start_time - self._last_step_end))
+            self._last_step_end = record.start_time + record.duration_s
+        else:
+            self._last_step_end = None
         error = getattr(record, "prediction_error", None)
         if error is not None:
             self.prediction_error.observe(error)

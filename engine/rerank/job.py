@@ -17,6 +17,8 @@ class RerankJob:
     pairs: list[Sequence] = field(default_factory=list)
     scores: list[float | None] = field(default_factory=list)
     remaining: int = 0
+    document_tokens: list[int] = field(default_factory=list)  # per document: its tokens the pair scores
+    truncated: list[bool] = field(default_factory=list)  # per document: cut at its end to fit the pair limit
 
     @property
     def prompt_tokens(self) -> int:

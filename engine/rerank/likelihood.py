@@ -21,6 +21,7 @@ DEFAULT_INSTRUCTION = "Please write a question based on this passage."
 
 class LikelihoodScorer(PairScorer):
     mode = "likelihood"
+    scores_last_position = False  # the query span's log-probabilities, which may arrive over several chunks
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -35,4 +36,7 @@ class LikelihoodScorer(PairScorer):
         return [list(ids) for ids in self.tokenizer(documents, add_special_tokens=False).input_ids]
 
     def score(self, pairs: list[Sequence], last_hidden: torch.Tensor | None) -> list[float]:
-        return [math.exp(sum(p.prompt_logprobs) / len(p.prompt_logprobs)) for p in pairs]
+        raise NotImplementedError("query likelihood scores a pair from its span: span_score")
+
+    def span_score(self, logprobs: list[float]) -> float:
+        return math.exp(sum(logprobs) / len(logprobs))

@@ -13,6 +13,8 @@ class PairTokens:
     token_ids: list[int]
     token_type_ids: list[int] | None = None  # cross-encoder segment ids
     logprob_start: int | None = None  # first position whose token's log-probability the score needs
+    document_tokens: int = 0  # of the document's tokens, those in the pair (all of them unless truncated)
+    truncated: bool = False  # the document was cut at its end to fit the limit
 
 
 @dataclass(slots=True)
@@ -26,25 +28,28 @@ class PairTemplate:
     suffix_types: list[int] | None = None
     scored_suffix: int = 0
 
-    def fit(self, documents: list[list[int]], limit: int, truncate: Truncate) -> list[PairTokens]:
+    def fit(self, documents: list[list[int]], limit: int, truncate: Truncate, limit_by: str = "") -> list[PairTokens]:
         """Each document between prefix and suffix, cut at its end to fit `limit` tokens ("end") or rejected with a
-        ValueError naming it ("none")."""
+        ValueError naming it, the limit and `limit_by`, what sets the limit ("none")."""
         fixed = len(self.prefix) + len(self.suffix)
         room = limit - fixed
+        by = f" ({limit_by})" if limit_by else ""
         if room < 1:
             raise ValueError(f"query is too long: the rendered pair leaves no room for a document "
-                             f"({fixed} tokens without it, limit {limit})")
+                             f"({fixed} tokens without it, rerank pair limit {limit}{by})")
         pairs = []
         for i, doc in enumerate(documents):
-            if len(doc) > room:
+            truncated = len(doc) > room
+            if truncated:
                 if truncate == "none":
-                    raise ValueError(f"documents[{i}] with the query is {fixed + len(doc)} tokens, over the limit "
-                                     f"of {limit}; shorten it or use truncate='end'")
+                    raise ValueError(f"documents[{i}] with the query is {fixed + len(doc)} tokens, over the rerank "
+                                     f"pair limit of {limit}{by}: a document may have {room} tokens with this "
+                                     "query; shorten it or use truncate='end'")
                 doc = doc[:room]
             ids = self.prefix + doc + self.suffix
             types = None
             if self.prefix_types is not None:
                 types = self.prefix_types + [self.document_type] * len(doc) + (self.suffix_types or [])
             start = len(ids) - self.scored_suffix if self.scored_suffix else None
-            pairs.append(PairTokens(ids, types, start))
+            pairs.append(PairTokens(ids, types, start, document_tokens=len(doc), truncated=truncated))
         return pairs

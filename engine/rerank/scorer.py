@@ -19,6 +19,10 @@ class PairScorer(ABC):
     # True: pairs ride the LLM's forward in the scheduler's ragged batch and hold KV blocks while they run.
     # False: the scorer runs its own model over the pairs (a cross-encoder), no KV at all.
     runs_on_llm: ClassVar[bool] = True
+    # True: score() reads the final hidden state at each pair's last position (judge) or runs its own model
+    # (cross-encoder). False: the score comes from the log-probabilities of the pair's scored span, which a pair
+    # prefilled in chunks gets over several steps: span_score() turns the whole span into the score.
+    scores_last_position: ClassVar[bool] = True
     max_length: int | None = None  # the scorer's own cap on a pair's tokens, if it has one
 
     @abstractmethod
@@ -34,12 +38,15 @@ class PairScorer(ABC):
         """One score in [0, 1] per finished pair. `last_hidden` is the LLM's final hidden state at each pair's last
         position (None when the scorer runs its own model)."""
 
-    def pairs(self, query: str, documents: list[str], params: RerankParams, limit: int
+    def span_score(self, logprobs: list[float]) -> float:
+        """The score of a pair from its scored span's log-probabilities (scorers with scores_last_position False)."""
+        raise NotImplementedError(f"the {self.mode} mode scores at the last position")
+
+    def pairs(self, query: str, documents: list[str], params: RerankParams, limit: int, limit_by: str = ""
               ) -> tuple[list[PairTokens], int]:
-        """Every pair within `limit` tokens (and the scorer's own cap), and the length of the prefix they share."""
+        """Every pair within `limit` tokens (set by `limit_by`, named in errors), and the length of the prefix they
+        share."""
         if not documents:
             return [], 0
         template = self.template(query, params)
-        if self.max_length is not None:
-            limit = min(limit, self.max_length)
-        return template.fit(self.document_ids(documents), limit, params.truncate), len(template.prefix)
+        return template.fit(self.document_ids(documents), limit, params.truncate, limit_by), len(template.prefix)

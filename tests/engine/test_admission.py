@@ -12,7 +12,7 @@ import pytest
 from engine.admission import LatencyAdmission, ShareAdmission, policy_for
 from engine.config import EngineConfig
 from engine.outputs import StepRecord
-from engine.request import SeqKind
+from engine.request import SeqKind, SequenceStatus
 from engine.step_time import LinearStepTime, OnlineStepTime, StepShape
 from tests.engine.test_scheduler import Sim, decode_ids, toks
 
@@ -130,16 +130,37 @@ def test_with_no_decodes_rerank_takes_the_whole_budget_as_without_an_objective()
     assert max(map(len, objective)) == 8  # every seat
 
 
-def test_one_pair_a_step_even_when_the_decodes_alone_are_over_the_target():
+def test_llm_pairs_progress_by_the_floor_every_step_even_when_the_decodes_alone_are_over_the_target():
+    """The floor is the rerank tokens 10% of the target buys (0.5 ms: 2 tokens at 0.2 ms), not a whole pair: pairs
+    are chunked, every step moves them on, and a step goes over what the decodes alone cost by that much only."""
     policy = LatencyAdmission(0.005, model=LinearStepTime(TRUE))  # 4 decodes alone take 14 ms
+    assert policy.rerank_floor_tokens() == 2
     sim = ClockSim(policy)
     chats(sim, max_tokens=80)
     sim.step()
-    pairs = xenc_flood(sim, n=40)
+    pairs = sim.add_rerank_job("llm", toks(6, 900), [toks(9, 5000 + 9 * i) for i in range(8)])
     sim.run()
-    during = [b for b in sim.batches if b.num_decode_tokens == 4]
-    waiting_steps = [b for b in during if b.num_rerank_pairs][:35]
-    assert len(waiting_steps) >= 35 and all(pairs_in(b) == 1 for b in waiting_steps)
+    during = [i for i, b in enumerate(sim.batches) if b.num_decode_tokens == 4 and i > 1]
+    assert len(during) >= 70
+    for i in during[:40]:  # the 8 pairs take ~45 steps  # 2 tokens, or the 1 left of a pair whose job's next pair waits for it
+        assert 1 <= sim.batches[i].num_rerank_tokens <= 2
+        assert sim.predicted[i] <= LinearStepTime(TRUE).predict(StepShape(4, llm_rerank_tokens=2)) + 1e-12
+    assert all(p.status is SequenceStatus.FINISHED_STOPPED for p in pairs)
+
+
+def test_a_cross_encoder_pair_rides_after_its_wait_bound_when_no_step_has_room():
+    """A cross-encoder pair cannot be split: with no step under the target it waits max_pair_wait_steps steps, then
+    rides in the next step whatever it costs, so at most one step in that many goes over by one pair."""
+    policy = LatencyAdmission(0.005, model=LinearStepTime(TRUE), max_pair_wait_steps=5)
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=80)
+    sim.step()
+    pairs = xenc_flood(sim, n=10)
+    sim.run()
+    during = [b for b in sim.batches[1:] if b.num_decode_tokens == 4]
+    with_pairs = [i for i, b in enumerate(during) if b.num_rerank_pairs]
+    assert with_pairs[:10] == [5 + 6 * k for k in range(10)]
+    assert all(pairs_in(during[i]) == 1 for i in with_pairs)
     assert all(p.status.finished for p in pairs)
 
 
@@ -211,17 +232,17 @@ def test_a_lower_priority_chat_does_not_hold_back_a_rerank():
     sim.run()
 
 
-def test_a_lower_priority_flood_leaves_the_headroom_to_prompts_but_still_gets_its_pair():
+def test_a_lower_priority_flood_leaves_the_headroom_to_prompts_but_still_progresses():
     policy = LatencyAdmission(T, model=LinearStepTime(TRUE))
     sim = ClockSim(policy)
     chats(sim, max_tokens=100)
     sim.step()
     sim.step()
-    xenc_flood(sim, n=40, priority=1)
+    sim.add_rerank_job("llm", [], [toks(30, 5000 + 30 * i) for i in range(20)], priority=1)
     chat = sim.add("chat", toks(100, 7000), max_tokens=2)
     batch = sim.step()
     assert [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is chat] == [32]  # the whole headroom
-    assert pairs_in(batch) == 1  # and the floor
+    assert batch.num_rerank_tokens == policy.rerank_floor_tokens() == 10  # and the rerank floor (a chunk)
     sim.run()
 
 
@@ -261,6 +282,45 @@ def test_the_online_model_converges_to_the_admissions_of_the_true_one():
     assert coef["cross_encoder_tokens"] == pytest.approx(TRUE["cross_encoder_tokens"], rel=0.05)
 
 
+def test_the_online_model_converges_with_chunked_llm_pairs():
+    """LLM-scored pairs of 50 tokens, longer than the 32 tokens of headroom: once fitted, every step beside the decodes
+    computes exactly what the true model allows (a chunk of a pair, or the end of one and the start of the next)."""
+    policy = LatencyAdmission(T, model=OnlineStepTime())
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=160)
+    pairs = sim.add_rerank_job("llm", [], [toks(50, 9000 + 50 * i) for i in range(200)])
+    for _ in range(140):
+        sim.step()
+    steady = flood_steps(sim)[-50:]
+    assert len(steady) == 50
+    assert [sim.batches[i].num_rerank_tokens for i in steady] == [32] * 50
+    assert all(sim.seconds[i] <= T for i in steady)
+    assert sum(p.status is SequenceStatus.FINISHED_STOPPED for p in pairs) >= 60
+    assert policy.model.coefficients()["llm_rerank_tokens"] == pytest.approx(TRUE["llm_rerank_tokens"], rel=0.05)
+
+
+def test_a_more_urgent_pair_overtakes_a_pair_half_way_through():
+    """An urgent job (priority -1, more urgent than every decode) arrives while a priority-0 pair is part-way: the
+    urgent pair takes the whole step at once, the half-done pair resumes after it with its computed tokens kept."""
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE))
+    sim = ClockSim(policy)
+    chats(sim, max_tokens=60)
+    sim.step()
+    (slow,) = sim.add_rerank_job("slow", [], [toks(100, 9000)])
+    sim.step()
+    sim.step()
+    done_before = slow.num_computed_tokens
+    assert 0 < done_before < slow.num_tokens
+    (urgent,) = sim.add_rerank_job("urgent", [], [toks(80, 12000)], priority=-1)
+    batch = sim.step()
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if s.kind is SeqKind.RERANK][0] \
+        == ("urgent/0", 80)
+    assert urgent.status is SequenceStatus.FINISHED_STOPPED
+    assert slow.num_computed_tokens >= done_before  # kept, not recomputed
+    sim.run()
+    assert slow.status is SequenceStatus.FINISHED_STOPPED
+
+
 @pytest.mark.parametrize("bad_steps", [[60], [60, 61, 62], [60, 70, 80, 90]])
 def test_steps_that_ran_10x_long_do_not_collapse_the_admissions(bad_steps):
     """A busy machine makes one step (or a burst of three, or one every ten) take 10x its time: the robust fit
@@ -278,15 +338,17 @@ def test_steps_that_ran_10x_long_do_not_collapse_the_admissions(bad_steps):
 
 def test_a_lasting_slowdown_is_followed():
     """When every step runs 3x long from some point on (the machine is that much slower now), the fit follows and
-    the admissions shrink to what the slower machine allows: the decodes alone then take 42 ms, over the target."""
-    policy = LatencyAdmission(T, model=OnlineStepTime(window=64))
+    the admissions shrink to what the slower machine allows: the decodes alone then take 42 ms, over the target, so
+    cross-encoder pairs ride only once their wait bound is up, one at a time."""
+    policy = LatencyAdmission(T, model=OnlineStepTime(window=64), max_pair_wait_steps=4)
     sim = ClockSim(policy, slow={s: 3.0 for s in range(60, 400)})
     chats(sim, max_tokens=200)
     xenc_flood(sim, n=2000, tokens=10)
     for _ in range(160):
         sim.step()
-    late = [pairs_in(sim.batches[i]) for i in flood_steps(sim) if i >= 130]
-    assert late and all(n == 1 for n in late)
+    assert max(pairs_in(sim.batches[i]) for i in range(20, 60)) == 4  # before: the headroom's 4 pairs a step
+    late = [pairs_in(b) for b in sim.batches[130:160]]
+    assert late == [1 if (k - late.index(1)) % 5 == 0 else 0 for k in range(30)]
 
 
 def test_cold_model_admits_only_the_floors_beside_decodes():

@@ -89,3 +89,35 @@ def test_without_an_objective_records_have_no_prediction(llm):
     assert records and all(r.predicted_s is None and r.target_s is None and r.prediction_error is None
                            for r in records)
     assert EngineConfig().tpot_target_ms is None
+
+
+def test_decode_steps_stay_within_the_target_while_llm_pairs_progress_in_chunks():
+    """Query-likelihood pairs of ~170 tokens, each longer than the headroom beside 4 decodes (40 rerank tokens): they
+    are prefilled in chunks, every step with decodes stays within the target, and the job moves on in every step."""
+    target = LinearStepTime(COEF).predict(StepShape(decode_rows=4, llm_rerank_tokens=40))
+    policy = LatencyAdmission(target, model=CountingModel(), min_prefill_tokens=8)
+    llm = make_llm(admission=policy, max_num_batched_tokens=512, num_kv_blocks=512)
+    engine = llm.engine
+    records = record_steps(llm)
+    gen = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", gen)
+    engine.step()  # the prompts, alone
+    docs = [f"Document {i}: " + "worker bees carry nectar to the hive and fan it with their wings, " * 10
+            for i in range(4)]
+    engine.add_rerank("job", "how do bees make honey", docs)
+    scores = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == "job" and out.finished:
+                scores = out.scores
+    assert_no_leaks(llm)
+    job_steps = [r for r in records if "job" in r.request_ids]
+    with_decodes = [r for r in job_steps if r.decode_tokens == 4]
+    assert len(with_decodes) >= 10
+    for r in with_decodes:
+        assert r.rerank_tokens > 0  # reranking made progress in every step
+        assert r.predicted_s <= target + 1e-12  # and the decodes stayed within the target
+    assert 38 <= max(r.rerank_tokens for r in with_decodes) <= 40  # the headroom, in chunks: no pair (170+) whole
+    alone = make_llm(max_num_batched_tokens=512, num_kv_blocks=512).rerank("how do bees make honey", docs)
+    assert scores == pytest.approx(alone, abs=1e-5)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import RerankParams, SamplingParams
+from engine.admission import AdmissionPolicy
 from tests.engine.conftest import assert_no_leaks, make_llm, record_steps
 
 QUERY = "How do bees make honey?"
@@ -194,7 +195,7 @@ def _finish_step(records, rid):
     ("", ["a"], None, "query"),
     ("q", [], None, "documents"),
     ("q", ["a"] * 1001, None, "max_rerank_documents"),
-    ("q", ["word " * 5000], RerankParams(truncate="none"), "documents\\[0\\]"),
+    ("q", ["word " * 9000], RerankParams(truncate="none"), "documents\\[0\\]"),
 ])
 def test_bad_rerank_input_names_the_field(llm, query, docs, params, field):
     eng = llm.engine
@@ -213,9 +214,148 @@ def test_top_n_below_one_is_rejected():
         RerankParams(top_n=0)
 
 
-def test_long_document_is_truncated_by_default(llm):
-    scores = llm.rerank(QUERY, ["honey " * 5000, DOCS[0]])
-    assert len(scores) == 2
+@pytest.fixture(scope="module")
+def short_llm():
+    """A 256-token context: documents past it are cut (truncate="end") or refused ("none")."""
+    return make_llm(max_model_len=256)
+
+
+def test_long_document_is_truncated_by_default_and_the_result_says_so(short_llm):
+    eng = short_llm.engine
+    assert eng.model_info()["rerank_max_pair_tokens"] == 256
+    assert "--max-model-len" in eng.model_info()["rerank_limit_by"]
+    ranked = short_llm.rerank(QUERY, ["honey " * 600, DOCS[0]], RerankParams(top_n=2), ranked=True)
+    by_index = {r.index: r for r in ranked}
+    pair = _pair_ids(eng, QUERY, ["honey " * 600])[0]
+    fixed = len(pair.token_ids) - pair.document_tokens
+    assert by_index[0].truncated and by_index[0].document_tokens == 256 - fixed
+    assert not by_index[1].truncated
+    assert by_index[1].document_tokens == len(eng.tokenizer(DOCS[0], add_special_tokens=False).input_ids)
+    assert_no_leaks(short_llm)
+
+
+def test_truncate_none_names_the_limit_and_the_setting_that_raises_it(short_llm):
+    with pytest.raises(ValueError, match=r"documents\[0\].*over the rerank pair limit of 256 "
+                                         r"\(max_model_len \(tandem serve --max-model-len\)\)"):
+        short_llm.engine.add_rerank("bad", QUERY, ["honey " * 600], RerankParams(truncate="none"))
+
+
+def test_the_pair_limit_is_the_model_context_not_the_step_budget(llm):
+    info = llm.engine.model_info()
+    assert info["rerank_max_pair_tokens"] == info["max_model_len"] == 8192
+    assert info["rerank_max_pair_tokens"] > llm.engine.config.max_num_batched_tokens
+    assert "max_position_embeddings" in info["rerank_limit_by"]
+
+
+def test_a_2000_token_document_is_scored_whole_and_equals_transformers(llm, hf_model):
+    """Four times the step budget: prefilled in chunks over several steps, not truncated, and its query likelihood is
+    transformers' over the whole pair within 1e-4."""
+    doc = " ".join(f"Bees visit flower number {i} and carry its nectar back to the hive." for i in range(150))
+    records = record_steps(llm)
+    ranked = llm.rerank(QUERY, [doc], ranked=True)
+    pair = _pair_ids(llm.engine, QUERY, [doc])[0]
+    assert 2000 <= pair.document_tokens and not pair.truncated
+    assert ranked[0].document_tokens == pair.document_tokens and not ranked[0].truncated
+    assert sum(1 for r in records if r.rerank_tokens) >= -(-len(pair.token_ids) // llm.engine.scheduler.budget)
+    ref = _hf_mean_logprob(hf_model, pair.token_ids, pair.logprob_start)
+    assert abs(math.log(ranked[0].score) - ref) <= 1e-4
+    assert_no_leaks(llm)
+
+
+class ChunkPolicy(AdmissionPolicy):
+    """Prompts get 48 tokens a step (so a long one is prefilled in chunks beside the pairs); rerank pairs get exactly
+    `chunk` tokens a step (a chunk of a pair, or pairs)."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+
+    def admit(self, step) -> None:
+        step.admit_generation(48)
+        step.admit_rerank(self.chunk)
+
+    def prefill_budget(self, step, continuing) -> int:
+        return 48  # a long prompt is prefilled 48 tokens a step: it stays chunked beside the pairs
+
+
+@pytest.fixture(scope="module")
+def chunk_engines():
+    # No prefix cache: every chunk of every pair is computed, so a pair of n tokens takes exactly ceil(n / chunk) steps.
+    return {mode: make_llm(rerank_mode=mode, admission=ChunkPolicy(10**6), enable_prefix_caching=False)
+            for mode in ("likelihood", "judge")}
+
+
+@pytest.mark.parametrize("mode", ["likelihood", "judge"])
+def test_a_pair_split_over_2_3_and_n_steps_scores_as_whole_beside_decodes_and_a_chunked_prompt(
+        mode, chunk_engines, hf_model):
+    llm = chunk_engines[mode]
+    eng, policy = llm.engine, llm.engine.scheduler.policy
+    doc = DOCS[2] + " " + DOCS[0]
+    pair = _pair_ids(eng, QUERY, [doc])[0]
+    n = len(pair.token_ids)
+    policy.chunk = 10**6
+    whole = llm.rerank(QUERY, [doc])[0]
+    yes, no = eng.scorer.yes_id if mode == "judge" else None, eng.scorer.no_id if mode == "judge" else None
+    ref = (math.exp(_hf_mean_logprob(hf_model, pair.token_ids, pair.logprob_start)) if mode == "likelihood"
+           else _hf_judge_scores(hf_model, [pair.token_ids], yes, no)[0])
+    assert abs(whole - ref) <= 1e-4
+    gen = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for parts in (2, 3, 7, n):
+        policy.chunk = -(-n // parts)
+        for i in range(2):
+            eng.add_request(f"g{parts}/{i}", f"Count slowly from {i} to fifty:", gen)
+        eng.step()  # the generations now decode
+        eng.add_request(f"long{parts}", f"Tell me about honey, part {parts}. " * 30, gen)
+        records = record_steps(llm)
+        eng.add_rerank(f"job{parts}", QUERY, [doc])
+        outs = []
+        while eng.has_unfinished():
+            outs.extend(eng.step())
+        eng.remove_observer(records.append)
+        score = next(o.scores[0] for o in outs if o.request_id == f"job{parts}")
+        job_steps = [r for r in records if f"job{parts}" in r.request_ids]
+        assert len(job_steps) == -(-n // policy.chunk) >= min(parts, 2)
+        assert [r.rerank_tokens for r in job_steps] == [policy.chunk] * (len(job_steps) - 1) + [
+            n - policy.chunk * (len(job_steps) - 1)]
+        assert job_steps[0].decode_tokens and job_steps[1].decode_tokens  # chunks rode beside the decodes
+        assert job_steps[0].prefill_tokens  # and beside a chunk of the long prompt
+        assert score == pytest.approx(whole, abs=1e-5), parts
+        assert abs(score - ref) <= 1e-4
+    assert_no_leaks(llm)
+
+
+def test_abort_and_preemption_in_the_middle_of_a_pair_leak_nothing_and_a_preempted_pair_scores_as_whole(
+        chunk_engines):
+    llm = chunk_engines["likelihood"]
+    eng, policy = llm.engine, llm.engine.scheduler.policy
+    doc = " ".join(DOCS)
+    policy.chunk = 10**6
+    whole = llm.rerank(QUERY, [doc])[0]
+    policy.chunk = 16
+    eng.add_rerank("gone", QUERY, [doc])
+    eng.step()
+    eng.step()
+    pair = next(s for s in eng.scheduler.running if s.request_id == "gone")
+    assert 0 < pair.num_computed_tokens < pair.num_tokens and pair.block_table  # half-scored, holding KV
+    assert eng.abort("gone")
+    outs = []
+    while eng.has_unfinished():
+        outs.extend(eng.step())
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("gone", "abort")]
+    assert_no_leaks(llm)
+
+    eng.add_rerank("preempted", QUERY, [doc])
+    for _ in range(3):
+        eng.step()
+    pair = next(s for s in eng.scheduler.running if s.request_id == "preempted")
+    assert 0 < pair.num_computed_tokens < pair.num_tokens
+    eng.scheduler.preempt(pair)  # what a decode short of a block does to the newest running sequence
+    assert pair.num_computed_tokens == 0 and not pair.block_table and pair.num_preemptions == 1
+    outs = []
+    while eng.has_unfinished():
+        outs.extend(eng.step())
+    score = next(o.scores[0] for o in outs if o.request_id == "preempted")
+    assert score == pytest.approx(whole, abs=1e-5)
+    policy.chunk = 10**6
     assert_no_leaks(llm)
 
 

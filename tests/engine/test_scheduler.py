@@ -89,7 +89,7 @@ class Sim:
 
     def step(self) -> Batch:
         sched = self.sched
-        decodes_before = [s for s in sched.running if s.num_uncomputed_tokens == 1]
+        decodes_before = [s for s in sched.running if s.num_uncomputed_tokens == 1 and s.kind is SeqKind.GENERATE]
         running_before = set(map(id, sched.running))
         batch = sched.schedule()
         self.admissions += [s.request_id for s in batch.seqs if id(s) not in running_before]
@@ -151,7 +151,8 @@ class Sim:
             else:
                 assert seq.block_table == [], "a cross-encoder pair took KV blocks"
             if seq.kind is SeqKind.RERANK:
-                assert n == seq.num_uncomputed_tokens, "a rerank pair was split"
+                if not seq.uses_kv:
+                    assert n == seq.num_uncomputed_tokens, "a cross-encoder pair was split"
                 assert seq.wait_for is None or seq.wait_for.status.finished
         scheduled = {id(s): n for s, n in zip(batch.seqs, batch.num_new_tokens)}
         preempted = set(map(id, batch.preempted))

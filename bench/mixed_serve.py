@@ -1,0 +1,260 @@
+"""Chats keep their pace under a rerank flood, measured through `tandem serve` (issue #25).
+
+Each setting runs on its own `tandem serve` subprocess (this checkout's code), fed by this process over gRPC:
+
+* solo: --chats chats (greedy, EOS ignored, --max-tokens each) stream at once, nothing else; the client stamps every
+  token (time.perf_counter at arrival), TPOT = the gap between consecutive tokens of one chat. T = --factor x the
+  solo p50 (the issue's target: 1.5x solo).
+* flood: --flood-clients clients each send Rerank requests of --docs documents (~--doc-tokens tokens each, default
+  likelihood mode) back to back; once every flood client has a request in flight, the same chats start. TPOT
+  during the flood = the chats' gaps; rerank pairs/s = documents of the Rerank responses that completed while the
+  chats ran / that window. Once per fixed --shares value (`--rerank-share`) and once with the objective
+  (`--tpot-target-ms T`), and, with --cross-encoder DIR, once more with the objective and that cross-encoder as
+  `--reranker` (its pairs cannot be chunked).
+* The service's own delay: each phase also scrapes the server's /metrics before and after, so the engine's mean
+  step time (`tandem_step_duration_seconds`), the engine thread's time between busy steps
+  (`tandem_step_gap_seconds`: applying commands such as tokenizing a new rerank request) and the engine-side TPOT
+  (`tandem_time_per_output_token_seconds`) stand beside the client-side TPOT of the same run.
+
+Figures: p99 TPOT during the flood / T (target <= 1.25, stretch 1.1) and the objective's rerank pairs/s / the best
+fixed share whose p99 stayed under T (target >= 0.8). Writes bench/results/mixed_serve.json (one JSON line) and
+bench/results/mixed_serve.png (p99 TPOT / T against rerank pairs/s, one point per share, the objective's marked).
+The JSON records the 1-minute load average: on a shared host the figures are indicative only.
+
+    python -m bench.mixed_serve                        # full size (about 10 minutes on 2 cores)
+    python -m bench.mixed_serve --quick                # a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.report import percentile, write_result
+from clients import AsyncClient
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results"
+SHARES = [0.05, 0.1, 0.3, 0.5]
+_METRICS = ("tandem_step_duration_seconds", "tandem_step_gap_seconds", "tandem_time_per_output_token_seconds")
+
+
+class Server:
+    """`python -m service.cli serve --port 0` from this checkout, with its own metrics port."""
+
+    def __init__(self, flags: list[str]) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.metrics_port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--metrics-port",
+               str(self.metrics_port), "--log-level", "WARNING", *flags]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env=os.environ.copy())
+        for line in self.proc.stdout:
+            if line.startswith("tandem listening on "):
+                self.address = line.split()[-1]
+                return
+        raise RuntimeError(f"tandem serve {' '.join(flags)} exited before listening")
+
+    def metrics(self) -> dict[str, float]:
+        """_sum and _count of the histograms in _METRICS."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30).read().decode()
+        out = {}
+        for name in _METRICS:
+            for part in ("sum", "count"):
+                m = re.search(rf"^{name}_{part}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+                out[f"{name}_{part}"] = float(m.group(1)) if m else 0.0
+        return out
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(120)
+
+
+def _means(before: dict, after: dict) -> dict:
+    out = {}
+    for name in _METRICS:
+        n = after[f"{name}_count"] - before[f"{name}_count"]
+        short = name.removeprefix("tandem_").removesuffix("_seconds")
+        out[f"engine_{short}_mean_ms"] = 1000 * (after[f"{name}_sum"] - before[f"{name}_sum"]) / n if n else None
+        out[f"engine_{short}_count"] = int(n)
+    return out
+
+
+async def _chat(client: AsyncClient, prompt: str, max_tokens: int) -> list[float]:
+    stamps: list[float] = []
+    async for delta in client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+        now = time.perf_counter()
+        stamps.extend([now] * max(1, len(delta.token_ids)))
+    return stamps
+
+
+async def _flood(client: AsyncClient, query: str, docs: list[str], started: asyncio.Event, stop: asyncio.Event,
+                 done: list[tuple[float, int]], in_flight: list[int]) -> None:
+    while not stop.is_set():
+        in_flight[0] += 1
+        if in_flight[0] >= in_flight[1]:
+            started.set()
+        results = await client.rerank(query, docs, timeout=600)
+        in_flight[0] -= 1
+        done.append((time.perf_counter(), len(results)))
+
+
+async def run_phase(server: Server, prompts: list[str], max_tokens: int, flood: list[tuple[str, list[str]]] | None
+                    ) -> dict:
+    async with AsyncClient(server.address) as client:
+        await client.rerank("warm up", ["a short document"], timeout=600)
+        await _chat(client, "Warm up.", 4)
+        before = server.metrics()
+        stop, started = asyncio.Event(), asyncio.Event()
+        done: list[tuple[float, int]] = []
+        tasks = []
+        if flood:
+            in_flight = [0, len(flood)]
+            tasks = [asyncio.create_task(_flood(client, q, d, started, stop, done, in_flight)) for q, d in flood]
+            await started.wait()
+        t0 = time.perf_counter()
+        stamps = await asyncio.gather(*(_chat(client, p, max_tokens) for p in prompts))
+        t1 = time.perf_counter()
+        stop.set()
+        after = server.metrics()  # before the flood's last responses: their steps ran beside the chats
+        if tasks:
+            await asyncio.gather(*tasks)
+    gaps = [b - a for s in stamps for a, b in zip(s, s[1:])]
+    per_request = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps if len(s) > 1]
+    pairs = sum(n for t, n in done if t0 <= t <= t1)
+    return {"tpot_p50_ms": 1000 * percentile(gaps, 50), "tpot_p99_ms": 1000 * percentile(gaps, 99),
+            "tpot_mean_ms": 1000 * sum(gaps) / len(gaps), "gaps": len(gaps), "window_s": t1 - t0,
+            "request_tpot_mean_ms": 1000 * sum(per_request) / len(per_request),
+            "rerank_pairs_per_s": pairs / (t1 - t0) if flood else None, **_means(before, after)}
+
+
+async def measure(flags: list[str], prompts, max_tokens, flood) -> dict:
+    server = Server(flags)
+    try:
+        result = await run_phase(server, prompts, max_tokens, flood)
+    finally:
+        server.stop()
+    if result["engine_time_per_output_token_mean_ms"] is not None:
+        # The same chats' mean time per token seen by the client and by the server's lifecycle (first token to
+        # finish): what delivering tokens through the service adds.
+        result["client_minus_engine_tpot_ms"] = (result["request_tpot_mean_ms"]
+                                                 - result["engine_time_per_output_token_mean_ms"])
+    result["flags"] = flags
+    result["loadavg_1m"] = os.getloadavg()[0]
+    print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in result.items()}), flush=True)
+    return result
+
+
+def _documents(n_queries: int, n_docs: int, doc_tokens: int, seed: int) -> list[tuple[str, list[str]]]:
+    from transformers import AutoTokenizer
+
+    from bench.datasets import synthetic_rerank
+    from engine.models.loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    lo, hi = int(doc_tokens * 0.85), int(doc_tokens * 1.15)
+    return [(q.query, q.documents) for q in synthetic_rerank(tokenizer, n_queries, n_docs, lo, hi, seed)]
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    shares = result["shares"]
+    xs = [p["rerank_pairs_per_s"] for p in shares.values()]
+    ys = [p["tpot_p99_ms"] / result["target_ms"] for p in shares.values()]
+    ax.plot(xs, ys, "o-", label="fixed --rerank-share")
+    for share, x, y in zip(shares, xs, ys):
+        ax.annotate(f"{share}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    obj = result["objective"]
+    ax.plot([obj["rerank_pairs_per_s"]], [obj["tpot_p99_ms"] / result["target_ms"]], "r*", markersize=14,
+            label=f"--tpot-target-ms {result['target_ms']:.0f} (objective)")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+    ax.axhline(1.25, color="red", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("rerank pairs/s during the flood")
+    ax.set_ylabel("p99 time per output token / T")
+    ax.set_yscale("log")
+    ax.set_title(f"{result['chats']} chats + {result['flood_clients']}x{result['docs']}-document rerank flood "
+                 "(through tandem serve)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return asyncio.run(_main(argv))
+
+
+async def _main(argv: list[str] | None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chats", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--flood-clients", type=int, default=4)
+    ap.add_argument("--docs", type=int, default=40)
+    ap.add_argument("--doc-tokens", type=int, default=150)
+    ap.add_argument("--factor", type=float, default=1.5, help="T = factor x solo TPOT p50")
+    ap.add_argument("--shares", type=float, nargs="+", default=SHARES)
+    ap.add_argument("--reranker", default="likelihood", choices=["likelihood", "judge"])
+    ap.add_argument("--cross-encoder", default=None, help="a cross-encoder directory (or 'minilm': the MiniLM-L6 "
+                    "checkpoint of bench/models.py): one more objective phase with it as --reranker")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS / "mixed_serve.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.chats, args.max_tokens, args.docs, args.shares = 2, 8, 4, [0.5]
+    prompts = [f"Tell me a long story about {w}, chapter {i}." for i, w in
+               zip(range(args.chats), ["bees", "ships", "trains", "rivers", "stars", "owls", "bread", "glass"] * 4)]
+    flood = _documents(args.flood_clients, args.docs, args.doc_tokens, args.seed)
+    base = ["--rerank-mode", args.reranker]
+    load_start = os.getloadavg()[0]
+    solo = await measure(base, prompts, args.max_tokens, None)
+    target_ms = args.factor * solo["tpot_p50_ms"]
+    shares = {str(s): await measure(base + ["--rerank-share", str(s)], prompts, args.max_tokens, flood)
+              for s in args.shares}
+    objective = await measure(base + ["--tpot-target-ms", f"{target_ms:.3f}"], prompts, args.max_tokens, flood)
+    under = [p["rerank_pairs_per_s"] for p in shares.values() if p["tpot_p99_ms"] <= target_ms]
+    best = max(under) if under else None
+    result = {
+        "chats": args.chats, "max_tokens": args.max_tokens, "flood_clients": args.flood_clients, "docs": args.docs,
+        "doc_tokens": args.doc_tokens, "reranker": args.reranker, "solo": solo, "target_ms": target_ms,
+        "shares": shares, "objective": objective,
+        "objective_p99_over_target": objective["tpot_p99_ms"] / target_ms,
+        "best_share_under_target_pairs_per_s": best,
+        "objective_pairs_vs_best_share": objective["rerank_pairs_per_s"] / best if best else None,
+        "loadavg_1m_start": load_start,
+    }
+    if args.cross_encoder:
+        directory = args.cross_encoder
+        if directory == "minilm":
+            import tempfile
+
+            from bench.models import minilm_cross_encoder_dir
+
+            directory = str(minilm_cross_encoder_dir(Path(tempfile.mkdtemp())))
+        xenc = await measure(["--reranker", directory, "--tpot-target-ms", f"{target_ms:.3f}"], prompts,
+                       args.max_tokens, flood)
+        result["cross_encoder_objective"] = xenc
+        result["cross_encoder_p99_over_target"] = xenc["tpot_p99_ms"] / target_ms
+    result["loadavg_1m_end"] = os.getloadavg()[0]
+    result["contended"] = max(load_start, result["loadavg_1m_end"]) > (os.cpu_count() or 1) + 1
+    write_result(result, args.out)
+    plot(result, args.out.with_suffix(".png"))
+    return result
+
+
+if __name__ == "__main__":
+    main()
