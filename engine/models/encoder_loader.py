@@ -60,8 +60,10 @@ def normalize_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[st
 def _num_labels(state: dict[str, torch.Tensor], family: str, path: Path) -> int:
     head = "classifier.weight" if family == "bert" else "classifier.out_proj.weight"
     if head not in state:
-        raise ValueError(f"{str(path)!r} has no classification head ({head}); a bare encoder needs its head "
-                         "weights in another *.safetensors file in the same directory")
+        raise ValueError(f"{str(path)!r} is a bare {family} encoder (an embedding model) without a classification "
+                         f"head ({head}), so it cannot score pairs: pass a cross-encoder (a *ForSequenceClassification "
+                         "checkpoint, e.g. BAAI/bge-reranker-v2-m3) as --reranker, or put the head's weights in "
+                         "another *.safetensors file in the same directory")
     return state[head].shape[0]
 
 

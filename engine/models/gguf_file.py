@@ -86,15 +86,9 @@ def read_gguf(path: Path) -> tuple[str, dict[str, torch.Tensor | QuantWeight]]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    arch = str(_field(reader, "general.architecture"))
-    check_architecture(path, arch)
+    arch = check_file(path, reader)
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or heads)
-    unsupported = [(t.name, t.tensor_type.name) for t in reader.tensors if t.tensor_type.name not in SUPPORTED_TYPES]
-    if unsupported:
-        name, kind = unsupported[0]
-        raise ValueError(f"{path}: tensor {name!r} is stored as {kind}, which tandem cannot serve "
-                         f"({len(unsupported)} such tensors; supported types: {', '.join(SUPPORTED_TYPES)})")
     tensors: dict[str, torch.Tensor | QuantWeight] = {}
     for t in reader.tensors:
         name = hf_name(t.name, arch)
@@ -119,10 +113,19 @@ def read_gguf(path: Path) -> tuple[str, dict[str, torch.Tensor | QuantWeight]]:
     return arch, tensors
 
 
-def check_architecture(path: Path, arch: str) -> None:
+def check_file(path: Path, reader) -> str:
+    """The file's architecture, once it is known that tandem serves it and every tensor's type; else a ValueError
+    that names the architecture, or the first tensor of an unsupported type and that type."""
+    arch = str(_field(reader, "general.architecture"))
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
                          f"{', '.join(ARCHITECTURES)}")
+    unsupported = [(t.name, t.tensor_type.name) for t in reader.tensors if t.tensor_type.name not in SUPPORTED_TYPES]
+    if unsupported:
+        name, kind = unsupported[0]
+        raise ValueError(f"{path}: tensor {name!r} is stored as {kind}, which tandem cannot serve "
+                         f"({len(unsupported)} such tensors; supported types: {', '.join(SUPPORTED_TYPES)})")
+    return arch
 
 
 def load_gguf(path: Path, cache: Path) -> dict[str, torch.Tensor | QuantWeight]:
@@ -158,9 +161,7 @@ def metadata_dir(path: Path, cache: Path) -> Path:
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
-    reader = gguf.GGUFReader(str(path))
-    check_architecture(path, str(_field(reader, "general.architecture")))
-    del reader
+    check_file(path, gguf.GGUFReader(str(path)))
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [MODEL_TYPES[config["model_type"]]]
