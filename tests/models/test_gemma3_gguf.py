@@ -39,10 +39,33 @@ def test_greedy_and_prompt_logprobs_match_transformers(gemma_llm, gemma_prompts,
 
 
 def test_still_identical_under_kv_pressure_with_preemption(gemma_gguf, gemma_prompts, gemma_reference) -> None:
-    # 64 blocks of 16 tokens: the longest prompt and its continuation fit (47 blocks), all 16 together do not.
+    # The two long prompts (past the window) and six short ones on 64 blocks of 16 tokens: the longest prompt and
+    # its continuation fit (47 blocks), all eight together do not, so sequences are preempted and recomputed.
+    chosen = [0, 1, 2, 3, 4, 5, 14, 15]
     llm = LLM(EngineConfig(model=str(gemma_gguf), num_kv_blocks=64, enable_prefix_caching=False))
     records = record_steps(llm)
-    outs = llm.generate(gemma_prompts, GREEDY)
-    check_greedy([o.token_ids for o in outs], gemma_reference.greedy)
+    outs = llm.generate([gemma_prompts[i] for i in chosen], GREEDY)
+    check_greedy([o.token_ids for o in outs], [gemma_reference.greedy[i] for i in chosen])
     assert sum(r.preempted for r in records) > 0
+    assert_no_leaks(llm)
+
+
+def test_aborts_and_reranks_under_kv_pressure_leak_nothing(gemma_gguf, gemma_prompts) -> None:
+    """A small pool shared by generations past the window, a rerank job and two aborts (one request after its first
+    step, one while it decodes): every KV block comes back and nothing is left running."""
+    llm = LLM(EngineConfig(model=str(gemma_gguf), num_kv_blocks=64, max_num_batched_tokens=256))
+    eng = llm.engine
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for i in (14, 15, 0, 3):
+        eng.add_request(f"g{i}", gemma_prompts[i], params)
+    eng.add_rerank("rr", "lighthouse keeper", ["The keeper lit the lamp.", "Bananas are yellow.", gemma_prompts[14]])
+    outs = eng.step()
+    assert eng.abort("g3")  # waiting or mid-prefill behind the long prompts
+    while not any(o.request_id == "g0" and o.new_token_ids for o in outs):
+        outs += eng.step()
+    assert eng.abort("g0")  # decoding
+    while eng.has_unfinished():
+        outs += eng.step()
+    finals = {o.request_id: o.finish_reason for o in outs if o.finished}
+    assert finals["g14"] == finals["g15"] == "length" and finals["g0"] == finals["g3"] == "abort" and "rr" in finals
     assert_no_leaks(llm)
