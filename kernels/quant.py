@@ -1,10 +1,13 @@
-"""Weight-only quantized linear algebra on CPU: GGUF Q4_0 / Q4_1 / Q8_0 blocks and per-channel int8.
+"""Weight-only quantized linear algebra on CPU: GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16,
+BF16) and per-channel int8.
 
 A `QuantWeight` keeps the weights as stored (GGUF blocks exactly as in the file, or int8 rows plus one float scale
 per output channel) and `matmul(x, w)` computes `x @ dequantize(w).T` in float32 with them:
 
 * small M (decode steps, up to `SMALL_M` rows): the C++ kernel `cpu/quant_matmul.cpp`, which streams each output
-  row's blocks once and dequantizes them in registers (AVX2 + FMA, OpenMP over output rows). The dequantized values
+  row's blocks once and dequantizes them in registers (AVX2 + FMA, OpenMP over output rows) for Q4_0 / Q4_1 / Q8_0 /
+  I8, and dequantizes each row once into a buffer (scalar, gguf-py's arithmetic) for Q5_0 / Q5_1 / Q4_K / Q5_K /
+  Q6_K. The dequantized values
   are bit-identical to GGUF's own numpy dequantizer (the one transformers uses), so the result differs from
   dequantize-then-matmul only in summation order;
 * wide M: tiles of rows dequantized into float32 and multiplied by BLAS (`torch.mm`), so a wide step costs one

@@ -33,8 +33,12 @@ def single_token(tokenizer, word: str) -> int:
 
 
 def split_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
-    """Token ids of the chat-rendered messages before and after DOC_SLOT (which one message content holds)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    """Token ids of the chat-rendered messages before and after DOC_SLOT (which one message content holds); without
+    a chat template, the contents as plain paragraphs."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    else:  # a base model without a chat template (Gemma 3 270M's GGUF): the turns as plain paragraphs
+        text = "\n\n".join(m["content"] for m in messages) + ("\n\n" if add_generation_prompt else "")
     before, after = text.split(DOC_SLOT)
     return list(tokenizer(before).input_ids), list(tokenizer(after, add_special_tokens=False).input_ids)
 

@@ -69,3 +69,9 @@ def test_aborts_and_reranks_under_kv_pressure_leak_nothing(gemma_gguf, gemma_pro
     finals = {o.request_id: o.finish_reason for o in outs if o.finished}
     assert finals["g14"] == finals["g15"] == "length" and finals["g0"] == finals["g3"] == "abort" and "rr" in finals
     assert_no_leaks(llm)
+
+
+def test_chat_on_a_base_model_without_template_is_a_clear_error(gemma_llm) -> None:
+    with pytest.raises(ValueError, match="this model has no chat template"):
+        gemma_llm.chat([{"role": "user", "content": "Hi"}], GREEDY)
+    assert_no_leaks(gemma_llm)
