@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
+from engine.models.decoder import FusedOps
 from engine.models.loader import default_model_dir
 from tests.engine.test_hf_parity import _ragged_logits
 
@@ -35,7 +36,7 @@ def _config(case: str):
     if case == "gemma2":
         return Gemma2Config(**{**BASE, "tie_word_embeddings": True}, head_dim=16, sliding_window=16,
                             query_pre_attn_scalar=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
-    if case == "gemma3":
+    if case.startswith("gemma3"):
         return Gemma3TextConfig(**{**BASE, "tie_word_embeddings": True, "num_hidden_layers": 4}, head_dim=16,
                                 sliding_window=16, query_pre_attn_scalar=16,
                                 layer_types=["sliding_attention", "sliding_attention", "full_attention",
@@ -68,15 +69,20 @@ def _hf_model(case: str, directory):
     return model
 
 
-CASES = ["llama3", "llama3-rope_scaling", "llama3-sharded", "llama-linear", "llama-yarn", "gemma2", "gemma3", "qwen3"]
+CASES = ["llama3", "llama3-rope_scaling", "llama3-sharded", "llama-linear", "llama-yarn", "gemma2", "gemma3", "qwen3",
+         "gemma3-torch-ops"]
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_logits_match_transformers(case: str, tmp_path) -> None:
+def test_logits_match_transformers(case: str, tmp_path, monkeypatch) -> None:
+    if case.endswith("torch-ops"):  # the ops every other backend uses: plain torch ops, the torch attention reference
+        monkeypatch.setenv("TANDEM_FUSED_OPS", "0")
+        monkeypatch.setenv("TANDEM_KERNELS", "torch")
     hf = _hf_model(case, tmp_path)
     if case == "llama3-sharded":
         assert (tmp_path / "model.safetensors.index.json").is_file()
     llm = LLM(EngineConfig(model=str(tmp_path), num_kv_blocks=64))
+    assert isinstance(llm.engine.model.ops, FusedOps) != case.endswith("torch-ops")  # chosen once, at build
     g = torch.Generator().manual_seed(3)
     # 70 and 45 tokens: past the 32-token original context of the scaled ropes and the 16-token windows
     token_lists = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (70, 45, 9)]
