@@ -89,19 +89,21 @@ inline void k_scale_min(const uint8_t* s, int j, float& sc, float& mn) {
 }
 
 // One block of the formats without a register kernel, exactly as gguf-py computes it (no FMA: the file is built
-// with -ffp-contract=off).
-void dequant_block_generic(int64_t fmt, const uint8_t* blk, float* o) {
-  if (fmt == Q5_0 || fmt == Q5_1) {
+// with -ffp-contract=off). A template per format, with every per-sub-block choice hoisted out of the inner loops, so
+// the compiler can vectorise them.
+template <int64_t FMT>
+void dequant_block_t(const uint8_t* blk, float* o) {
+  if constexpr (FMT == Q5_0 || FMT == Q5_1) {
     const float d = fp16_to_fp32(blk);
-    const float m = fmt == Q5_1 ? fp16_to_fp32(blk + 2) : 0.f;
-    const uint8_t* qhp = blk + (fmt == Q5_1 ? 4 : 2);
+    const float m = FMT == Q5_1 ? fp16_to_fp32(blk + 2) : 0.f;
+    const uint8_t* qhp = blk + (FMT == Q5_1 ? 4 : 2);
     uint32_t qh;
     std::memcpy(&qh, qhp, 4);
     const uint8_t* qs = qhp + 4;
     for (int i = 0; i < 16; ++i) {
       const int lo = (qs[i] & 0x0f) | (((qh >> i) & 1) << 4);
       const int hi = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
-      if (fmt == Q5_0) {
+      if constexpr (FMT == Q5_0) {
         o[i] = d * static_cast<float>(lo - 16);
         o[i + 16] = d * static_cast<float>(hi - 16);
       } else {
@@ -109,20 +111,22 @@ void dequant_block_generic(int64_t fmt, const uint8_t* blk, float* o) {
         o[i + 16] = d * static_cast<float>(hi) + m;
       }
     }
-  } else if (fmt == Q4_K || fmt == Q5_K) {
+  } else if constexpr (FMT == Q4_K || FMT == Q5_K) {
     const float d = fp16_to_fp32(blk), dmin = fp16_to_fp32(blk + 2);
     const uint8_t* sc6 = blk + 4;
     const uint8_t* qh = blk + 16;
-    const uint8_t* qs = blk + (fmt == Q5_K ? 48 : 16);
+    const uint8_t* qs = blk + (FMT == Q5_K ? 48 : 16);
     for (int j = 0; j < 8; ++j) {
       float sc, mn;
       k_scale_min(sc6, j, sc, mn);
       const float dd = d * sc, dm = dmin * mn;
       const uint8_t* g = qs + (j / 2) * 32;
+      const int shift = (j % 2) * 4;
+      float* oj = o + j * 32;
       for (int l = 0; l < 32; ++l) {
-        int q = (j % 2 == 0) ? (g[l] & 0x0f) : (g[l] >> 4);
-        if (fmt == Q5_K) q |= ((qh[l] >> j) & 1) << 4;
-        o[j * 32 + l] = dd * static_cast<float>(q) - dm;
+        int q = (g[l] >> shift) & 0x0f;
+        if constexpr (FMT == Q5_K) q |= ((qh[l] >> j) & 1) << 4;
+        oj[l] = dd * static_cast<float>(q) - dm;
       }
     }
   } else {  // Q6_K
@@ -131,22 +135,37 @@ void dequant_block_generic(int64_t fmt, const uint8_t* blk, float* o) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
     const float d = fp16_to_fp32(blk + 208);
     for (int j = 0; j < 8; ++j) {
-      const int h = j / 4, sh = (j / 2) % 2;
-      for (int l = 0; l < 32; ++l) {
-        const int b = (j % 2) * 32 + l;
-        const int lo = (ql[h * 64 + b] >> (4 * sh)) & 0x0f;
-        const int hi = (qh[h * 32 + l] >> (2 * (j % 4))) & 3;
-        const int e = j * 32 + l;
-        const float ds = d * static_cast<float>(sc[e / 16]);
-        o[e] = ds * static_cast<float>(static_cast<int8_t>(lo | (hi << 4)) - 32);
+      const uint8_t* lo_bytes = ql + (j / 4) * 64 + (j % 2) * 32;
+      const uint8_t* hi_bytes = qh + (j / 4) * 32;
+      const int lo_shift = 4 * ((j / 2) % 2), hi_shift = 2 * (j % 4);
+      for (int half = 0; half < 2; ++half) {  // 16 weights share one int8 scale
+        const float ds = d * static_cast<float>(sc[j * 2 + half]);
+        float* oj = o + j * 32 + half * 16;
+        for (int l = 0; l < 16; ++l) {
+          const int idx = half * 16 + l;
+          const int lo = (lo_bytes[idx] >> lo_shift) & 0x0f;
+          const int hi = (hi_bytes[idx] >> hi_shift) & 3;
+          oj[l] = ds * static_cast<float>(static_cast<int8_t>(lo | (hi << 4)) - 32);
+        }
       }
     }
   }
 }
 
+template <int64_t FMT>
+void dequant_row_t(const uint8_t* row, int64_t K, float* out) {
+  constexpr int64_t bb = block_bytes(FMT), be = block_elems(FMT);
+  for (int64_t b = 0; b < K / be; ++b) dequant_block_t<FMT>(row + b * bb, out + b * be);
+}
+
 void dequant_row_generic(int64_t fmt, const uint8_t* row, int64_t K, float* out) {
-  const int64_t bb = block_bytes(fmt), be = block_elems(fmt);
-  for (int64_t b = 0; b < K / be; ++b) dequant_block_generic(fmt, row + b * bb, out + b * be);
+  switch (fmt) {
+    case Q5_0: return dequant_row_t<Q5_0>(row, K, out);
+    case Q5_1: return dequant_row_t<Q5_1>(row, K, out);
+    case Q4_K: return dequant_row_t<Q4_K>(row, K, out);
+    case Q5_K: return dequant_row_t<Q5_K>(row, K, out);
+    default: return dequant_row_t<Q6_K>(row, K, out);
+  }
 }
 
 // y[m * ldy] = dot(dequantized row, x[m]) for M rows of x: the row is dequantized once into `buf`.
