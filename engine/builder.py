@@ -13,9 +13,11 @@ from engine.admission import AdmissionPolicy, policy_for
 from engine.config import EngineConfig
 from engine.cuda_graphs import capture_sizes, cuda_graph_capture
 from engine.kv_cache import BlockPool, KVCacheManager
-from engine.models.llama import LlamaArgs, LlamaForCausalLM
-from engine.models.loader import load_state_dict, read_config, resolve_model_dir
-from engine.models.quantized import build_quantized_model, resolve_quantization, weight_bytes, weight_format
+from engine.models import gguf_file
+from engine.models.decoder import DecoderArgs, DecoderForCausalLM, Weight, build_decoder
+from engine.models.loader import ModelSource, cache_root, load_state_dict, read_config, resolve_model
+from engine.models.quantized import quantize_state_int8, resolve_quantization, weight_bytes, weight_format
+from kernels.quant import QuantWeight
 from engine.rerank import PairScorer, build_scorer
 from engine.runner import DTYPES, ModelRunner
 from engine.scheduler import Scheduler
@@ -29,8 +31,8 @@ class EngineParts:
     model_dir: str
     tokenizer: object
     hf_config: dict
-    model_args: LlamaArgs
-    model: LlamaForCausalLM
+    model_args: DecoderArgs
+    model: DecoderForCausalLM
     max_model_len: int
     max_model_len_by: str  # what sets max_model_len (the model, the config, or the KV pool), named in errors
     pool: BlockPool
@@ -49,17 +51,16 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     policy = policy_for(config, admission)  # checked before anything slow is loaded
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    model_dir = resolve_model_dir(config.model)
+    source = resolve_model(config.model)
+    model_dir = source.meta_dir
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf_config = read_config(model_dir)
-    args = LlamaArgs.from_hf_config(hf_config)
-    quantization = resolve_quantization(config)
-    if quantization == "none":
-        model = _build_model(args, load_state_dict(model_dir), config.device, config.dtype)
-    else:
-        model = build_quantized_model(args, model_dir, quantization)
+    args = DecoderArgs.from_hf_config(hf_config)
+    quantization = resolve_quantization(config, source.gguf is not None)
+    weights = _load_weights(source, args, quantization)
+    model = build_decoder(args, weights, config.device, DTYPES[config.dtype])
     log.info("weights: %s, %.1f MB", weight_format(model), weight_bytes(model) / 1e6)
     max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
     max_model_len_by = ("max_model_len (tandem serve --max-model-len)" if max_model_len < args.max_position_embeddings
@@ -90,12 +91,19 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                        weight_bytes=weight_bytes(model), weight_format=weight_format(model))
 
 
-def _build_model(args: LlamaArgs, state: dict, device: str, dtype: str) -> LlamaForCausalLM:
-    # Built on the meta device so no time goes into random init of weights we overwrite.
-    with torch.device("meta"):
-        model = LlamaForCausalLM(args)
-    model.load_hf_state_dict({k: v.to(DTYPES[dtype]) for k, v in state.items()}, assign=True)
-    return model.to(device).eval()
+def _load_weights(source: ModelSource, args: DecoderArgs, quantization: str) -> dict[str, Weight]:
+    """HF-named weights as the chosen quantization holds them: a GGUF file's blocks as stored ("gguf"), dense
+    ("none": a directory's safetensors, or a GGUF file dequantized once here), or per-channel int8 ("int8")."""
+    if source.gguf is not None and (quantization == "gguf" or not source.embedded):
+        weights = gguf_file.load_gguf(source.gguf, cache_root())
+        if quantization == "gguf":
+            return weights
+        weights = {k: w.dequantize() if isinstance(w, QuantWeight) else w for k, w in weights.items()}
+    else:  # a Hugging Face directory (the embedded model's dense conversion too)
+        weights = load_state_dict(source.meta_dir)
+    if quantization == "int8":
+        return quantize_state_int8(weights, args.tie_word_embeddings)
+    return weights
 
 
 def _eos_ids(hf_config: dict, tokenizer) -> set[int]:

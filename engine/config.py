@@ -14,7 +14,9 @@ MAX_N = 16  # most completions one request may ask for (each needs a seat among 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # Hugging Face directory of a Llama-family model; None: embedded SmolLM2
+    # A GGUF file (or a folder holding one) or a Hugging Face directory of a supported decoder (engine/models/
+    # decoder.py: Llama, Mistral, Qwen2/3, Gemma 2/3); None: the embedded SmolLM2
+    model: str | None = None
     reranker: str | None = None  # cross-encoder directory; None: the causal LM scores pairs (rerank_mode)
     # How pairs are scored: "likelihood" (query likelihood, the default for a causal LM), "judge" (yes/no prompt,
     # for Qwen3-Reranker-style checkpoints) or "cross-encoder" (needs reranker=DIR); None: the default for what is
@@ -42,9 +44,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     enforce_eager: bool = False  # on CUDA, decode-only steps replay captured CUDA graphs unless this is True
     # How the weights are held (activations are float32 either way; CPU only except "none"):
-    #   None (default): as the checkpoint stores them: the embedded model's GGUF 4-bit blocks on CPU in float32,
+    #   None (default): as the checkpoint stores them: a GGUF file's blocks (the embedded one too) on CPU in float32,
     #     dense `dtype` weights otherwise (a Hugging Face directory, CUDA, or another dtype);
-    #   "gguf": the embedded model's GGUF blocks (Q4_1, its embedding/LM head Q8_0); "int8": weight-only int8 with
+    #   "gguf": a GGUF file's blocks as stored (the embedded model's or `model`'s); "int8": weight-only int8 with
     #   per-output-channel scales, for dense checkpoints; "none": dense `dtype` weights (the embedded model's GGUF
     #   dequantized once into float32). `tandem serve --dtype float32` without --quantization means "none".
     quantization: Literal["gguf", "int8", "none"] | None = None
@@ -76,9 +78,9 @@ class EngineConfig:
         if self.quantization in ("gguf", "int8") and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError(f"quantization={self.quantization!r} runs on device 'cpu' with dtype 'float32' "
                              f"(got {self.device!r}, {self.dtype!r}); use quantization='none' elsewhere")
-        if self.quantization == "gguf" and self.model is not None:
-            raise ValueError("quantization='gguf' serves the embedded model's GGUF file; for a Hugging Face "
-                             "directory use 'int8' or 'none'")
+        if self.quantization == "gguf" and self.model is not None and not str(self.model).endswith(".gguf"):
+            raise ValueError("quantization='gguf' serves a GGUF file's blocks (the embedded model's GGUF file or a "
+                             ".gguf path); for a Hugging Face directory use 'int8' or 'none'")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
 

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import DecoderForCausalLM
 
 log = logging.getLogger("tandem.engine")
 
@@ -65,7 +65,7 @@ def eager_capture(forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Ten
 class DecodeGraphs:
     """Replays the model forward of decode-only batches (one query token per sequence) from captured graphs."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: torch.Tensor, sizes: list[int], max_blocks_per_seq: int,
+    def __init__(self, model: DecoderForCausalLM, kv_caches: torch.Tensor, sizes: list[int], max_blocks_per_seq: int,
                  capture: Capture) -> None:
         if not sizes:
             raise ValueError("no batch sizes to capture")
@@ -117,7 +117,7 @@ class DecodeGraphs:
         return self._graphs[size]()[:batch]
 
 
-def try_capture(model: LlamaForCausalLM, kv_caches: torch.Tensor, sizes: list[int], max_blocks_per_seq: int,
+def try_capture(model: DecoderForCausalLM, kv_caches: torch.Tensor, sizes: list[int], max_blocks_per_seq: int,
                 capture: Capture) -> DecodeGraphs | None:
     """DecodeGraphs, or None (logged) when capture fails, e.g. a kernel backend that syncs with the host."""
     try:

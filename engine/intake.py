@@ -154,6 +154,8 @@ class RequestIntake:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("each message needs a string role and string content")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template (a base model); send a prompt instead")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

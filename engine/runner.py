@@ -9,7 +9,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import Capture, DecodeGraphs, try_capture
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import DecoderForCausalLM
 from engine.rerank.scorer import PairScorer
 from engine.request import Sequence, SeqKind
 from engine.sampling import sample_sequences, top_logprobs
@@ -52,7 +52,7 @@ class ModelRunner:
     # Rows of prompt log-probabilities computed at once: bounds the [rows, vocab] logits a step materialises.
     LOGPROB_CHUNK = 256
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: str, dtype: str,
+    def __init__(self, model: DecoderForCausalLM, num_blocks: int, block_size: int, device: str, dtype: str,
                  scorer: PairScorer | None = None, eos_token_ids: Collection[int] = ()) -> None:
         a = model.args
         self.eos_token_ids = frozenset(eos_token_ids)  # masked while a sequence is short of its min_tokens

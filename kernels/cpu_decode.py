@@ -59,13 +59,16 @@ def available() -> bool:
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [B, Hq, D], one token per sequence; seq_lens include that token. Returns [B, Hq, D]."""
-    return _module().paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
+    """query [B, Hq, D], one token per sequence; seq_lens include that token. Returns [B, Hq, D]. window > 0:
+    only the last `window` positions; softcap > 0: tanh soft-capped scores."""
+    return _module().paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Same contract as reference.paged_attention: decodes through the C++ kernel, prefill chunks as there."""
     from kernels import reference
 
@@ -73,11 +76,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     lens = seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     if len(decodes) == len(lens):  # a decode-only step: query rows are the sequences, in order
-        return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
     out = torch.empty_like(query)
     if decodes:
         idx = torch.tensor(decodes, device=query.device)
         rows = query_start_loc[idx].long()
-        out[rows] = paged_decode_attention(query[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale)
-    reference.prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, scale, out)
+        out[rows] = paged_decode_attention(query[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale,
+                                           window, softcap)
+    reference.prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, scale, out, window, softcap)
     return out

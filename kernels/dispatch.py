@@ -46,16 +46,22 @@ def write_kv_cache(
 
 def paged_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
+    """`window` > 0: sliding-window attention (the last `window` positions); `softcap` > 0: tanh soft-capped
+    scores. The Triton kernel has neither yet and refuses them (NotImplementedError) rather than ignore them."""
     choice = backend(query)
     if choice == "triton":
+        if window or softcap:
+            raise NotImplementedError("the Triton paged attention kernel has no sliding window or soft-cap yet; "
+                                      "run this model with TANDEM_KERNELS=torch")
         from kernels.triton_paged_attention import paged_attention as op
-    elif choice == "cpp" and _cpp_usable(query, forced=os.environ.get("TANDEM_KERNELS", "").strip() == "cpp"):
+        return op(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    if choice == "cpp" and _cpp_usable(query, forced=os.environ.get("TANDEM_KERNELS", "").strip() == "cpp"):
         from kernels.cpu_decode import paged_attention as op
     else:
         op = reference.paged_attention
-    return op(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    return op(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, softcap)
 
 
 def _cpp_usable(query: torch.Tensor, forced: bool) -> bool:

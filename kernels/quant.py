@@ -1,10 +1,13 @@
-"""Weight-only quantized linear algebra on CPU: GGUF Q4_0 / Q4_1 / Q8_0 blocks and per-channel int8.
+"""Weight-only quantized linear algebra on CPU: GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16,
+BF16) and per-channel int8.
 
 A `QuantWeight` keeps the weights as stored (GGUF blocks exactly as in the file, or int8 rows plus one float scale
 per output channel) and `matmul(x, w)` computes `x @ dequantize(w).T` in float32 with them:
 
 * small M (decode steps, up to `SMALL_M` rows): the C++ kernel `cpu/quant_matmul.cpp`, which streams each output
-  row's blocks once and dequantizes them in registers (AVX2 + FMA, OpenMP over output rows). The dequantized values
+  row's blocks once and dequantizes them in registers (AVX2 + FMA, OpenMP over output rows) for Q4_0 / Q4_1 / Q8_0 /
+  I8, and dequantizes each row once into a buffer (scalar, gguf-py's arithmetic) for Q5_0 / Q5_1 / Q4_K / Q5_K /
+  Q6_K. The dequantized values
   are bit-identical to GGUF's own numpy dequantizer (the one transformers uses), so the result differs from
   dequantize-then-matmul only in summation order;
 * wide M: tiles of rows dequantized into float32 and multiplied by BLAS (`torch.mm`), so a wide step costs one
@@ -28,9 +31,17 @@ import torch
 log = logging.getLogger("tandem.kernels")
 _SOURCE = Path(__file__).parent / "cpu" / "quant_matmul.cpp"
 
-FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "I8": 3}  # the C++ `fmt` codes
-BLOCK = 32  # weights per GGUF block, along K
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# the C++ `fmt` codes (Q4_0 / Q4_1 / Q8_0 / I8 have the register kernel, the others a dequantize-a-row kernel)
+CPP_FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "I8": 3, "Q5_0": 4, "Q5_1": 5, "Q4_K": 6, "Q5_K": 7, "Q6_K": 8}
+BLOCK = 32  # weights per block of the 32-wide GGUF formats, along K
+QK_K = 256  # weights per super-block of the K-quants
+# GGUF block formats kept as stored: weights per block along K, bytes per block. F16 / BF16 have no C++ code: torch
+# converts tiles of them (`reference_dequantize`) for BLAS.
+BLOCK_ELEMS = {"Q4_0": BLOCK, "Q4_1": BLOCK, "Q5_0": BLOCK, "Q5_1": BLOCK, "Q8_0": BLOCK,
+               "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K, "F16": 1, "BF16": 1}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34,
+               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "F16": 2, "BF16": 2}
+FORMATS = (*BLOCK_BYTES, "I8")
 
 # Up to this many rows the in-register kernel beats dequantize + GEMM (measured on a 2-core AVX2 host, see
 # kernels/README.md "Quantized matmul"); wider steps dequantize tiles of TILE_BYTES of float32 and use BLAS.
@@ -57,9 +68,10 @@ class QuantWeight:
             if self.scales is None or self.scales.dtype != torch.float32 or self.scales.shape != (n,):
                 raise ValueError("I8 weights need float32 scales, one per output channel")
         else:
-            if k % BLOCK:
-                raise ValueError(f"{self.fmt} needs K divisible by {BLOCK}, got {k}")
-            expected = (n, k // BLOCK * BLOCK_BYTES[self.fmt])
+            per = BLOCK_ELEMS[self.fmt]
+            if k % per:
+                raise ValueError(f"{self.fmt} needs K divisible by {per}, got {k}")
+            expected = (n, k // per * BLOCK_BYTES[self.fmt])
             if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected:
                 raise ValueError(f"{self.fmt} blocks must be uint8 {expected}, got {self.data.dtype} "
                                  f"{tuple(self.data.shape)}")
@@ -76,22 +88,22 @@ class QuantWeight:
     def dequantize(self, start: int = 0, count: int | None = None) -> torch.Tensor:
         """Rows [start, start + count) as float32."""
         count = self.shape[0] - start if count is None else count
-        module = _module()
+        module = _module() if self.fmt in CPP_FORMATS else None
         if module is None:
             return reference_dequantize(self.data[start:start + count], self.fmt, self.shape[1],
                                         None if self.scales is None else self.scales[start:start + count])
-        return module.dequantize(self.data, FORMATS[self.fmt], self.shape[1], self._scales(), start, count)
+        return module.dequantize(self.data, CPP_FORMATS[self.fmt], self.shape[1], self._scales(), start, count)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows named by int64 `ids` (any shape) as float32 [*ids.shape, K]: an embedding lookup that
         dequantizes only those rows."""
-        module = _module()
+        module = _module() if self.fmt in CPP_FORMATS else None
         if module is None:
             flat = ids.reshape(-1)
             dense = reference_dequantize(self.data[flat], self.fmt, self.shape[1],
                                          None if self.scales is None else self.scales[flat])
             return dense.view(*ids.shape, self.shape[1])
-        return module.dequantize_rows(self.data, FORMATS[self.fmt], self.shape[1], self._scales(), ids)
+        return module.dequantize_rows(self.data, CPP_FORMATS[self.fmt], self.shape[1], self._scales(), ids)
 
 
 _NO_SCALES = torch.empty(0, dtype=torch.float32)
@@ -131,10 +143,10 @@ def fused_ops(x: torch.Tensor):
 
 def matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [M, K] float32 @ dequantize(w).T -> [M, N] float32."""
-    module = _module()
+    module = _module() if w.fmt in CPP_FORMATS else None
     m = x.shape[0]
     if module is not None and m <= SMALL_M:
-        return module.quant_matmul(x, w.data, FORMATS[w.fmt], w.shape[1], w._scales())
+        return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales())
     return _dequantize_gemm(x, w)
 
 
@@ -156,21 +168,99 @@ def _dequantize_gemm(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 
 def reference_dequantize(data: torch.Tensor, fmt: str, k: int, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Dequantize in plain torch, with GGUF's arithmetic (fp16 scales to fp32, then d * q (+ m))."""
+    """Dequantize rows in plain torch with gguf-py's arithmetic, op for op (fp16 scales to fp32, then the same
+    products and sums in the same order), so the values are bit-identical to `gguf.quants.dequantize`."""
     if fmt == "I8":
         return data.float() * scales.float()[:, None]
     n = data.shape[0]
-    blocks = data.reshape(n, k // BLOCK, BLOCK_BYTES[fmt])
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, nb, 1]
-    if fmt == "Q8_0":
-        q = blocks[..., 2:].contiguous().view(torch.int8).float()
-        return (q * d).reshape(n, k)
-    qs = blocks[..., 4:] if fmt == "Q4_1" else blocks[..., 2:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # byte i: element i (low), element i + 16 (high)
-    if fmt == "Q4_1":
-        m = blocks[..., 2:4].contiguous().view(torch.float16).float()
-        return (d * q + m).reshape(n, k)
-    return (d * (q - 8)).reshape(n, k)
+    if fmt in ("F16", "BF16"):
+        return data.contiguous().view(torch.float16 if fmt == "F16" else torch.bfloat16).float().reshape(n, k)
+    blocks = data.reshape(n, k // BLOCK_ELEMS[fmt], BLOCK_BYTES[fmt])
+    return _DEQUANT[fmt](blocks).reshape(n, k)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Byte i of a 32-wide group holds element i (low nibble) and element i + 16 (high nibble)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """The 32 fifth bits of a Q5_0 / Q5_1 block (a little-endian uint32), as 0/1 uint8 [.., 32]."""
+    word = qh.contiguous().view(torch.int32)  # [.., 1]
+    return ((word >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)
+
+
+def _q4_0(b):
+    q = _nibbles(b[..., 2:]).float()
+    return _f16(b[..., 0:2]) * (q - 8)
+
+
+def _q4_1(b):
+    q = _nibbles(b[..., 4:]).float()
+    return _f16(b[..., 0:2]) * q + _f16(b[..., 2:4])
+
+
+def _q5_0(b):
+    q = (_nibbles(b[..., 6:22]) | (_high_bits(b[..., 2:6]) << 4)).to(torch.int8) - 16
+    return _f16(b[..., 0:2]) * q.float()
+
+
+def _q5_1(b):
+    q = (_nibbles(b[..., 8:24]) | (_high_bits(b[..., 4:8]) << 4)).float()
+    return _f16(b[..., 0:2]) * q + _f16(b[..., 2:4])
+
+
+def _q8_0(b):
+    return b[..., 2:].contiguous().view(torch.int8).float() * _f16(b[..., 0:2])
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins of a Q4_K / Q5_K super-block, from its 12 packed bytes."""
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """128 bytes -> 8 sub-blocks of 32: group g's low nibbles are sub-block 2g, its high nibbles 2g + 1."""
+    g = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return torch.cat([g & 0x0F, g >> 4], dim=-2).reshape(*qs.shape[:-1], 8, 32)
+
+
+def _q4_k(b):
+    sc, mn = _k_scale_min(b[..., 4:16])
+    d = (_f16(b[..., 0:2]) * sc.float())[..., None]
+    dm = (_f16(b[..., 2:4]) * mn.float())[..., None]
+    return d * _k_low_nibbles(b[..., 16:144]).float() - dm
+
+
+def _q5_k(b):
+    sc, mn = _k_scale_min(b[..., 4:16])
+    d = (_f16(b[..., 0:2]) * sc.float())[..., None]
+    dm = (_f16(b[..., 2:4]) * mn.float())[..., None]
+    qh = b[..., 16:48][..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]  # sub-block j: bit j
+    q = _k_low_nibbles(b[..., 48:176]) | ((qh & 1) << 4)
+    return d * q.float() - dm
+
+
+def _q6_k(b):
+    lead = b.shape[:-1]
+    ql = b[..., 0:128].reshape(*lead, 2, 1, 64)
+    ql = torch.cat([ql & 0x0F, ql >> 4], dim=-2).reshape(*lead, 8, 32)
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    qh = (qh & 3).reshape(*lead, 8, 32)
+    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(*lead, 16, 16).float()
+    d = (_f16(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float())[..., None]
+    return d * q
+
+
+_DEQUANT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
+            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantWeight:

@@ -48,24 +48,40 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B] int32: context length after this step (cached + new tokens)
     query_start_loc: torch.Tensor,  # [B + 1] int32: offsets of each sequence's tokens in `query`
     scale: float,
+    window: int = 0,  # > 0: a query at position p attends only to positions p - window + 1 .. p (sliding window)
+    softcap: float = 0.0,  # > 0: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2)
 ) -> torch.Tensor:
     """Causal attention for a ragged batch mixing decodes (1 query token) and prefill chunks.
 
     Query token i of sequence b sits at absolute position seq_lens[b] - q_len[b] + i and attends to
-    cache positions 0..that position (its own K/V must already be written to the cache).
+    cache positions 0..that position (its own K/V must already be written to the cache), or only to the last
+    `window` of them.
     """
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     if decodes:
-        _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out)
-    prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, scale, out)
+        _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out, window, softcap)
+    prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, scale, out, window, softcap)
     return out
 
 
+def _attend(q, k, v, mask, scale: float, softcap: float, is_causal: bool = False) -> torch.Tensor:
+    """SDPA, or with a soft-cap the same arithmetic written out (scores * scale, cap, mask, softmax, @ v)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v)
+
+
 def prefill_attention(query, k_cache, v_cache, block_tables, starts: list[int], lens: list[int], scale: float,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
     """Fills `out` for every sequence with more than one query token (prefill chunks), causal by position."""
     n_heads, n_kv = query.shape[1], k_cache.shape[2]
     for b, ctx in enumerate(lens):
@@ -80,12 +96,15 @@ def prefill_attention(query, k_cache, v_cache, block_tables, starts: list[int], 
         if group > 1:
             k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
         q = query[q0:q1].transpose(0, 1)[None]
-        if ctx == q_len:  # the whole prompt in this chunk: plain causal, the kernel skips the masked half
-            o = F.scaled_dot_product_attention(q, k[None], v[None], is_causal=True, scale=scale)
+        if ctx == q_len and not (0 < window < ctx):  # the whole prompt in this chunk: plain causal
+            o = _attend(q, k[None], v[None], None, scale, softcap, is_causal=True)
         else:  # a later chunk attends to everything cached before it, then causally within itself
             q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
-            mask = torch.arange(ctx, device=query.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=mask, scale=scale)
+            k_pos = torch.arange(ctx, device=query.device)[None, :]
+            mask = k_pos <= q_pos[:, None]
+            if window > 0:
+                mask &= k_pos > q_pos[:, None] - window
+            o = _attend(q, k[None], v[None], mask, scale, softcap)
         out[q0:q1] = o[0].transpose(0, 1)
 
 
@@ -94,14 +113,17 @@ def prefill_attention(query, k_cache, v_cache, block_tables, starts: list[int], 
 _DECODE_GROUP = 32
 
 
-def _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out) -> None:
+def _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out, window: int = 0,
+                      softcap: float = 0.0) -> None:
     """All one-token sequences, in groups of similar context length: gather, mask the padding, one SDPA call."""
     decodes = sorted(decodes, key=lambda b: lens[b])
     for i in range(0, len(decodes), _DECODE_GROUP):
-        _decode_group(query, k_cache, v_cache, block_tables, starts, lens, decodes[i:i + _DECODE_GROUP], scale, out)
+        _decode_group(query, k_cache, v_cache, block_tables, starts, lens, decodes[i:i + _DECODE_GROUP], scale, out,
+                      window, softcap)
 
 
-def _decode_group(query, k_cache, v_cache, block_tables, starts, lens, group, scale, out) -> None:
+def _decode_group(query, k_cache, v_cache, block_tables, starts, lens, group, scale, out, window: int = 0,
+                  softcap: float = 0.0) -> None:
     block_size = k_cache.shape[1]
     dev = query.device
     ctx = torch.tensor([lens[b] for b in group], device=dev)
@@ -113,13 +135,16 @@ def _decode_group(query, k_cache, v_cache, block_tables, starts, lens, group, sc
     rows = torch.tensor([starts[b] for b in group], device=dev)
     q = query[rows]  # [G, Hq, D]
     n_kv = k.shape[2]
-    mask = torch.arange(max_ctx, device=dev)[None, :] < ctx[:, None]  # [G, max_ctx]
-    o = F.scaled_dot_product_attention(
+    k_pos = torch.arange(max_ctx, device=dev)[None, :]
+    mask = k_pos < ctx[:, None]  # [G, max_ctx]
+    if window > 0:
+        mask &= k_pos >= ctx[:, None] - window
+    o = _attend(
         q.view(q.shape[0], n_kv, -1, q.shape[-1]),  # the query heads of a KV head act as its query rows
         k.transpose(1, 2).to(q.dtype),
         v.transpose(1, 2).to(q.dtype),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
+        mask[:, None, None, :],
+        scale, softcap,
     )
     out[rows] = o.reshape(q.shape)
 

@@ -16,7 +16,8 @@ from service import cluster  # no torch: it only starts `tandem serve` processes
 
 # (flag, type, default, help). The engine's own defaults apply where the default is None.
 _ENGINE_FLAGS = [
-    ("--model", str, None, "Hugging Face directory of a Llama-family model (default: embedded SmolLM2-135M)"),
+    ("--model", str, None, "a GGUF file (or a folder holding one) or a Hugging Face directory: Llama, Mistral, "
+                           "Qwen2/3, Gemma 2/3 (default: embedded SmolLM2-135M)"),
     ("--reranker", str, None, "cross-encoder directory (default: the LLM scores pairs, see --rerank-mode)"),
     ("--rerank-mode", str, None, "likelihood | judge | cross-encoder: how rerank pairs are scored (default: "
                                  "cross-encoder with --reranker, else likelihood)"),

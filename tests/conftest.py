@@ -38,3 +38,26 @@ def fake_tandem_server():
     yield serve
     for server in servers:
         server.stop(None)
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf():
+    """The real Gemma 3 270M Q4_K_M GGUF file, assembled from its PyPI package (tests/gemma.py)."""
+    from tests.gemma import gemma_gguf_path
+
+    return gemma_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def gemma_prompts() -> list[str]:
+    from tests.gemma import gemma_prompts as prompts
+
+    return prompts()
+
+
+@pytest.fixture(scope="session")
+def gemma_reference(gemma_gguf, gemma_prompts):
+    """transformers' greedy continuations and prompt log-probabilities on the same file, once per session."""
+    from tests.gemma import transformers_reference
+
+    return transformers_reference(gemma_gguf, gemma_prompts)

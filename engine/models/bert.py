@@ -56,7 +56,8 @@ class EncoderArgs:
     def from_hf_config(cls, cfg: dict, num_labels: int) -> "EncoderArgs":
         model_type = cfg.get("model_type")
         if model_type not in FAMILIES:
-            raise ValueError(f"unsupported cross-encoder model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
+            raise ValueError(f"unsupported cross-encoder model_type {model_type!r}; supported: "
+                             f"{', '.join([*FAMILIES, 'modernbert'])}")
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"unsupported position_embedding_type {cfg['position_embedding_type']!r}")
         if cfg.get("is_decoder") or cfg.get("add_cross_attention"):

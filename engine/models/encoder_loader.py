@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from engine.models.bert import EncoderArgs, SequenceClassifier, build_model, pack_pairs
+from engine.models.modernbert import ModernBertArgs, ModernBertForSequenceClassification
 
 Pair = tuple[list[int], list[int]]  # (input_ids, token_type_ids) of one tokenized (query, document) pair
 
@@ -58,10 +59,12 @@ def normalize_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[st
 
 
 def _num_labels(state: dict[str, torch.Tensor], family: str, path: Path) -> int:
-    head = "classifier.weight" if family == "bert" else "classifier.out_proj.weight"
+    head = "classifier.out_proj.weight" if family == "roberta" else "classifier.weight"
     if head not in state:
-        raise ValueError(f"{str(path)!r} has no classification head ({head}); a bare encoder needs its head "
-                         "weights in another *.safetensors file in the same directory")
+        raise ValueError(f"{str(path)!r} is a bare {family} encoder (an embedding model) without a classification "
+                         f"head ({head}), so it cannot score pairs: pass a cross-encoder (a *ForSequenceClassification "
+                         "checkpoint, e.g. BAAI/bge-reranker-v2-m3) as --reranker, or put the head's weights in "
+                         "another *.safetensors file in the same directory")
     return state[head].shape[0]
 
 
@@ -74,7 +77,8 @@ def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def load_encoder(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32
-                 ) -> tuple[SequenceClassifier, EncoderArgs, dict]:
+                 ) -> tuple[SequenceClassifier | ModernBertForSequenceClassification, EncoderArgs | ModernBertArgs,
+                            dict]:
     """The sequence classifier in eval mode on `device`/`dtype`, its args, and the raw config.json dict."""
     path = Path(path)
     config_file = path / "config.json"
@@ -82,11 +86,20 @@ def load_encoder(path: str | Path, device: str | torch.device = "cpu", dtype: to
         raise FileNotFoundError(f"cross-encoder path {str(path)!r} is not a Hugging Face model directory "
                                 "(no config.json)")
     cfg = json.loads(config_file.read_text())
-    args = EncoderArgs.from_hf_config(cfg, num_labels=1)  # the real label count comes from the head's weights
-    state = normalize_state_dict(read_state_dict(path), args.family)
-    args = dataclasses.replace(args, num_labels=_num_labels(state, args.family, path))
-    with torch.device("meta"):
-        model = build_model(args)
+    if cfg.get("model_type") == "modernbert":
+        state = {k: v for k, v in read_state_dict(path).items() if not k.startswith(("decoder.", "head.decoder"))}
+        if not any(k.startswith("model.") for k in state):  # a bare ModernBertModel saves its names unprefixed
+            state = {f"model.{k}" if k.split(".", 1)[0] in ("embeddings", "layers", "final_norm") else k: v
+                     for k, v in state.items()}
+        args = ModernBertArgs.from_hf_config(cfg, num_labels=_num_labels(state, "modernbert", path))
+        with torch.device("meta"):
+            model = ModernBertForSequenceClassification(args)
+    else:
+        args = EncoderArgs.from_hf_config(cfg, num_labels=1)  # the real label count comes from the head's weights
+        state = normalize_state_dict(read_state_dict(path), args.family)
+        args = dataclasses.replace(args, num_labels=_num_labels(state, args.family, path))
+        with torch.device("meta"):
+            model = build_model(args)
     try:
         result = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # shape mismatches between config.json and the weights
@@ -119,9 +132,10 @@ def score_activation(cfg: dict, num_labels: int) -> Callable[[torch.Tensor], tor
 
 
 class CrossEncoder:
-    """A BERT / RoBERTa / XLM-R cross-encoder: pairs packed into one ragged batch, varlen attention, no padding."""
+    """A BERT / RoBERTa / XLM-R / ModernBERT cross-encoder: pairs packed into one ragged batch, no padding."""
 
-    def __init__(self, model: SequenceClassifier, args: EncoderArgs, tokenizer, activation: Callable,
+    def __init__(self, model: SequenceClassifier | ModernBertForSequenceClassification,
+                 args: EncoderArgs | ModernBertArgs, tokenizer, activation: Callable,
                  device: torch.device) -> None:
         self.model, self.args, self.tokenizer, self.activation, self.device = model, args, tokenizer, activation, device
         self.num_labels = args.num_labels

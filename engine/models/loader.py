@@ -7,7 +7,11 @@ import logging
 import os
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import torch
+
+from engine.models import gguf_file
 
 log = logging.getLogger("tandem.loader")
 
@@ -73,12 +77,48 @@ def _convert_gguf(directory: Path, gguf_file: str, target: Path) -> None:
 
 
 def resolve_model_dir(model: str | None) -> Path:
+    """A Hugging Face directory (rerankers, encoders); None: the embedded model's converted directory."""
     if model is None:
         return default_model_dir()
     path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model path {str(path)!r} is not a Hugging Face model directory (no config.json)")
     return path
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where a generation model comes from: `meta_dir` holds config.json and the tokenizer; the weights are the
+    GGUF file `gguf` when set (blocks as stored), else the directory's safetensors."""
+    meta_dir: Path
+    gguf: Path | None = None
+    embedded: bool = False
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """None: the embedded SmolLM2 (its GGUF file; a dense conversion beside it for quantization='none'); a GGUF
+    file, or a directory holding exactly one; or a Hugging Face directory. Anything else: a clear error."""
+    if model is None:
+        return ModelSource(default_model_dir(), embedded_gguf_path(), embedded=True)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise FileNotFoundError(
+                f"model path {str(path)!r} is neither a Hugging Face model directory (no config.json) nor a folder "
+                f"with one .gguf file ({len(ggufs)} found{': ' + ', '.join(g.name for g in ggufs) if ggufs else ''})"
+                "; pass the file itself")
+        path = ggufs[0]
+    if not gguf_file.is_gguf(path):
+        raise ValueError(f"model file {str(path)!r} is not a GGUF file (it does not start with b'GGUF'); "
+                         "pass a .gguf file or a Hugging Face model directory")
+    return ModelSource(gguf_file.metadata_dir(path, cache_root()), path)
 
 
 def read_config(path: Path) -> dict:
@@ -88,7 +128,11 @@ def read_config(path: Path) -> dict:
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the files the index names
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}")
     state: dict[str, torch.Tensor] = {}

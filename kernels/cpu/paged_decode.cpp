@@ -28,8 +28,11 @@ inline void axpy(float p, const float* __restrict x, float* __restrict y, int64_
 
 // query [B, Hq, D] (row b is sequence b's single new token), k_cache/v_cache [num_blocks, block_size, Hkv, D],
 // block_tables [B, W] int32, seq_lens [B] int32 (context length including the new token). Returns [B, Hq, D].
+// window > 0: the token attends only to the last `window` positions (sliding window); softcap > 0: scores become
+// softcap * tanh(score / softcap) before the softmax.
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     int64_t window, double softcap) {
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
                   v_cache.scalar_type() == torch::kFloat32, "paged_decode_attention: float32 only");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
@@ -52,6 +55,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   float* o = out.data_ptr<float>();
   const int64_t token_stride = Hkv * D;  // floats between consecutive tokens of a block
   const float fscale = static_cast<float>(scale);
+  const float fcap = static_cast<float>(softcap);
 
   // One task per sequence, all its KV heads together: each cached token's K (and V) row of Hkv * D floats is
   // contiguous, so a task reads whole rows. (One task per KV head read a third of each row: twice the memory
@@ -64,17 +68,22 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
     std::vector<float> scores, acc(Hq * D), inv_sum(Hq);
 #pragma omp for schedule(dynamic, 4)
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t L = lens[b];
+      const int64_t ctx = lens[b];
+      const int64_t t0 = (window > 0 && ctx > window) ? ctx - window : 0;  // first position in the window
+      const int64_t L = ctx - t0;  // scores are indexed from t0
       const int32_t* table = tables + b * W;
       const float* qb = q + b * Hq * D;
       scores.resize(Hq * L);
       for (int64_t t = 0; t < L; ++t) {
-        const float* k = kc + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) *
+        const int64_t p = t0 + t;
+        const float* k = kc + (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) *
                                   token_stride;
         for (int64_t h = 0; h < Hkv; ++h)
           for (int64_t g = 0; g < G; ++g) {
             const int64_t head = h * G + g;  // query heads h*G .. h*G+G-1 share KV head h
-            scores[head * L + t] = dot(qb + head * D, k + h * D, D) * fscale;
+            float s = dot(qb + head * D, k + h * D, D) * fscale;
+            if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
+            scores[head * L + t] = s;
           }
       }
       for (int64_t head = 0; head < Hq; ++head) {
@@ -89,7 +98,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
-        const float* v = vc + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) *
+        const int64_t p = t0 + t;
+        const float* v = vc + (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) *
                                   token_stride;
         for (int64_t h = 0; h < Hkv; ++h)
           for (int64_t g = 0; g < G; ++g) {

@@ -5,6 +5,8 @@
 //   1 Q4_1  GGUF blocks of 32 along K: fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m
 //   2 Q8_0  GGUF blocks of 32 along K: fp16 d, 32 int8; w = d * q
 //   3 I8    one int8 row of K per output channel plus a float scale per channel; w = s[n] * q
+//   4 Q5_0, 5 Q5_1 (blocks of 32), 6 Q4_K, 7 Q5_K, 8 Q6_K (super-blocks of 256): dequantized row by row with
+//     gguf-py's arithmetic (scalar code, the compiler vectorises the dot products); no register kernel yet
 // In the nibble formats byte i holds element i (low nibble) and element i + 16 (high nibble), as GGUF stores them.
 //
 // The small-M kernel streams each output row's blocks once and dequantizes them in registers: d * q is exact in
@@ -31,7 +33,7 @@
 
 namespace {
 
-enum Fmt : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, I8 = 3 };
+enum Fmt : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, I8 = 3, Q5_0 = 4, Q5_1 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8 };
 
 inline float fp16_to_fp32(const uint8_t* p) {
   uint16_t h;
@@ -61,10 +63,129 @@ inline float fp16_to_fp32(const uint8_t* p) {
 #endif
 }
 
-constexpr int64_t block_bytes(int64_t fmt) { return fmt == Q4_0 ? 18 : fmt == Q4_1 ? 20 : 34; }
+constexpr int64_t block_bytes(int64_t fmt) {
+  switch (fmt) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 34;
+  }
+}
+constexpr int64_t block_elems(int64_t fmt) { return fmt >= Q4_K ? 256 : 32; }
+
+// The 8 six-bit scales and mins of a Q4_K / Q5_K super-block (gguf-py's Q4_K.get_scale_min).
+inline void k_scale_min(const uint8_t* s, int j, float& sc, float& mn) {
+  if (j < 4) {
+    sc = static_cast<float>(s[j] & 63);
+    mn = static_cast<float>(s[j + 4] & 63);
+  } else {
+    sc = static_cast<float>((s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30));
+    mn = static_cast<float>((s[j + 4] >> 4) | ((s[j] >> 2) & 0x30));
+  }
+}
+
+// One block of the formats without a register kernel, exactly as gguf-py computes it (no FMA: the file is built
+// with -ffp-contract=off). A template per format, with every per-sub-block choice hoisted out of the inner loops, so
+// the compiler can vectorise them.
+template <int64_t FMT>
+void dequant_block_t(const uint8_t* blk, float* o) {
+  if constexpr (FMT == Q5_0 || FMT == Q5_1) {
+    const float d = fp16_to_fp32(blk);
+    const float m = FMT == Q5_1 ? fp16_to_fp32(blk + 2) : 0.f;
+    const uint8_t* qhp = blk + (FMT == Q5_1 ? 4 : 2);
+    uint32_t qh;
+    std::memcpy(&qh, qhp, 4);
+    const uint8_t* qs = qhp + 4;
+    for (int i = 0; i < 16; ++i) {
+      const int lo = (qs[i] & 0x0f) | (((qh >> i) & 1) << 4);
+      const int hi = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+      if constexpr (FMT == Q5_0) {
+        o[i] = d * static_cast<float>(lo - 16);
+        o[i + 16] = d * static_cast<float>(hi - 16);
+      } else {
+        o[i] = d * static_cast<float>(lo) + m;
+        o[i + 16] = d * static_cast<float>(hi) + m;
+      }
+    }
+  } else if constexpr (FMT == Q4_K || FMT == Q5_K) {
+    const float d = fp16_to_fp32(blk), dmin = fp16_to_fp32(blk + 2);
+    const uint8_t* sc6 = blk + 4;
+    const uint8_t* qh = blk + 16;
+    const uint8_t* qs = blk + (FMT == Q5_K ? 48 : 16);
+    for (int j = 0; j < 8; ++j) {
+      float sc, mn;
+      k_scale_min(sc6, j, sc, mn);
+      const float dd = d * sc, dm = dmin * mn;
+      const uint8_t* g = qs + (j / 2) * 32;
+      const int shift = (j % 2) * 4;
+      float* oj = o + j * 32;
+      for (int l = 0; l < 32; ++l) {
+        int q = (g[l] >> shift) & 0x0f;
+        if constexpr (FMT == Q5_K) q |= ((qh[l] >> j) & 1) << 4;
+        oj[l] = dd * static_cast<float>(q) - dm;
+      }
+    }
+  } else {  // Q6_K
+    const uint8_t* ql = blk;
+    const uint8_t* qh = blk + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = fp16_to_fp32(blk + 208);
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* lo_bytes = ql + (j / 4) * 64 + (j % 2) * 32;
+      const uint8_t* hi_bytes = qh + (j / 4) * 32;
+      const int lo_shift = 4 * ((j / 2) % 2), hi_shift = 2 * (j % 4);
+      for (int half = 0; half < 2; ++half) {  // 16 weights share one int8 scale
+        const float ds = d * static_cast<float>(sc[j * 2 + half]);
+        float* oj = o + j * 32 + half * 16;
+        for (int l = 0; l < 16; ++l) {
+          const int idx = half * 16 + l;
+          const int lo = (lo_bytes[idx] >> lo_shift) & 0x0f;
+          const int hi = (hi_bytes[idx] >> hi_shift) & 3;
+          oj[l] = ds * static_cast<float>(static_cast<int8_t>(lo | (hi << 4)) - 32);
+        }
+      }
+    }
+  }
+}
+
+template <int64_t FMT>
+void dequant_row_t(const uint8_t* row, int64_t K, float* out) {
+  constexpr int64_t bb = block_bytes(FMT), be = block_elems(FMT);
+  for (int64_t b = 0; b < K / be; ++b) dequant_block_t<FMT>(row + b * bb, out + b * be);
+}
+
+void dequant_row_generic(int64_t fmt, const uint8_t* row, int64_t K, float* out) {
+  switch (fmt) {
+    case Q5_0: return dequant_row_t<Q5_0>(row, K, out);
+    case Q5_1: return dequant_row_t<Q5_1>(row, K, out);
+    case Q4_K: return dequant_row_t<Q4_K>(row, K, out);
+    case Q5_K: return dequant_row_t<Q5_K>(row, K, out);
+    default: return dequant_row_t<Q6_K>(row, K, out);
+  }
+}
+
+// y[m * ldy] = dot(dequantized row, x[m]) for M rows of x: the row is dequantized once into `buf`.
+void row_generic(int64_t fmt, const uint8_t* row, const float* x, int64_t M, int64_t K, float* y, int64_t ldy,
+                 std::vector<float>& buf) {
+  buf.resize(K);
+  dequant_row_generic(fmt, row, K, buf.data());
+  const float* w = buf.data();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t k = 0; k < K; ++k) acc += w[k] * xm[k];
+    y[m * ldy] = acc;
+  }
+}
 
 // Scalar dequantization of one row (any format): the reference the vector paths must equal bit for bit.
 void dequant_row_scalar(int64_t fmt, const uint8_t* row, float scale, int64_t K, float* out) {
+  if (fmt >= Q5_0) return dequant_row_generic(fmt, row, K, out);
   if (fmt == I8) {
     const int8_t* q = reinterpret_cast<const int8_t*>(row);
     for (int64_t k = 0; k < K; ++k) out[k] = scale * static_cast<float>(q[k]);
@@ -199,7 +320,7 @@ inline void row_any(int64_t fmt, const uint8_t* row, float s, const float* x, in
 }
 
 void dequant_row(int64_t fmt, const uint8_t* row, float scale, int64_t K, float* out) {
-  if (fmt == I8) return dequant_row_scalar(fmt, row, scale, K, out);  // vectorised by the compiler
+  if (fmt == I8 || fmt >= Q5_0) return dequant_row_scalar(fmt, row, scale, K, out);  // vectorised by the compiler
   const int64_t bb = block_bytes(fmt);
   for (int64_t b = 0; b < K / 32; ++b) {
     __m256 w[4];
@@ -233,7 +354,7 @@ void dequant_row(int64_t fmt, const uint8_t* row, float scale, int64_t K, float*
 #endif
 
 void check(const torch::Tensor& w, int64_t fmt, int64_t K, const torch::Tensor& scales) {
-  TORCH_CHECK(fmt >= Q4_0 && fmt <= I8, "quant_matmul: unknown format ", fmt);
+  TORCH_CHECK(fmt >= Q4_0 && fmt <= Q6_K, "quant_matmul: unknown format ", fmt);
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "quant_matmul: weights must be a contiguous 2-d tensor");
   if (fmt == I8) {
     TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.size(1) == K, "quant_matmul: int8 weights [N, K]");
@@ -241,7 +362,8 @@ void check(const torch::Tensor& w, int64_t fmt, int64_t K, const torch::Tensor& 
                 "quant_matmul: one float32 scale per output channel");
   } else {
     TORCH_CHECK(w.scalar_type() == torch::kUInt8, "quant_matmul: GGUF blocks as uint8");
-    TORCH_CHECK(K % 32 == 0 && w.size(1) == K / 32 * block_bytes(fmt), "quant_matmul: blocks do not match K=", K);
+    TORCH_CHECK(K % block_elems(fmt) == 0 && w.size(1) == K / block_elems(fmt) * block_bytes(fmt),
+                "quant_matmul: blocks do not match K=", K);
   }
 }
 
@@ -269,6 +391,15 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (fmt >= Q5_0) {  // no register kernel: each row dequantized once into a per-thread buffer, then M dots
+#pragma omp parallel num_threads(num_threads_for(N / 16 + 1))
+    {
+      std::vector<float> buf;
+#pragma omp for schedule(static)
+      for (int64_t n = 0; n < N; ++n) row_generic(fmt, row_ptr(w, n), xp, M, K, yp + n, N, buf);
+    }
+    return y;
+  }
   // Output rows in contiguous chunks per thread: each thread streams its own slice of the weights once.
 #pragma omp parallel for num_threads(num_threads_for(N / 16 + 1)) schedule(static)
   for (int64_t n = 0; n < N; ++n) {

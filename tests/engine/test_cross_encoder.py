@@ -220,8 +220,9 @@ def test_missing_head_is_reported(tmp_path):
     src = minilm_encoder_dir()
     (tmp_path / "model.safetensors").symlink_to(src / "model.safetensors")
     shutil.copy(src / "config.json", tmp_path / "config.json")
-    with pytest.raises(ValueError, match="no classification head"):
+    with pytest.raises(ValueError, match="is a bare bert encoder .* without a classification head") as err:
         CrossEncoder.from_pretrained(tmp_path)
+    assert "pass a cross-encoder" in str(err.value) and "\n" not in str(err.value)  # one line that says what to do
 
 
 def test_roberta_positions_match_hf_including_inner_pad_ids():

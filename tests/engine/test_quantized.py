@@ -79,28 +79,31 @@ def test_int8_logits_match_transformers_on_the_same_int8_weights(model_dir, hf_m
     assert_no_leaks(llm)
 
 
-def test_gguf_tensors_are_cached_as_stored(tmp_path, monkeypatch) -> None:
-    """The first start writes what read_gguf returned to TANDEM_CACHE_DIR; later starts read it back unchanged
+def test_gguf_tensors_are_cached_as_stored(tmp_path) -> None:
+    """The first start writes what read_gguf returned to the cache; later starts read it back unchanged
     without parsing the GGUF file again."""
-    from engine.models import quantized as qmod
+    from engine.models import gguf_file as gmod
     from tests.kernels.test_quant import make
 
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
-    gguf_file = tmp_path / "model.gguf"
-    gguf_file.write_bytes(b"GGUF")
-    dense = {"model.norm.weight": torch.randn(8)}
-    quantized = {"model.layers.0.mlp.down_proj.weight": make("Q4_1", 8, 64), "lm_head.weight": make("Q8_0", 5, 32)}
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")
+    tensors = {"model.norm.weight": torch.randn(8), "model.layers.0.mlp.down_proj.weight": make("Q4_1", 8, 64),
+               "lm_head.weight": make("Q8_0", 5, 32)}
     calls = []
-    monkeypatch.setattr(qmod, "read_gguf", lambda *a: calls.append(a) or (dense, quantized))
-    first = qmod.load_gguf(gguf_file, 2, 1)
-    second = qmod.load_gguf(gguf_file, 2, 1)
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gmod, "read_gguf", lambda *a: calls.append(a) or ("llama", tensors))
+        first = gmod.load_gguf(path, tmp_path / "cache")
+        second = gmod.load_gguf(path, tmp_path / "cache")
     assert len(calls) == 1
-    for got_dense, got_quant in (first, second):
-        assert got_dense.keys() == dense.keys() and torch.equal(got_dense["model.norm.weight"], dense["model.norm.weight"])
-        assert got_quant.keys() == quantized.keys()
-        for name, w in quantized.items():
-            assert (got_quant[name].fmt, got_quant[name].shape) == (w.fmt, w.shape)
-            assert torch.equal(got_quant[name].data, w.data)
+    for got in (first, second):
+        assert got.keys() == tensors.keys()
+        assert torch.equal(got["model.norm.weight"], tensors["model.norm.weight"])
+        for name, w in tensors.items():
+            if name != "model.norm.weight":
+                assert (got[name].fmt, got[name].shape) == (w.fmt, w.shape)
+                assert torch.equal(got[name].data, w.data)
 
 
 def test_quantization_config_is_validated() -> None:
@@ -115,5 +118,5 @@ def test_quantization_config_is_validated() -> None:
         EngineConfig(quantization="int8", device="cuda")
     with pytest.raises(ValueError, match="runs on device 'cpu' with dtype 'float32'"):
         EngineConfig(quantization="gguf", dtype="bfloat16")
-    with pytest.raises(ValueError, match="embedded model's GGUF"):
+    with pytest.raises(ValueError, match="embedded model's GGUF file or a .gguf path"):
         EngineConfig(model="/some/dir", quantization="gguf")

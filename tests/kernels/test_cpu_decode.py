@@ -72,3 +72,18 @@ def test_non_float32_is_refused() -> None:
     with pytest.raises(RuntimeError, match="float32"):
         cpu_decode.paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables,
                                           batch.seq_lens, batch.scale)
+
+
+@pytest.mark.parametrize("window,softcap", [(16, 0.0), (7, 0.0), (1, 0.0), (0, 50.0), (16, 30.0)])
+def test_sliding_window_and_softcap_match_the_reference(window: int, softcap: float) -> None:
+    """Decodes (through the C++ kernel) and prefill chunks in one batch, contexts shorter and longer than the window."""
+    specs = mixed_specs(seed=window + 11, n_random=6) + [(ctx - 1, 1) for ctx in (1, 15, 16, 17, 40, 100)]
+    batch = paged_batch(specs, 16, num_kv_heads=2, group=3, head_dim=32, seed=window)
+    got = cpu_decode.paged_attention(*batch.args(), window=window, softcap=softcap)
+    want = reference.paged_attention(*batch.args(), window=window, softcap=softcap)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    decodes = [(ctx - 1, 1) for ctx in (1, 15, 16, 17, 40, 100)]  # a decode-only step takes the all-C++ branch
+    only = paged_batch(decodes, 16, num_kv_heads=2, group=3, head_dim=32, seed=window + 1)
+    torch.testing.assert_close(cpu_decode.paged_attention(*only.args(), window=window, softcap=softcap),
+                               reference.paged_attention(*only.args(), window=window, softcap=softcap),
+                               atol=1e-4, rtol=1e-4)

@@ -98,3 +98,15 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch: pytest.
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="CUDA"):
         dispatch.backend(torch.zeros(1))
+
+
+@pytest.mark.parametrize("window,softcap", [(16, 0.0), (0, 30.0)])
+def test_triton_refuses_a_window_or_softcap_rather_than_ignore_it(monkeypatch: pytest.MonkeyPatch, window: int,
+                                                                  softcap: float) -> None:
+    monkeypatch.setenv("TANDEM_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    batch = paged_batch([(0, 1), (20, 1)], 16, num_kv_heads=1, group=2, head_dim=16)
+    with pytest.raises(NotImplementedError, match="no sliding window or soft-cap"):
+        dispatch.paged_attention(*batch.args(), window=window, softcap=softcap)
+    monkeypatch.setenv("TANDEM_KERNELS", "torch")  # the reference takes both
+    assert dispatch.paged_attention(*batch.args(), window=window, softcap=softcap).shape == batch.query.shape

@@ -11,28 +11,46 @@ import torch
 
 from kernels import quant
 
-FORMATS = ["Q4_0", "Q4_1", "Q8_0", "I8"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "I8"]
 MS = [1, 2, 7, 16, 64, 300]
+# Byte offsets of the fp16 scales in a block of the formats gguf-py cannot quantize (the K-quants): random blocks
+# get small finite scales there, every other byte (quants, packed 6-bit scales, int8 scales) stays random.
+_K_QUANT_F16 = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 def make(fmt: str, n: int, k: int, seed: int = 0) -> quant.QuantWeight:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     if fmt == "I8":
         return quant.quantize_int8(w)
+    if fmt in _K_QUANT_F16:
+        rng = np.random.default_rng(seed)
+        nb = k // quant.QK_K
+        blocks = rng.integers(0, 256, size=(n, nb, quant.BLOCK_BYTES[fmt]), dtype=np.uint8)
+        for off in _K_QUANT_F16[fmt]:
+            blocks[..., off:off + 2] = (rng.standard_normal((n, nb, 1)) * 0.01).astype(np.float16).view(np.uint8)
+        return quant.QuantWeight(torch.from_numpy(blocks.reshape(n, -1)), fmt, (n, k))
     blocks = gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, fmt))
-    return quant.QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), fmt, (n, k))
+    return quant.QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks).view(np.uint8).reshape(n, -1)), fmt,
+                             (n, k))
 
 
 def reference_dense(w: quant.QuantWeight) -> torch.Tensor:
     if w.fmt == "I8":
         return w.data.float() * w.scales[:, None]
-    deq = gguf.quants.dequantize(w.data.numpy(), getattr(gguf.GGMLQuantizationType, w.fmt))
-    return torch.from_numpy(np.ascontiguousarray(deq)).reshape(w.shape)
+    qtype = getattr(gguf.GGMLQuantizationType, w.fmt)
+    data = w.data.numpy()
+    if w.fmt in ("F16", "BF16"):  # gguf-py dequantizes these from their own dtype
+        data = data.view(np.float16) if w.fmt == "F16" else data
+    deq = gguf.quants.dequantize(data, qtype)
+    return torch.from_numpy(np.ascontiguousarray(deq, dtype=np.float32)).reshape(w.shape)
 
 
 def shape_for(fmt: str) -> tuple[int, int]:
-    # N is never a multiple of anything; K must be a multiple of the 32-wide block for GGUF formats, not for int8.
-    return (37, 96) if fmt != "I8" else (37, 70)
+    # N is never a multiple of anything; K is not a multiple of 256 wherever the format allows (the 32-wide blocks,
+    # F16/BF16, int8), a multiple of the 256-wide super-block for the K-quants.
+    if fmt in _K_QUANT_F16:
+        return 37, 512
+    return (37, 96) if fmt not in ("I8", "F16", "BF16") else (37, 70)
 
 
 def assert_within_roundoff(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
@@ -70,9 +88,10 @@ def test_matmul_matches_dequantize_then_matmul(fmt: str, m: int) -> None:
     dense = reference_dense(w)
     x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(100 + m))
     assert_within_roundoff(quant.matmul(x, w), x, dense)  # the path the engine takes at this M
-    # and both paths at every M: the register kernel and dequantize + GEMM
-    kernel = quant._module().quant_matmul(x, w.data, quant.FORMATS[fmt], w.shape[1], w._scales())
-    assert_within_roundoff(kernel, x, dense)
+    # and both paths at every M: the C++ kernel (formats that have one) and dequantize + GEMM
+    if fmt in quant.CPP_FORMATS:
+        kernel = quant._module().quant_matmul(x, w.data, quant.CPP_FORMATS[fmt], w.shape[1], w._scales())
+        assert_within_roundoff(kernel, x, dense)
     assert_within_roundoff(quant._dequantize_gemm(x, w), x, dense)
 
 
@@ -100,7 +119,9 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="blocks must be uint8"):
         quant.QuantWeight(torch.zeros(2, 19, dtype=torch.uint8), "Q4_1", (2, 32))
     with pytest.raises(ValueError, match="unknown"):
-        quant.QuantWeight(torch.zeros(2, 20, dtype=torch.uint8), "Q6_K", (2, 32))
+        quant.QuantWeight(torch.zeros(2, 20, dtype=torch.uint8), "Q3_K", (2, 32))
+    with pytest.raises(ValueError, match="divisible by 256"):
+        quant.QuantWeight(torch.zeros(2, 144, dtype=torch.uint8), "Q4_K", (2, 96))
 
 
 def test_without_the_cpp_build_the_reference_computes(monkeypatch, caplog) -> None:
@@ -134,7 +155,7 @@ def test_without_the_cpp_build_the_reference_computes(monkeypatch, caplog) -> No
 
 
 def test_fused_decode_ops_match_torch() -> None:
-    from engine.models.llama import apply_rotary
+    from engine.models.decoder import TorchOps
 
     ops = quant._module()
     g = torch.Generator().manual_seed(5)
@@ -151,7 +172,9 @@ def test_fused_decode_ops_match_torch() -> None:
                                    rtol=1e-6, atol=1e-6)
         qkv = torch.randn(t, 3 + 2 * 1, 16, generator=g)
         cos, sin = torch.randn(t, 16, generator=g), torch.randn(t, 16, generator=g)
-        expected_qk = apply_rotary(qkv[:, :4], cos[:, None], sin[:, None])
+        expected_qkv = qkv.clone()
+        TorchOps.rotary_(expected_qkv, 4, cos, sin)  # the torch ops the model uses elsewhere
+        expected_qk = expected_qkv[:, :4]
         v = qkv[:, 4:].clone()
         ops.rotary_(qkv, 4, cos, sin)
         assert torch.equal(qkv[:, :4], expected_qk)  # same products and sums, each rounded alike

@@ -69,3 +69,27 @@ def test_write_kv_cache_reference_matches_per_token_copy() -> None:
             want_v[s // 16, s % 16] = value[t]
     assert torch.equal(k_cache, want_k)
     assert torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("window,softcap", [(16, 0.0), (5, 0.0), (1, 0.0), (0, 50.0), (16, 30.0)])
+def test_paged_reference_sliding_window_and_softcap_match_dense(window: int, softcap: float) -> None:
+    """A query at position p sees positions p - window + 1 .. p (transformers' sliding_window_overlay:
+    kv_idx > q_idx - window); soft-capped scores are cap * tanh(s / cap) before the softmax (Gemma 2's eager path)."""
+    specs = mixed_specs(seed=window + 3, n_random=4)
+    batch = paged_batch(specs, 16, num_kv_heads=2, group=2, head_dim=16, seed=2)
+    got = reference.paged_attention(*batch.args(), window=window, softcap=softcap)
+    starts = batch.query_start_loc.tolist()
+    for b, (cached, q_len) in enumerate(specs):
+        q = batch.query[starts[b]:starts[b + 1]].transpose(0, 1)
+        k = batch.keys[b].repeat_interleave(2, dim=1).transpose(0, 1)
+        v = batch.values[b].repeat_interleave(2, dim=1).transpose(0, 1)
+        q_pos = torch.arange(cached, cached + q_len)[:, None]
+        k_pos = torch.arange(cached + q_len)[None, :]
+        mask = k_pos <= q_pos
+        if window:
+            mask &= k_pos > q_pos - window
+        scores = (q @ k.transpose(1, 2)) * batch.scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        want = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        torch.testing.assert_close(got[starts[b]:starts[b + 1]], want.transpose(0, 1), atol=1e-4, rtol=1e-4)

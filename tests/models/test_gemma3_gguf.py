@@ -1,0 +1,77 @@
+"""Gemma 3 270M Q4_K_M (a real GGUF file from PyPI: Q5_0, Q4_K, Q6_K, Q8_0 and F32 tensors; 15 of 18 layers with a
+512-token sliding window) through `LLM`, against transformers on the same file (tests/gemma.py)."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from tests.engine.conftest import assert_no_leaks, record_steps
+from tests.gemma import MAX_TOKENS, check_greedy
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def gemma_llm(gemma_gguf) -> LLM:
+    return LLM(EngineConfig(model=str(gemma_gguf)))
+
+
+def test_the_file_is_served_from_its_blocks(gemma_llm) -> None:
+    info = gemma_llm.engine.model_info()
+    assert info["architecture"] == "Gemma3ForCausalLM" and info["quantization"] == "gguf"
+    assert info["weight_format"].startswith("gguf Q4_K + Q5_0 + Q6_K + Q8_0")
+    assert info["weight_bytes"] < 260e6  # the file is 253 MB; dense float32 would be over 1 GB
+    args = gemma_llm.engine.model_args
+    assert args.layer_windows.count(512) == 15 and args.layer_windows.count(0) == 3
+
+
+def test_greedy_and_prompt_logprobs_match_transformers(gemma_llm, gemma_prompts, gemma_reference) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, prompt_logprobs=0)
+    outs = gemma_llm.generate(gemma_prompts, params)
+    assert [o.prompt_token_ids for o in outs] == gemma_reference.prompt_ids
+    assert max(len(ids) for ids in gemma_reference.prompt_ids) > 512 + MAX_TOKENS  # the window is exercised
+    check_greedy([o.token_ids for o in outs], gemma_reference.greedy)
+    for out, ref in zip(outs, gemma_reference.prompt_logprobs):
+        ours = [lp[t] for lp, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+        assert len(ours) == len(ref)
+        assert max(abs(a - b) for a, b in zip(ours, ref)) <= 1e-3
+    assert_no_leaks(gemma_llm)
+
+
+def test_still_identical_under_kv_pressure_with_preemption(gemma_gguf, gemma_prompts, gemma_reference) -> None:
+    # The two long prompts (past the window) and six short ones on 64 blocks of 16 tokens: the longest prompt and
+    # its continuation fit (47 blocks), all eight together do not, so sequences are preempted and recomputed.
+    chosen = [0, 1, 2, 3, 4, 5, 14, 15]
+    llm = LLM(EngineConfig(model=str(gemma_gguf), num_kv_blocks=64, enable_prefix_caching=False))
+    records = record_steps(llm)
+    outs = llm.generate([gemma_prompts[i] for i in chosen], GREEDY)
+    check_greedy([o.token_ids for o in outs], [gemma_reference.greedy[i] for i in chosen])
+    assert sum(r.preempted for r in records) > 0
+    assert_no_leaks(llm)
+
+
+def test_aborts_and_reranks_under_kv_pressure_leak_nothing(gemma_gguf, gemma_prompts) -> None:
+    """A small pool shared by generations past the window, a rerank job and two aborts (one request after its first
+    step, one while it decodes): every KV block comes back and nothing is left running."""
+    llm = LLM(EngineConfig(model=str(gemma_gguf), num_kv_blocks=64, max_num_batched_tokens=256))
+    eng = llm.engine
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for i in (14, 15, 0, 3):
+        eng.add_request(f"g{i}", gemma_prompts[i], params)
+    eng.add_rerank("rr", "lighthouse keeper", ["The keeper lit the lamp.", "Bananas are yellow.", gemma_prompts[14]])
+    outs = eng.step()
+    assert eng.abort("g3")  # waiting or mid-prefill behind the long prompts
+    while not any(o.request_id == "g0" and o.new_token_ids for o in outs):
+        outs += eng.step()
+    assert eng.abort("g0")  # decoding
+    while eng.has_unfinished():
+        outs += eng.step()
+    finals = {o.request_id: o.finish_reason for o in outs if o.finished}
+    assert finals["g14"] == finals["g15"] == "length" and finals["g0"] == finals["g3"] == "abort" and "rr" in finals
+    assert_no_leaks(llm)
+
+
+def test_chat_on_a_base_model_without_template_is_a_clear_error(gemma_llm) -> None:
+    with pytest.raises(ValueError, match="this model has no chat template"):
+        gemma_llm.chat([{"role": "user", "content": "Hi"}], GREEDY)
+    assert_no_leaks(gemma_llm)
