@@ -45,28 +45,33 @@ class Submitter:
 
     def start_generate(self, session: StreamSession, req: pb.GenerateRequest, meta: dict) -> None:
         """Admit req on session; its deltas, final message or error are sent through the session."""
-        client_id = req.request_id
         try:
-            self.check_new_id(session, client_id)
-            self.catalog.check_model(req.model)
-            prompt = convert.generate_input(req)
-            params = convert.sampling_params(req.params)
-            lc: RequestLifecycle | None = None
-
-            def sink(event: Any) -> None:
-                if isinstance(event, ServiceError):
-                    session.send(generate_error(client_id, event))
-                    session.finished(client_id)
-                    return
-                session.send(convert.generate_message(client_id, event, lc))
-                if event.finished:
-                    session.finished(client_id)
-
-            lc = self.bridge.submit_generate(client_id, sink, params=params, timeout_ms=req.timeout_ms,
-                                             metadata=meta, **prompt)
-            session.live[client_id] = lc
+            self.admit_generate(session, req, meta)
         except ServiceError as exc:
-            session.send(generate_error(client_id, exc))
+            session.send(generate_error(req.request_id, exc))
+
+    def admit_generate(self, session: StreamSession, req: pb.GenerateRequest, meta: dict) -> RequestLifecycle:
+        """Admit req on session or raise ServiceError; once admitted, its messages go through the session."""
+        client_id = req.request_id
+        self.check_new_id(session, client_id)
+        self.catalog.check_model(req.model)
+        prompt = convert.generate_input(req)
+        params = convert.sampling_params(req.params)
+        lc: RequestLifecycle | None = None
+
+        def sink(event: Any) -> None:
+            if isinstance(event, ServiceError):
+                session.send(generate_error(client_id, event))
+                session.finished(client_id)
+                return
+            session.send(convert.generate_message(client_id, event, lc))
+            if event.finished:
+                session.finished(client_id)
+
+        lc = self.bridge.submit_generate(client_id, sink, params=params, timeout_ms=req.timeout_ms,
+                                         metadata=meta, **prompt)
+        session.live[client_id] = lc
+        return lc
 
     def cancel(self, session: StreamSession, client_id: str) -> None:
         lc = session.live.get(client_id)
