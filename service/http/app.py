@@ -13,6 +13,7 @@ admitted through service/submit.py, the code the gRPC servicer runs; answers com
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -112,8 +113,8 @@ def build_app(door: Door) -> Starlette:
               route("/v2/rerank", _cohere_v2, Shape.COHERE, ["POST"]),
               route("/rerank", _tei, Shape.TEI, ["POST"]),
               Route("/health", _health, methods=["GET"]),
-              Route("/ready", lambda request: _ready(door), methods=["GET"]),
-              Route("/metrics", lambda request: _metrics(door), methods=["GET"])]
+              Route("/ready", functools.partial(_ready, door), methods=["GET"]),
+              Route("/metrics", functools.partial(_metrics, door), methods=["GET"])]
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         what = "no such route" if exc.status_code == 404 else exc.detail
@@ -156,7 +157,7 @@ def _name(door: Door, model: str) -> str:
 async def _generate(door: Door, request: Request, body, requests: list[pb.GenerateRequest],
                     out: Completion) -> Response:
     timeout_ms = _timeout_ms(request)
-    meta = door.meta(request)
+    meta = {**door.meta(request), "stream": out.response_id}  # the id the client sees names the request span
     if body.user:
         meta["user"] = body.user
     session = door.submitter.new_session()
@@ -317,13 +318,13 @@ async def _health(request: Request) -> Response:
     return PlainTextResponse("OK\n", headers={"Cache-Control": "no-store"})
 
 
-async def _ready(door: Door) -> Response:
+async def _ready(door: Door, request: Request) -> Response:
     ok = door.serving()
     return PlainTextResponse("SERVING\n" if ok else "NOT_SERVING\n", status_code=200 if ok else 503,
                              headers={"Cache-Control": "no-store"})
 
 
-async def _metrics(door: Door) -> Response:
+async def _metrics(door: Door, request: Request) -> Response:
     data = generate_latest(door.registry) if door.registry is not None else b""
     return Response(data, media_type=CONTENT_TYPE_LATEST)
 
