@@ -146,10 +146,11 @@ def build_server_config(args: argparse.Namespace):
                   max_stream_buffer_bytes=args.max_stream_buffer_bytes, keepalive_time_s=args.keepalive_time,
                   keepalive_timeout_s=args.keepalive_timeout, max_connection_idle_s=args.max_connection_idle,
                   max_connection_age_s=args.max_connection_age, max_concurrent_streams=args.max_concurrent_streams,
-                  http_port=args.http_port or None)
-    if fields["http_port"] is not None and fields["http_port"] < 0:
-        raise ValueError(f"--http-port must be a port number, or 0 to turn HTTP off; got {fields['http_port']}")
-    return ServerConfig(**{name: value for name, value in fields.items() if value is not None})
+                  http_port=args.http_port)
+    fields = {name: value for name, value in fields.items() if value is not None}
+    if fields.get("http_port") == 0:  # on the command line 0 turns HTTP off (ServerConfig's 0: any free port)
+        fields["http_port"] = None
+    return ServerConfig(**fields)
 
 
 def build_engine_config(args: argparse.Namespace):

@@ -52,9 +52,10 @@ class ServerConfig:
     max_connection_age_s: float | None = None
     # Concurrent calls one connection may open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); None: grpc's default.
     max_concurrent_streams: int | None = None
-    # The HTTP door (service/http/) on the same host: None off, 0 an ephemeral port. It shares TLS, bearer tokens,
+    # The HTTP door (service/http/) on the same host, started by `tandem serve` (service/serve.py): None off, 0 an
+    # ephemeral port (on the command line, --http-port 0 means off). It shares TLS, bearer tokens,
     # max_message_bytes (its body limit), max_documents and max_stream_buffer_bytes with gRPC.
-    http_port: int | None = None
+    http_port: int | None = 8000
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
