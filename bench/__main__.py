@@ -18,7 +18,7 @@ from typing import Callable
 from bench.report import RESULTS, write_result
 
 BENCHMARKS = ("throughput", "rerank", "mixed", "latency", "prefill", "sampling", "rerank_quality", "single", "structured",
-              "cpu_peer")
+              "http", "cpu_peer")
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,13 @@ TARGETS = (
     # Issue #20: the generation parameters cost little next to plain greedy decoding.
     Target("Throughput, 128 sampled sequences with penalties + top_p + logprobs=5 vs plain greedy (same run)",
            "sampling", ("generation_api", "ratio"), 0.85),
+    # Issue #26: the HTTP door costs little next to gRPC (same server, same run, 32 streaming chats; rerank).
+    Target("HTTP door: streaming chat useful tok/s, OpenAI endpoint vs gRPC (32 requests)", "http",
+           ("ratios", "chat_tok_s_http_vs_grpc"), 0.9),
+    Target("HTTP door: TTFT p50, OpenAI endpoint / gRPC (32 streaming requests)", "http",
+           ("ratios", "ttft_p50_http_vs_grpc"), 1.1, higher_is_better=False),
+    Target("HTTP door: rerank pairs/s, Cohere /v2/rerank vs gRPC Rerank", "http",
+           ("ratios", "rerank_pairs_s_http_vs_grpc"), 0.9),
 )
 
 

@@ -47,6 +47,8 @@ _ENGINE_FLAGS = [
 _SERVER_FLAGS = [
     ("--host", str, "127.0.0.1", "address to bind (0.0.0.0 for all interfaces)"),
     ("--port", int, 50051, "port to bind (0: any free port; the address is printed)"),
+    ("--http-port", int, 8000, "HTTP port on --host for the OpenAI, Cohere/Jina and TEI APIs, /metrics and /health "
+                               "(0: off; docs/http.md)"),
     ("--max-waiting", int, 256, "requests that may wait for the engine before RESOURCE_EXHAUSTED"),
     ("--max-documents", int, 1000, "documents per rerank request"),
     ("--max-message-bytes", "bytes", 4 * 2**20, "largest client message"),
@@ -148,8 +150,12 @@ def build_server_config(args: argparse.Namespace):
                   auth_scoped_tokens=args.auth_scoped_tokens, replica=args.replica,
                   max_stream_buffer_bytes=args.max_stream_buffer_bytes, keepalive_time_s=args.keepalive_time,
                   keepalive_timeout_s=args.keepalive_timeout, max_connection_idle_s=args.max_connection_idle,
-                  max_connection_age_s=args.max_connection_age, max_concurrent_streams=args.max_concurrent_streams)
-    return ServerConfig(**{name: value for name, value in fields.items() if value is not None})
+                  max_connection_age_s=args.max_connection_age, max_concurrent_streams=args.max_concurrent_streams,
+                  http_port=args.http_port)
+    fields = {name: value for name, value in fields.items() if value is not None}
+    if fields.get("http_port") == 0:  # on the command line 0 turns HTTP off (ServerConfig's 0: any free port)
+        fields["http_port"] = None
+    return ServerConfig(**fields)
 
 
 def build_engine_config(args: argparse.Namespace):

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 from typing import Awaitable, Callable, Mapping
 
 import grpc
+
+from service.auth import TokenTable
 
 Before = Callable[[grpc.aio.ServicerContext], Awaitable[None]]
 
@@ -62,18 +63,7 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, token: str | None, scoped: Mapping[str, tuple[str, ...] | list[str]] | None = None,
                  exempt_prefixes: tuple[str, ...] = ("/grpc.health.v1.Health/",)) -> None:
-        scoped = dict(scoped or {})
-        if token is not None and not token:
-            raise ValueError("the auth token must not be empty")
-        if not token and not scoped:
-            raise ValueError("give an auth token or scoped tokens")
-        if any(not t for t in scoped):
-            raise ValueError("scoped auth tokens must not be empty")
-        self._tokens: list[tuple[bytes, frozenset[str] | None]] = []  # (expected header, methods or None: all)
-        if token:
-            self._tokens.append((f"Bearer {token}".encode(), None))
-        for t, methods in scoped.items():
-            self._tokens.append((f"Bearer {t}".encode(), frozenset(methods)))
+        self._table = TokenTable(token, scoped)
         self._exempt = exempt_prefixes
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -98,18 +88,9 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         given = None
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
+                given = value
                 break
-        if given is None:
-            return False, False
-        method = details.method
-        short = method.rsplit("/", 1)[-1] if method.startswith("/tandem.v1.Tandem/") else None
-        known = allowed = False
-        for expected, methods in self._tokens:  # every entry compared: no early exit on a match
-            if hmac.compare_digest(given, expected):
-                known = True
-                allowed |= methods is None or method in methods or (short is not None and short in methods)
-        return known, allowed
+        return self._table.check(given, details.method)
 
 
 def _read_first(deny: Before) -> Before:

@@ -62,10 +62,12 @@ class Metrics(Hooks):
                                   ["kind"], registry=r)
         self.rerank_pairs = Counter("tandem_rerank_pairs", "Rerank pairs scored", registry=r)
         self.preemptions = Counter("tandem_preemptions", "Sequences preempted for recompute", registry=r)
-        self.requests = Counter("tandem_requests", "Finished requests", ["kind", "finish_reason"], registry=r)
+        # door: "grpc" or "http", the front door the request came through (service/submit.py callers name it)
+        self.requests = Counter("tandem_requests", "Finished requests", ["kind", "finish_reason", "door"],
+                                registry=r)
 
     def on_finish(self, lc: RequestLifecycle) -> None:
-        self.requests.labels(lc.kind, lc.finish_reason or "unknown").inc()
+        self.requests.labels(lc.kind, lc.finish_reason or "unknown", lc.metadata.get("door", "none")).inc()
         self.e2e.labels(lc.kind).observe(lc.duration_s)
         if lc.scheduled is not None:
             self.queue.labels(lc.kind).observe(max(0.0, lc.scheduled - lc.arrival))

@@ -47,6 +47,7 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
         await bridge.stop()
         await _stop_telemetry(http, tracing)
         return 1
+    door = await _serve_http(bridge, server_config, server, metrics)
     ready(address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -66,7 +67,9 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     await stop.wait()
-    await server.drain()
+    await server.drain()  # both doors: the bridge refuses new work, in-flight work of either door finishes
+    if door is not None:
+        await door.stop()
     await bridge.stop()
     await _stop_telemetry(http, tracing)
     return 0
@@ -78,6 +81,23 @@ class StartupError(Exception):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.cause = cause
+
+
+async def _serve_http(bridge: EngineBridge, config: ServerConfig, server: TandemServer, metrics: Metrics):
+    """Start the HTTP door on the same loop and bridge; a busy port costs the HTTP door, never gRPC."""
+    if config.http_port is None:
+        return None
+    from service.http.server import HttpServer  # starlette and uvicorn only when HTTP is on
+
+    door = HttpServer(bridge, config, config.http_port, serving=lambda: server.serving, registry=metrics.registry)
+    try:
+        await door.start()
+    except OSError as exc:
+        log.warning("HTTP door not served: %s", exc)
+        return None
+    log.info("HTTP (OpenAI /v1/chat/completions, /v1/completions; rerank /v1/rerank, /v2/rerank, /rerank; "
+             "/metrics, /health, /ready) on %s", door.url)
+    return door
 
 
 def _serve_metrics(metrics: Metrics, host: str, port: int | None, healthy: Callable[[], bool]):

@@ -52,6 +52,10 @@ class ServerConfig:
     max_connection_age_s: float | None = None
     # Concurrent calls one connection may open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); None: grpc's default.
     max_concurrent_streams: int | None = None
+    # The HTTP door (service/http/) on the same host, started by `tandem serve` (service/serve.py): None off, 0 an
+    # ephemeral port (on the command line, --http-port 0 means off). It shares TLS, bearer tokens,
+    # max_message_bytes (its body limit), max_documents and max_stream_buffer_bytes with gRPC.
+    http_port: int | None = 8000
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -68,6 +72,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535] or None, got {self.http_port}")
         for token, methods in self.auth_scoped_tokens.items():
             if not token or not methods:
                 raise ValueError("each scoped auth token needs a non-empty token and at least one method")

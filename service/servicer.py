@@ -4,32 +4,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 
 from engine.config import MAX_LOGPROBS, MAX_N
 from proto import tandem_pb2 as pb
-from service import convert
 from service.bridge import EngineBridge
+from service.catalog import Catalog
 from service.errors import ServiceError, invalid
 from service.handlers import Unparseable
-from service.lifecycle import RequestLifecycle
-from service.session import DEFAULT_MAX_BUFFER_BYTES, StreamSession
-
-if TYPE_CHECKING:
-    from engine import RerankParams
+from service.session import StreamSession
+from service.submit import Limits, Submitter, generate_error
 
 _FORWARDED_METADATA = ("traceparent", "tracestate", "x-tandem-prefix")
-
-
-@dataclass(slots=True)
-class Limits:
-    max_documents: int = 1000
-    max_message_bytes: int = 4 * 2**20
-    max_stream_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES  # responses a stream may queue unread (service/session.py)
 
 
 def _statuses(fn: Callable) -> Callable:
@@ -50,8 +38,8 @@ def _parsed(message: Any) -> Any:
 
 
 def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
-    """What a telemetry layer may want from the call: the peer and trace context."""
-    out = {"peer": context.peer() or ""}
+    """What a telemetry layer may want from the call: the door, the peer and trace context."""
+    out = {"door": "grpc", "peer": context.peer() or ""}
     for key, value in context.invocation_metadata() or ():
         if key in _FORWARDED_METADATA and isinstance(value, str):
             out[key] = value
@@ -63,13 +51,13 @@ class TandemServicer:
         self.bridge = bridge
         self.replica = replica
         self.limits = limits
-        self.info: dict = {}
-        self.served_names: set[str] = {""}
+        self.catalog = Catalog()
+        self.submitter = Submitter(bridge, self.catalog, limits)
         self._streams = itertools.count()
 
     async def load_model_info(self) -> None:
-        self.info = await self.bridge.call(_model_info)
-        self.served_names = {"", self.info["model"], os.path.basename(str(self.info.get("model_dir", "")))} - {None}
+        self.catalog = await Catalog.load(self.bridge)
+        self.submitter = Submitter(self.bridge, self.catalog, self.limits)
 
     # ---- Generate --------------------------------------------------------------------------------
 
@@ -86,98 +74,26 @@ class TandemServicer:
         elif kind == "cancel":
             self._cancel(session, message.cancel.request_id)
         else:
-            session.send(_generate_error("", invalid("empty client message: set request or cancel")))
+            session.send(generate_error("", invalid("empty client message: set request or cancel")))
 
     def _start_generate(self, session: StreamSession, req: pb.GenerateRequest, meta: dict) -> None:
-        client_id = req.request_id
-        try:
-            self._check_new_id(session, client_id)
-            self._check_model(req.model)
-            prompt = convert.generate_input(req)
-            params = convert.sampling_params(req.params)
-            lc: RequestLifecycle | None = None
-
-            def sink(event: Any) -> None:
-                if isinstance(event, ServiceError):
-                    session.send(_generate_error(client_id, event))
-                    session.finished(client_id)
-                    return
-                session.send(convert.generate_message(client_id, event, lc))
-                if event.finished:
-                    session.finished(client_id)
-
-            lc = self.bridge.submit_generate(client_id, sink, params=params, timeout_ms=req.timeout_ms,
-                                             metadata=meta, **prompt)
-            session.live[client_id] = lc
-        except ServiceError as exc:
-            session.send(_generate_error(client_id, exc))
+        self.submitter.start_generate(session, req, meta)
 
     def _cancel(self, session: StreamSession, client_id: str) -> None:
-        lc = session.live.get(client_id)
-        if lc is None:
-            session.send(_generate_error(client_id, ServiceError(
-                grpc.StatusCode.NOT_FOUND,
-                f"cancel: no live request {client_id!r} on this stream (it finished already or never started)")))
-            return
-        self.bridge.abort(lc.engine_id)
+        self.submitter.cancel(session, client_id)
 
     # ---- Rerank ----------------------------------------------------------------------------------
 
     @_statuses
     async def Rerank(self, request: Any, context: grpc.aio.ServicerContext) -> pb.RerankResponse:
-        req: pb.RerankRequest = _parsed(request)
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        params, documents = self._rerank_args(req)
-        lc = self.bridge.submit_rerank(req.request_id, lambda event: future.done() or future.set_result(event),
-                                       query=req.query, documents=documents, params=params,
-                                       metadata=_metadata(context))
-        try:
-            event = await future
-        finally:
-            if not future.done():  # cancelled: the client left or its deadline passed
-                self.bridge.abort(lc.engine_id)
-        return self._rerank_result(req.request_id, event, documents, params, lc)
+        return await self.submitter.rerank(_parsed(request), _metadata(context))
 
     @_statuses
     async def RerankStream(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
         await self._serve_stream("rerank", request_iterator, context, self._start_rerank)
 
     def _start_rerank(self, session: StreamSession, req: pb.RerankRequest, meta: dict) -> None:
-        client_id = req.request_id
-        try:
-            self._check_new_id(session, client_id)
-            params, documents = self._rerank_args(req)
-            lc: RequestLifecycle | None = None
-
-            def sink(event: Any) -> None:
-                try:
-                    response = self._rerank_result(client_id, event, documents, params, lc)
-                    session.send(pb.RerankStreamResponse(request_id=client_id, response=response))
-                except ServiceError as exc:
-                    session.send(pb.RerankStreamResponse(request_id=client_id, error=convert.request_error(exc)))
-                session.finished(client_id)
-
-            lc = self.bridge.submit_rerank(client_id, sink, query=req.query, documents=documents, params=params,
-                                           metadata=meta)
-            session.live[client_id] = lc
-        except ServiceError as exc:
-            session.send(pb.RerankStreamResponse(request_id=client_id, error=convert.request_error(exc)))
-
-    def _rerank_args(self, req: pb.RerankRequest) -> tuple["RerankParams", list[str]]:
-        """Checks that need no engine (model, document count), then the engine's RerankParams."""
-        self._check_model(req.model)
-        if len(req.documents) > self.limits.max_documents:
-            raise invalid(f"documents has {len(req.documents)} items; this server takes at most "
-                          f"{self.limits.max_documents} per request (--max-documents); split the request")
-        return convert.rerank_params(req), list(req.documents)
-
-    @staticmethod
-    def _rerank_result(client_id: str, event: Any, documents: list[str], params, lc) -> pb.RerankResponse:
-        if isinstance(event, ServiceError):
-            raise event
-        if event.finish_reason == "abort":  # aborted by the server (drain timeout)
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "rerank aborted: the server is shutting down; retry")
-        return convert.rerank_response(client_id, event, documents, params, lc)
+        self.submitter.start_rerank(session, req, meta)
 
     # ---- streams (Generate, RerankStream) --------------------------------------------------------
 
@@ -187,7 +103,7 @@ class TandemServicer:
         to the engine and sends through the session) while this writes the session's messages; when the
         writing ends (input done and answered, the stream failed, the client left) the reader stops and the
         stream's live requests are aborted."""
-        session = StreamSession(self.limits.max_stream_buffer_bytes, abort=self.bridge.abort)
+        session = self.submitter.new_session()
         meta = {**_metadata(context), "stream": f"{kind}-{next(self._streams)}"}
         reader = asyncio.create_task(self._read_stream(requests, session, meta, on_message))
         try:
@@ -215,9 +131,9 @@ class TandemServicer:
     @_statuses
     async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
         _parsed(request)
-        info = self.info
+        info = self.catalog.info
         return pb.ModelInfoResponse(
-            model=info.get("model", ""), served_names=sorted(n for n in self.served_names if n),
+            model=info.get("model", ""), served_names=self.catalog.names,
             architecture=info.get("architecture", ""), max_model_len=info.get("max_model_len", 0),
             block_size=info.get("block_size", 0), kv_blocks_total=info.get("kv_blocks_total", 0),
             reranker=info.get("reranker", ""), rerank_mode=info.get("rerank_mode", ""),
@@ -229,30 +145,3 @@ class TandemServicer:
             limits=pb.Limits(max_waiting=self.bridge.max_waiting, max_documents=self.limits.max_documents,
                              max_message_bytes=self.limits.max_message_bytes, max_n=MAX_N,
                              max_logprobs=MAX_LOGPROBS))
-
-    # ---- checks ----------------------------------------------------------------------------------
-
-    @staticmethod
-    def _check_new_id(session: StreamSession, client_id: str) -> None:
-        if not client_id:
-            raise invalid("request_id must be a non-empty string")
-        if client_id in session.live:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"request_id {client_id!r} is already live on this stream; ids must be unique "
-                               "among a stream's unfinished requests (the earlier request goes on)")
-
-    def _check_model(self, model: str) -> None:
-        if model not in self.served_names:
-            served = sorted(n for n in self.served_names if n)
-            raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                               f"model {model!r} is not served by this replica; it serves {served} "
-                               "(leave model empty for the default)")
-
-
-def _model_info(engine) -> dict:
-    """engine.model_info() plus the vocabulary size clients need for token ids and logit_bias."""
-    return {**engine.model_info(), "vocab_size": engine.model_args.vocab_size}
-
-
-def _generate_error(client_id: str, error: ServiceError) -> pb.GenerateServerMessage:
-    return pb.GenerateServerMessage(request_id=client_id, error=convert.request_error(error))

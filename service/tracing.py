@@ -67,7 +67,8 @@ class TracingHooks(Hooks):
             f"tandem.{lc.kind}", context=parent, kind=SpanKind.SERVER, start_time=_ns(lc.arrival),
             attributes={"tandem.request.kind": lc.kind, "tandem.request.id": lc.client_id,
                         "tandem.request.engine_id": lc.engine_id,
-                        "tandem.stream": lc.metadata.get("stream", "")})
+                        "tandem.stream": lc.metadata.get("stream", ""),
+                        "tandem.door": lc.metadata.get("door", "")})
 
     def on_first_token(self, lc: RequestLifecycle) -> None:
         span = self._spans.get(lc.engine_id)

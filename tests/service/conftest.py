@@ -74,3 +74,10 @@ def served(offline: Offline) -> ServerThread:
                                                            max_message_bytes=MAX_MESSAGE_BYTES))
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def http_url(served: ServerThread) -> str:
+    """The HTTP door on the shared server's bridge: its base URL (http://127.0.0.1:PORT)."""
+    door = served.add_http(served.server.config)
+    return door.url

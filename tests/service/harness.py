@@ -37,6 +37,7 @@ class ServerThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
         self._thread.start()
         self._servers: list[TandemServer] = []
+        self._http: list = []  # HttpServer
         self.call(self._start_bridge()).result(60)
         self.server = self.add_server(config)
         self.address = self.server.address
@@ -59,6 +60,19 @@ class ServerThread:
         self._servers.append(server)
         return server
 
+    def add_http(self, config: ServerConfig):
+        """An HTTP door (service/http/) on the same bridge, on an ephemeral port; returns the HttpServer."""
+        from service.http.server import HttpServer
+
+        door = HttpServer(self.bridge, config, 0, serving=lambda: self.server.serving)
+        self.call(door.start()).result(120)
+        self._http.append(door)
+        return door
+
+    def stop_http(self, door) -> None:
+        self.call(door.stop()).result(60)
+        self._http.remove(door)
+
     async def idle_stats(self) -> dict:
         """Engine stats once no request is live (what leak assertions read)."""
         async def settle() -> dict:
@@ -68,6 +82,8 @@ class ServerThread:
 
     def close(self) -> None:
         async def shutdown() -> None:
+            for door in self._http:
+                await door.stop()
             for server in self._servers:
                 await server.stop()
             await self.bridge.stop()

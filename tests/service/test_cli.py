@@ -13,7 +13,7 @@ from service.server import ServerConfig
 
 NEW_FLAGS = ("--drain-grace", "--tls-client-ca", "--auth-scoped-tokens", "--max-stream-buffer-bytes",
              "--keepalive-time", "--keepalive-timeout", "--max-connection-idle", "--max-connection-age",
-             "--max-concurrent-streams")
+             "--max-concurrent-streams", "--http-port")
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +47,7 @@ def test_flags_set_every_server_config_field():
                      "--tls-client-ca", "ca.pem", "--auth-token", "t", "--auth-scoped-tokens",
                      "a=Rerank, RerankStream; b=Generate", "--replica", "r1", "--max-stream-buffer-bytes", "2MiB",
                      "--keepalive-time", "5", "--keepalive-timeout", "3", "--max-connection-idle", "60",
-                     "--max-connection-age", "600", "--max-concurrent-streams", "8")
+                     "--max-connection-age", "600", "--max-concurrent-streams", "8", "--http-port", "8081")
     assert (config.host, config.port, config.max_documents, config.max_message_bytes) == ("0.0.0.0", 6000, 7, 2**20)
     assert (config.drain_timeout_s, config.drain_grace_s) == (9.0, 2.5)
     assert (config.tls_cert, config.tls_key, config.tls_client_ca) == ("c.pem", "k.pem", "ca.pem")
@@ -56,6 +56,7 @@ def test_flags_set_every_server_config_field():
     assert config.max_stream_buffer_bytes == 2 * 2**20
     assert (config.keepalive_time_s, config.keepalive_timeout_s) == (5.0, 3.0)
     assert (config.max_connection_idle_s, config.max_connection_age_s, config.max_concurrent_streams) == (60, 600, 8)
+    assert config.http_port == 8081
     # Every field but the internal stop grace is reachable from the command line: no setting is env-only.
     default = ServerConfig()
     unset = [f.name for f in dataclasses.fields(ServerConfig) if getattr(config, f.name) == getattr(default, f.name)]
@@ -74,6 +75,17 @@ def test_each_flag_reads_its_environment_variable(monkeypatch):
     assert config.drain_grace_s == 4.0 and config.auth_scoped_tokens == {"tokenA": ("Rerank",)}
     assert config.max_stream_buffer_bytes == 64 * 2**10 and config.max_concurrent_streams == 16
     assert config.keepalive_time_s == 8.0 and config.max_connection_age_s is None
+
+
+def test_http_port_flag_variable_and_zero_for_off(monkeypatch):
+    assert _config().http_port == 8000
+    assert _config("--http-port", "0").http_port is None
+    monkeypatch.setenv("TANDEM_HTTP_PORT", "9000")
+    assert _config().http_port == 9000
+    monkeypatch.setenv("TANDEM_HTTP_PORT", "0")
+    assert _config().http_port is None
+    with pytest.raises(ValueError, match="http_port"):
+        _config("--http-port", "-3")
 
 
 @pytest.mark.parametrize("name, value, flag", [("TANDEM_KEEPALIVE_TIME", "soon", "--keepalive-time"),

@@ -1,0 +1,370 @@
+"""The HTTP routes (Starlette): each request is parsed with pydantic, turned into a tandem.v1 request and
+admitted through service/submit.py, the code the gRPC servicer runs; answers come back in each API's shape.
+
+| Route                        | Shape   | Scope (gRPC method) |
+|------------------------------|---------|---------------------|
+| POST /v1/chat/completions    | OpenAI  | Generate            |
+| POST /v1/completions         | OpenAI  | Generate            |
+| GET  /v1/models[/{model}]    | OpenAI  | ModelInfo           |
+| POST /v1/rerank, /v2/rerank  | Cohere  | Rerank              |
+| POST /rerank                 | TEI     | Rerank              |
+| GET  /health, /ready, /metrics | plain | open (as gRPC health) |
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from proto import tandem_pb2 as pb
+from service.auth import TokenTable
+from service.catalog import Catalog
+from service.errors import ServiceError
+from service.http import openai_schema, rerank_schema
+from service.http.errors import HttpError, Shape
+from service.http.openai_output import Completion
+from service.http.tokens import TokenTexts
+from service.session import StreamSession
+from service.submit import Submitter
+
+log = logging.getLogger("tandem.http")
+_FORWARDED_HEADERS = ("traceparent", "tracestate", "x-tandem-prefix")
+_METHOD = "/tandem.v1.Tandem/"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class _Gone(Exception):
+    """The client went away before its answer was ready."""
+
+
+@dataclass(slots=True)
+class Door:
+    """What the routes need: the shared submitter and catalog, token texts, limits, auth, health, metrics."""
+    submitter: Submitter
+    catalog: Catalog
+    tokens: TokenTexts
+    max_body_bytes: int
+    tokens_table: TokenTable | None
+    serving: Callable[[], bool]
+    registry: CollectorRegistry | None
+    replica: str
+    started: int = 0
+
+    def meta(self, request: Request) -> dict[str, str]:
+        client = request.client
+        meta = {"door": "http", "peer": f"{client.host}:{client.port}" if client else ""}
+        for key in _FORWARDED_HEADERS:
+            value = request.headers.get(key)
+            if value is not None:
+                meta[key] = value
+        return meta
+
+    def authorize(self, request: Request, method: str) -> None:
+        if self.tokens_table is None:
+            return
+        known, allowed = self.tokens_table.check(request.headers.get("authorization"), _METHOD + method)
+        if not known:
+            raise HttpError(401, "missing or invalid bearer token: send the header 'Authorization: Bearer <token>' "
+                                 "(the server's --auth-token / TANDEM_AUTH_TOKEN)", code="invalid_api_key")
+        if not allowed:
+            raise HttpError(403, f"this bearer token may not call {_METHOD}{method} (this route); ask for a token "
+                                 "whose scope includes it (--auth-token, --auth-scoped-tokens)")
+
+
+def build_app(door: Door) -> Starlette:
+    door.started = int(time.time())
+
+    def route(path: str, handler, shape: Shape, methods: list[str]) -> Route:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(door, request)
+            except HttpError as exc:
+                return _error(exc, shape)
+            except ServiceError as exc:
+                return _error(HttpError.from_service(exc), shape)
+            except BodyTooLarge:
+                return _error(HttpError(413, f"request body over {door.max_body_bytes} bytes (--max-message-bytes)",
+                                        code="request_too_large"), shape)
+            except (ClientDisconnect, _Gone):
+                return Response(status_code=499)
+            except Exception as exc:  # a bug: the client gets its type, the log its trace
+                log.exception("HTTP %s failed", path)
+                return _error(HttpError(500, f"internal error ({type(exc).__name__}); see the server log"), shape)
+        return Route(path, endpoint, methods=methods)
+
+    routes = [route("/v1/chat/completions", _chat, Shape.OPENAI, ["POST"]),
+              route("/v1/completions", _completions, Shape.OPENAI, ["POST"]),
+              route("/v1/models", _models, Shape.OPENAI, ["GET"]),
+              route("/v1/models/{model:path}", _model, Shape.OPENAI, ["GET"]),
+              route("/v1/rerank", _cohere_v1, Shape.COHERE, ["POST"]),
+              route("/v2/rerank", _cohere_v2, Shape.COHERE, ["POST"]),
+              route("/rerank", _tei, Shape.TEI, ["POST"]),
+              Route("/health", _health, methods=["GET"]),
+              Route("/ready", functools.partial(_ready, door), methods=["GET"]),
+              Route("/metrics", functools.partial(_metrics, door), methods=["GET"])]
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        what = "no such route" if exc.status_code == 404 else exc.detail
+        return _error(HttpError(exc.status_code, f"{what}: {request.method} {request.url.path} (see docs/http.md)"),
+                      Shape.OPENAI)
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    return _BodyLimit(app, door.max_body_bytes, door.replica)
+
+
+def _error(exc: HttpError, shape: Shape) -> Response:
+    return JSONResponse(exc.body(shape), status_code=exc.status)
+
+
+# ---- generation ----------------------------------------------------------------------------------
+
+async def _chat(door: Door, request: Request) -> Response:
+    door.authorize(request, "Generate")
+    body = openai_schema.parse(openai_schema.ChatRequest, await request.body())
+    requests = body.to_requests(default_max_tokens=int(door.catalog.info.get("max_model_len", 2048)))
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    return await _generate(door, request, body, requests, Completion(
+        chat=True, model=_name(door, body.model), n=body.n or 1, tokens=door.tokens, top_logprobs=top,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage)))
+
+
+async def _completions(door: Door, request: Request) -> Response:
+    door.authorize(request, "Generate")
+    body = openai_schema.parse(openai_schema.CompletionRequest, await request.body())
+    requests = body.to_requests(default_max_tokens=16)  # OpenAI's default for /v1/completions
+    return await _generate(door, request, body, requests, Completion(
+        chat=False, model=_name(door, body.model), n=body.n or 1, tokens=door.tokens, top_logprobs=body.logprobs,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage)))
+
+
+def _name(door: Door, model: str) -> str:
+    return model or str(door.catalog.info.get("model", ""))
+
+
+async def _generate(door: Door, request: Request, body, requests: list[pb.GenerateRequest],
+                    out: Completion) -> Response:
+    timeout_ms = _timeout_ms(request)
+    meta = {**door.meta(request), "stream": out.response_id}  # the id the client sees names the request span
+    if body.user:
+        meta["user"] = body.user
+    session = door.submitter.new_session()
+    try:
+        for req in requests:
+            req.timeout_ms = timeout_ms
+            door.submitter.admit_generate(session, req, meta)
+    except ServiceError:
+        _abort(door, session)
+        raise
+    session.end_of_input()
+    messages = session.messages()
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        first = await _until_gone(anext(messages), watcher)
+        if first.WhichOneof("kind") == "error":  # refused by the engine (e.g. prompt too long): a plain status
+            raise HttpError.from_code(first.error.code, first.error.message)
+        if body.stream:
+            watcher.cancel()  # the StreamingResponse watches for the disconnect from here on
+            return StreamingResponse(_sse(door, session, first, messages, out), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        out.add(first)
+        while True:
+            try:
+                message = await _until_gone(anext(messages), watcher)
+            except StopAsyncIteration:
+                break
+            if message.WhichOneof("kind") == "error":
+                raise HttpError.from_code(message.error.code, message.error.message)
+            out.add(message)
+        return JSONResponse(out.response())
+    except StopAsyncIteration:  # every request refused before sending anything: cannot happen with n >= 1
+        raise HttpError(500, "no output") from None
+    finally:
+        watcher.cancel()
+        if not body.stream:
+            _abort(door, session)
+
+
+async def _sse(door: Door, session: StreamSession, first: pb.GenerateServerMessage,
+               messages: AsyncIterator[pb.GenerateServerMessage], out: Completion) -> AsyncIterator[bytes]:
+    try:
+        yield out.chunk(first)
+        try:
+            async for message in messages:
+                if message.WhichOneof("kind") == "error":
+                    yield HttpError.from_code(message.error.code, message.error.message).sse()
+                    continue
+                yield out.chunk(message)
+        except ServiceError as exc:  # the stream failed (its buffer overflowed: the client did not read)
+            yield HttpError.from_service(exc).sse()
+        yield out.closing()
+    finally:  # done, or cancelled because the client went away: stop whatever still runs
+        _abort(door, session)
+
+
+def _abort(door: Door, session: StreamSession) -> None:
+    for engine_id in session.engine_ids():
+        door.submitter.bridge.abort(engine_id)
+
+
+def _timeout_ms(request: Request) -> int:
+    value = request.headers.get("x-tandem-timeout-ms")
+    if value is None:
+        return 0
+    if not value.isdigit() or int(value) >= 2**32:
+        raise HttpError(400, f"x-tandem-timeout-ms must be a whole number of milliseconds, got {value!r}",
+                        param="x-tandem-timeout-ms")
+    return int(value)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body was read already, so receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_gone(awaitable: Awaitable, watcher: asyncio.Future) -> Any:
+    """awaitable's result, or _Gone if the client disconnects first."""
+    task = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise _Gone()
+
+
+# ---- rerank --------------------------------------------------------------------------------------
+
+async def _rerank(door: Door, request: Request, req: pb.RerankRequest) -> pb.RerankResponse:
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        return await _until_gone(door.submitter.rerank(req, door.meta(request)), watcher)
+    finally:
+        watcher.cancel()
+
+
+async def _cohere(door: Door, request: Request, default_return_documents: bool) -> Response:
+    door.authorize(request, "Rerank")
+    body = openai_schema.parse(rerank_schema.CohereRerank, await request.body())
+    req = body.to_request()
+    texts = list(req.documents)
+    if body.max_tokens_per_doc is not None:
+        if body.max_tokens_per_doc < 1:
+            raise HttpError(400, f"max_tokens_per_doc must be >= 1, got {body.max_tokens_per_doc}",
+                            param="max_tokens_per_doc")
+        cut = await door.submitter.bridge.call(lambda engine: _first_tokens(engine, texts, body.max_tokens_per_doc))
+        del req.documents[:]
+        req.documents.extend(cut)
+    response = await _rerank(door, request, req)
+    returned = default_return_documents if body.return_documents is None else body.return_documents
+    return JSONResponse(rerank_schema.cohere_response(response, texts, return_documents=returned,
+                                                      model=_name(door, body.model)))
+
+
+def _first_tokens(engine, texts: list[str], limit: int) -> list[str]:
+    tokenizer = engine.tokenizer
+    return [tokenizer.decode(tokenizer(t, add_special_tokens=False)["input_ids"][:limit]) for t in texts]
+
+
+async def _cohere_v1(door: Door, request: Request) -> Response:
+    return await _cohere(door, request, default_return_documents=True)  # Cohere v1 and Jina return them
+
+
+async def _cohere_v2(door: Door, request: Request) -> Response:
+    return await _cohere(door, request, default_return_documents=False)
+
+
+async def _tei(door: Door, request: Request) -> Response:
+    door.authorize(request, "Rerank")
+    body = openai_schema.parse(rerank_schema.TeiRerank, await request.body())
+    response = await _rerank(door, request, body.to_request())
+    return JSONResponse(rerank_schema.tei_response(response, body.texts, return_text=bool(body.return_text)))
+
+
+# ---- models, health, metrics ---------------------------------------------------------------------
+
+def _model_card(door: Door, name: str) -> dict:
+    return {"id": name, "object": "model", "created": door.started, "owned_by": "tandem",
+            "max_model_len": door.catalog.info.get("max_model_len")}
+
+
+async def _models(door: Door, request: Request) -> Response:
+    door.authorize(request, "ModelInfo")
+    return JSONResponse({"object": "list", "data": [_model_card(door, n) for n in door.catalog.names]})
+
+
+async def _model(door: Door, request: Request) -> Response:
+    door.authorize(request, "ModelInfo")
+    name = request.path_params["model"]
+    if not name:
+        raise HttpError(404, "no model name given", code="model_not_found")
+    door.catalog.check_model(name)
+    return JSONResponse(_model_card(door, name))
+
+
+async def _health(request: Request) -> Response:
+    return PlainTextResponse("OK\n", headers={"Cache-Control": "no-store"})
+
+
+async def _ready(door: Door, request: Request) -> Response:
+    ok = door.serving()
+    return PlainTextResponse("SERVING\n" if ok else "NOT_SERVING\n", status_code=200 if ok else 503,
+                             headers={"Cache-Control": "no-store"})
+
+
+async def _metrics(door: Door, request: Request) -> Response:
+    data = generate_latest(door.registry) if door.registry is not None else b""
+    return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+
+# ---- body size -----------------------------------------------------------------------------------
+
+class _BodyLimit:
+    """ASGI middleware: a body over `limit` bytes fails the request's body read (BodyTooLarge -> 413); a
+    Content-Length over it is answered at once without reading. Adds x-tandem-replica to every response."""
+
+    def __init__(self, app, limit: int, replica: str) -> None:
+        self.app = app
+        self.limit = limit
+        self.replica = replica.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_named(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-tandem-replica", self.replica)]
+            await send(message)
+
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            body = HttpError(413, f"request body of {int(length)} bytes is over the limit of {self.limit} bytes "
+                                  "(--max-message-bytes)", code="request_too_large")
+            shape = Shape.TEI if scope["path"] == "/rerank" else \
+                Shape.COHERE if scope["path"].endswith("/rerank") else Shape.OPENAI
+            return await _error(body, shape)(scope, receive, send_named)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLarge()
+            return message
+
+        await self.app(scope, counted, send_named)

@@ -1,0 +1,146 @@
+"""tandem.v1 GenerateServerMessages to OpenAI response bodies and stream chunks (chat and completions).
+
+One `Completion` per HTTP request accumulates or streams its choices: with several prompts (completions) or
+n > 1, choice index = prompt index * n + completion index, as OpenAI numbers them.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from proto import tandem_pb2 as pb
+from service.http.tokens import TokenTexts
+
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # chat: content entries; completions: (token, logprob, top)
+    finish_reason: str | None = None
+    started: bool = False
+    offset: int = 0  # completions' text_offset of the next token
+
+
+@dataclass(slots=True)
+class Completion:
+    chat: bool
+    model: str
+    n: int
+    tokens: TokenTexts
+    top_logprobs: int | None  # None: no logprobs asked for
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    usage: dict = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0})
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+    # ---- one message in --------------------------------------------------------------------------
+
+    def add(self, message: pb.GenerateServerMessage) -> tuple[int, str, list, str | None]:
+        """Record a delta or final message; returns (choice index, text, logprobs of its tokens, finish reason)."""
+        kind = message.WhichOneof("kind")
+        part = message.delta if kind == "delta" else message.final
+        index = int(message.request_id) * self.n + part.index
+        choice = self.choices.setdefault(index, _Choice())
+        finish = _FINISH.get(part.finish_reason)
+        if finish is not None:
+            choice.finish_reason = finish
+        logprobs = self._logprobs(choice, part.token_ids, part.logprobs) if self.top_logprobs is not None else []
+        choice.text.append(part.text)
+        choice.logprobs += logprobs
+        if kind == "final":
+            u = part.usage
+            self.usage["prompt_tokens"] += u.prompt_tokens
+            self.usage["completion_tokens"] += u.completion_tokens
+            self.usage["cached_tokens"] += u.cached_tokens
+        return index, part.text, logprobs, finish
+
+    def _logprobs(self, choice: _Choice, token_ids, entries) -> list:
+        out = []
+        k = self.top_logprobs or 0
+        for token, lp in zip(token_ids, entries):
+            chosen = lp.entries[0].logprob if lp.entries else 0.0
+            top = sorted(lp.entries, key=lambda e: -e.logprob)[:k]
+            if self.chat:
+                out.append({"token": self.tokens.text(token), "logprob": chosen, "bytes": self.tokens.bytes(token),
+                            "top_logprobs": [{"token": self.tokens.text(e.token_id), "logprob": e.logprob,
+                                              "bytes": self.tokens.bytes(e.token_id)} for e in top]})
+            else:
+                text = self.tokens.text(token)
+                out.append((text, chosen, {self.tokens.text(e.token_id): e.logprob for e in top}, choice.offset))
+                choice.offset += len(text)
+        return out
+
+    # ---- non-streaming ---------------------------------------------------------------------------
+
+    def response(self) -> dict:
+        choices = []
+        for index in sorted(self.choices):
+            c = self.choices[index]
+            text = "".join(c.text)
+            logprobs = self._choice_logprobs(c.logprobs) if self.top_logprobs is not None else None
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason})
+        return {"id": self.response_id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage()}
+
+    def _choice_logprobs(self, items: list) -> dict:
+        if self.chat:
+            return {"content": items}
+        return {"tokens": [t for t, _, _, _ in items], "token_logprobs": [lp for _, lp, _, _ in items],
+                "top_logprobs": [top for _, _, top, _ in items], "text_offset": [o for _, _, _, o in items]}
+
+    def _usage(self) -> dict:
+        u = self.usage
+        return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+    # ---- streaming -------------------------------------------------------------------------------
+
+    def chunk(self, message: pb.GenerateServerMessage) -> bytes:
+        """The server-sent event for one message."""
+        index, text, logprobs, finish = self.add(message)
+        choice = self.choices[index]
+        lp = self._choice_logprobs(logprobs) if self.top_logprobs is not None else None
+        if self.chat:
+            delta = {"content": text}
+            if not choice.started:
+                delta = {"role": "assistant", "content": text}
+                choice.started = True
+            body = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            body = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        chunk = {"id": self.response_id, "object": self.object + (".chunk" if self.chat else ""),
+                 "created": self.created, "model": self.model, "choices": [body]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return _event(chunk)
+
+    def closing(self) -> bytes:
+        """The usage chunk (stream_options.include_usage) and [DONE]."""
+        out = b""
+        if self.include_usage:
+            out += _event({"id": self.response_id, "object": self.object + (".chunk" if self.chat else ""),
+                           "created": self.created, "model": self.model, "choices": [], "usage": self._usage()})
+        return out + b"data: [DONE]\n\n"
+
+
+def _event(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"

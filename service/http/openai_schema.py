@@ -1,0 +1,297 @@
+"""OpenAI request bodies (pydantic), and their translation into tandem.v1 GenerateRequests.
+
+Types are checked strictly (a string is not a number). A field tandem does not implement is refused with 400
+naming it, unless it is null, false or empty (what clients send for "unset"); see docs/http.md for the list.
+Values are checked where gRPC requests are checked (service/convert.py, engine SamplingParams), so both doors
+refuse the same values with the same messages.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from proto import tandem_pb2 as pb
+from service.http.errors import HttpError
+
+# Fields of OpenAI's (or vLLM's) APIs that tandem does not implement, with why; anything else unknown is refused
+# as unknown.
+_UNSUPPORTED = {
+    "tools": "tandem has no tool calling", "tool_choice": "tandem has no tool calling",
+    "functions": "tandem has no function calling", "function_call": "tandem has no function calling",
+    "parallel_tool_calls": "tandem has no tool calling", "audio": "tandem generates text only",
+    "modalities": "tandem generates text only", "prediction": "predicted outputs are not implemented",
+    "web_search_options": "tandem does not search the web", "reasoning_effort": "the model does not reason",
+    "store": "tandem stores no completions", "metadata": "tandem stores no completions",
+    "service_tier": "tandem has one service tier", "best_of": "use n", "echo": "echo is not implemented",
+    "suffix": "suffix (insertion) is not implemented", "prompt_logprobs": "prompt logprobs are served over gRPC",
+    "tool_calls": "tandem has no tool calling", "tool_call_id": "tandem has no tool calling",
+    "name": "participant names are not passed to the chat template", "refusal": "not an input field",
+}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+def refuse_extras(model: BaseModel, where: str = "") -> None:
+    """400 for a set field the model does not declare (null, false and empty count as unset)."""
+    for name, value in (model.model_extra or {}).items():
+        if value in (None, False, [], {}, ""):
+            continue
+        field = f"{where}{name}"
+        why = _UNSUPPORTED.get(name)
+        message = (f"{field} is not supported: {why}" if why else
+                   f"unknown field {field!r}: tandem does not implement it (see docs/http.md for the fields it takes)")
+        raise HttpError(400, message, param=field, code="unsupported_field")
+
+
+class TextPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: str
+    content: Union[str, list[TextPart], None] = None
+
+    def text(self, i: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise HttpError(400, f"messages[{i}].content[{j}] has type {part.type!r}: tandem's models read "
+                                     "text parts only", param=f"messages[{i}].content[{j}].type")
+            refuse_extras(part, f"messages[{i}].content[{j}].")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class JsonSchemaFormat(_Model):
+    name: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs` (also its older guided_json / guided_regex / guided_choice fields)."""
+    json_: Union[dict, str, None] = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+
+
+class _Sampling(_Model):
+    """Fields chat and completions share."""
+    model: str = ""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    priority: int | None = None
+    stop_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+
+    def sampling(self, *, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
+        refuse_extras(self)
+        if self.stream_options is not None:
+            refuse_extras(self.stream_options, "stream_options.")
+        params: dict[str, Any] = {}
+        for name in ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                     "repetition_penalty", "min_tokens", "priority"):
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = value
+        if max_tokens is not None:
+            params["max_tokens"] = max_tokens
+        if logprobs is not None:
+            params["logprobs"] = logprobs
+        if self.seed is not None:
+            if self.seed < 0:
+                raise HttpError(400, f"seed must be an integer >= 0, got {self.seed}", param="seed")
+            params["seed"] = self.seed
+        if self.stop is not None:
+            params["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        if self.stop_token_ids:
+            params["stop_token_ids"] = self.stop_token_ids
+        if self.ignore_eos:
+            params["ignore_eos"] = True
+        if self.logit_bias:
+            params["logit_bias"] = _logit_bias(self.logit_bias)
+        params.update(self._format())
+        try:
+            return pb.SamplingParams(**params)
+        except (ValueError, TypeError) as exc:  # out of the proto's integer ranges
+            raise HttpError(400, f"a sampling parameter is out of range: {exc}") from None
+
+    def _format(self) -> dict[str, Any]:
+        """The response_format oneof: OpenAI's response_format, or vLLM's structured_outputs / guided_*."""
+        formats: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            refuse_extras(rf, "response_format.")
+            if rf.type == "json_object":
+                formats.append(("response_format", {"json_schema": json.dumps({"type": "object"})}))
+            else:
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise HttpError(400, "response_format.json_schema.schema is required with type json_schema",
+                                    param="response_format.json_schema")
+                refuse_extras(rf.json_schema, "response_format.json_schema.")
+                formats.append(("response_format", {"json_schema": json.dumps(rf.json_schema.schema_)}))
+        so = self.structured_outputs
+        if so is not None:
+            refuse_extras(so, "structured_outputs.")
+            formats += _vllm_format("structured_outputs", so.json_, so.regex, so.choice)
+        formats += _vllm_format("guided_", self.guided_json, self.guided_regex, self.guided_choice)
+        if len(formats) > 1:
+            raise HttpError(400, f"give one output format, not {[name for name, _ in formats]}",
+                            param=formats[1][0])
+        return formats[0][1] if formats else {}
+
+
+def _vllm_format(where: str, schema, regex, choice) -> list[tuple[str, dict]]:
+    out = []
+    if schema is not None:
+        out.append((f"{where}json", {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}))
+    if regex is not None:
+        out.append((f"{where}regex", {"regex": regex}))
+    if choice is not None:
+        out.append((f"{where}choice", {"choice": pb.Choices(choices=choice)}))
+    return out
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise HttpError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not -(2**63) <= token < 2**63:
+            raise HttpError(400, f"logit_bias key {key} is out of range", param="logit_bias")
+        out[token] = value
+    return out
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def to_requests(self, default_max_tokens: int) -> list[pb.GenerateRequest]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise HttpError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        params = self.sampling(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                               logprobs=logprobs)
+        messages = []
+        for i, m in enumerate(self.messages):
+            refuse_extras(m, f"messages[{i}].")
+            messages.append(pb.ChatMessage(role=m.role, content=m.text(i)))
+        if not messages:
+            raise HttpError(400, "messages must be a non-empty list of {role, content}", param="messages")
+        return [pb.GenerateRequest(request_id="0", messages=pb.ChatMessages(messages=messages), params=params,
+                                   model=self.model)]
+
+
+Prompt = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    logprobs: int | None = None
+
+    def to_requests(self, default_max_tokens: int) -> list[pb.GenerateRequest]:
+        params = self.sampling(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+                               logprobs=self.logprobs)
+        prompts = self.prompts()
+        if not prompts:
+            raise HttpError(400, "prompt must not be an empty list", param="prompt")
+        requests = []
+        for i, prompt in enumerate(prompts):
+            req = pb.GenerateRequest(request_id=str(i), params=params, model=self.model)
+            if isinstance(prompt, str):
+                req.prompt = prompt
+            else:
+                if any(t < 0 or t >= 2**32 for t in prompt):
+                    raise HttpError(400, "prompt token ids must be integers >= 0 (and in the vocabulary)",
+                                    param="prompt")
+                req.token_ids.ids.extend(prompt)
+            requests.append(req)
+        return requests
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [p]
+        return list(p)
+
+
+def parse(model: type[BaseModel], body: bytes) -> Any:
+    """The request model of a JSON body; 400 saying where the JSON is malformed or which field is wrong."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> HttpError:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return HttpError(400, f"malformed JSON body: {first['msg'].removeprefix('Invalid JSON: ')}",
+                         code="invalid_json")
+    loc = _where(first["loc"])
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    if first["type"] == "missing":
+        return HttpError(400, f"{loc} is required{more}", param=loc)
+    return HttpError(400, f"{loc}: {first['msg']}{more}", param=loc)
+
+
+def _where(loc: tuple) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'; pydantic's union branch names are left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.startswith(("str", "list[", "dict[", "int", "float", "bool", "function-", "json-or-python")) \
+                or "[" in part or part in ("TextPart", "JsonSchemaFormat", "StreamOptions"):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or "body"
