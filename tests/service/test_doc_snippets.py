@@ -64,12 +64,13 @@ def parse_blocks(path: Path) -> list[Block]:
         line, fence, info = opened
         if m and m["fence"][0] == fence[0] and len(m["fence"]) >= len(fence) and not m["info"].strip():
             words = info.split()
-            blocks.append(Block(str(path.relative_to(ROOT)), line, words[0].lower() if words else "",
+            name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+            blocks.append(Block(name, line, words[0].lower() if words else "",
                                 tuple(words[1:]), "\n".join(body) + "\n"))
             opened = None
         else:
             body.append(text)
-    assert opened is None, f"{path.relative_to(ROOT)}:{opened[0]}: a code fence is never closed"
+    assert opened is None, f"{path}:{opened[0]}: a code fence is never closed"
     return blocks
 
 
@@ -93,11 +94,25 @@ def test_runnable_block_exits_zero_and_prints(block: Block, served, tmp_path):
     for name in ("TANDEM_AUTH_TOKEN", "TANDEM_CA_CERT"):
         env.pop(name, None)
     # Run where the reader would not mind files appearing (a snippet may write e.g. a schema file).
-    done = subprocess.run([*RUNNERS[block.lang], str(script)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=HANG_GUARD_S)
+    done = subprocess.run([*RUNNERS[block.lang], str(script)], check=False, cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     where = f"{block.path}:{block.line} ({block.lang})"
-    assert done.returncode == 0, f"{where} exited {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    output = f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    assert done.returncode == 0, f"{where} exited {done.returncode}\n{output}"
     assert done.stdout.strip(), f"{where} printed nothing; a snippet prints what it shows\n{done.stderr}"
+
+
+def test_parser_reads_info_strings_and_nested_fences(tmp_path):
+    md = tmp_path / "page.md"
+    md.write_text("text\n```python run\nprint(1)\n```\n````markdown\n```python run\nnot a block\n```\n````\n"
+                  "~~~bash\necho hi\n~~~\n")
+    got = [(b.line, b.lang, b.flags, b.code, b.runnable) for b in parse_blocks(md)]
+    assert got == [(2, "python", ("run",), "print(1)\n", True),
+                   (5, "markdown", (), "```python run\nnot a block\n```\n", False),
+                   (10, "bash", (), "echo hi\n", False)]
+    md.write_text("```python run\nprint(1)\n")
+    with pytest.raises(AssertionError, match="never closed"):
+        parse_blocks(md)
 
 
 def test_fences_name_a_known_language_and_run_only_python_or_bash():
