@@ -1,8 +1,8 @@
 """`python -m bench` (`make bench`): every benchmark of #9 in one run, then plots and the targets table.
 
 Each benchmark writes its own JSON under bench/results/; this runner adds summary.json (every target with its
-measured ratio and whether it was met) and prints the same table as Markdown, the one README shows. Benchmarks
-with no goal (prefill, sampling) add FIGURES: their ratios, listed after the targets.
+measured ratio and whether it was met) and prints the same table as Markdown, the one docs/benchmarks.md
+shows. Benchmarks with no goal (prefill, sampling) add FIGURES: their ratios, listed after the targets.
 `--quick` runs tiny sizes to check the wiring (its figures mean nothing); `--only` picks benchmarks.
 """
 from __future__ import annotations

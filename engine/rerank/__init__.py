@@ -8,7 +8,7 @@ from engine.rerank.pairs import PairTemplate, PairTokens
 from engine.rerank.scorer import PairScorer
 
 # The default mode for a causal LM: query likelihood measured best on the retrieval-quality benchmark
-# (bench/rerank_quality.py; figures in README "Reranking").
+# (bench/rerank_quality.py; figures in docs/benchmarks.md "Rerank quality").
 DEFAULT_LLM_MODE = "likelihood"
 
 __all__ = ["PairScorer", "PairTemplate", "PairTokens", "RerankJob", "build_scorer", "DEFAULT_LLM_MODE"]

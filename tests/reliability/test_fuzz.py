@@ -407,7 +407,7 @@ async def test_fuzzing_gets_only_documented_statuses_and_leaks_nothing(fuzz_serv
 
 
 # Every field of tandem.v1.SamplingParams, as the server reflects it, and the values proto/tandem.proto and the
-# README's parameter table document as refused (INVALID_ARGUMENT, the message naming the field: `needle`). A field
+# docs/generation.md's parameter table document as refused (INVALID_ARGUMENT, the message naming the field: `needle`). A field
 # added to the proto without an entry here fails the test below, so its bad values get documented and checked.
 # Values are on the template (max_tokens 4); VOCAB stands for ModelInfo.vocab_size.
 class _Vocab:
@@ -442,10 +442,10 @@ BAD_VALUES: dict[str, tuple[str, list]] = {
 }
 
 
-def _readme_rows() -> dict[str, str]:
-    """The README's generation parameter table: field name -> its row."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## Generation parameters", 1)[1].split("\n## ", 1)[0]
+def _documented_rows() -> dict[str, str]:
+    """docs/generation.md's generation parameter table: field name -> its row."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "generation.md").read_text()
+    section = page.split("\n## Generation parameters\n", 1)[1].split("\n## ", 1)[0]
     return {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", section, re.M)}
 
 
@@ -474,8 +474,8 @@ async def test_every_sampling_field_documents_its_bad_values_and_each_gets_inval
     pool, service = await asyncio.to_thread(reflected_service, fuzz_server.address)
     fields = {f.name for f in pool.FindMessageTypeByName("tandem.v1.SamplingParams").fields}
     assert fields == set(BAD_VALUES), f"undocumented fields {fields - set(BAD_VALUES)}, gone {set(BAD_VALUES) - fields}"
-    rows = _readme_rows()
-    assert fields <= set(rows), f"README table misses {sorted(fields - set(rows))}"
+    rows = _documented_rows()
+    assert fields <= set(rows), f"docs/generation.md's table misses {sorted(fields - set(rows))}"
     for name, (_, values) in BAD_VALUES.items():  # a field with refused values says so in its row, and vice versa
         assert rows[name].rstrip(" |").endswith("—") == (not values), rows[name]
 
