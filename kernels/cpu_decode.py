@@ -24,7 +24,9 @@ _CPUINFO_KEYS = ("model name", "flags", "Features", "CPU implementer", "CPU part
 
 def extension_name(prefix: str = "tandem_paged_decode", source: Path = _SOURCE) -> str:
     """`<prefix>_<hash of this CPU and the source>`: -march=native code is only valid on the CPU it was built for,
-    and checkouts with different sources must not rebuild each other's module in one shared directory. The CPU is
+    and checkouts must not rebuild each other's module in one shared directory: not when their sources differ, nor
+    when the same source sits at another path (torch's build file names the source's path, so two checkouts of one
+    commit rebuilt the module in turn, each waiting a minute on the other's build lock). The CPU is
     the first processor's model name and feature flags in /proc/cpuinfo (Linux), else platform.machine() and
     platform.processor()."""
     fields: dict[str, str] = {}
@@ -37,7 +39,8 @@ def extension_name(prefix: str = "tandem_paged_decode", source: Path = _SOURCE) 
         pass
     identity = "\n".join(f"{k}: {fields[k]}" for k in _CPUINFO_KEYS if k in fields)
     identity = identity or f"{platform.machine()} {platform.processor()}"
-    return f"{prefix}_" + hashlib.sha256(identity.encode() + source.read_bytes()).hexdigest()[:12]
+    where = str(source.resolve()).encode()
+    return f"{prefix}_" + hashlib.sha256(identity.encode() + where + source.read_bytes()).hexdigest()[:12]
 
 
 @functools.cache

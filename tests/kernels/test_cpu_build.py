@@ -23,3 +23,11 @@ def test_the_name_changes_with_the_source(tmp_path) -> None:
     other.write_text(cpu_decode._SOURCE.read_text() + "\n// another version\n")
     assert cpu_decode.extension_name(source=other) != cpu_decode.extension_name()
     assert cpu_decode.extension_name(source=cpu_decode._SOURCE) == cpu_decode.extension_name()
+
+
+def test_the_name_changes_with_the_sources_path(tmp_path) -> None:
+    """The same source in another checkout builds apart: torch's build file names the source's path, so one shared
+    directory made two checkouts of one commit rebuild the module in turn."""
+    copy = tmp_path / "paged_decode.cpp"
+    copy.write_bytes(cpu_decode._SOURCE.read_bytes())
+    assert cpu_decode.extension_name(source=copy) != cpu_decode.extension_name()
