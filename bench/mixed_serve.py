@@ -211,7 +211,7 @@ async def _main(argv: list[str] | None) -> dict:
     ap.add_argument("--docs", type=int, default=40)
     ap.add_argument("--doc-tokens", type=int, default=150)
     ap.add_argument("--factor", type=float, default=1.5, help="T = factor x solo TPOT p50")
-    ap.add_argument("--shares", type=float, nargs="+", default=SHARES)
+    ap.add_argument("--shares", type=float, nargs="*", default=SHARES)
     ap.add_argument("--reranker", default="likelihood", choices=["likelihood", "judge"])
     ap.add_argument("--cross-encoder", default=None, help="a cross-encoder directory (or 'minilm': the MiniLM-L6 "
                     "checkpoint of bench/models.py): one more objective phase with it as --reranker")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels import quant
 
 from engine.admission import AdmissionPolicy, policy_for
 from engine.config import EngineConfig
@@ -46,7 +47,7 @@ class EngineParts:
 
 def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None = None) -> EngineParts:
     """`admission`: the policy the scheduler runs (None: the one config names, engine/admission.py policy_for)."""
-    policy = policy_for(config, admission)  # checked before anything slow is loaded
+    policy_for(config, admission)  # checked before anything slow is loaded
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     model_dir = resolve_model_dir(config.model)
@@ -56,6 +57,9 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     hf_config = read_config(model_dir)
     args = LlamaArgs.from_hf_config(hf_config)
     quantization = resolve_quantization(config)
+    # The quantized CPU matmul switches path (dequantize + GEMM) above SMALL_M rows: a fixed cost the objective's
+    # step-time model gets as its own feature.
+    policy = policy_for(config, admission, wide_rows=quant.SMALL_M if quantization in ("gguf", "int8") else None)
     if quantization == "none":
         model = _build_model(args, load_state_dict(model_dir), config.device, config.dtype)
     else:
