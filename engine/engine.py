@@ -301,7 +301,7 @@ class LLMEngine:
             request_ids=list(dict.fromkeys(s.request_id for s in batch.seqs)),
             decode_request_ids=batch.decode_request_ids, forward_s=forward_s,
             decode_context_tokens=batch.num_decode_context_tokens, cross_encoder_tokens=batch.num_cross_encoder_tokens,
-            predicted_s=predicted_s, target_s=policy.target_s)
+            rerank_pairs_scored=batch.num_rerank_pairs_scored, predicted_s=predicted_s, target_s=policy.target_s)
         if policy.observes_steps:
             policy.observe(record)  # the step-time model learns from every step
         for fn in self._observers:
