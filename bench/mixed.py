@@ -172,7 +172,7 @@ def run_rerank_alone(llm, log, queries) -> tuple[dict, list]:
         phase.step()
     seconds = time.perf_counter() - t
     records = list(log.records)
-    pairs = sum(r.rerank_pairs for r in records)
+    pairs = sum(r.rerank_pairs_scored for r in records)  # a chunked pair counts once
     tokens = sum(r.rerank_tokens for r in records)
     return {"pairs": pairs, "tokens": tokens, "seconds": seconds, "pairs_s": pairs / seconds,
             "tokens_s": tokens / seconds, "steps": len(records)}, records
@@ -194,7 +194,7 @@ def run_mixed(llm, log, reqs, queries) -> tuple[dict, list, float]:
     window = phase.events[-1][0] - start
     records = list(log.records)  # the steps of the window; draining the flood's rest comes after
     phase.drain()
-    pairs = sum(r.rerank_pairs for r in records)
+    pairs = sum(r.rerank_pairs_scored for r in records)
     tokens = sum(r.rerank_tokens for r in records)
     out = tpot_stats(token_times(phase.events), prefill_step_ends(phase.events, records))
     out.update({"rerank_pairs": pairs, "rerank_tokens": tokens, "window_s": window, "rerank_pairs_s": pairs / window,

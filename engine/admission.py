@@ -194,10 +194,12 @@ class LatencyAdmission(AdmissionPolicy):
             limit = now + max(0.0, limit - now) * share
         return self.model.tokens_within(shape, kind, limit)
 
-    def rerank_floor_tokens(self) -> int:
-        """LLM-scored rerank tokens every step computes while pairs wait: those `rerank_floor` x the target buys."""
-        cost = self.model.token_cost_s(LLM_RERANK)
-        return max(1, int(self.rerank_floor * self.tpot_target_s / cost)) if cost > 0 else 1 << 30
+    def rerank_floor_tokens(self, batch: Batch | None = None) -> int:
+        """LLM-scored rerank tokens every step computes while pairs wait: those whose predicted cost beside `batch`
+        is `rerank_floor` x the target (at least one)."""
+        shape = StepShape.of_batch(batch) if batch is not None else StepShape(decode_rows=1)
+        now = self.model.predict(shape)
+        return max(1, self.model.tokens_within(shape, LLM_RERANK, now + self.rerank_floor * self.tpot_target_s))
 
     def admit(self, step: AdmissionStep) -> None:
         waiting = step.rerank_head() is not None
@@ -250,7 +252,7 @@ class LatencyAdmission(AdmissionPolicy):
         if step.batch.num_rerank_tokens:
             return
         if head.uses_kv:  # the floor: a few tokens of the next pair's chunk
-            step.admit_rerank(self.rerank_floor_tokens(), seats)
+            step.admit_rerank(self.rerank_floor_tokens(step.batch), seats)
         elif self._rerank_starved >= self.max_pair_wait_steps:  # waited its bound: one pair, whatever it costs
             step.admit_rerank(max_seats=1)
 
@@ -263,9 +265,11 @@ class LatencyAdmission(AdmissionPolicy):
             step.admit_generation(tokens)
 
 
-def policy_for(config: EngineConfig, given: AdmissionPolicy | None = None) -> AdmissionPolicy:
+def policy_for(config: EngineConfig, given: AdmissionPolicy | None = None, wide_rows: int | None = None
+               ) -> AdmissionPolicy:
     """The admission policy an engine built from `config` runs: `given` (any AdmissionPolicy object), else a
-    LatencyAdmission with config.tpot_target_ms, else a ShareAdmission with config.rerank_share."""
+    LatencyAdmission with config.tpot_target_ms (its step-time model told `wide_rows`, the LLM rows above which the
+    forward takes a costlier path), else a ShareAdmission with config.rerank_share."""
     if given is not None:
         if not isinstance(given, AdmissionPolicy):
             raise ValueError(f"admission must be an AdmissionPolicy or None, got {given!r}")
@@ -274,5 +278,6 @@ def policy_for(config: EngineConfig, given: AdmissionPolicy | None = None) -> Ad
                              "as the admission policy instead")
         return given
     if config.tpot_target_ms is not None:
-        return LatencyAdmission(config.tpot_target_ms / 1000, rerank_share=config.rerank_share)
+        return LatencyAdmission(config.tpot_target_ms / 1000, model=OnlineStepTime(wide_rows=wide_rows),
+                                rerank_share=config.rerank_share)
     return ShareAdmission(config.rerank_share)

@@ -14,7 +14,8 @@ class Batch:
     num_decode_tokens: int = 0
     num_prefill_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens that newly admitted sequences took from the prefix cache
-    num_rerank_pairs: int = 0
+    num_rerank_pairs: int = 0  # pairs with tokens in this step (a chunked pair counts in each of its steps)
+    num_rerank_pairs_scored: int = 0  # of those, pairs whose last chunk runs in this step (scored by it)
     num_rerank_tokens: int = 0
     num_cross_encoder_tokens: int = 0  # rerank tokens that run in the cross-encoder's forward, not the LLM's
     num_decode_context_tokens: int = 0  # context the decode rows attend to (their sequence lengths, summed)
@@ -27,6 +28,8 @@ class Batch:
         self.num_new_tokens.append(n)
         if seq.kind is SeqKind.RERANK:
             self.num_rerank_pairs += 1
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                self.num_rerank_pairs_scored += 1
             self.num_rerank_tokens += n
             if not seq.uses_kv:
                 self.num_cross_encoder_tokens += n

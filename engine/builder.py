@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels import quant
 
 from engine.admission import AdmissionPolicy, policy_for
 from engine.config import EngineConfig
@@ -48,7 +49,7 @@ class EngineParts:
 
 def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None = None) -> EngineParts:
     """`admission`: the policy the scheduler runs (None: the one config names, engine/admission.py policy_for)."""
-    policy = policy_for(config, admission)  # checked before anything slow is loaded
+    policy_for(config, admission)  # checked before anything slow is loaded
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     source = resolve_model(config.model)
@@ -59,6 +60,9 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     hf_config = read_config(model_dir)
     args = DecoderArgs.from_hf_config(hf_config)
     quantization = resolve_quantization(config, source.gguf is not None)
+    # The quantized CPU matmul switches path (dequantize + GEMM) above SMALL_M rows: a fixed cost the objective's
+    # step-time model gets as its own feature.
+    policy = policy_for(config, admission, wide_rows=quant.SMALL_M if quantization in ("gguf", "int8") else None)
     weights = _load_weights(source, args, quantization)
     model = build_decoder(args, weights, config.device, DTYPES[config.dtype])
     log.info("weights: %s, %.1f MB", weight_format(model), weight_bytes(model) / 1e6)

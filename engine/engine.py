@@ -67,11 +67,21 @@ class LLMEngine:
             self.scheduler.add(seq)
         return list(gen.seq.token_ids)
 
+    def prepare_rerank(self, request_id: str, query: str, documents: list[str],
+                       params: RerankParams | None = None) -> RerankJob:
+        """Check and tokenize a rerank request into a job, without queueing it: reads the tokenizer and the rerank
+        mode only, so another thread may call it while this one steps (the service tokenizes there). Raises
+        ValueError naming the field."""
+        return self.intake.rerank(request_id, query, documents, params)
+
     def add_rerank(self, request_id: str, query: str, documents: list[str],
-                   params: RerankParams | None = None) -> None:
-        """Queue a rerank job: one prefill-only pair per document, scored in the same steps as generation."""
+                   params: RerankParams | None = None, *, prepared: RerankJob | None = None) -> None:
+        """Queue a rerank job: one prefill-only pair per document, scored in the same steps as generation.
+        `prepared`: the job prepare_rerank made of these arguments (else it is made here)."""
         self._check_new_id(request_id)
-        job = self.intake.rerank(request_id, query, documents, params)
+        job = prepared if prepared is not None else self.intake.rerank(request_id, query, documents, params)
+        if job.request_id != request_id:
+            raise ValueError(f"prepared job is {job.request_id!r}, not {request_id!r}")
         self._requests[request_id] = job
         for pair in job.pairs:
             self.scheduler.add(pair)
@@ -291,7 +301,7 @@ class LLMEngine:
             request_ids=list(dict.fromkeys(s.request_id for s in batch.seqs)),
             decode_request_ids=batch.decode_request_ids, forward_s=forward_s,
             decode_context_tokens=batch.num_decode_context_tokens, cross_encoder_tokens=batch.num_cross_encoder_tokens,
-            predicted_s=predicted_s, target_s=policy.target_s)
+            rerank_pairs_scored=batch.num_rerank_pairs_scored, predicted_s=predicted_s, target_s=policy.target_s)
         if policy.observes_steps:
             policy.observe(record)  # the step-time model learns from every step
         for fn in self._observers:

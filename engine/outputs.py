@@ -109,6 +109,7 @@ class StepRecord:
     forward_s: float = 0.0  # part of duration_s spent in model forwards; the rest is engine overhead
     decode_context_tokens: int = 0  # context the decode rows attended to (their sequence lengths, summed)
     cross_encoder_tokens: int = 0  # of rerank_tokens, those the cross-encoder ran (not the LLM)
+    rerank_pairs_scored: int = 0  # of rerank_pairs, those whose last chunk ran in this step (scored)
     predicted_s: float | None = None  # the admission policy's step-time prediction (None: it has no model)
     target_s: float | None = None  # the step time the policy keeps decodes under (--tpot-target-ms)
 

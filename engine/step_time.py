@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 FEATURES = ("llm_forward", "decode_rows", "decode_context_tokens", "prefill_tokens", "llm_rerank_tokens",
-            "cross_encoder_forward", "cross_encoder_tokens")
+            "cross_encoder_forward", "cross_encoder_tokens", "wide_forward")
 # Token kinds a policy admits, and the coefficient each one costs.
 PREFILL, LLM_RERANK, CROSS_ENCODER = "prefill_tokens", "llm_rerank_tokens", "cross_encoder_tokens"
 
@@ -56,15 +56,23 @@ class StepShape:
     def empty(self) -> bool:
         return not (self.decode_rows or self.prefill_tokens or self.llm_rerank_tokens or self.cross_encoder_tokens)
 
-    def features(self) -> tuple[float, ...]:
+    @property
+    def llm_rows(self) -> int:
+        return self.decode_rows + self.prefill_tokens + self.llm_rerank_tokens
+
+    def features(self, wide_rows: int | None = None) -> tuple[float, ...]:
+        """`wide_rows`: above this many LLM rows the forward takes another path with a fixed cost of its own (the
+        quantized CPU matmul dequantizes every weight once a step has more than kernels.quant.SMALL_M rows)."""
         llm = self.decode_rows or self.prefill_tokens or self.llm_rerank_tokens
+        wide = wide_rows is not None and self.llm_rows > wide_rows
         return (1.0 if llm else 0.0, self.decode_rows, self.decode_context_tokens, self.prefill_tokens,
-                self.llm_rerank_tokens, 1.0 if self.cross_encoder_tokens else 0.0, self.cross_encoder_tokens)
+                self.llm_rerank_tokens, 1.0 if self.cross_encoder_tokens else 0.0, self.cross_encoder_tokens,
+                1.0 if wide else 0.0)
 
 
 # Seconds per unit of each feature: slow on purpose (conservative), replaced by the first real steps.
 PRIOR = dict(llm_forward=0.010, decode_rows=0.002, decode_context_tokens=2e-6, prefill_tokens=0.002,
-             llm_rerank_tokens=0.002, cross_encoder_forward=0.010, cross_encoder_tokens=0.001)
+             llm_rerank_tokens=0.002, cross_encoder_forward=0.010, cross_encoder_tokens=0.001, wide_forward=0.0)
 _FORWARD_OF = {PREFILL: 0, LLM_RERANK: 0, CROSS_ENCODER: 5}  # the fixed cost a kind's first token brings
 
 
@@ -72,7 +80,8 @@ class LinearStepTime:
     """Fixed coefficients (seconds per unit of each FEATURE): the step-time model tests inject, and the base of the
     fitted one. `ready` and `margin` are what a policy asks before trusting it."""
 
-    def __init__(self, coef: dict[str, float] | None = None) -> None:
+    def __init__(self, coef: dict[str, float] | None = None, wide_rows: int | None = None) -> None:
+        self.wide_rows = wide_rows  # LLM rows above which a step pays `wide_forward` (None: no such threshold)
         coef = {**PRIOR, **(coef or {})}
         unknown = set(coef) - set(FEATURES)
         if unknown:
@@ -93,7 +102,7 @@ class LinearStepTime:
     def predict(self, shape: StepShape) -> float:
         if shape.empty:
             return 0.0
-        return sum(c * x for c, x in zip(self.coef, shape.features()))
+        return sum(c * x for c, x in zip(self.coef, shape.features(self.wide_rows)))
 
     def token_cost_s(self, kind: str) -> float:
         """Seconds one more token of `kind` adds to a step that already runs its forward."""
@@ -110,7 +119,15 @@ class LinearStepTime:
         if room < 0:
             return 0
         per_token = self.coef[i]
-        return int(room / per_token) if per_token > 0 else 1 << 30
+        n = int(room / per_token) if per_token > 0 else 1 << 30
+        if self.wide_rows is None or kind == CROSS_ENCODER or shape.llm_rows > self.wide_rows:
+            return n
+        narrow = self.wide_rows - shape.llm_rows  # tokens that keep the step on the narrow path
+        if n <= narrow:
+            return n
+        room -= self.coef[FEATURES.index("wide_forward")]  # crossing the threshold costs its fixed part
+        wide = (int(room / per_token) if per_token > 0 else 1 << 30) if room >= 0 else 0
+        return wide if wide > narrow else narrow
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A step of this shape took `seconds` (a fixed model ignores it)."""
@@ -121,8 +138,8 @@ class OnlineStepTime(LinearStepTime):
 
     def __init__(self, window: int = 256, min_samples: int = 8, prior_steps: float = 2.0, huber_k: float = 2.0,
                  quantile_z: float = 1.28, max_margin: float = 0.5, refit_every: int = 4,
-                 prior: dict[str, float] | None = None) -> None:
-        super().__init__(prior)
+                 prior: dict[str, float] | None = None, wide_rows: int | None = None) -> None:
+        super().__init__(prior, wide_rows)
         self.window = window
         self.min_samples = min_samples
         self.prior_steps = prior_steps
@@ -145,7 +162,7 @@ class OnlineStepTime(LinearStepTime):
         if shape.empty or not seconds > 0 or not math.isfinite(seconds):
             return
         i = self._seen % self.window
-        self._x[i] = shape.features()
+        self._x[i] = shape.features(self.wide_rows)
         self._y[i] = seconds
         self._seen += 1
 

@@ -1,11 +1,17 @@
 """EngineBridge: the engine runs in its own thread; the event loop talks to it through a command queue.
 
 The engine is synchronous and not thread-safe, so exactly one thread (started
-here) ever touches it. The loop side submits requests and aborts as commands on
+here) ever changes it. The loop side submits requests and aborts as commands on
 a thread-safe queue, one dataclass per command (AddGeneration, AddRerank, Abort,
 Call, Stop); the engine thread applies them between steps, runs `step()`, and
 hands each step's outputs back with one `loop.call_soon_threadsafe`. Nothing
 here blocks the loop.
+
+Commands pass through an intake thread first, in order: it tokenizes rerank
+requests (`LLMEngine.prepare_rerank`, which reads the tokenizer and touches no
+engine state) so that rendering and tokenizing 40 documents (~50 ms on a CPU)
+happens while the engine steps, not between two steps that running chats wait
+for (measured by bench/mixed_serve.py as `tandem_step_gap_seconds`).
 
 A generation with n > 1 sends the outputs of all its completions (StepOutput.index) to its sink; only the one
 with finished=True ends it, and an abort stops all n.
@@ -69,6 +75,7 @@ class AddRerank:
     query: str
     documents: list[str]
     params: "RerankParams"
+    prepared: Any = None  # set by the intake thread: the engine's RerankJob, or the ValueError that refused it
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +107,9 @@ class EngineBridge:
         self.max_waiting = max_waiting
         self.hooks: list[LifecycleHooks] = list(hooks)
         self.draining = False
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # to the engine thread, from the intake thread
+        self._intake: queue.SimpleQueue = queue.SimpleQueue()  # every command, in order, from the loop
+        self._intake_thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._handles: dict[str, _Handle] = {}  # loop only
         self._waiting: set[str] = set()  # loop only: admitted, not yet served by a step
@@ -120,16 +129,19 @@ class EngineBridge:
         self.engine.add_observer(self._on_record)
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
+        self._intake_thread = threading.Thread(target=self._run_intake, name="tandem-intake", daemon=True)
+        self._intake_thread.start()
 
     async def stop(self) -> None:
         """Fail what is still live with UNAVAILABLE, end the engine thread and stop observing the engine's steps."""
         if self._thread is None:
             return
         for engine_id in list(self._handles):
-            self._commands.put(Abort(engine_id))
+            self._intake.put(Abort(engine_id))
             self._finish_error(engine_id, draining())
-        self._commands.put(Stop())
+        self._intake.put(Stop())
         await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._intake_thread.join)
         self._thread = None
         self.engine.remove_observer(self._on_record)
 
@@ -148,7 +160,7 @@ class EngineBridge:
     async def call(self, fn: Callable[["LLMEngine"], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps and return its result."""
         future = self._loop.create_future()
-        self._commands.put(Call(fn, future))
+        self._intake.put(Call(fn, future))
         return await future
 
     async def stats(self) -> dict:
@@ -179,7 +191,7 @@ class EngineBridge:
     def abort(self, engine_id: str) -> None:
         """Ask the engine to stop a request; its final output (finish reason "abort") still reaches its sink."""
         if engine_id in self._handles:
-            self._commands.put(Abort(engine_id))
+            self._intake.put(Abort(engine_id))
 
     def abort_all(self) -> None:
         for engine_id in list(self._handles):
@@ -205,7 +217,7 @@ class EngineBridge:
         self._waiting.add(engine_id)
         self._idle.clear()
         self._emit("on_arrival", lc)
-        self._commands.put(command)
+        self._intake.put(command)
         return lc
 
     def _expire(self, engine_id: str) -> None:
@@ -215,6 +227,21 @@ class EngineBridge:
             self.abort(engine_id)
 
     # ---- the engine thread -----------------------------------------------------------------------
+
+    def _run_intake(self) -> None:
+        """Forward every command to the engine thread in order, tokenizing rerank requests on the way."""
+        prepare = getattr(self.engine, "prepare_rerank", None)
+        while True:
+            command = self._intake.get()
+            if isinstance(command, AddRerank) and prepare is not None:
+                try:
+                    job = prepare(command.request_id, command.query, command.documents, command.params)
+                except Exception as exc:  # refused (ValueError) or a bug: the engine thread fails the request
+                    job = exc
+                command = AddRerank(command.request_id, command.query, command.documents, command.params, job)
+            self._commands.put(command)
+            if isinstance(command, Stop):
+                return
 
     def _run(self) -> None:
         engine = self.engine
@@ -259,8 +286,7 @@ class EngineBridge:
                 self._add(command.request_id, failures, lambda: engine.add_request(
                     command.request_id, command.prompt, command.params, messages=command.messages))
             case AddRerank():
-                self._add(command.request_id, failures, lambda: engine.add_rerank(
-                    command.request_id, command.query, command.documents, command.params))
+                self._add(command.request_id, failures, lambda: _add_rerank(engine, command))
             case Abort():
                 engine.abort(command.request_id)
             case Call():
@@ -386,6 +412,16 @@ class EngineBridge:
                 fn(arg)
             except Exception:
                 log.exception("lifecycle hook %s raised", name)
+
+
+def _add_rerank(engine: "LLMEngine", command: AddRerank) -> None:
+    if isinstance(command.prepared, Exception):
+        raise command.prepared
+    if command.prepared is not None:
+        engine.add_rerank(command.request_id, command.query, command.documents, command.params,
+                          prepared=command.prepared)
+    else:
+        engine.add_rerank(command.request_id, command.query, command.documents, command.params)
 
 
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -36,8 +36,9 @@ _ENGINE_FLAGS = [
                                      "generation waits or decodes"),
     ("--tpot-target-ms", float, None, "latency objective: while chats decode, admit only the prompt and rerank "
                                        "tokens a step-time model fitted online predicts keep each step (time per "
-                                       "output token) under this many ms, plus one pair and a little prefill; "
-                                       "unset: --rerank-share splits the budget"),
+                                       "output token) under this many ms, plus a few rerank tokens (LLM-scored "
+                                       "pairs are chunked) and a little prefill; unset: --rerank-share splits the "
+                                       "budget"),
     ("--num-threads", int, None, "CPU threads for torch and OpenMP (also --threads; default: torch's, one per "
                                  "core). OpenMP threads sleep while idle (OMP_WAIT_POLICY=PASSIVE unless set); "
                                  "nothing is pinned to cores"),

@@ -98,7 +98,7 @@ class Metrics(Hooks):
                         ("rerank", record.rerank_tokens)):
             if n:
                 self.step_tokens.labels(part).observe(n)
-        self.rerank_pairs.inc(record.rerank_pairs)
+        self.rerank_pairs.inc(getattr(record, "rerank_pairs_scored", record.rerank_pairs))  # a chunked pair once
         self.preemptions.inc(record.preempted)
         self.kv_usage.set(1.0 - record.kv_blocks_free / record.kv_blocks_total)
         self.kv_cached.set(record.kv_blocks_cached)

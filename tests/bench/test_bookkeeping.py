@@ -164,7 +164,7 @@ class FakeEngine:
                 outs.append(StepOutput(request_id=rid, kind="rerank", finished=True, finish_reason="stop"))
         self.n += 1
         for fn in self.observers:
-            fn(_record(self.n, decode_tokens=decode, rerank_pairs=pairs, rerank_tokens=10 * pairs))
+            fn(_record(self.n, decode_tokens=decode, rerank_pairs=pairs, rerank_pairs_scored=pairs, rerank_tokens=10 * pairs))
         return outs
 
 

@@ -321,6 +321,29 @@ def test_a_more_urgent_pair_overtakes_a_pair_half_way_through():
     assert slow.status is SequenceStatus.FINISHED_STOPPED
 
 
+def test_a_step_stays_narrow_when_going_wide_costs_more_than_the_headroom():
+    """The quantized CPU matmul takes a costlier path above 16 LLM rows (a fixed 10 ms here): with 6.5 ms of headroom
+    beside 4 decodes the objective keeps the step at 16 rows (12 rerank tokens) instead of the 32 tokens a linear
+    model would admit; with room for the jump it goes wide and takes the rest of the headroom."""
+    wide = LinearStepTime({**TRUE, "wide_forward": 0.010}, wide_rows=16)
+    assert wide.tokens_within(StepShape(decode_rows=4), "llm_rerank_tokens", T) == 12
+    assert wide.tokens_within(StepShape(decode_rows=4), "llm_rerank_tokens", T + 0.010) == 32
+    policy = LatencyAdmission(T, model=wide)
+    sim = ClockSim(policy)
+    sim.true = wide
+    chats(sim, max_tokens=60)
+    sim.step()
+    sim.add_rerank_job("llm", [], [toks(50, 9000 + 50 * i) for i in range(10)])
+    rows = []
+    for _ in range(20):
+        batch = sim.step()
+        rows.append(batch.num_decode_tokens + batch.num_rerank_tokens)
+        assert sim.seconds[-1] <= T
+    # 16 rows a step, less where a pair's last chunk ends the step (the next pair waits for the first's prefix)
+    assert max(rows) == 16 and rows.count(16) >= 15
+    sim.run()
+
+
 @pytest.mark.parametrize("bad_steps", [[60], [60, 61, 62], [60, 70, 80, 90]])
 def test_steps_that_ran_10x_long_do_not_collapse_the_admissions(bad_steps):
     """A busy machine makes one step (or a burst of three, or one every ten) take 10x its time: the robust fit

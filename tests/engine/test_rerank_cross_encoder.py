@@ -51,6 +51,6 @@ def test_pairs_ride_with_decodes_and_take_no_kv_blocks(ce_llm):
 
 
 def test_pair_over_the_limit_with_truncate_none_is_rejected(ce_llm):
-    with pytest.raises(ValueError, match=r"documents\[3\] .*over the limit"):
+    with pytest.raises(ValueError, match=r"documents\[3\] .*over the rerank pair limit of 512 \(the cross-encoder.s max_position_embeddings\)"):
         ce_llm.engine.add_rerank("bad", QUERY, DOCS, RerankParams(truncate="none"))
     assert_no_leaks(ce_llm)

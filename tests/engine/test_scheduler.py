@@ -115,6 +115,7 @@ class Sim:
                 seq.token_ids.append(fake_token(seq.request_id, seq.num_output_tokens))
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     finished[seq] = SequenceStatus.FINISHED_LENGTH
+        assert batch.num_rerank_pairs_scored == sum(s.kind is SeqKind.RERANK for s in finished)  # counted once
         sched.update(batch, finished)
         self.finished_order += [s.request_id for s in finished]
         self._check_state()

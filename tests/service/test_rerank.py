@@ -46,3 +46,46 @@ async def test_rerank_stream_answers_each_request_by_id(served, offline):
         [DOCUMENTS[i] for i in sorted((0, 1), key=lambda i: -offline.scores[i])]
     assert replies["bad"].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "query must be a non-empty string" in replies["bad"].error.message
+
+
+async def test_results_say_how_many_document_tokens_were_scored_and_model_info_gives_the_pair_limit(served, offline):
+    tokenizer = offline.llm.tokenizer
+    async with AsyncClient(served.address) as client:
+        results = await client.rerank(QUERY, DOCUMENTS)
+        info = await client.model_info()
+        with pytest.raises(Exception) as refused:
+            await client.rerank(QUERY, ["word " * 9000], truncate="none")
+    for r in results:
+        assert not r.truncated
+        assert r.document_tokens == len(tokenizer(DOCUMENTS[r.index], add_special_tokens=False).input_ids)
+    assert info.rerank_max_pair_tokens == info.max_model_len == 8192
+    assert "max_position_embeddings" in info.rerank_limit_by
+    assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "over the rerank pair limit of 8192" in refused.value.message
+    assert_all_blocks_free(await served.idle_stats())
+
+
+def test_the_cli_marks_truncated_documents(monkeypatch):
+    import argparse
+    import io
+
+    from clients import cli
+    from clients.types import RerankResult, RerankResults
+
+    class Fake:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def rerank(self, *args, **kwargs):
+            return RerankResults([RerankResult(1, 0.9, "short", 1, False), RerankResult(0, 0.5, "long ...", 300, True)])
+
+    monkeypatch.setattr(cli, "_client", lambda args: Fake())
+    out = io.StringIO()
+    args = argparse.Namespace(query="q", documents=["long ...", "short"], top_n=None, instruction=None,
+                              truncate="end", timeout=None, json=False)
+    assert cli._rerank(args, out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("short") and lines[1].endswith("long ...  [truncated to 300 tokens]")
