@@ -100,8 +100,9 @@ class Replica:
 
     def start(self) -> None:
         cfg = self._cfg
-        command = [sys.executable, "-m", "service.cli", "serve", *cfg.serve_args, "--host", "127.0.0.1",
-                   "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+        # HAProxy fronts the replicas' gRPC only: their HTTP doors stay off (all on one port they would collide).
+        command = [sys.executable, "-m", "service.cli", "serve", "--http-port", "0", *cfg.serve_args,
+                   "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
                    "--drain-grace", str(cfg.drain_grace_s), "--drain-timeout", str(cfg.drain_timeout_s)]
         env = {**os.environ, **cfg.env}
         env.setdefault("TANDEM_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.replicas)))

@@ -171,14 +171,15 @@ async def _generate(door: Door, request: Request, body, requests: list[pb.Genera
     session.end_of_input()
     messages = session.messages()
     watcher = asyncio.ensure_future(_disconnected(request))
+    streaming = False  # once the StreamingResponse owns the session, its generator aborts what is left
     try:
         first = await _until_gone(anext(messages), watcher)
         if first.WhichOneof("kind") == "error":  # refused by the engine (e.g. prompt too long): a plain status
             raise HttpError.from_code(first.error.code, first.error.message)
         if body.stream:
             watcher.cancel()  # the StreamingResponse watches for the disconnect from here on
-            return StreamingResponse(_sse(door, session, first, messages, out), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            streaming = True
+            return _EventStream(_sse(session, first, messages, out), lambda: _abort(door, session))
         out.add(first)
         while True:
             try:
@@ -193,25 +194,38 @@ async def _generate(door: Door, request: Request, body, requests: list[pb.Genera
         raise HttpError(500, "no output") from None
     finally:
         watcher.cancel()
-        if not body.stream:
+        if not streaming:  # answered, refused or left: nothing of this request may run on
             _abort(door, session)
 
 
-async def _sse(door: Door, session: StreamSession, first: pb.GenerateServerMessage,
+async def _sse(session: StreamSession, first: pb.GenerateServerMessage,
                messages: AsyncIterator[pb.GenerateServerMessage], out: Completion) -> AsyncIterator[bytes]:
+    yield out.chunk(first)
     try:
-        yield out.chunk(first)
+        async for message in messages:
+            if message.WhichOneof("kind") == "error":
+                yield HttpError.from_code(message.error.code, message.error.message).sse()
+                continue
+            yield out.chunk(message)
+    except ServiceError as exc:  # the stream failed (its buffer overflowed: the client did not read)
+        yield HttpError.from_service(exc).sse()
+    yield out.closing()
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events; `on_close` runs however the response ends (done, failed, or the client went away,
+    which cancels the sending), so nothing of the request runs on after it."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
         try:
-            async for message in messages:
-                if message.WhichOneof("kind") == "error":
-                    yield HttpError.from_code(message.error.code, message.error.message).sse()
-                    continue
-                yield out.chunk(message)
-        except ServiceError as exc:  # the stream failed (its buffer overflowed: the client did not read)
-            yield HttpError.from_service(exc).sse()
-        yield out.closing()
-    finally:  # done, or cancelled because the client went away: stop whatever still runs
-        _abort(door, session)
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def _abort(door: Door, session: StreamSession) -> None:

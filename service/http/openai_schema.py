@@ -283,14 +283,17 @@ def validation_error(exc: ValidationError) -> HttpError:
     return HttpError(400, f"{loc}: {first['msg']}{more}", param=loc)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _where(loc: tuple) -> str:
-    """('messages', 0, 'content') -> 'messages[0].content'; pydantic's union branch names are left out."""
+    """('messages', 0, 'content') -> 'messages[0].content'; pydantic's union branch tags ('str', 'list[TextPart]',
+    'TextPart', 'function-after[...]') are left out (field names are lower-case identifiers)."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.startswith(("str", "list[", "dict[", "int", "float", "bool", "function-", "json-or-python")) \
-                or "[" in part or part in ("TextPart", "JsonSchemaFormat", "StreamOptions"):
+        elif part in _TYPE_TAGS or "[" in part or "-" in part or part[:1].isupper():
             continue
         else:
             out += f".{part}" if out else part
