@@ -187,10 +187,8 @@ def startup_problem(exc: BaseException, args: argparse.Namespace) -> str:
             continue
         path = Path(value).expanduser()
         if not path.exists():
-            return f"{flag} {value}: no such file or directory (give a Hugging Face model directory)"
-        if path.is_file() and path.suffix.lower() == ".gguf" and "config.json" in text:
-            return (f"{flag} {value} is a GGUF file, which {flag} does not load here: give a Hugging Face "
-                    f"directory (config.json + *.safetensors), or leave --model unset for the embedded GGUF model")
+            return (f"{flag} {value}: no such file or directory (give a GGUF file or a Hugging Face model "
+                    "directory)")
     if "unsupported architecture" in text:
         return f"{text} (--model {args.model})"
     if isinstance(exc, (FileNotFoundError, ValueError, NotImplementedError, OSError)):

@@ -23,13 +23,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TARGET = "localhost:50051"
+DEFAULT_HTTP = "localhost:8000"  # the HTTP door's default address, rewritten to the suite's HTTP door
 RUNNERS = {"python": [sys.executable], "bash": ["bash", "-e"]}
 # Languages a fence may name; anything else is a typo the test should catch (`pyhton run` would never run).
 KNOWN_LANGS = {"python", "bash", "text", "console", "yaml", "json", "toml", "proto", "dockerfile", "haproxy", ""}
 # README.md python blocks that are not run, each with the reason (file, first line of the block) -> reason.
 README_NOT_RUN: dict[tuple[str, str], str] = {}
 # Links that point at pages other branches write (the HTTP door's page comes with the HTTP door).
-PENDING_PAGES = {"docs/http.md"}
+PENDING_PAGES: set[str] = set()
 # A hang guard only (a client waiting on a server that never answers); a snippet takes seconds.
 HANG_GUARD_S = 900
 
@@ -83,8 +84,10 @@ RUNNABLE = [b for b in ALL_BLOCKS if b.runnable]
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=[f"{b.path}:{b.line}" for b in RUNNABLE])
-def test_runnable_block_exits_zero_and_prints(block: Block, served, tmp_path):
+def test_runnable_block_exits_zero_and_prints(block: Block, served, tmp_path, request):
     code = block.code.replace(DEFAULT_TARGET, served.address)
+    if DEFAULT_HTTP in code:  # the HTTP door only for the blocks that speak to it
+        code = code.replace(DEFAULT_HTTP, request.getfixturevalue("http_url").removeprefix("http://"))
     script = tmp_path / ("snippet.py" if block.lang == "python" else "snippet.sh")
     script.write_text(code)
     env = dict(os.environ)
