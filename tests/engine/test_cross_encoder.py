@@ -192,7 +192,7 @@ def test_truncate_end_matches_hf_only_second(minilm, minilm_hf, minilm_dir):
 
 
 def test_truncate_none_over_max_length_raises_naming_the_pair(minilm):
-    with pytest.raises(ValueError, match=r"documents\[2\] .*over the limit of 512"):
+    with pytest.raises(ValueError, match=r"documents\[2\] .*over the rerank pair limit of 512"):
         _tokenize(minilm, QUERY, ["a", "b", " ".join(WORDS) * 30], truncate="none")
     with pytest.raises(ValueError, match=r"documents\[1\] "):
         _tokenize(minilm, QUERY, ["a", " ".join(WORDS)], max_length=20, truncate="none")

@@ -376,6 +376,9 @@ def _run_prompt(llm, ids: list[int], params: SamplingParams, chunks: list[int], 
             batch = Batch()
             batch.add(seq, n)
             out = eng.runner.run(batch)
+            # The runner returns a row's prompt log-probabilities in its output; the engine appends them (as here).
+            seq.prompt_logprobs.extend((out.prompt_logprobs or [None])[0] or [])
+            seq.prompt_top_logprobs.extend((out.prompt_top_logprobs or [None])[0] or [])
             seq.num_computed_tokens += n
     finally:
         eng.kv.free(seq)

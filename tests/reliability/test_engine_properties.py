@@ -90,7 +90,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.engine.add_rerank(rid, query, [" ".join(d) for d in docs],
                                    RerankParams(truncate=truncate, priority=priority))
         except ValueError as exc:  # the judge prompt does not fit this budget/context
-            assert "too long" in str(exc) or "over the limit" in str(exc)
+            assert "too long" in str(exc) or "over the rerank pair limit" in str(exc)
             assert rid not in self.engine.request_ids
             SEEN["refused"] += 1
             return

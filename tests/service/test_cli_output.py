@@ -153,7 +153,7 @@ def _cuda(tmp_path: Path) -> None:
 @pytest.mark.parametrize("case, argv, says", [
     ("missing path", ("--model", "{tmp}/nope"), "--model {tmp}/nope: no such file or directory"),
     ("not a GGUF file", ("--model", "{path}"), "is not a GGUF file (it does not start with b'GGUF')"),
-    ("unsupported architecture", ("--model", "{path}"), "unsupported architecture 'FooForCausalLM'; supported: "),
+    ("unsupported architecture", ("--model", "{path}"), "unsupported architecture 'FooForCausalLM' (model_type 'foo'); supported: "),
     ("no CUDA", ("--device", "cuda"), "--device cuda: CUDA is not available"),
 ])
 def test_start_up_failures_are_one_line_and_the_traceback_waits_for_debug(tmp_path, case, argv, says):

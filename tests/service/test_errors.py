@@ -10,7 +10,7 @@ import pytest
 
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
-from tests.service.conftest import MAX_DOCUMENTS, MAX_MESSAGE_BYTES, UNENDING
+from tests.service.conftest import MAX_DOCUMENTS, MAX_MESSAGE_BYTES, MAX_MODEL_LEN, UNENDING
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 
@@ -81,7 +81,8 @@ CASES = [
     Case("top_n below 1", INVALID, "top_n must be >= 1, got 0", rerank=pb.RerankRequest(query="q", documents=["a"],
                                                                                         top_n=0)),
     Case("document too long with truncate NONE", INVALID, "documents[0] with the query is",
-         rerank=pb.RerankRequest(query="q", documents=["word " * 700], truncate=pb.TRUNCATE_NONE)),
+         rerank=pb.RerankRequest(query="q", documents=["word " * (MAX_MODEL_LEN + 100)],
+                                 truncate=pb.TRUNCATE_NONE)),
     Case("rerank with an unknown model", NOT_FOUND, "model 'bert' is not served",
          rerank=pb.RerankRequest(query="q", documents=["a"], model="bert")),
     Case("oversize message", grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max",
