@@ -18,7 +18,9 @@ from typing import Callable
 from bench.report import RESULTS, write_result
 
 BENCHMARKS = ("throughput", "rerank", "mixed", "latency", "prefill", "sampling", "rerank_quality", "single", "structured",
-              "http", "cpu_peer")
+              "http", "cpu_peer", "mixed_serve")
+# Results loaded beside them, written by a benchmark run with other options (see each Target's comment).
+EXTRA_RESULTS = ("mixed_serve_xenc",)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,14 @@ TARGETS = (
            ("ratios", "gguf_vs_llama_cpp"), 1.0),
     Target("Batch-1 greedy tokens (4-bit path) identical to transformers on the same file", "single",
            ("systems", "tandem_gguf", "vs_transformers", "same_position_share"), 1.0, unit=""),
+    # Issue #25: through tandem serve, 8 chats under a flood of 4 clients x 40 documents, T = 1.5x solo TPOT p50.
+    Target("Mixed through the service: chat p99 TPOT during a rerank flood / T (objective, likelihood pairs)",
+           "mixed_serve", ("objective_p99_over_target",), 1.25, higher_is_better=False),
+    Target("Mixed through the service: rerank pairs/s under the objective vs the best fixed share under T",
+           "mixed_serve", ("objective_pairs_vs_best_share",), 0.8),
+    # `python -m bench.mixed_serve --cross-encoder minilm --out bench/results/mixed_serve_xenc.json`
+    Target("Mixed through the service: chat p99 TPOT / T with the MiniLM cross-encoder as --reranker",
+           "mixed_serve_xenc", ("cross_encoder_p99_over_target",), 1.25, higher_is_better=False),
     # Issue #28: through the service, tandem serve vs llama.cpp's own llama-server on the same GGUF file and threads.
     Target("CPU batch 1, tok/s incl. prefill, tandem serve vs llama-server (same file, threads, prompts)", "cpu_peer",
            ("ratios", "batch1_vs_llama_cpp"), 1.0),
@@ -140,7 +150,7 @@ def targets_table(results: dict[str, dict]) -> tuple[list[dict], str]:
 
 def load_results(directory: Path = RESULTS) -> dict[str, dict]:
     out = {}
-    for name in BENCHMARKS:
+    for name in (*BENCHMARKS, *EXTRA_RESULTS):
         path = directory / f"{name}.json"
         if path.is_file():
             out[name] = json.loads(path.read_text())

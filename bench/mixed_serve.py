@@ -217,6 +217,7 @@ async def _main(argv: list[str] | None) -> dict:
                     "checkpoint of bench/models.py): one more objective phase with it as --reranker")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="each server's --num-threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=RESULTS / "mixed_serve.json")
     args = ap.parse_args(argv)
     if args.quick:
@@ -224,7 +225,8 @@ async def _main(argv: list[str] | None) -> dict:
     prompts = [f"Tell me a long story about {w}, chapter {i}." for i, w in
                zip(range(args.chats), ["bees", "ships", "trains", "rivers", "stars", "owls", "bread", "glass"] * 4)]
     flood = _documents(args.flood_clients, args.docs, args.doc_tokens, args.seed)
-    base = ["--rerank-mode", args.reranker]
+    threads = ["--num-threads", str(args.threads)] if args.threads else []
+    base = ["--rerank-mode", args.reranker, *threads]
     load_start = os.getloadavg()[0]
     solo = await measure(base, prompts, args.max_tokens, None)
     target_ms = args.factor * solo["tpot_p50_ms"]
@@ -239,7 +241,7 @@ async def _main(argv: list[str] | None) -> dict:
             from bench.models import minilm_cross_encoder_dir
 
             directory = str(minilm_cross_encoder_dir(Path(tempfile.mkdtemp())))
-        xenc = await measure(["--reranker", directory, "--tpot-target-ms", f"{target_ms:.3f}"], prompts,
+        xenc = await measure([*threads, "--reranker", directory, "--tpot-target-ms", f"{target_ms:.3f}"], prompts,
                              args.max_tokens, flood)
     shares = {str(s): await measure(base + ["--rerank-share", str(s)], prompts, args.max_tokens, flood)
               for s in args.shares}
