@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import uvloop
 
 from bench.report import RESULTS, percentile, rotated, write_result
+from bench.serve import Spawned
 from clients import AsyncClient
 
 _TOPICS = ["the ocean", "a lighthouse", "prime numbers", "bread", "the Roman empire", "a robot painter",
@@ -50,25 +47,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Server:
-    """`python -m service.cli serve` of this checkout in a subprocess (gRPC on any free port, HTTP on `http_port`)."""
-
-    def __init__(self, http_port: int, threads: int) -> None:
-        command = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--http-port", str(http_port),
-                   "--metrics-port", "-1", "--num-threads", str(threads)]
-        self.proc = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
-        for line in self.proc.stdout:
-            if line.startswith("tandem listening on "):
-                self.address = line.split()[-1]
-                return
-        raise RuntimeError("tandem serve exited before listening")
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(120)
 
 
 # ---- chat ------------------------------------------------------------------------------------------
@@ -169,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.requests, args.max_tokens, args.queries, args.documents, args.rounds = 4, 4, 2, 4, 1
     port = _free_port()
-    server = Server(port, args.threads)
+    server = Spawned(["--http-port", str(port), "--metrics-port", "-1", "--num-threads", str(args.threads)])
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runs = runner.run(measure(server.address, f"http://127.0.0.1:{port}", args))

@@ -139,11 +139,12 @@ def _ratios(loaded: dict, baseline: dict) -> dict:
 
 
 class Spawned:
-    """`tandem serve --port 0` in a subprocess, for a self-contained run."""
+    """`tandem serve --port 0` of this checkout in a subprocess, for a self-contained run (`python -m service.cli`
+    from the repo root: the venv's `tandem` script may point at another checkout)."""
 
     def __init__(self, extra: list[str]) -> None:
-        tandem = str(Path(sys.executable).parent / "tandem")
-        self.proc = subprocess.Popen([tandem, "serve", "--port", "0", *extra], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", "0", *extra],
+                                     cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
         for line in self.proc.stdout:
             if line.startswith("tandem listening on "):
