@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 
 from bench.report import parse_bench_args, rotated, write_result
+from service.http.tokens import gpt2_byte_decoder  # the one copy of GPT-2's byte alphabet
 from engine.structured import apply_bitmask, choice_regex
 
 
@@ -109,19 +110,6 @@ CASES = [
 ]
 JSON_CASES = ["json_nested", "json_enum_array", "json_pattern"]  # the choice is made on these three
 QUICK = dict(n=4, rounds=1, compiles=1, cases=[*JSON_CASES, "regex_date", "choice"])
-
-
-def gpt2_byte_decoder() -> dict[str, int]:
-    """The byte-level BPE alphabet (GPT-2's bytes_to_unicode), inverted: token character -> byte."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 class XGrammar:

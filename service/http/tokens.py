@@ -13,7 +13,7 @@ from dataclasses import dataclass
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _gpt2_byte_decoder() -> dict[str, int]:
+def gpt2_byte_decoder() -> dict[str, int]:
     """GPT-2's bytes_to_unicode, inverted: the printable character standing for each byte."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -45,7 +45,7 @@ def build(engine) -> TokenTexts:
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     special |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-    decoder = _gpt2_byte_decoder()
+    decoder = gpt2_byte_decoder()
     byte_level = sum(1 for p in pieces[:2000] if p and all(ch in decoder for ch in p)) > 0.9 * min(2000, len(pieces))
     texts, raw = [], []
     for token_id in range(size):
