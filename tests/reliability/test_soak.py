@@ -1,14 +1,20 @@
 """Bounded soak over loopback: 64 concurrent Generate streams with random lengths, random cancels, client
-disconnects and short deadlines, mixed with Rerank calls, for TANDEM_SOAK_S seconds (default 20; `make soak`
-runs 60). Every outcome must be one the client asked for; at the end every KV block is free, the bridge holds
-nothing, and resident memory grew by less than a bound after warm-up.
+disconnects and short deadlines, mixed with Rerank calls, in rounds of fixed work (TANDEM_SOAK_ROUNDS, default 5;
+`make soak` runs 15). Every outcome must be one the client asked for; at the end every KV block is free, the
+bridge holds nothing, and resident memory did not grow past a bound after the warm-up rounds.
+
+The work is counted, not timed, so a fast and a slow machine do the same requests; resident memory is read only
+between rounds, when no request is in flight, after a garbage collection and glibc's malloc_trim (memory the
+allocator kept but nobody holds is not a leak).
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import gc
 import os
 import random
-import time
 from collections import Counter
 
 import grpc
@@ -20,13 +26,26 @@ from service.server import ServerConfig
 from tests.reliability.tiny import tiny_engine
 from tests.service.harness import ServerThread, assert_all_blocks_free
 
-SOAK_S = float(os.environ.get("TANDEM_SOAK_S", "20"))
+ROUNDS = int(os.environ.get("TANDEM_SOAK_ROUNDS", "5"))
+WARMUP_ROUNDS = 2  # first-use allocations (arenas, caches, gRPC pools) happen here; RSS is compared after them
 STREAMS = 64
-RSS_GROWTH_LIMIT = 48 * 2**20  # after warm-up (measured: about 0); a per-request leak of ~20 KB crosses it
+STREAMS_PER_ROUND = 3  # Generate streams per worker per round (1-4 requests each): ~480 requests a round
+RERANKS_PER_ROUND = 12  # per rerank worker per round
+# Growth allowed over the measured rounds (measured: within +-2 MiB). Each round sends ~480 requests, so 3 rounds
+# at the default are ~1,400 requests: a per-request leak of ~12 KB crosses it (and grows with `make soak`'s rounds).
+RSS_GROWTH_LIMIT = 16 * 2**20
 WORDS = "the river ran past seven blue stones under a quick grey cloud".split()
 
 
 def rss_bytes() -> int:
+    """Resident memory with nothing in flight: after a collection and malloc_trim, so freed memory glibc kept in
+    its arenas does not count."""
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -44,9 +63,8 @@ def soak_server(tiny_model_dir):
 
 
 class Soak:
-    def __init__(self, stub: pb_grpc.TandemStub, deadline: float, seed: int) -> None:
+    def __init__(self, stub: pb_grpc.TandemStub, seed: int) -> None:
         self.stub = stub
-        self.deadline = deadline
         self.rng = random.Random(seed)
         self.outcomes: Counter = Counter()
         self.unexpected: list[str] = []
@@ -55,11 +73,9 @@ class Soak:
     def _prompt(self) -> str:
         return " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(1, 60)))
 
-    async def stream_worker(self, worker: int) -> None:
-        n = 0
-        while time.monotonic() < self.deadline:
-            n += 1
-            await self._one_stream(f"w{worker}s{n}")
+    async def stream_worker(self, worker: int, round_: int) -> None:
+        for n in range(STREAMS_PER_ROUND):
+            await self._one_stream(f"r{round_}w{worker}s{n}")
 
     async def _one_stream(self, name: str) -> None:
         rng = self.rng
@@ -116,7 +132,7 @@ class Soak:
                 self.unexpected.append(f"{name} ({plan}) {rid}: {got}")
 
     async def rerank_worker(self) -> None:
-        while time.monotonic() < self.deadline:
+        for _ in range(RERANKS_PER_ROUND):
             docs = [self._prompt() for _ in range(self.rng.randint(1, 8))]
             short = self.rng.random() < 0.2
             try:
@@ -132,21 +148,25 @@ class Soak:
 
 
 async def test_soak_streams_cancels_disconnects_deadlines_and_reranks(soak_server):
-    warmup_s = min(5.0, SOAK_S / 4)
-    start = time.monotonic()
+    assert ROUNDS > WARMUP_ROUNDS, f"TANDEM_SOAK_ROUNDS must be more than the {WARMUP_ROUNDS} warm-up rounds"
+    rss: list[int] = []
     async with grpc.aio.insecure_channel(soak_server.address) as channel:
-        soak = Soak(pb_grpc.TandemStub(channel), start + SOAK_S, seed=1)
-        workers = [asyncio.create_task(soak.stream_worker(i)) for i in range(STREAMS)]
-        workers += [asyncio.create_task(soak.rerank_worker()) for _ in range(4)]
-        await asyncio.sleep(warmup_s)
-        rss_after_warmup = rss_bytes()
-        await asyncio.wait_for(asyncio.gather(*workers), SOAK_S + 180)
+        soak = Soak(pb_grpc.TandemStub(channel), seed=1)
+        for round_ in range(ROUNDS):
+            workers = [soak.stream_worker(i, round_) for i in range(STREAMS)]
+            workers += [soak.rerank_worker() for _ in range(4)]
+            await asyncio.gather(*workers)
+            await soak_server.idle_stats()  # the engine has let go of every request of the round
+            soak_server.recorder.finished.clear()  # the harness's own record of each request is not the server's
+            rss.append(rss_bytes())
     stats = await soak_server.idle_stats()
-    growth = rss_bytes() - rss_after_warmup
-    print(f"soak {SOAK_S:.0f}s: {dict(soak.outcomes)}, {soak.tokens} tokens, RSS +{growth / 2**20:.1f} MiB")
+    growth = rss[-1] - rss[WARMUP_ROUNDS - 1]
+    print(f"soak {ROUNDS} rounds: {dict(soak.outcomes)}, {soak.tokens} tokens, RSS after each round (MiB) "
+          f"{[round(r / 2**20, 1) for r in rss]}, +{growth / 2**20:.1f} MiB after warm-up")
     assert not soak.unexpected, soak.unexpected[:10]
     assert_all_blocks_free(stats)
-    assert growth < RSS_GROWTH_LIMIT, f"resident memory grew {growth / 2**20:.1f} MiB after warm-up"
+    assert growth < RSS_GROWTH_LIMIT, (f"resident memory grew {growth / 2**20:.1f} MiB over rounds "
+                                       f"{WARMUP_ROUNDS + 1}-{ROUNDS}: {[r >> 20 for r in rss]} MiB")
     # Each kind of trouble really happened, and real work got done alongside it.
     for outcome in ("FINISH_REASON_LENGTH", "disconnect", "deadline", "rerank"):
         assert soak.outcomes[outcome] > 0, soak.outcomes
