@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import uvloop
 
 from bench.report import RESULTS, percentile, rotated, write_result
 from bench.serve import Spawned
+from service.cluster import free_port
 from clients import AsyncClient
 
 _TOPICS = ["the ocean", "a lighthouse", "prime numbers", "bread", "the Roman empire", "a robot painter",
@@ -41,12 +41,6 @@ def rerank_jobs(n: int, documents: int) -> list[tuple[str, list[str]]]:
     return [(f"What is known about {_TOPICS[q % len(_TOPICS)]}?",
              [f"A note on {_TOPICS[(q + d) % len(_TOPICS)]}. " + _FILLER * (d % 3) for d in range(documents)])
             for q in range(n)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- chat ------------------------------------------------------------------------------------------
@@ -146,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.max_tokens, args.queries, args.documents, args.rounds = 4, 4, 2, 4, 1
-    port = _free_port()
+    port = free_port()
     server = Spawned(["--http-port", str(port), "--metrics-port", "-1", "--num-threads", str(args.threads)])
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

@@ -17,7 +17,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -25,6 +24,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from service.cluster import free_port
 
 SDIST = "llama-cpp-python==0.3.36"
 CACHE = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "llama.cpp" / "0.3.36"
@@ -68,12 +69,6 @@ def ensure_llama_server(jobs: int | None = None) -> Path:
     return BINARY
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass(slots=True)
 class Completion:
     tokens: list[int]
@@ -86,7 +81,7 @@ class LlamaServer:
 
     def __init__(self, model: Path, *, threads: int, slots: int, ctx_per_slot: int) -> None:
         self.binary = ensure_llama_server()
-        self.port = _free_port()
+        self.port = free_port()
         self.slots = slots
         # -c is the whole context, split evenly over the -np slots; --no-cont-batching is NOT set: its default
         # continuous batching over the slots is what users run. -ub/-b: llama.cpp's defaults.
