@@ -5,13 +5,15 @@ A `QuantWeight` keeps the weights as stored (GGUF blocks exactly as in the file,
 per output channel) and `matmul(x, w)` computes `x @ dequantize(w).T` in float32 with them:
 
 * small M (decode steps, up to `SMALL_M` rows): the C++ kernel `cpu/quant_matmul.cpp`, which streams each output
-  row's blocks once and dequantizes them in registers (AVX2 + FMA, OpenMP over output rows) for Q4_0 / Q4_1 / Q8_0 /
-  I8, and dequantizes each row once into a buffer (scalar, gguf-py's arithmetic) for Q5_0 / Q5_1 / Q4_K / Q5_K /
-  Q6_K. The dequantized values
-  are bit-identical to GGUF's own numpy dequantizer (the one transformers uses), so the result differs from
-  dequantize-then-matmul only in summation order;
+  row's blocks once and dequantizes them in registers (OpenMP over output rows): on the AVX-512 path every GGUF
+  format, on the AVX2 path Q4_0 / Q4_1 / Q8_0 / I8 (the others a row at a time through a buffer). The dequantized
+  values are bit-identical to GGUF's own numpy dequantizer (the one transformers uses) on every path, so the result
+  differs from dequantize-then-matmul only in summation order;
 * wide M: tiles of rows dequantized into float32 and multiplied by BLAS (`torch.mm`), so a wide step costs one
   pass of dequantization (cheap against M rows of FLOPs) and runs at GEMM speed.
+
+The CPU path (`CpuIsa`: AVX-512, AVX2, portable) is chosen once per process: the widest this CPU has, or
+`TANDEM_CPU_ISA=avx2|portable` to force a narrower one (tests and A/B runs pass `isa=` per call instead).
 
 The kernel is built like the decode-attention kernel (kernels/cpu_decode.py: torch cpp_extension + ninja,
 -O3 -march=native, cached under a name keyed by this CPU). When it cannot be built, `available()` is False, the
@@ -20,6 +22,7 @@ weights instead (engine/models/quantized.py).
 """
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import os
@@ -92,7 +95,8 @@ class QuantWeight:
         if module is None:
             return reference_dequantize(self.data[start:start + count], self.fmt, self.shape[1],
                                         None if self.scales is None else self.scales[start:start + count])
-        return module.dequantize(self.data, CPP_FORMATS[self.fmt], self.shape[1], self._scales(), start, count)
+        return module.dequantize(self.data, CPP_FORMATS[self.fmt], self.shape[1], self._scales(), start, count,
+                                 cpu_isa())
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows named by int64 `ids` (any shape) as float32 [*ids.shape, K]: an embedding lookup that
@@ -103,10 +107,49 @@ class QuantWeight:
             dense = reference_dequantize(self.data[flat], self.fmt, self.shape[1],
                                          None if self.scales is None else self.scales[flat])
             return dense.view(*ids.shape, self.shape[1])
-        return module.dequantize_rows(self.data, CPP_FORMATS[self.fmt], self.shape[1], self._scales(), ids)
+        return module.dequantize_rows(self.data, CPP_FORMATS[self.fmt], self.shape[1], self._scales(), ids,
+                                      cpu_isa())
 
 
 _NO_SCALES = torch.empty(0, dtype=torch.float32)
+
+
+class CpuIsa(enum.IntEnum):
+    """The vector instructions the C++ kernels compute with (the `isa` codes of cpu/quant_matmul.cpp)."""
+    PORTABLE = 0
+    AVX2 = 1
+    AVX512 = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+def best_isa() -> CpuIsa:
+    """The widest path the built module has (it is compiled for this CPU); PORTABLE when nothing is built."""
+    module = _module()
+    return CpuIsa(module.best_isa()) if module is not None else CpuIsa.PORTABLE
+
+
+@functools.cache
+def cpu_isa() -> CpuIsa:
+    """The path this process computes with: TANDEM_CPU_ISA (auto | avx512 | avx2 | portable, read once), auto
+    meaning the widest this CPU has. Asking for one this CPU lacks is an error, not a silent downgrade."""
+    wanted = os.environ.get("TANDEM_CPU_ISA", "auto").strip().lower() or "auto"
+    best = best_isa()
+    if wanted == "auto":
+        return best
+    names = {isa.label: isa for isa in CpuIsa}
+    if wanted not in names:
+        raise ValueError(f"TANDEM_CPU_ISA={wanted!r}: expected auto or one of {', '.join(names)}")
+    if names[wanted] > best:
+        raise ValueError(f"TANDEM_CPU_ISA={wanted}: this CPU's kernels go up to {best.label}")
+    return names[wanted]
+
+
+def kernel_path() -> str:
+    """What ModelInfo and the step spans name as the CPU path of the quantized kernels ("" when none is built)."""
+    return cpu_isa().label if available() else ""
 
 
 def extension_name() -> str:
@@ -141,12 +184,13 @@ def fused_ops(x: torch.Tensor):
     return _module()
 
 
-def matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """x [M, K] float32 @ dequantize(w).T -> [M, N] float32."""
+def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ dequantize(w).T -> [M, N] float32; `isa` overrides the process's CPU path (tests)."""
     module = _module() if w.fmt in CPP_FORMATS else None
     m = x.shape[0]
     if module is not None and m <= SMALL_M:
-        return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales())
+        return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(),
+                                   cpu_isa() if isa is None else isa)
     return _dequantize_gemm(x, w)
 
 

@@ -5,15 +5,19 @@
 //   1 Q4_1  GGUF blocks of 32 along K: fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m
 //   2 Q8_0  GGUF blocks of 32 along K: fp16 d, 32 int8; w = d * q
 //   3 I8    one int8 row of K per output channel plus a float scale per channel; w = s[n] * q
-//   4 Q5_0, 5 Q5_1 (blocks of 32), 6 Q4_K, 7 Q5_K, 8 Q6_K (super-blocks of 256): dequantized row by row with
-//     gguf-py's arithmetic (scalar code, the compiler vectorises the dot products); no register kernel yet
+//   4 Q5_0, 5 Q5_1 (blocks of 32), 6 Q4_K, 7 Q5_K, 8 Q6_K (super-blocks of 256), with gguf-py's arithmetic.
 // In the nibble formats byte i holds element i (low nibble) and element i + 16 (high nibble), as GGUF stores them.
 //
-// The small-M kernel streams each output row's blocks once and dequantizes them in registers: d * q is exact in
-// fp32 (an fp16 scale times a small integer), so `fma(d, q, m)` rounds once, exactly as the numpy dequantizer
-// transformers uses does (d * q) + m. The weights are therefore bit-identical to that dequantization, and results
-// differ from dequantize-then-matmul only by summation order. Rows of x are taken four at a time, each with two
-// accumulators per lane so consecutive FMAs do not wait on each other. OpenMP over output rows.
+// CPU paths (the `isa` argument, chosen once per process by kernels/quant.py; `best_isa()` is this build's widest):
+//   2 AVX-512 (F, BW, VL): every GGUF format in registers, 16 lanes (I8 takes the AVX2 kernel);
+//   1 AVX2 + FMA + F16C: Q4_0 / Q4_1 / Q8_0 / I8 in registers, 8 lanes; the others row by row through a buffer;
+//   0 portable: every format row by row through a buffer (the scalar dequantizer, then dot products).
+//
+// The small-M kernels stream each output row's blocks once and dequantize them in registers: every d * q is exact
+// in fp32, so `fma(d, q, m)` rounds once, exactly as the numpy dequantizer transformers uses does (d * q) + m. The
+// weights are therefore bit-identical to that dequantization on every path, and results differ from
+// dequantize-then-matmul only by summation order. Rows of x are taken up to eight at a time, with two accumulators
+// per row up to four rows so consecutive FMAs do not wait on each other. OpenMP over output rows.
 //
 // Wide steps go through `dequantize` (tiles of rows into fp32) and a BLAS GEMM, from kernels/quant.py.
 #include <torch/extension.h>
@@ -168,21 +172,6 @@ void dequant_row_generic(int64_t fmt, const uint8_t* row, int64_t K, float* out)
   }
 }
 
-// y[m * ldy] = dot(dequantized row, x[m]) for M rows of x: the row is dequantized once into `buf`.
-void row_generic(int64_t fmt, const uint8_t* row, const float* x, int64_t M, int64_t K, float* y, int64_t ldy,
-                 std::vector<float>& buf) {
-  buf.resize(K);
-  dequant_row_generic(fmt, row, K, buf.data());
-  const float* w = buf.data();
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t k = 0; k < K; ++k) acc += w[k] * xm[k];
-    y[m * ldy] = acc;
-  }
-}
-
 // Scalar dequantization of one row (any format): the reference the vector paths must equal bit for bit.
 void dequant_row_scalar(int64_t fmt, const uint8_t* row, float scale, int64_t K, float* out) {
   if (fmt >= Q5_0) return dequant_row_generic(fmt, row, K, out);
@@ -333,6 +322,236 @@ void dequant_row(int64_t fmt, const uint8_t* row, float scale, int64_t K, float*
   }
 }
 
+#if defined(TANDEM_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TANDEM_AVX512 1
+
+// ---- AVX-512: every block format in registers, 16 lanes ---------------------------------------------------------
+// A block is read as groups of 32 weights (one group for the 32-wide formats, eight for a K-quant super-block),
+// each group as two vectors of 16. The arithmetic is gguf-py's, so the weights are bit-identical to
+// dequant_row_scalar: every product d * q here is exact in fp32 (an fp16 scale, times a 6- or 8-bit sub-block scale
+// where there is one, times a quant of at most 6 bits: at most 24 significant bits), so `fma(d, q, m)` and
+// `fms(d, q, dm)` round once, exactly as (d * q) + m and (d * q) - dm do.
+
+inline __m512 u8x16_to_ps(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// One block's scales decoded once; `group(g, w)` yields weights [32 g, 32 g + 32) as w[0], w[1].
+template <int64_t FMT>
+struct Block512;
+
+template <>
+struct Block512<Q4_0> {
+  static constexpr int G = 1;
+  const uint8_t* q;
+  __m512 d;
+  explicit Block512(const uint8_t* blk) : q(blk + 2), d(_mm512_set1_ps(fp16_to_fp32(blk))) {}
+  inline void group(int, __m512 w[2]) const {
+    const __m128i bytes = load16(q), m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(bytes, m4), eight);  // q - 8, exact as int8
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4), eight);
+    w[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)));
+    w[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)));
+  }
+};
+
+template <>
+struct Block512<Q4_1> {
+  static constexpr int G = 1;
+  const uint8_t* q;
+  __m512 d, m;
+  explicit Block512(const uint8_t* blk)
+      : q(blk + 4), d(_mm512_set1_ps(fp16_to_fp32(blk))), m(_mm512_set1_ps(fp16_to_fp32(blk + 2))) {}
+  inline void group(int, __m512 w[2]) const {
+    const __m128i bytes = load16(q), m4 = _mm_set1_epi8(0x0f);
+    w[0] = _mm512_fmadd_ps(d, u8x16_to_ps(_mm_and_si128(bytes, m4)), m);
+    w[1] = _mm512_fmadd_ps(d, u8x16_to_ps(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4)), m);
+  }
+};
+
+template <>
+struct Block512<Q8_0> {
+  static constexpr int G = 1;
+  const uint8_t* q;
+  __m512 d;
+  explicit Block512(const uint8_t* blk) : q(blk + 2), d(_mm512_set1_ps(fp16_to_fp32(blk))) {}
+  inline void group(int, __m512 w[2]) const {
+    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(q))), d);
+    w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(q + 16))), d);
+  }
+};
+
+// Q5_0 / Q5_1: the fifth bits are one little-endian uint32, bit i for weight i: a lane mask adds 16.
+template <int64_t FMT>
+struct Block512Q5 {
+  static constexpr int G = 1;
+  const uint8_t* q;
+  uint32_t qh;
+  __m512 d, m;
+  explicit Block512Q5(const uint8_t* blk)
+      : q(blk + (FMT == Q5_1 ? 8 : 6)), qh(load_u32(blk + (FMT == Q5_1 ? 4 : 2))),
+        d(_mm512_set1_ps(fp16_to_fp32(blk))), m(_mm512_set1_ps(FMT == Q5_1 ? fp16_to_fp32(blk + 2) : 0.f)) {}
+  inline __m512 half(__m128i nibbles, __mmask16 high) const {
+    __m512i v = _mm512_cvtepu8_epi32(nibbles);
+    v = _mm512_mask_add_epi32(v, high, v, _mm512_set1_epi32(16));
+    if constexpr (FMT == Q5_0) return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(16))));
+    return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(v), m);
+  }
+  inline void group(int, __m512 w[2]) const {
+    const __m128i bytes = load16(q), m4 = _mm_set1_epi8(0x0f);
+    w[0] = half(_mm_and_si128(bytes, m4), static_cast<__mmask16>(qh & 0xffff));
+    w[1] = half(_mm_and_si128(_mm_srli_epi16(bytes, 4), m4), static_cast<__mmask16>(qh >> 16));
+  }
+};
+template <>
+struct Block512<Q5_0> : Block512Q5<Q5_0> {
+  using Block512Q5<Q5_0>::Block512Q5;
+};
+template <>
+struct Block512<Q5_1> : Block512Q5<Q5_1> {
+  using Block512Q5<Q5_1>::Block512Q5;
+};
+
+// Q4_K / Q5_K: eight sub-blocks of 32, each with its own 6-bit scale and min; group g takes the low (g even) or
+// high (g odd) nibbles of bytes [32 (g / 2), 32 (g / 2) + 32), and for Q5_K bit g of qh[l] as the fifth bit.
+template <int64_t FMT>
+struct Block512K {
+  static constexpr int G = 8;
+  const uint8_t* qs;
+  const uint8_t* qh;
+  float dd[8], dm[8];
+  explicit Block512K(const uint8_t* blk) : qs(blk + (FMT == Q5_K ? 48 : 16)), qh(blk + 16) {
+    const float d = fp16_to_fp32(blk), dmin = fp16_to_fp32(blk + 2);
+    for (int j = 0; j < 8; ++j) {
+      float sc, mn;
+      k_scale_min(blk + 4, j, sc, mn);
+      dd[j] = d * sc;
+      dm[j] = dmin * mn;
+    }
+  }
+  inline __m512 half(const uint8_t* bytes, int g, int h) const {
+    __m512i v = _mm512_cvtepu8_epi32(load16(bytes + 16 * h));
+    v = _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(4 * (g & 1))), _mm512_set1_epi32(15));
+    if constexpr (FMT == Q5_K) {
+      const __mmask16 high = _mm_test_epi8_mask(load16(qh + 16 * h), _mm_set1_epi8(static_cast<char>(1 << g)));
+      v = _mm512_mask_add_epi32(v, high, v, _mm512_set1_epi32(16));
+    }
+    return _mm512_fmsub_ps(_mm512_set1_ps(dd[g]), _mm512_cvtepi32_ps(v), _mm512_set1_ps(dm[g]));
+  }
+  inline void group(int g, __m512 w[2]) const {
+    const uint8_t* bytes = qs + (g / 2) * 32;
+    w[0] = half(bytes, g, 0);
+    w[1] = half(bytes, g, 1);
+  }
+};
+template <>
+struct Block512<Q4_K> : Block512K<Q4_K> {
+  using Block512K<Q4_K>::Block512K;
+};
+template <>
+struct Block512<Q5_K> : Block512K<Q5_K> {
+  using Block512K<Q5_K>::Block512K;
+};
+
+// Q6_K: sixteen sub-blocks of 16 with int8 scales; a group of 32 is two of them. Low 4 bits from ql, high 2 from qh.
+template <>
+struct Block512<Q6_K> {
+  static constexpr int G = 8;
+  const uint8_t* ql;
+  const uint8_t* qh;
+  float ds[16];
+  explicit Block512(const uint8_t* blk) : ql(blk), qh(blk + 128) {
+    const float d = fp16_to_fp32(blk + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    for (int i = 0; i < 16; ++i) ds[i] = d * static_cast<float>(sc[i]);
+  }
+  inline void group(int j, __m512 w[2]) const {
+    const uint8_t* lo_bytes = ql + (j / 4) * 64 + (j % 2) * 32;
+    const uint8_t* hi_bytes = qh + (j / 4) * 32;
+    const __m128i lo_shift = _mm_cvtsi32_si128(4 * ((j / 2) % 2)), hi_shift = _mm_cvtsi32_si128(2 * (j % 4));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i lo = _mm512_and_si512(_mm512_srl_epi32(_mm512_cvtepu8_epi32(load16(lo_bytes + 16 * h)), lo_shift),
+                                          _mm512_set1_epi32(15));
+      const __m512i hi = _mm512_and_si512(_mm512_srl_epi32(_mm512_cvtepu8_epi32(load16(hi_bytes + 16 * h)), hi_shift),
+                                          _mm512_set1_epi32(3));
+      const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+      w[h] = _mm512_mul_ps(_mm512_set1_ps(ds[j * 2 + h]), _mm512_cvtepi32_ps(q));
+    }
+  }
+};
+
+// y[m, n] for MT (1..8) rows of x, one output row of blocks.
+template <int64_t FMT, int MT>
+inline void row512(const uint8_t* row, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
+  constexpr int64_t BB = block_bytes(FMT), BE = block_elems(FMT);
+  constexpr int NA = MT <= 4 ? 2 : 1;  // two FMA chains per row while registers allow
+  __m512 acc[MT][NA];
+  for (int m = 0; m < MT; ++m)
+    for (int a = 0; a < NA; ++a) acc[m][a] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / BE; ++b) {
+    const Block512<FMT> blk(row + b * BB);
+    for (int g = 0; g < Block512<FMT>::G; ++g) {
+      __m512 w[2];
+      blk.group(g, w);
+      const float* xb = x + b * BE + g * 32;
+      for (int m = 0; m < MT; ++m) {
+        acc[m][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + m * ldx), acc[m][0]);
+        acc[m][NA - 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + m * ldx + 16), acc[m][NA - 1]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    y[m * ldy] = _mm512_reduce_add_ps(NA == 2 ? _mm512_add_ps(acc[m][0], acc[m][NA - 1]) : acc[m][0]);
+}
+
+template <int64_t FMT>
+void dequant_row512_t(const uint8_t* row, int64_t K, float* out) {
+  constexpr int64_t BB = block_bytes(FMT), BE = block_elems(FMT);
+  for (int64_t b = 0; b < K / BE; ++b) {
+    const Block512<FMT> blk(row + b * BB);
+    for (int g = 0; g < Block512<FMT>::G; ++g) {
+      __m512 w[2];
+      blk.group(g, w);
+      _mm512_storeu_ps(out + b * BE + g * 32, w[0]);
+      _mm512_storeu_ps(out + b * BE + g * 32 + 16, w[1]);
+    }
+  }
+}
+
+template <int MT>
+inline void row_any512(int64_t fmt, const uint8_t* row, const float* x, int64_t ldx, int64_t K, float* y,
+                       int64_t ldy) {
+  switch (fmt) {
+    case Q4_0: return row512<Q4_0, MT>(row, x, ldx, K, y, ldy);
+    case Q4_1: return row512<Q4_1, MT>(row, x, ldx, K, y, ldy);
+    case Q8_0: return row512<Q8_0, MT>(row, x, ldx, K, y, ldy);
+    case Q5_0: return row512<Q5_0, MT>(row, x, ldx, K, y, ldy);
+    case Q5_1: return row512<Q5_1, MT>(row, x, ldx, K, y, ldy);
+    case Q4_K: return row512<Q4_K, MT>(row, x, ldx, K, y, ldy);
+    case Q5_K: return row512<Q5_K, MT>(row, x, ldx, K, y, ldy);
+    default: return row512<Q6_K, MT>(row, x, ldx, K, y, ldy);
+  }
+}
+
+void dequant_row512(int64_t fmt, const uint8_t* row, int64_t K, float* out) {
+  switch (fmt) {
+    case Q4_0: return dequant_row512_t<Q4_0>(row, K, out);
+    case Q4_1: return dequant_row512_t<Q4_1>(row, K, out);
+    case Q8_0: return dequant_row512_t<Q8_0>(row, K, out);
+    case Q5_0: return dequant_row512_t<Q5_0>(row, K, out);
+    case Q5_1: return dequant_row512_t<Q5_1>(row, K, out);
+    case Q4_K: return dequant_row512_t<Q4_K>(row, K, out);
+    case Q5_K: return dequant_row512_t<Q5_K>(row, K, out);
+    default: return dequant_row512_t<Q6_K>(row, K, out);
+  }
+}
+
+#endif  // AVX-512
+
 #else  // portable fallback: dequantize a row into a stack buffer and take plain dot products
 
 template <int MT>
@@ -353,8 +572,24 @@ void dequant_row(int64_t fmt, const uint8_t* row, float scale, int64_t K, float*
 
 #endif
 
-void check(const torch::Tensor& w, int64_t fmt, int64_t K, const torch::Tensor& scales) {
+enum Isa : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };  // kept in step with kernels/quant.py CpuIsa
+
+// The widest path this build has. It is built with -march=native for this CPU (the module's name is keyed by the
+// CPU), so what it was compiled with is what the CPU runs.
+int64_t best_isa() {
+#if defined(TANDEM_AVX512)
+  return AVX512;
+#elif defined(TANDEM_AVX2)
+  return AVX2;
+#else
+  return PORTABLE;
+#endif
+}
+
+void check(const torch::Tensor& w, int64_t fmt, int64_t K, const torch::Tensor& scales, int64_t isa) {
   TORCH_CHECK(fmt >= Q4_0 && fmt <= Q6_K, "quant_matmul: unknown format ", fmt);
+  TORCH_CHECK(isa >= PORTABLE && isa <= best_isa(), "quant_matmul: CPU path ", isa, " is not in this build (best: ",
+              best_isa(), ")");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "quant_matmul: weights must be a contiguous 2-d tensor");
   if (fmt == I8) {
     TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.size(1) == K, "quant_matmul: int8 weights [N, K]");
@@ -379,11 +614,37 @@ int num_threads_for(int64_t work) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work)));
 }
 
+// Whether `isa` computes `fmt` with a kernel that keeps the weights in registers (else: a row dequantized into a
+// buffer by the scalar code, then dot products).
+bool in_registers(int64_t isa, int64_t fmt) {
+  if (isa == AVX512) return true;  // every GGUF format; I8 takes the AVX2 kernel
+  return isa == AVX2 && fmt <= I8;
+}
+
+template <int MT>
+inline void row_isa(int64_t isa, int64_t fmt, const uint8_t* row, float s, const float* x, int64_t K, float* y,
+                    int64_t ldy) {
+#if defined(TANDEM_AVX512)
+  if (isa == AVX512 && fmt != I8) return row_any512<MT>(fmt, row, x, K, K, y, ldy);
+#endif
+  row_any<MT>(fmt, row, s, x, K, K, y, ldy);
+}
+
+void dequant_row_isa(int64_t isa, int64_t fmt, const uint8_t* row, float scale, int64_t K, float* out) {
+#if defined(TANDEM_AVX512)
+  if (isa == AVX512 && fmt != I8) return dequant_row512(fmt, row, K, out);
+#endif
+  if (isa == PORTABLE) return dequant_row_scalar(fmt, row, scale, K, out);
+  dequant_row(fmt, row, scale, K, out);
+}
+
 }  // namespace
 
-// x [M, K] float32, w: blocks [N, row bytes] uint8 or int8 [N, K]; scales [N] float32 for I8 (else ignored).
-torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales) {
-  check(w, fmt, K, scales);
+// x [M, K] float32, w: blocks [N, row bytes] uint8 or int8 [N, K]; scales [N] float32 for I8 (else ignored); isa: the
+// CPU path (Isa) to compute with.
+torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales,
+                           int64_t isa) {
+  check(w, fmt, K, scales, isa);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
               "quant_matmul: x must be float32 [M, K]");
   x = x.contiguous();
@@ -391,12 +652,22 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (fmt >= Q5_0) {  // no register kernel: each row dequantized once into a per-thread buffer, then M dots
+  if (!in_registers(isa, fmt)) {  // each row dequantized once into a per-thread buffer, then M dot products
 #pragma omp parallel num_threads(num_threads_for(N / 16 + 1))
     {
-      std::vector<float> buf;
+      std::vector<float> buf(K);
 #pragma omp for schedule(static)
-      for (int64_t n = 0; n < N; ++n) row_generic(fmt, row_ptr(w, n), xp, M, K, yp + n, N, buf);
+      for (int64_t n = 0; n < N; ++n) {
+        dequant_row_scalar(fmt, row_ptr(w, n), scale_of(scales, fmt, n), K, buf.data());
+        const float* wr = buf.data();
+        for (int64_t m = 0; m < M; ++m) {
+          const float* xm = xp + m * K;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t k = 0; k < K; ++k) acc += wr[k] * xm[k];
+          yp[m * N + n] = acc;
+        }
+      }
     }
     return y;
   }
@@ -406,12 +677,12 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_
     const uint8_t* row = row_ptr(w, n);
     const float s = scale_of(scales, fmt, n);
     int64_t m = 0;
-    for (; m + 8 <= M; m += 8) row_any<8>(fmt, row, s, xp + m * K, K, K, yp + m * N + n, N);
-    for (; m + 4 <= M; m += 4) row_any<4>(fmt, row, s, xp + m * K, K, K, yp + m * N + n, N);
+    for (; m + 8 <= M; m += 8) row_isa<8>(isa, fmt, row, s, xp + m * K, K, yp + m * N + n, N);
+    for (; m + 4 <= M; m += 4) row_isa<4>(isa, fmt, row, s, xp + m * K, K, yp + m * N + n, N);
     switch (M - m) {
-      case 3: row_any<3>(fmt, row, s, xp + m * K, K, K, yp + m * N + n, N); break;
-      case 2: row_any<2>(fmt, row, s, xp + m * K, K, K, yp + m * N + n, N); break;
-      case 1: row_any<1>(fmt, row, s, xp + m * K, K, K, yp + m * N + n, N); break;
+      case 3: row_isa<3>(isa, fmt, row, s, xp + m * K, K, yp + m * N + n, N); break;
+      case 2: row_isa<2>(isa, fmt, row, s, xp + m * K, K, yp + m * N + n, N); break;
+      case 1: row_isa<1>(isa, fmt, row, s, xp + m * K, K, yp + m * N + n, N); break;
       default: break;
     }
   }
@@ -420,20 +691,21 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_
 
 // Rows [start, start + count) of the weights as float32 [count, K].
 torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, int64_t start,
-                         int64_t count) {
-  check(w, fmt, K, scales);
+                         int64_t count, int64_t isa) {
+  check(w, fmt, K, scales, isa);
   TORCH_CHECK(start >= 0 && count >= 0 && start + count <= w.size(0), "dequantize: rows out of range");
   auto out = torch::empty({count, K}, torch::dtype(torch::kFloat32));
   float* o = out.data_ptr<float>();
 #pragma omp parallel for num_threads(num_threads_for(count / 16 + 1)) schedule(static)
   for (int64_t r = 0; r < count; ++r)
-    dequant_row(fmt, row_ptr(w, start + r), scale_of(scales, fmt, start + r), K, o + r * K);
+    dequant_row_isa(isa, fmt, row_ptr(w, start + r), scale_of(scales, fmt, start + r), K, o + r * K);
   return out;
 }
 
 // The rows named by ids (any shape, int64) as float32 [*ids.shape, K]: the embedding lookup.
-torch::Tensor dequantize_rows(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, torch::Tensor ids) {
-  check(w, fmt, K, scales);
+torch::Tensor dequantize_rows(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, torch::Tensor ids,
+                              int64_t isa) {
+  check(w, fmt, K, scales, isa);
   TORCH_CHECK(ids.scalar_type() == torch::kInt64, "dequantize_rows: int64 ids");
   auto flat = ids.contiguous().view(-1);
   const int64_t T = flat.numel(), N = w.size(0);
@@ -442,7 +714,8 @@ torch::Tensor dequantize_rows(torch::Tensor w, int64_t fmt, int64_t K, torch::Te
   auto out = torch::empty({T, K}, torch::dtype(torch::kFloat32));
   float* o = out.data_ptr<float>();
 #pragma omp parallel for num_threads(num_threads_for(T / 8 + 1)) schedule(static)
-  for (int64_t t = 0; t < T; ++t) dequant_row(fmt, row_ptr(w, idp[t]), scale_of(scales, fmt, idp[t]), K, o + t * K);
+  for (int64_t t = 0; t < T; ++t)
+    dequant_row_isa(isa, fmt, row_ptr(w, idp[t]), scale_of(scales, fmt, idp[t]), K, o + t * K);
   auto shape = ids.sizes().vec();
   shape.push_back(K);
   return out.view(shape);
@@ -536,6 +809,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rotary_", &rotary_, "rotate-half RoPE of q and k in place");
+  m.def("best_isa", &best_isa, "the widest CPU path in this build: 0 portable, 1 AVX2, 2 AVX-512");
   m.def("quant_matmul", &quant_matmul, "x @ dequantize(w).T for small M (CPU, float32)");
   m.def("dequantize", &dequantize, "rows [start, start + count) as float32");
   m.def("dequantize_rows", &dequantize_rows, "the rows named by ids as float32 (embedding lookup)");

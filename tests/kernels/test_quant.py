@@ -70,6 +70,45 @@ def test_the_kernel_builds_here() -> None:
     assert quant.extension_name().startswith("tandem_quant_matmul_")
 
 
+# Every CPU path this machine can run: the one it takes by default and each narrower one (forced by `isa=`, as
+# TANDEM_CPU_ISA forces it for a whole process).
+ISAS = [isa for isa in quant.CpuIsa if isa <= quant.best_isa()]
+
+
+def test_the_default_path_is_the_widest_this_cpu_has(monkeypatch) -> None:
+    flags = open("/proc/cpuinfo").read().split()  # x86 Linux: the kernel's own feature flags
+    expected = (quant.CpuIsa.AVX512 if {"avx512f", "avx512bw", "avx512vl"} <= set(flags)
+                else quant.CpuIsa.AVX2 if {"avx2", "fma", "f16c"} <= set(flags) else quant.CpuIsa.PORTABLE)
+    assert quant.best_isa() == expected
+    quant.cpu_isa.cache_clear()
+    try:
+        monkeypatch.delenv("TANDEM_CPU_ISA", raising=False)
+        assert quant.cpu_isa() == expected and quant.kernel_path() == expected.label
+        quant.cpu_isa.cache_clear()
+        monkeypatch.setenv("TANDEM_CPU_ISA", "portable")
+        assert quant.cpu_isa() == quant.CpuIsa.PORTABLE
+        quant.cpu_isa.cache_clear()
+        monkeypatch.setenv("TANDEM_CPU_ISA", "sse9")
+        with pytest.raises(ValueError, match="expected auto or one of"):
+            quant.cpu_isa()
+    finally:
+        quant.cpu_isa.cache_clear()
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda isa: isa.label)
+@pytest.mark.parametrize("fmt", list(quant.CPP_FORMATS))
+def test_every_cpu_path_dequantizes_bit_identically_and_multiplies_within_roundoff(fmt: str, isa) -> None:
+    w = make(fmt, *shape_for(fmt), seed=11)
+    dense = reference_dense(w)
+    module, code, k = quant._module(), quant.CPP_FORMATS[fmt], w.shape[1]
+    assert torch.equal(module.dequantize(w.data, code, k, w._scales(), 0, w.shape[0], int(isa)), dense)
+    ids = torch.tensor([4, 0, 36, 4])
+    assert torch.equal(module.dequantize_rows(w.data, code, k, w._scales(), ids, int(isa)), dense[ids])
+    for m in (1, 3, 4, 5, 8, 13, 16):  # every row tiling (8, 4, then 3 / 2 / 1 left over)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        assert_within_roundoff(quant.matmul(x, w, isa=isa), x, dense)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantization_is_bit_identical_to_ggufs(fmt: str) -> None:
     w = make(fmt, *shape_for(fmt))
@@ -90,7 +129,8 @@ def test_matmul_matches_dequantize_then_matmul(fmt: str, m: int) -> None:
     assert_within_roundoff(quant.matmul(x, w), x, dense)  # the path the engine takes at this M
     # and both paths at every M: the C++ kernel (formats that have one) and dequantize + GEMM
     if fmt in quant.CPP_FORMATS:
-        kernel = quant._module().quant_matmul(x, w.data, quant.CPP_FORMATS[fmt], w.shape[1], w._scales())
+        kernel = quant._module().quant_matmul(x, w.data, quant.CPP_FORMATS[fmt], w.shape[1], w._scales(),
+                                              int(quant.cpu_isa()))
         assert_within_roundoff(kernel, x, dense)
     assert_within_roundoff(quant._dequantize_gemm(x, w), x, dense)
 
@@ -148,6 +188,7 @@ def test_without_the_cpp_build_the_reference_computes(monkeypatch, caplog) -> No
     finally:
         monkeypatch.undo()
         quant._module.cache_clear()
+        quant.cpu_isa.cache_clear()
     assert quant.available()
 
 
