@@ -45,6 +45,7 @@ class EngineParts:
     quantization: str  # "gguf" | "int8" | "none" (see EngineConfig.quantization)
     weight_bytes: int
     weight_format: str
+    cpu_kernels: str  # the CPU path the quantized matmuls take ("avx512", "avx2", "portable"); "" when none do
 
 
 def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None = None) -> EngineParts:
@@ -65,7 +66,9 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     policy = policy_for(config, admission, wide_rows=quant.SMALL_M if quantization in ("gguf", "int8") else None)
     weights = _load_weights(source, args, quantization)
     model = build_decoder(args, weights, config.device, DTYPES[config.dtype])
-    log.info("weights: %s, %.1f MB", weight_format(model), weight_bytes(model) / 1e6)
+    cpu_kernels = quant.kernel_path() if quantization in ("gguf", "int8") else ""
+    log.info("weights: %s, %.1f MB%s", weight_format(model), weight_bytes(model) / 1e6,
+             f", CPU kernels: {cpu_kernels}" if cpu_kernels else "")
     max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
     max_model_len_by = ("max_model_len (tandem serve --max-model-len)" if max_model_len < args.max_position_embeddings
                         else "the model's context, max_position_embeddings")
@@ -92,7 +95,8 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                        max_model_len_by=max_model_len_by, pool=pool, kv=kv,
                        scheduler=Scheduler(config, kv, policy), scorer=scorer, runner=runner,
                        eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
-                       weight_bytes=weight_bytes(model), weight_format=weight_format(model))
+                       weight_bytes=weight_bytes(model), weight_format=weight_format(model),
+                       cpu_kernels=cpu_kernels)
 
 
 def _load_weights(source: ModelSource, args: DecoderArgs, quantization: str) -> dict[str, Weight]:

@@ -44,6 +44,7 @@ class LLMEngine:
         self.eos_token_ids = parts.eos_token_ids
         self.quantization = parts.quantization
         self.weight_bytes, self.weight_format = parts.weight_bytes, parts.weight_format
+        self.cpu_kernels = parts.cpu_kernels
         # Built on the first request with structured_outputs (engine/structured.py imports a grammar library).
         self.grammar_compiler: "GrammarCompiler | None" = None
         self.intake = RequestIntake(config, self.tokenizer, self.model_args.vocab_size, self.max_model_len,
@@ -152,6 +153,7 @@ class LLMEngine:
             "quantization": self.quantization,
             "weight_format": self.weight_format,
             "weight_bytes": self.weight_bytes,
+            "cpu_kernels": self.cpu_kernels,
             "reranker": str(self.config.reranker) if self.config.reranker else "llm",
             "rerank_mode": self.scorer.mode,
             # The most tokens one rerank pair may have (template, query and document), and what sets it.
@@ -301,7 +303,8 @@ class LLMEngine:
             request_ids=list(dict.fromkeys(s.request_id for s in batch.seqs)),
             decode_request_ids=batch.decode_request_ids, forward_s=forward_s,
             decode_context_tokens=batch.num_decode_context_tokens, cross_encoder_tokens=batch.num_cross_encoder_tokens,
-            rerank_pairs_scored=batch.num_rerank_pairs_scored, predicted_s=predicted_s, target_s=policy.target_s)
+            rerank_pairs_scored=batch.num_rerank_pairs_scored, predicted_s=predicted_s, target_s=policy.target_s,
+            cpu_kernels=self.cpu_kernels)
         if policy.observes_steps:
             policy.observe(record)  # the step-time model learns from every step
         for fn in self._observers:

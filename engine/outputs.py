@@ -112,6 +112,7 @@ class StepRecord:
     rerank_pairs_scored: int = 0  # of rerank_pairs, those whose last chunk ran in this step (scored)
     predicted_s: float | None = None  # the admission policy's step-time prediction (None: it has no model)
     target_s: float | None = None  # the step time the policy keeps decodes under (--tpot-target-ms)
+    cpu_kernels: str = ""  # the CPU path of the quantized matmuls ("avx512", "avx2", "portable"; "" when none)
 
     @property
     def prediction_error(self) -> float | None:

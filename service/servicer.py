@@ -141,7 +141,7 @@ class TandemServicer:
             replica=self.replica, weight_format=info.get("weight_format", ""),
             weight_bytes=info.get("weight_bytes", 0), vocab_size=info.get("vocab_size", 0),
             rerank_max_pair_tokens=info.get("rerank_max_pair_tokens", 0),
-            rerank_limit_by=info.get("rerank_limit_by", ""),
+            rerank_limit_by=info.get("rerank_limit_by", ""), cpu_kernels=info.get("cpu_kernels", ""),
             limits=pb.Limits(max_waiting=self.bridge.max_waiting, max_documents=self.limits.max_documents,
                              max_message_bytes=self.limits.max_message_bytes, max_n=MAX_N,
                              max_logprobs=MAX_LOGPROBS))

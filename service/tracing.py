@@ -114,6 +114,8 @@ class TracingHooks(Hooks):
                         "tandem.step.duration_s": record.duration_s,
                         "tandem.step.decode_context_tokens": record.decode_context_tokens,
                         "tandem.step.cross_encoder_tokens": record.cross_encoder_tokens})
+        if record.cpu_kernels:
+            span.set_attribute("tandem.step.cpu_kernels", record.cpu_kernels)
         if record.predicted_s is not None:  # a latency objective sized this step (--tpot-target-ms)
             span.set_attributes({"tandem.step.predicted_s": record.predicted_s,
                                  "tandem.step.prediction_error": record.prediction_error or 0.0,

@@ -20,6 +20,7 @@ def test_the_embedded_model_serves_its_gguf_blocks_in_under_150_mb(llm) -> None:
     info, stats = eng.model_info(), eng.stats()
     assert info["quantization"] == "gguf" and info["weight_format"].startswith("gguf Q4_1 + Q8_0")
     assert stats["weight_bytes"] == info["weight_bytes"] < 150e6
+    assert info["cpu_kernels"] == quant.cpu_isa().label  # the path picked at start-up, named for the operator
     model = eng.model
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 4 * model.args.num_layers + 1  # every projection and the LM head
@@ -32,6 +33,7 @@ def test_the_embedded_model_serves_its_gguf_blocks_in_under_150_mb(llm) -> None:
 def test_dense_float32_path_is_still_token_identical(prompts, hf_greedy) -> None:
     llm = make_llm(quantization="none")
     assert llm.engine.quantization == "none" and llm.engine.model_info()["weight_format"] == "float32"
+    assert llm.engine.model_info()["cpu_kernels"] == ""  # no quantized matmul runs
     assert llm.engine.stats()["weight_bytes"] > 500e6
     outs = llm.generate(prompts, GREEDY_32)
     assert [o.token_ids for o in outs] == hf_greedy

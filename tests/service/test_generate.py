@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from clients import AsyncClient, Client, TandemError
+from kernels import quant
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
 from tests.service.conftest import CHAT, PROMPTS, UNENDING
@@ -160,6 +161,7 @@ async def test_every_response_names_the_replica(served):
             assert dict(await call.initial_metadata())["x-tandem-replica"] == served.address
         assert [m.WhichOneof("kind") async for m in stream][-1] == "final"
         assert (await unary).replica == served.address
+        assert (await unary).cpu_kernels == quant.cpu_isa().label  # embedded GGUF on CPU
         assert await refused.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -134,6 +134,8 @@ def test_spans_reach_an_otlp_receiver_and_metrics_are_scraped(engine, monkeypatc
         assert mixed, "no step span held decode tokens and rerank pairs together"
         assert {gen_span.span_id, rerank_span.span_id} <= linked(mixed[0])
         assert all(_attrs(s)["tandem.step.budget_used"] <= _attrs(s)["tandem.step.budget"] for s in steps)
+        # the CPU path of the quantized matmuls (the embedded GGUF model on CPU): the one ModelInfo names
+        assert {_attrs(s)["tandem.step.cpu_kernels"] for s in steps} == {engine.model_info()["cpu_kernels"]}
 
         port = http.server_address[1]
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
