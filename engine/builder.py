@@ -61,9 +61,10 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     hf_config = read_config(model_dir)
     args = DecoderArgs.from_hf_config(hf_config)
     quantization = resolve_quantization(config, source.gguf is not None)
-    # The quantized CPU matmul switches path (dequantize + GEMM) above SMALL_M rows: a fixed cost the objective's
+    # The quantized CPU matmul switches path (dequantize + GEMM) above small_m rows: a fixed cost the objective's
     # step-time model gets as its own feature.
-    policy = policy_for(config, admission, wide_rows=quant.SMALL_M if quantization in ("gguf", "int8") else None)
+    policy = policy_for(config, admission,
+                        wide_rows=quant.small_m(quant.cpu_isa()) if quantization in ("gguf", "int8") else None)
     weights = _load_weights(source, args, quantization)
     model = build_decoder(args, weights, config.device, DTYPES[config.dtype])
     cpu_kernels = quant.kernel_path() if quantization in ("gguf", "int8") else ""

@@ -62,7 +62,7 @@ class StepShape:
 
     def features(self, wide_rows: int | None = None) -> tuple[float, ...]:
         """`wide_rows`: above this many LLM rows the forward takes another path with a fixed cost of its own (the
-        quantized CPU matmul dequantizes every weight once a step has more than kernels.quant.SMALL_M rows)."""
+        quantized CPU matmul dequantizes every weight once a step has more than kernels.quant.small_m rows)."""
         llm = self.decode_rows or self.prefill_tokens or self.llm_rerank_tokens
         wide = wide_rows is not None and self.llm_rows > wide_rows
         return (1.0 if llm else 0.0, self.decode_rows, self.decode_context_tokens, self.prefill_tokens,

@@ -4,7 +4,7 @@ BF16) and per-channel int8.
 A `QuantWeight` keeps the weights as stored (GGUF blocks exactly as in the file, or int8 rows plus one float scale
 per output channel) and `matmul(x, w)` computes `x @ dequantize(w).T` in float32 with them:
 
-* small M (decode steps, up to `SMALL_M` rows): the C++ kernel `cpu/quant_matmul.cpp`, which streams each output
+* small M (decode steps, up to `small_m(isa)` rows): the C++ kernel `cpu/quant_matmul.cpp`, which streams each output
   row's blocks once and dequantizes them in registers (OpenMP over output rows): on the AVX-512 path every GGUF
   format, on the AVX2 path Q4_0 / Q4_1 / Q8_0 / I8 (the others a row at a time through a buffer). The dequantized
   values are bit-identical to GGUF's own numpy dequantizer (the one transformers uses) on every path, so the result
@@ -46,9 +46,10 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34,
                "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "F16": 2, "BF16": 2}
 FORMATS = (*BLOCK_BYTES, "I8")
 
-# Up to this many rows the in-register kernel beats dequantize + GEMM (measured on a 2-core AVX2 host, see
-# kernels/README.md "Quantized matmul"); wider steps dequantize tiles of TILE_BYTES of float32 and use BLAS.
-SMALL_M = int(os.environ.get("TANDEM_QUANT_SMALL_M", "16"))
+# Up to this many rows the in-register kernel beats dequantize + GEMM, per CPU path (measured on the 2-core hosts,
+# see kernels/README.md "Quantized matmul"; TANDEM_QUANT_SMALL_M overrides); wider steps dequantize tiles of
+# TILE_BYTES of float32 and use BLAS.
+_SMALL_M = {"avx512": 10, "avx2": 16, "portable": 16}
 TILE_BYTES = 1 << 20
 
 
@@ -147,6 +148,11 @@ def cpu_isa() -> CpuIsa:
     return names[wanted]
 
 
+def small_m(isa: CpuIsa) -> int:
+    """The most rows `matmul` gives the register kernel on this path; more go to dequantize + GEMM."""
+    return int(os.environ.get("TANDEM_QUANT_SMALL_M", _SMALL_M[isa.label]))
+
+
 def kernel_path() -> str:
     """What ModelInfo and the step spans name as the CPU path of the quantized kernels ("" when none is built)."""
     return cpu_isa().label if available() else ""
@@ -187,10 +193,9 @@ def fused_ops(x: torch.Tensor):
 def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None) -> torch.Tensor:
     """x [M, K] float32 @ dequantize(w).T -> [M, N] float32; `isa` overrides the process's CPU path (tests)."""
     module = _module() if w.fmt in CPP_FORMATS else None
-    m = x.shape[0]
-    if module is not None and m <= SMALL_M:
-        return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(),
-                                   cpu_isa() if isa is None else isa)
+    isa = cpu_isa() if isa is None and module is not None else isa
+    if module is not None and x.shape[0] <= small_m(isa):
+        return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(), isa)
     return _dequantize_gemm(x, w)
 
 
