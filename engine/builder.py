@@ -66,8 +66,13 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     policy = policy_for(config, admission,
                         wide_rows=quant.small_m(quant.cpu_isa()) if quantization in ("gguf", "int8") else None)
     weights = _load_weights(source, args, quantization)
-    model = build_decoder(args, weights, config.device, DTYPES[config.dtype])
+    model = build_decoder(args, weights, config.device, DTYPES[config.dtype],
+                          quant.Activations(config.cpu_activations))
     cpu_kernels = quant.kernel_path() if quantization in ("gguf", "int8") else ""
+    if cpu_kernels and config.cpu_activations == "int8":
+        if not quant.int8_activations_available():
+            raise ValueError(f"cpu_activations='int8' needs AVX-512 VNNI; this process's CPU path is {cpu_kernels}")
+        cpu_kernels += " int8-activations"
     log.info("weights: %s, %.1f MB%s", weight_format(model), weight_bytes(model) / 1e6,
              f", CPU kernels: {cpu_kernels}" if cpu_kernels else "")
     max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)

@@ -50,6 +50,10 @@ class EngineConfig:
     #   per-output-channel scales, for dense checkpoints; "none": dense `dtype` weights (the embedded model's GGUF
     #   dequantized once into float32). `tandem serve --dtype float32` without --quantization means "none".
     quantization: Literal["gguf", "int8", "none"] | None = None
+    # Activations of the quantized CPU matmuls at decode sizes: "float32" (default: results differ from dense float32
+    # by summation order only) or "int8" (each row quantized per block of 32, integer dot products, as llama.cpp;
+    # AVX-512 VNNI and the 32-wide GGUF formats, others stay float32). Measured in docs/benchmarks.md.
+    cpu_activations: Literal["float32", "int8"] = "float32"
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes",
@@ -73,6 +77,8 @@ class EngineConfig:
         if self.reranker and self.rerank_mode not in (None, "cross-encoder"):
             raise ValueError(f"reranker={self.reranker!r} is a cross-encoder; rerank_mode {self.rerank_mode!r} "
                              "scores with the LLM: leave one of them unset")
+        if self.cpu_activations not in ("float32", "int8"):
+            raise ValueError(f"cpu_activations must be 'float32' or 'int8', got {self.cpu_activations!r}")
         if self.quantization not in (None, "gguf", "int8", "none"):
             raise ValueError(f"quantization must be 'gguf', 'int8', 'none' or None, got {self.quantization!r}")
         if self.quantization in ("gguf", "int8") and (self.device != "cpu" or self.dtype != "float32"):

@@ -148,6 +148,23 @@ def cpu_isa() -> CpuIsa:
     return names[wanted]
 
 
+class Activations(enum.Enum):
+    """What the small-M kernels multiply the weights with: float32 activations (the default: results differ from
+    dequantize-then-matmul by summation order only), or each activation row quantized to int8 per block of 32 as
+    llama.cpp does, with integer dot products (AVX-512 VNNI; the 32-wide formats, others stay float32)."""
+    FLOAT32 = "float32"
+    INT8 = "int8"
+
+
+INT8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
+def int8_activations_available() -> bool:
+    """Whether this process's CPU path has the int8-activation kernels (AVX-512 VNNI, not forced narrower)."""
+    module = _module()
+    return module is not None and module.has_int8_activations() and cpu_isa() == CpuIsa.AVX512
+
+
 def small_m(isa: CpuIsa) -> int:
     """The most rows `matmul` gives the register kernel on this path; more go to dequantize + GEMM."""
     return int(os.environ.get("TANDEM_QUANT_SMALL_M", _SMALL_M[isa.label]))
@@ -190,11 +207,16 @@ def fused_ops(x: torch.Tensor):
     return _module()
 
 
-def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None) -> torch.Tensor:
-    """x [M, K] float32 @ dequantize(w).T -> [M, N] float32; `isa` overrides the process's CPU path (tests)."""
+def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
+           activations: Activations = Activations.FLOAT32) -> torch.Tensor:
+    """x [M, K] float32 @ dequantize(w).T -> [M, N] float32; `isa` overrides the process's CPU path (tests).
+    `activations=INT8` quantizes x's rows per block of 32 in the small-M kernel where the path and format have it."""
     module = _module() if w.fmt in CPP_FORMATS else None
     isa = cpu_isa() if isa is None and module is not None else isa
     if module is not None and x.shape[0] <= small_m(isa):
+        if (activations is Activations.INT8 and w.fmt in INT8_FORMATS and isa == CpuIsa.AVX512
+                and module.has_int8_activations()):
+            return module.quant_matmul_int8(x, w.data, CPP_FORMATS[w.fmt], w.shape[1])
         return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(), isa)
     return _dequantize_gemm(x, w)
 

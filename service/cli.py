@@ -26,6 +26,9 @@ _ENGINE_FLAGS = [
                            "served in it"),
     ("--quantization", str, None, "gguf | int8 | none (default: the embedded model's 4-bit GGUF blocks on CPU, "
                                   "dense weights otherwise)"),
+    ("--cpu-activations", str, None, "float32 | int8: activations of the quantized CPU matmuls in decode steps "
+                                     "(default float32; int8 rounds them per block of 32 as llama.cpp does, "
+                                     "AVX-512 VNNI only)"),
     ("--max-num-batched-tokens", int, None, "token budget of one engine step"),
     ("--max-num-seqs", int, None, "sequences one step may serve"),
     ("--kv-cache-bytes", "bytes", None, "KV cache budget, e.g. 1073741824 or 2GiB"),

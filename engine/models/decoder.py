@@ -413,7 +413,8 @@ def _norm_names(family: Family) -> dict[str, str]:
     return {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 
 
-def make_linear(weights: list[Weight], biases: list[torch.Tensor] | None, dtype: torch.dtype) -> nn.Module:
+def make_linear(weights: list[Weight], biases: list[torch.Tensor] | None, dtype: torch.dtype,
+                activations: quant.Activations = quant.Activations.FLOAT32) -> nn.Module:
     """One module computing the concatenated outputs of these row blocks: rows fused into one matrix when the parts
     share a format (blocks concatenate as stored: rows are independent), else a ConcatLinear of the parts."""
     bias = torch.cat(biases).to(dtype) if biases else None
@@ -423,7 +424,7 @@ def make_linear(weights: list[Weight], biases: list[torch.Tensor] | None, dtype:
         scales = (torch.cat([w.scales for w in weights]) if first.scales is not None and len(weights) > 1
                   else first.scales)
         qw = QuantWeight(data, first.fmt, (sum(w.shape[0] for w in weights), first.shape[1]), scales)
-        return QuantizedLinear(qw, bias)
+        return QuantizedLinear(qw, bias, activations)
     if all(isinstance(w, torch.Tensor) for w in weights):
         dense = torch.cat(weights).to(dtype) if len(weights) > 1 else weights[0].to(dtype)
         lin = nn.Linear(dense.shape[1], dense.shape[0], bias=bias is not None, device="meta")
@@ -431,15 +432,16 @@ def make_linear(weights: list[Weight], biases: list[torch.Tensor] | None, dtype:
         if bias is not None:
             lin.bias = nn.Parameter(bias, requires_grad=False)
         return lin
-    parts = [make_linear([w], None if biases is None else [b], dtype) for w, b in
+    parts = [make_linear([w], None if biases is None else [b], dtype, activations) for w, b in
              zip(weights, biases or [None] * len(weights))]
     return ConcatLinear(parts)
 
 
 def build_decoder(args: DecoderArgs, weights: dict[str, Weight], device: str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> DecoderForCausalLM:
+                  dtype: torch.dtype = torch.float32,
+                  activations: quant.Activations = quant.Activations.FLOAT32) -> DecoderForCausalLM:
     """The model holding these HF-named weights (rotary buffers and transformers' extras ignored); a missing or
-    unexpected tensor is a ValueError naming it."""
+    unexpected tensor is a ValueError naming it. `activations`: what quantized projections multiply with."""
     weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}
     used: set[str] = set()
     missing: list[str] = []
@@ -478,12 +480,12 @@ def build_decoder(args: DecoderArgs, weights: dict[str, Weight], device: str = "
             biases = [dense(b) for b in bias_names] if ours.startswith("self_attn") and args.attention_bias else None
             if all(w is not None for w in ws):
                 parent, attr = ours.split(".")
-                setattr(getattr(layer, parent), attr, make_linear(ws, biases, dtype))
+                setattr(getattr(layer, parent), attr, make_linear(ws, biases, dtype, activations))
         for ours, hf in _SINGLE.items():
             w = take(p + hf + ".weight")
             if w is not None:
                 parent, attr = ours.split(".")
-                setattr(getattr(layer, parent), attr, make_linear([w], None, dtype))
+                setattr(getattr(layer, parent), attr, make_linear([w], None, dtype, activations))
         for ours, hf in names.items():
             getattr(layer, ours).weight = nn.Parameter(norm_weight(p + hf + ".weight"), requires_grad=False)
         if args.qk_norm:
@@ -493,12 +495,12 @@ def build_decoder(args: DecoderArgs, weights: dict[str, Weight], device: str = "
     if args.tie_word_embeddings:
         used.add("lm_head.weight")
         emb = model.model.embed_tokens
-        model.lm_head = (QuantizedLinear(emb.qweight) if isinstance(emb, QuantizedEmbedding) else
+        model.lm_head = (QuantizedLinear(emb.qweight, None, activations) if isinstance(emb, QuantizedEmbedding) else
                          _linear_from(emb.weight))
     else:
         head = take("lm_head.weight")
         if head is not None:
-            model.lm_head = make_linear([head], None, dtype)
+            model.lm_head = make_linear([head], None, dtype, activations)
     unexpected = sorted(set(weights) - used)
     if missing or unexpected:
         raise ValueError(f"weights do not match the {args.family.value} model: missing {missing[:5]}, "

@@ -26,9 +26,11 @@ _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_at
 class QuantizedLinear(nn.Module):
     """y = x @ dequantize(W).T (+ bias), W kept quantized. The blocks are buffers, so state_dict sees them."""
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None,
+                 activations: quant.Activations = quant.Activations.FLOAT32) -> None:
         super().__init__()
         self.qweight = weight
+        self.activations = activations
         self.out_features, self.in_features = weight.shape
         self.register_buffer("qdata", weight.data)
         self.register_buffer("qscales", weight.scales)
@@ -36,7 +38,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = quant.matmul(x.reshape(-1, self.in_features), self.qweight)
+        y = quant.matmul(x.reshape(-1, self.in_features), self.qweight, activations=self.activations)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)
@@ -46,7 +48,8 @@ class QuantizedLinear(nn.Module):
         return self.qweight.rows(torch.tensor(ids, dtype=torch.int64))
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, format={self.qweight.fmt}"
+        return (f"in={self.in_features}, out={self.out_features}, format={self.qweight.fmt}, "
+                f"activations={self.activations.value}")
 
 
 class QuantizedEmbedding(nn.Module):

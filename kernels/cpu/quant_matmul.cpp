@@ -552,6 +552,125 @@ void dequant_row512(int64_t fmt, const uint8_t* row, int64_t K, float* out) {
 
 #endif  // AVX-512
 
+#if defined(TANDEM_AVX512) && defined(__AVX512VNNI__)
+#define TANDEM_VNNI 1
+
+// ---- int8 activations (AVX-512 VNNI), the 32-wide formats ------------------------------------------------------
+// Each row of x is quantized per block of 32 as llama.cpp does (dx = max|x| / 127, qx = round(x / dx)); a block's
+// dot product is then one integer sum: the weights as unsigned bytes u (Q8_0: q + 128; Q4_0 / Q5_0: q, their offset
+// 8 / 16 taken out afterwards) times qx by vpdpbusd, so
+//   sum_k w_k x_k ~= dx (d * sum_k u_k qx_k + (m - c d) * sum_k qx_k)
+// with c the offset and m the block's min (Q4_1 / Q5_1; 0 otherwise). Two blocks per 512-bit vector. The integer
+// sums are exact; the only difference to the float32 path is the rounding of x to 8 bits.
+
+struct QuantizedRows {  // x [M, K] per block of 32: int8 values, per-lane scales (16 lanes a pair), dx * sum(qx)
+  std::vector<int8_t> q;
+  std::vector<float> lane_dx;  // [M, K / 64 pairs (rounded up), 16]: block 2p's dx in lanes 0-7, 2p + 1's in 8-15
+  std::vector<float> lane_sum;  // [M, pairs, 16]: dx * sum(qx) of block 2p in lane 0, of 2p + 1 in lane 8, else 0
+  int64_t pairs;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / 32;
+  QuantizedRows r;
+  r.pairs = (nb + 1) / 2;
+  r.q.assign(M * r.pairs * 64, 0);  // padded to whole pairs: an odd last block leaves zeros beside it
+  r.lane_dx.assign(M * r.pairs * 16, 0.f);
+  r.lane_sum.assign(M * r.pairs * 16, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* qb = r.q.data() + m * r.pairs * 64 + b * 32;
+      int s = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+        qb[i] = static_cast<int8_t>(v);
+        s += v;
+      }
+      float* lanes = r.lane_dx.data() + (m * r.pairs + b / 2) * 16 + (b % 2) * 8;
+      for (int i = 0; i < 8; ++i) lanes[i] = dx;
+      r.lane_sum[(m * r.pairs + b / 2) * 16 + (b % 2) * 8] = dx * static_cast<float>(s);
+    }
+  return r;
+}
+
+// The 64 unsigned weight bytes of blocks A and B (B may be null: zeros), their scales d and their (m - c d).
+template <int64_t FMT>
+inline __m512i pair_u8(const uint8_t* a, const uint8_t* b, float d[2], float corr[2]) {
+  constexpr float c = FMT == Q8_0 ? 128.f : FMT == Q4_0 ? 8.f : FMT == Q5_0 ? 16.f : 0.f;
+  const uint8_t* blk[2] = {a, b};
+  for (int i = 0; i < 2; ++i) {
+    d[i] = blk[i] ? fp16_to_fp32(blk[i]) : 0.f;
+    const float m = (FMT == Q4_1 || FMT == Q5_1) && blk[i] ? fp16_to_fp32(blk[i] + 2) : 0.f;
+    corr[i] = m - c * d[i];
+  }
+  if constexpr (FMT == Q8_0) {
+    const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2));
+    const __m256i qb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)) : _mm256_set1_epi8(-128);
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
+    return _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80)));  // q + 128 as unsigned
+  } else {
+    constexpr int off = FMT == Q4_0 ? 2 : FMT == Q4_1 ? 4 : FMT == Q5_0 ? 6 : 8;
+    const __m128i ba = load16(a + off), bb = b ? load16(b + off) : _mm_setzero_si128();
+    const __m256i both = _mm256_set_m128i(bb, ba);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i lo = _mm256_and_si256(both, m4), hi = _mm256_and_si256(_mm256_srli_epi16(both, 4), m4);
+    // [loA loB hiA hiB] -> [loA hiA loB hiB]: each block's 32 weights in element order
+    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    w = _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));
+    if constexpr (FMT == Q5_0 || FMT == Q5_1) {
+      constexpr int qh_off = FMT == Q5_0 ? 2 : 4;
+      const uint64_t qh = static_cast<uint64_t>(load_u32(a + qh_off)) |
+                          (b ? static_cast<uint64_t>(load_u32(b + qh_off)) << 32 : 0);
+      w = _mm512_mask_add_epi8(w, static_cast<__mmask64>(qh), w, _mm512_set1_epi8(16));
+    }
+    return w;
+  }
+}
+
+template <int64_t FMT, int MT>
+inline void row_q8(const uint8_t* row, const QuantizedRows& xq, int64_t m0, int64_t K, float* y, int64_t ldy) {
+  constexpr int64_t BB = block_bytes(FMT);
+  const int64_t nb = K / 32;
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t p = 0; p < xq.pairs; ++p) {
+    const int64_t b = 2 * p;
+    float d[2], c[2];
+    const __m512i w = pair_u8<FMT>(row + b * BB, b + 1 < nb ? row + (b + 1) * BB : nullptr, d, c);
+    const __m512 dw = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_setr_ps(d[0], d[1], 0.f, 0.f)));
+    // (m - c d) of block A in lane 0 and of block B in lane 8, zeros elsewhere: times lane_sum, the offset/min term
+    const __m512 cw = _mm512_maskz_permutexvar_ps(0x0101, idx, _mm512_castps128_ps512(_mm_setr_ps(c[0], c[1], 0.f, 0.f)));
+    for (int m = 0; m < MT; ++m) {
+      const int64_t r = m0 + m;
+      const __m512i qx = _mm512_loadu_si512(xq.q.data() + (r * xq.pairs + p) * 64);
+      const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, qx);
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(xq.lane_dx.data() + (r * xq.pairs + p) * 16));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[m]);
+      acc[m] = _mm512_fmadd_ps(cw, _mm512_loadu_ps(xq.lane_sum.data() + (r * xq.pairs + p) * 16), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) y[m * ldy] = _mm512_reduce_add_ps(acc[m]);
+}
+
+template <int MT>
+inline void row_any_q8(int64_t fmt, const uint8_t* row, const QuantizedRows& xq, int64_t m0, int64_t K, float* y,
+                       int64_t ldy) {
+  switch (fmt) {
+    case Q4_0: return row_q8<Q4_0, MT>(row, xq, m0, K, y, ldy);
+    case Q4_1: return row_q8<Q4_1, MT>(row, xq, m0, K, y, ldy);
+    case Q5_0: return row_q8<Q5_0, MT>(row, xq, m0, K, y, ldy);
+    case Q5_1: return row_q8<Q5_1, MT>(row, xq, m0, K, y, ldy);
+    default: return row_q8<Q8_0, MT>(row, xq, m0, K, y, ldy);
+  }
+}
+
+#endif  // VNNI
+
 #else  // portable fallback: dequantize a row into a stack buffer and take plain dot products
 
 template <int MT>
@@ -689,6 +808,47 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_
   return y;
 }
 
+// x [M, K] float32 with its rows quantized to int8 per block of 32, w: blocks of a 32-wide format (Q4_0, Q4_1,
+// Q5_0, Q5_1, Q8_0). Needs AVX-512 VNNI (`has_int8_activations()`).
+torch::Tensor quant_matmul_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K) {
+#if defined(TANDEM_VNNI)
+  TORCH_CHECK(fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == Q8_0,
+              "quant_matmul_int8: int8 activations cover Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, not format ", fmt);
+  check(w, fmt, K, torch::Tensor(), PORTABLE);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
+              "quant_matmul_int8: x must be float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
+  float* yp = y.data_ptr<float>();
+#pragma omp parallel for num_threads(num_threads_for(N / 16 + 1)) schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* row = row_ptr(w, n);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) row_any_q8<4>(fmt, row, xq, m, K, yp + m * N + n, N);
+    switch (M - m) {
+      case 3: row_any_q8<3>(fmt, row, xq, m, K, yp + m * N + n, N); break;
+      case 2: row_any_q8<2>(fmt, row, xq, m, K, yp + m * N + n, N); break;
+      case 1: row_any_q8<1>(fmt, row, xq, m, K, yp + m * N + n, N); break;
+      default: break;
+    }
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "quant_matmul_int8: this build has no AVX-512 VNNI path");
+  return x;
+#endif
+}
+
+bool has_int8_activations() {
+#if defined(TANDEM_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Rows [start, start + count) of the weights as float32 [count, K].
 torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, int64_t start,
                          int64_t count, int64_t isa) {
@@ -810,6 +970,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rotary_", &rotary_, "rotate-half RoPE of q and k in place");
   m.def("best_isa", &best_isa, "the widest CPU path in this build: 0 portable, 1 AVX2, 2 AVX-512");
+  m.def("quant_matmul_int8", &quant_matmul_int8, "x @ dequantize(w).T with x quantized to int8 per block of 32");
+  m.def("has_int8_activations", &has_int8_activations, "whether this build has the int8-activation path");
   m.def("quant_matmul", &quant_matmul, "x @ dequantize(w).T for small M (CPU, float32)");
   m.def("dequantize", &dequantize, "rows [start, start + count) as float32");
   m.def("dequantize_rows", &dequantize_rows, "the rows named by ids as float32 (embedding lookup)");

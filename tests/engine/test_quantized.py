@@ -6,10 +6,12 @@ fp32, so fma(d, q, m) == (d * q) + m); only summation order differs, and on the 
 tests no near-tie flips, so they demand full identity rather than the 15-of-16 the issue would allow."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.models.quantized import QuantizedEmbedding, QuantizedLinear
 from kernels import quant
+from engine import SamplingParams
 from tests.engine.conftest import GREEDY_32, assert_no_leaks, make_llm
 from tests.engine.test_hf_parity import _ragged_logits
 
@@ -122,3 +124,23 @@ def test_quantization_config_is_validated() -> None:
         EngineConfig(quantization="gguf", dtype="bfloat16")
     with pytest.raises(ValueError, match="embedded model's GGUF file or a .gguf path"):
         EngineConfig(model="/some/dir", quantization="gguf")
+
+
+@pytest.mark.skipif(not quant.int8_activations_available(), reason="this CPU has no AVX-512 VNNI")
+def test_int8_activations_are_one_setting_away_and_stay_close_to_float32(llm, prompts) -> None:
+    """cpu_activations='int8': the Q4_1 / Q8_0 projections of the embedded model multiply int8-rounded rows in
+    steps of up to small_m rows (decode steps; these short prompts too). Logprobs move (the rounding is real) and
+    stay near float32's."""
+    int8 = make_llm(cpu_activations="int8")
+    assert int8.engine.model_info()["cpu_kernels"] == f"{quant.cpu_isa().label} int8-activations"
+    linears = [m for m in int8.engine.model.modules() if isinstance(m, QuantizedLinear)]
+    assert linears and all(m.activations is quant.Activations.INT8 for m in linears)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0)
+    moved = []
+    for ref, got in zip(llm.generate(prompts[:3], params), int8.generate(prompts[:3], params)):
+        for i in range(2):
+            if got.token_ids[:i + 1] != ref.token_ids[:i + 1]:
+                break
+            moved.append(abs(got.logprobs[i][got.token_ids[i]] - ref.logprobs[i][ref.token_ids[i]]))
+    assert moved and max(moved) < 0.5 and max(moved) > 0
+    assert_no_leaks(int8)

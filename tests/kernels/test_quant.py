@@ -220,3 +220,40 @@ def test_fused_decode_ops_match_torch() -> None:
         ops.rotary_(qkv, 4, cos, sin)
         assert torch.equal(qkv[:, :4], expected_qk)  # same products and sums, each rounded alike
         assert torch.equal(qkv[:, 4:], v)
+
+
+# ---- int8 activations ----------------------------------------------------------------------------------------
+
+
+def int8_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """|x W^T - x^ W^T| where x^ is x rounded per block of 32 to dx * round(x / dx), dx = max|x_block| / 127: each
+    element moves by at most dx / 2, so a dot product moves by at most sum_b dx_b / 2 * sum_{k in b} |w_k|. Plus
+    the float32 round-off of the products and sums (as assert_within_roundoff, on |x| + dx / 2)."""
+    m, k = x.shape
+    dx = x.abs().view(m, k // 32, 32).amax(-1) / 127  # [M, K/32]
+    half_step = (dx / 2).repeat_interleave(32, dim=1)  # [M, K]
+    rounding = half_step @ dense.abs().T
+    roundoff = 2 * (k * 2.0**-24) / (1 - k * 2.0**-24) * ((x.abs() + half_step) @ dense.abs().T)
+    return rounding + roundoff + 1e-30
+
+
+@pytest.mark.skipif(not quant.int8_activations_available(), reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("fmt", quant.INT8_FORMATS)
+def test_int8_activations_stay_within_the_bound_of_rounding_x_to_8_bits(fmt: str) -> None:
+    for k in (96, 64):  # an odd number of blocks (a half pair) and an even one
+        w = make(fmt, 37, k, seed=k)
+        dense = reference_dense(w)
+        for m in (1, 3, 4, 6, 10):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
+            x[0, :32] = 0.0  # an all-zero block (dx = 0)
+            got = quant.matmul(x, w, activations=quant.Activations.INT8)
+            err = (got - x @ dense.T).abs()
+            assert bool((err <= int8_bound(x, dense)).all())
+            # and it is the int8 path, not the float32 one: the results differ where x is not on the 8-bit grid
+            assert not torch.equal(got, quant.matmul(x, w))
+
+
+def test_int8_activations_leave_other_formats_on_float32() -> None:
+    w = make("Q6_K", 37, 512)
+    x = torch.randn(2, 512)
+    assert torch.equal(quant.matmul(x, w, activations=quant.Activations.INT8), quant.matmul(x, w))

@@ -1,0 +1,124 @@
+"""Activation precision of the quantized CPU matmuls, speed beside quality (issue #28 item 2).
+
+The same GGUF file served twice by the engine, `cpu_activations="float32"` (the default) and `"int8"` (each
+activation row rounded to 8 bits per block of 32, integer dot products, as llama.cpp does), and transformers on the
+file's float32 expansion as the reference nobody here wrote:
+
+* speed: batch-1 greedy decode rate (tokens after the first / time from the first to the last), median of the
+  prompts, and each prompt's decode alone;
+* tokens: each setting's greedy tokens against transformers' greedy tokens on the same prompts (identical share and
+  first difference);
+* logprobs on a fixed text (AlpacaEval instructions and answers, `--text-tokens`, in prompts of `--chunk` tokens):
+  each position's log-probability of the text's next token, mean |tandem - transformers| and perplexity. The int8
+  path lives in the small-M kernel that decode steps use; a prompt is wide, so this pass sets
+  TANDEM_QUANT_SMALL_M above the chunk length, putting every matmul of the text through the small-M kernel
+  (the arithmetic a decode step does, position by position).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+from bench.cpu_peer import agreement, hf_greedy, token_pool, windows
+from bench.report import parse_bench_args, write_result
+
+QUICK = dict(text_tokens=64, chunk=32, new_tokens=8, prompts=1)
+SETTINGS = ("float32", "int8")
+
+
+def tandem_pass(model: Path | None, activations: str, threads: int, prompts: list[list[int]], n: int,
+                chunks: list[list[int]]) -> dict:
+    from engine import LLM, EngineConfig, SamplingParams
+
+    llm = LLM(EngineConfig(model=str(model) if model else None, num_threads=threads, cpu_activations=activations))
+    eng = llm.engine
+    greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[0][:16], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    tokens, rates = [], []
+    for i, ids in enumerate(prompts):
+        eng.add_request(f"p{i}", ids, greedy)
+        out, times = [], []
+        while eng.has_unfinished():
+            for step in eng.step():
+                out += step.new_token_ids
+                times += [time.perf_counter()] * len(step.new_token_ids)
+        tokens.append(out)
+        rates.append((len(times) - 1) / (times[-1] - times[0]))
+    previous = os.environ.get("TANDEM_QUANT_SMALL_M")
+    os.environ["TANDEM_QUANT_SMALL_M"] = str(10**9)  # every row through the small-M kernel (see the docstring)
+    try:
+        logprobs = []
+        for chunk in chunks:
+            res = llm.generate(chunk, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))[0]
+            logprobs += [entry[tok] for entry, tok in zip(res.prompt_logprobs[1:], chunk[1:])]
+    finally:
+        if previous is None:
+            del os.environ["TANDEM_QUANT_SMALL_M"]
+        else:
+            os.environ["TANDEM_QUANT_SMALL_M"] = previous
+    return {"cpu_kernels": eng.model_info()["cpu_kernels"], "tokens": tokens,
+            "decode_tok_s": round(statistics.median(rates), 2), "decode_tok_s_each": [round(r, 2) for r in rates],
+            "logprobs": logprobs}
+
+
+def hf_logprobs(model_path: Path, chunks: list[list[int]]) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
+                                                 dtype=torch.float32).eval()
+    out: list[float] = []
+    with torch.inference_mode():
+        for chunk in chunks:
+            logits = model(torch.tensor([chunk])).logits[0].float()
+            lp = torch.log_softmax(logits, dim=-1)
+            out += lp[torch.arange(len(chunk) - 1), torch.tensor(chunk[1:])].tolist()
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1)")
+    ap.add_argument("--text-tokens", type=int, default=2000)
+    ap.add_argument("--chunk", type=int, default=250, help="tokens per prompt of the logprob pass")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=3)
+    args = parse_bench_args(ap, argv, "activations", QUICK)
+    from transformers import AutoTokenizer
+
+    from engine.models.loader import embedded_gguf_path, resolve_model
+
+    path = args.model or embedded_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(str(path)).meta_dir)
+    pool = token_pool(tokenizer, args.text_tokens + 4096)
+    text = pool[:args.text_tokens]
+    chunks = [text[i:i + args.chunk] for i in range(0, len(text), args.chunk) if len(text[i:i + args.chunk]) > 1]
+    prompts = windows(pool[args.text_tokens:], [64] * args.prompts, random.Random(args.seed))
+
+    reference = hf_greedy(Path(path), prompts, args.new_tokens)
+    ref_lp = hf_logprobs(Path(path), chunks)
+    result: dict = {"benchmark": "activations", "model": Path(path).name, "threads": args.threads,
+                    "new_tokens": args.new_tokens, "text_tokens": len(ref_lp), "chunk": args.chunk,
+                    "loadavg": list(os.getloadavg()),
+                    "transformers": {"perplexity": round(math.exp(-statistics.fmean(ref_lp)), 4)}, "settings": {}}
+    for setting in SETTINGS:
+        run = tandem_pass(args.model, setting, args.threads, prompts, args.new_tokens, chunks)
+        lp = run.pop("logprobs")
+        run["vs_transformers"] = agreement(run.pop("tokens"), reference)
+        run["mean_abs_logprob_diff"] = round(statistics.fmean(abs(a - b) for a, b in zip(lp, ref_lp)), 6)
+        run["max_abs_logprob_diff"] = round(max(abs(a - b) for a, b in zip(lp, ref_lp)), 6)
+        run["perplexity"] = round(math.exp(-statistics.fmean(lp)), 4)
+        result["settings"][setting] = run
+    f32, i8 = result["settings"]["float32"], result["settings"]["int8"]
+    result["int8_vs_float32_decode"] = round(i8["decode_tok_s"] / f32["decode_tok_s"], 3)
+    write_result(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
