@@ -69,14 +69,39 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return _module().paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
 
 
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """reference.write_kv_cache for float32 caches in one C++ call: rows may be strided views of a fused qkv, and
+    slot -1 writes nothing without a check on the Python side."""
+    _module().write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_qkv(qkv: torch.Tensor, num_q_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """One layer of a decode-only step in one call: qkv [B, Hq + 2 Hkv, D] (one token per sequence) has its K/V
+    written to `slot_mapping`, then its queries attend; [B, Hq, D], the values of write_kv_cache followed by
+    paged_decode_attention."""
+    return _module().paged_decode_qkv(qkv, num_q_heads, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                      scale, window, softcap)
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, window: int = 0,
                     softcap: float = 0.0) -> torch.Tensor:
     """Same contract as reference.paged_attention: decodes through the C++ kernel, prefill chunks as there."""
+    return attention_from_lists(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                (query_start_loc.tolist(), seq_lens.tolist()), scale, window, softcap)
+
+
+def attention_from_lists(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         starts_lens: tuple[list[int], list[int]], scale: float, window: int = 0,
+                         softcap: float = 0.0) -> torch.Tensor:
+    """paged_attention with query_start_loc and seq_lens also given as lists (read once per step, not per layer)."""
     from kernels import reference
 
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
+    starts, lens = starts_lens
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     if len(decodes) == len(lens):  # a decode-only step: query rows are the sequences, in order
         return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)

@@ -52,23 +52,34 @@ def paged_attention(
     scores. The Triton kernel has neither yet and refuses them (NotImplementedError) rather than ignore them."""
     choice = backend(query)
     if choice == "triton":
-        if window or softcap:
-            raise NotImplementedError("the Triton paged attention kernel has no sliding window or soft-cap yet; "
-                                      "run this model with TANDEM_KERNELS=torch")
+        triton_refuses(window, softcap)
         from kernels.triton_paged_attention import paged_attention as op
         return op(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    if choice == "cpp" and _cpp_usable(query, forced=os.environ.get("TANDEM_KERNELS", "").strip() == "cpp"):
+    if choice == "cpp" and cpp_usable(query, cpp_forced()):
         from kernels.cpu_decode import paged_attention as op
     else:
         op = reference.paged_attention
     return op(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, softcap)
 
 
-def _cpp_usable(query: torch.Tensor, forced: bool) -> bool:
-    """The C++ decode kernel covers float32 CPU tensors, once it has compiled; forcing it elsewhere is an error."""
+def triton_refuses(window: int, softcap: float) -> None:
+    if window or softcap:
+        raise NotImplementedError("the Triton paged attention kernel has no sliding window or soft-cap yet; "
+                                  "run this model with TANDEM_KERNELS=torch")
+
+
+def cpp_forced() -> bool:
+    """TANDEM_KERNELS=cpp: the C++ kernel must run (auto falls back to the reference where it cannot)."""
+    return os.environ.get("TANDEM_KERNELS", "").strip().lower() == "cpp"
+
+
+def cpp_usable(query: torch.Tensor, forced: bool, cache: torch.Tensor | None = None) -> bool:
+    """The C++ decode kernel covers float32 CPU tensors (and caches), once it has compiled; forcing it elsewhere
+    is an error."""
     from kernels import cpu_decode
 
-    usable = not query.is_cuda and query.dtype == torch.float32 and cpu_decode.available()
+    usable = (not query.is_cuda and query.dtype == torch.float32 and cpu_decode.available()
+              and (cache is None or (not cache.is_cuda and cache.dtype == torch.float32)))
     if forced and not usable:
         raise RuntimeError("TANDEM_KERNELS=cpp needs float32 CPU tensors and a C++ compiler (see the log)")
     return usable

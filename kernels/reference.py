@@ -11,11 +11,12 @@ def write_kv_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, slot = block * block_size + offset; -1 = skip
+    checked: bool = False,  # the caller knows no slot is -1 (kernels/paged.py looks once per step, not per layer)
 ) -> None:
     """Scatter each token's K/V into its cache slot, in place."""
     if slot_mapping.numel() == 0:
         return
-    if bool((slot_mapping < 0).any()):
+    if not checked and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     # The cache viewed as one row per slot: a single index_copy_ instead of advanced-index assignment.
@@ -57,9 +58,15 @@ def paged_attention(
     cache positions 0..that position (its own K/V must already be written to the cache), or only to the last
     `window` of them.
     """
+    return attention_from_lists(query, k_cache, v_cache, block_tables, (query_start_loc.tolist(), seq_lens.tolist()),
+                                scale, window, softcap)
+
+
+def attention_from_lists(query, k_cache, v_cache, block_tables, starts_lens: tuple[list[int], list[int]],
+                         scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """paged_attention with query_start_loc and seq_lens already read as lists (once per step, not per layer)."""
+    starts, lens = starts_lens
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     if decodes:
         _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out, window, softcap)

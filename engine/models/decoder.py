@@ -359,7 +359,11 @@ class DecoderForCausalLM(nn.Module):
         residual = x.contiguous() if a.embed_scale else x.clone()  # updated in place from here on
         h = ops.add_rms_norm(None, residual, layers[0].attn_norm.weight, a.rms_norm_eps)
         T = h.shape[0]
-        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+        # Decided once for all layers: backend, decode-only or mixed, which slots to write.
+        paged = kernels.plan_step(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, h,
+                                  kv_caches)
+        keys, values = kv_caches.unbind(1)  # [layers, blocks, ...] each: two views here, not two per layer
+        for i, (layer, k_cache, v_cache) in enumerate(zip(layers, keys.unbind(0), values.unbind(0))):
             attn = layer.self_attn
             nq, nkv = attn.num_heads, attn.num_kv_heads
             qkv = attn.qkv_proj(h).view(T, nq + 2 * nkv, attn.head_dim)
@@ -367,11 +371,8 @@ class DecoderForCausalLM(nn.Module):
                 qkv[:, :nq] = ops.rms_norm(qkv[:, :nq], attn.q_norm.weight, a.rms_norm_eps)
                 qkv[:, nq:nq + nkv] = ops.rms_norm(qkv[:, nq:nq + nkv], attn.k_norm.weight, a.rms_norm_eps)
             ops.rotary_(qkv, nq + nkv, *tables[attn.rope])
-            q, k, v = qkv.split([nq, nkv, nkv], dim=1)
-            kernels.write_kv_cache(k, v, kv[0], kv[1], meta.slot_mapping)
-            o = kernels.paged_attention(q, kv[0], kv[1], meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                        attn.scale, window=attn.window, softcap=attn.softcap)
-            o = attn.o_proj(o.reshape(T, -1))
+            o = kernels.write_and_attend(paged, qkv, nq, k_cache, v_cache, attn.scale, attn.window, attn.softcap)
+            o = attn.o_proj(o.view(T, -1))
             if layer.attn_post_norm is not None:
                 o = ops.rms_norm(o, layer.attn_post_norm.weight, a.rms_norm_eps)
             h = ops.add_rms_norm(o, residual, layer.mlp_norm.weight, a.rms_norm_eps)
