@@ -38,7 +38,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the decoder's [T, hidden]: no reshape and view back (two ops per matmul, 120 a step)
-            y = quant.matmul(x, self.qweight)
+            y = quant.matmul(x, self.qweight, activations=self.activations)
             return y if self.bias is None else y + self.bias
         lead = x.shape[:-1]
         y = quant.matmul(x.reshape(-1, self.in_features), self.qweight, activations=self.activations)
