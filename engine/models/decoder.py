@@ -241,6 +241,12 @@ class FusedOps(TorchOps):
     def add_rms_norm(self, x, residual, weight, eps):
         return self.m.add_rms_norm(x, residual, weight, eps)
 
+    def rms_norm(self, x, weight, eps):
+        """One C++ call (Gemma's q/k and post norms: torch's rms_norm was ~20 ops each, 72 of them a step)."""
+        rows = x.reshape(-1, x.shape[-1])  # a copy for the strided q/k heads of qkv, a view otherwise
+        return self.m.add_rms_norm(None, rows if rows.is_contiguous() else rows.contiguous(), weight,
+                                   eps).view(x.shape)
+
     def act_mul(self, gate_up, activation):
         return self.m.silu_mul(gate_up) if activation is Activation.SILU else TorchOps.act_mul(gate_up, activation)
 

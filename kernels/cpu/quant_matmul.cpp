@@ -733,6 +733,12 @@ int num_threads_for(int64_t work) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work)));
 }
 
+// Threads for a small-M matmul over `bytes` of weights: one per THREAD_BYTES at least. Waking a sleeping OpenMP
+// worker (tandem serve runs OMP_WAIT_POLICY=PASSIVE) costs tens of microseconds in a VM, more than a second thread
+// saves on a projection of a few hundred KB, so those run on the calling thread alone.
+constexpr int64_t THREAD_BYTES = 512 * 1024;
+int threads_for_bytes(int64_t bytes) { return num_threads_for(bytes / THREAD_BYTES); }
+
 // Whether `isa` computes `fmt` with a kernel that keeps the weights in registers (else: a row dequantized into a
 // buffer by the scalar code, then dot products).
 bool in_registers(int64_t isa, int64_t fmt) {
@@ -772,7 +778,7 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (!in_registers(isa, fmt)) {  // each row dequantized once into a per-thread buffer, then M dot products
-#pragma omp parallel num_threads(num_threads_for(N / 16 + 1))
+#pragma omp parallel num_threads(threads_for_bytes(w.numel() * w.element_size() * M))
     {
       std::vector<float> buf(K);
 #pragma omp for schedule(static)
@@ -791,7 +797,7 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_
     return y;
   }
   // Output rows in contiguous chunks per thread: each thread streams its own slice of the weights once.
-#pragma omp parallel for num_threads(num_threads_for(N / 16 + 1)) schedule(static)
+#pragma omp parallel for num_threads(threads_for_bytes(w.numel() * w.element_size() * M)) schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* row = row_ptr(w, n);
     const float s = scale_of(scales, fmt, n);
@@ -822,7 +828,7 @@ torch::Tensor quant_matmul_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, i
   auto y = torch::empty({M, N}, x.options());
   const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
   float* yp = y.data_ptr<float>();
-#pragma omp parallel for num_threads(num_threads_for(N / 16 + 1)) schedule(static)
+#pragma omp parallel for num_threads(threads_for_bytes(w.numel() * w.element_size() * M)) schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* row = row_ptr(w, n);
     int64_t m = 0;
