@@ -18,7 +18,7 @@ from typing import Callable
 from bench.report import RESULTS, write_result
 
 BENCHMARKS = ("throughput", "rerank", "mixed", "latency", "prefill", "sampling", "rerank_quality", "single", "structured",
-              "http", "cpu_peer", "mixed_serve")
+              "http", "cpu_peer", "mixed_serve", "activations")
 # Results loaded beside them, written by a benchmark run with other options (see each Target's comment).
 EXTRA_RESULTS = ("mixed_serve_xenc",)
 

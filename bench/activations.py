@@ -106,7 +106,12 @@ def main(argv: list[str] | None = None) -> dict:
                     "new_tokens": args.new_tokens, "text_tokens": len(ref_lp), "chunk": args.chunk,
                     "loadavg": list(os.getloadavg()),
                     "transformers": {"perplexity": round(math.exp(-statistics.fmean(ref_lp)), 4)}, "settings": {}}
-    for setting in SETTINGS:
+    from kernels import quant
+
+    settings = SETTINGS if quant.int8_activations_available() else ("float32",)
+    if len(settings) < len(SETTINGS):
+        result["skipped"] = {"int8": f"this CPU's kernel path ({quant.kernel_path()}) has no AVX-512 VNNI"}
+    for setting in settings:
         run = tandem_pass(args.model, setting, args.threads, prompts, args.new_tokens, chunks)
         lp = run.pop("logprobs")
         run["vs_transformers"] = agreement(run.pop("tokens"), reference)
@@ -114,8 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
         run["max_abs_logprob_diff"] = round(max(abs(a - b) for a, b in zip(lp, ref_lp)), 6)
         run["perplexity"] = round(math.exp(-statistics.fmean(lp)), 4)
         result["settings"][setting] = run
-    f32, i8 = result["settings"]["float32"], result["settings"]["int8"]
-    result["int8_vs_float32_decode"] = round(i8["decode_tok_s"] / f32["decode_tok_s"], 3)
+    if "int8" in result["settings"]:
+        f32, i8 = result["settings"]["float32"], result["settings"]["int8"]
+        result["int8_vs_float32_decode"] = round(i8["decode_tok_s"] / f32["decode_tok_s"], 3)
     write_result(result, args.out)
     return result
 
