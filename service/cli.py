@@ -14,6 +14,10 @@ from pathlib import Path
 from clients import cli as client_cli
 from service import cluster  # no torch: it only starts `tandem serve` processes and HAProxy
 
+# Spins a libgomp worker makes before it sleeps (libgomp counts ~100,000 a millisecond): long enough to stay awake
+# between the parallel regions of one decode step, short enough to give the cores back between steps.
+OPENMP_SPINS = "30000"
+
 # (flag, type, default, help). The engine's own defaults apply where the default is None.
 _ENGINE_FLAGS = [
     ("--model", str, None, "a GGUF file (or a folder holding one) or a Hugging Face directory: Llama, Mistral, "
@@ -43,8 +47,8 @@ _ENGINE_FLAGS = [
                                        "pairs are chunked) and a little prefill; unset: --rerank-share splits the "
                                        "budget"),
     ("--num-threads", int, None, "CPU threads for torch and OpenMP (also --threads; default: torch's, one per "
-                                 "core). OpenMP threads sleep while idle (OMP_WAIT_POLICY=PASSIVE unless set); "
-                                 "nothing is pinned to cores"),
+                                 "core). Idle OpenMP threads sleep after a short spin (OMP_WAIT_POLICY=PASSIVE, "
+                                 f"GOMP_SPINCOUNT={OPENMP_SPINS}, unless set); nothing is pinned to cores"),
     ("--enforce-eager", "switch", None, "on CUDA, run decode steps eagerly instead of replaying captured CUDA "
                                         "graphs"),
 ]
@@ -174,9 +178,13 @@ def build_engine_config(args: argparse.Namespace):
 
 
 def threading_environment(num_threads: int | None, environ=os.environ) -> None:
-    """Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning (on a busy host
-    spinning workers made batch-1 steps ~20x slower), and --threads sets OpenMP's thread count too. A variable the
-    user set wins; nothing is pinned to cores."""
+    """Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning
+    (OMP_WAIT_POLICY=PASSIVE; spinning workers cost a busy host dearly), after a short spin (GOMP_SPINCOUNT) so a
+    worker is still awake for the next parallel region of the same step: woken from sleep it costs tens of
+    microseconds a region in a VM, and a batch-1 step has ~100 of them. --threads sets OpenMP's thread count too. A
+    variable the user set wins (an OMP_WAIT_POLICY of theirs gets no spin count of ours); nothing is pinned."""
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        environ["GOMP_SPINCOUNT"] = OPENMP_SPINS
     environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if num_threads:
         environ.setdefault("OMP_NUM_THREADS", str(num_threads))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from typing import Callable
 
 from service.bridge import EngineBridge
@@ -28,7 +29,7 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     from engine import LLMEngine  # torch only here, so client commands stay light
 
     try:
-        engine = await asyncio.to_thread(LLMEngine, engine_config)
+        engine = await _in_own_thread(LLMEngine, engine_config)
     except Exception as exc:  # noqa: BLE001 (said in one line by the CLI; the traceback at --log-level debug)
         raise StartupError(exc) from exc
     metrics = Metrics()
@@ -73,6 +74,36 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     await bridge.stop()
     await _stop_telemetry(http, tracing)
     return 0
+
+
+async def _in_own_thread(fn: Callable, *args):
+    """fn(*args) on a thread that ends when fn returns. Loading runs torch's OpenMP regions, and libgomp keeps a
+    pool of workers for every thread that starts one, until that thread exits: a loader thread of asyncio's
+    executor would keep its idle pool for the process's life beside the engine thread's, so OpenMP would count
+    more threads than cores and cut every wait to its throttled spin count (none under PASSIVE), making each
+    parallel region of a decode step wake a sleeping worker."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 (handed to the awaiting coroutine)
+            loop.call_soon_threadsafe(_settle, done, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, done, result, None)
+
+    thread = threading.Thread(target=run, name="tandem-load", daemon=True)
+    thread.start()
+    try:
+        return await done
+    finally:
+        await asyncio.to_thread(thread.join)
+
+
+def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+    if not future.done():
+        future.set_result(result) if exc is None else future.set_exception(exc)
 
 
 class StartupError(Exception):

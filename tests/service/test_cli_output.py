@@ -17,7 +17,7 @@ import pytest
 from clients.cli import EXCERPT_CHARS, excerpt, run
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
-from service.cli import build_engine_config, build_parser, threading_environment
+from service.cli import OPENMP_SPINS, build_engine_config, build_parser, threading_environment
 from service.metrics import Metrics
 from tests.service.conftest import CHAT, PROMPTS
 
@@ -179,10 +179,13 @@ def test_threads_flag_and_a_passive_openmp_wait_policy_unless_the_user_chose():
     assert args.num_threads == 3 and build_engine_config(args).num_threads == 3
     environ: dict[str, str] = {}
     threading_environment(3, environ)
-    assert environ == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "3"}
+    assert environ == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": OPENMP_SPINS, "OMP_NUM_THREADS": "3"}
     chosen = {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "8"}
     threading_environment(3, chosen)
-    assert chosen == {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "8"}
+    assert chosen == {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "8"}  # no spin count beside their policy
+    spins = {"GOMP_SPINCOUNT": "0"}
+    threading_environment(None, spins)
+    assert spins == {"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}
     unset: dict[str, str] = {}
     threading_environment(None, unset)
-    assert unset == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert unset == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": OPENMP_SPINS}
