@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from service.bridge import EngineBridge
@@ -81,29 +81,9 @@ async def _in_own_thread(fn: Callable, *args):
     pool of workers for every thread that starts one, until that thread exits: a loader thread of asyncio's
     executor would keep its idle pool for the process's life beside the engine thread's, so OpenMP would count
     more threads than cores and cut every wait to its throttled spin count (none under PASSIVE), making each
-    parallel region of a decode step wake a sleeping worker."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-
-    def run() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 (handed to the awaiting coroutine)
-            loop.call_soon_threadsafe(_settle, done, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, done, result, None)
-
-    thread = threading.Thread(target=run, name="tandem-load", daemon=True)
-    thread.start()
-    try:
-        return await done
-    finally:
-        await asyncio.to_thread(thread.join)
-
-
-def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
-    if not future.done():
-        future.set_result(result) if exc is None else future.set_exception(exc)
+    parallel region of a decode step wake a sleeping worker. Leaving the `with` joins the finished thread."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-load") as pool:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
 
 class StartupError(Exception):
