@@ -207,6 +207,25 @@ def fused_ops(x: torch.Tensor):
     return _module()
 
 
+def decode_layers(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, gelu: bool):
+    """An empty C++ layer walker (cpu/quant_matmul.cpp `DecodeLayers`: every layer of a small decode-only step in one
+    call, GIL released), or None when either C++ module is not built. Its attention is cpu/paged_decode.cpp's
+    `paged_decode_qkv`, handed over by address."""
+    from kernels import cpu_decode
+
+    module, attention = _module(), cpu_decode._module()
+    if module is None or attention is None:
+        return None
+    return module.DecodeLayers(num_heads, num_kv_heads, head_dim, eps, gelu, attention.paged_decode_qkv_capsule())
+
+
+def projection(parts: list[QuantWeight], bias: torch.Tensor | None = None):
+    """A walker's projection: the parts' output rows in order (each kept as stored), plus an optional float32 bias."""
+    module = _module()
+    return module.Projection([w.data for w in parts], [CPP_FORMATS[w.fmt] for w in parts],
+                             [w._scales() for w in parts], parts[0].shape[1], bias)
+
+
 def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
            activations: Activations = Activations.FLOAT32) -> torch.Tensor:
     """x [M, K] float32 @ dequantize(w).T -> [M, N] float32; `isa` overrides the process's CPU path (tests).

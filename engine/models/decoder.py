@@ -348,9 +348,10 @@ class DecoderForCausalLM(nn.Module):
         if a.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.ops: TorchOps = TorchOps()
+        self.walker = None  # the C++ layer walker of small decode steps (`layer_walker`), when the model has one
 
-    def use_ops(self, ops: TorchOps) -> "DecoderForCausalLM":
-        self.ops = ops
+    def use_ops(self, ops: TorchOps, walker=None) -> "DecoderForCausalLM":
+        self.ops, self.walker = ops, walker
         return self
 
     def forward(self, input_ids, positions, kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -368,6 +369,10 @@ class DecoderForCausalLM(nn.Module):
         # Decided once for all layers: backend, decode-only or mixed, which slots to write.
         paged = kernels.plan_step(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, h,
                                   kv_caches)
+        if self.walker is not None and paged.backend == "cpp" and paged.decode_only and T <= quant.small_m(
+                quant.cpu_isa()):  # a few sequences decoding: every layer in one C++ call
+            return self.walker.forward(h, residual, kv_caches, [c for c, _ in tables], [s for _, s in tables],
+                                       paged.slot_mapping, paged.block_tables, paged.seq_lens, int(quant.cpu_isa()))
         keys, values = kv_caches.unbind(1)  # [layers, blocks, ...] each: two views here, not two per layer
         for i, (layer, k_cache, v_cache) in enumerate(zip(layers, keys.unbind(0), values.unbind(0))):
             attn = layer.self_attn
@@ -514,7 +519,47 @@ def build_decoder(args: DecoderArgs, weights: dict[str, Weight], device: str = "
                          f"unexpected {unexpected[:5]}")
     model.ropes = nn.ModuleList(RopeTable(s, args.max_position_embeddings) for s in args.ropes)
     model = model.to(device).eval()
-    return model.use_ops(select_ops(device, dtype))
+    ops = select_ops(device, dtype)
+    return model.use_ops(ops, layer_walker(model) if isinstance(ops, FusedOps) else None)
+
+
+def layer_walker(model: DecoderForCausalLM):
+    """The C++ walker of this model's layers (kernels/quant.py `decode_layers`), or None where it does not apply:
+    TANDEM_LAYER_WALKER=0 (A/B runs), the C++ modules not built, or a projection that is not float32-activation
+    blocks in a C++ format (dense weights, `--cpu-activations int8`, F16 / BF16 tensors)."""
+    if os.environ.get("TANDEM_LAYER_WALKER", "1") == "0":
+        return None
+    a = model.args
+    walker = quant.decode_layers(a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps,
+                                 a.activation is Activation.GELU_TANH)
+    if walker is None:
+        return None
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [_walker_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(p is None for p in projections):
+            return None
+        weight = lambda norm: None if norm is None else norm.weight  # noqa: E731
+        next_norm = layers[i + 1].attn_norm if i + 1 < len(layers) else model.model.norm
+        walker.add_layer(*projections, weight(attn.q_norm), weight(attn.k_norm), weight(layer.attn_post_norm),
+                         layer.mlp_norm.weight, weight(layer.mlp_post_norm), next_norm.weight, attn.scale,
+                         attn.window, attn.softcap, attn.rope)
+    return walker
+
+
+def _walker_projection(module: nn.Module):
+    """A walker projection of a QuantizedLinear or a ConcatLinear of them (float32 activations, C++ formats)."""
+    parts = list(module.parts) if isinstance(module, ConcatLinear) else [module]
+    if not all(isinstance(p, QuantizedLinear) and p.activations is quant.Activations.FLOAT32
+               and p.qweight.fmt in quant.CPP_FORMATS for p in parts):
+        return None
+    biases = [p.bias for p in parts]
+    bias = None
+    if any(b is not None for b in biases):  # a part without one adds zeros
+        bias = torch.cat([b.detach() if b is not None else torch.zeros(p.out_features)
+                          for b, p in zip(biases, parts)]).float().contiguous()
+    return quant.projection([p.qweight for p in parts], bias)
 
 
 def _linear_from(weight: torch.Tensor) -> nn.Linear:

@@ -186,4 +186,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
   m.def("write_kv_cache", &write_kv_cache, "K/V rows into their cache slots (CPU, float32)");
   m.def("paged_decode_qkv", &paged_decode_qkv, "write K/V, then decode attention, of one layer (CPU, float32)");
+  // paged_decode_qkv's address, for the quantized-matmul module's layer walker (DecodeLayers) to call without Python
+  m.def("paged_decode_qkv_capsule", [] {
+    return pybind11::capsule(reinterpret_cast<void*>(&paged_decode_qkv), "tandem.paged_decode_qkv");
+  });
 }

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -767,18 +768,13 @@ void dequant_row_isa(int64_t isa, int64_t fmt, const uint8_t* row, float scale, 
 
 }  // namespace
 
-// x [M, K] float32, w: blocks [N, row bytes] uint8 or int8 [N, K]; scales [N] float32 for I8 (else ignored); isa: the
-// CPU path (Isa) to compute with.
-torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales,
-                           int64_t isa) {
-  check(w, fmt, K, scales, isa);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
-              "quant_matmul: x must be float32 [M, K]");
-  x = x.contiguous();
-  const int64_t M = x.size(0), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+namespace {
+
+// y[m, ldy-strided row][0, N) = x[M, K] @ dequantize(w).T: the small-M kernel writing into a slice of a wider output
+// (the parts of a projection whose weights are stored in different formats fill their own columns).
+void matmul_into(const float* xp, int64_t M, int64_t K, const torch::Tensor& w, int64_t fmt,
+                 const torch::Tensor& scales, int64_t isa, float* yp, int64_t ldy) {
+  const int64_t N = w.size(0);
   if (!in_registers(isa, fmt)) {  // each row dequantized once into a per-thread buffer, then M dot products
 #pragma omp parallel num_threads(threads_for_bytes(w.numel() * w.element_size() * M))
     {
@@ -792,11 +788,11 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_
           float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
           for (int64_t k = 0; k < K; ++k) acc += wr[k] * xm[k];
-          yp[m * N + n] = acc;
+          yp[m * ldy + n] = acc;
         }
       }
     }
-    return y;
+    return;
   }
   // Output rows in contiguous chunks per thread: each thread streams its own slice of the weights once.
 #pragma omp parallel for num_threads(threads_for_bytes(w.numel() * w.element_size() * M)) schedule(static)
@@ -804,15 +800,30 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_
     const uint8_t* row = row_ptr(w, n);
     const float s = scale_of(scales, fmt, n);
     int64_t m = 0;
-    for (; m + 8 <= M; m += 8) row_isa<8>(isa, fmt, row, s, xp + m * K, K, yp + m * N + n, N);
-    for (; m + 4 <= M; m += 4) row_isa<4>(isa, fmt, row, s, xp + m * K, K, yp + m * N + n, N);
+    for (; m + 8 <= M; m += 8) row_isa<8>(isa, fmt, row, s, xp + m * K, K, yp + m * ldy + n, ldy);
+    for (; m + 4 <= M; m += 4) row_isa<4>(isa, fmt, row, s, xp + m * K, K, yp + m * ldy + n, ldy);
     switch (M - m) {
-      case 3: row_isa<3>(isa, fmt, row, s, xp + m * K, K, yp + m * N + n, N); break;
-      case 2: row_isa<2>(isa, fmt, row, s, xp + m * K, K, yp + m * N + n, N); break;
-      case 1: row_isa<1>(isa, fmt, row, s, xp + m * K, K, yp + m * N + n, N); break;
+      case 3: row_isa<3>(isa, fmt, row, s, xp + m * K, K, yp + m * ldy + n, ldy); break;
+      case 2: row_isa<2>(isa, fmt, row, s, xp + m * K, K, yp + m * ldy + n, ldy); break;
+      case 1: row_isa<1>(isa, fmt, row, s, xp + m * K, K, yp + m * ldy + n, ldy); break;
       default: break;
     }
   }
+}
+
+}  // namespace
+
+// x [M, K] float32, w: blocks [N, row bytes] uint8 or int8 [N, K]; scales [N] float32 for I8 (else ignored); isa: the
+// CPU path (Isa) to compute with.
+torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales,
+                           int64_t isa) {
+  check(w, fmt, K, scales, isa);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
+              "quant_matmul: x must be float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  matmul_into(x.data_ptr<float>(), M, K, w, fmt, scales, isa, y.data_ptr<float>(), N);
   return y;
 }
 
@@ -973,7 +984,181 @@ void rotary_(torch::Tensor qkv, int64_t num_rotated_heads, torch::Tensor cos, to
     }
 }
 
+// ---- a small decode step's layers in one call ----------------------------------------------------------------
+// For a decode-only step of a few sequences, Python per layer (module lookups, argument parsing, a dozen calls) cost
+// as much as the small ops themselves. `DecodeLayers` holds every layer's weights and settings once, at load, and
+// `forward` walks the layers in C++, calling the same functions the Python layer loop calls (the projections'
+// small-M kernel, add_rms_norm, rotary_, silu_mul or torch's tanh GELU, the paged decode attention), so the values
+// are those of the loop, bit for bit.
+
+namespace py = pybind11;
+
+// The attention of one layer of a decode-only step (kernels/cpu/paged_decode.cpp's `paged_decode_qkv`, another
+// extension module): handed over once as a PyCapsule holding its address.
+using AttendFn = torch::Tensor (*)(torch::Tensor, int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                                   torch::Tensor, double, int64_t, double);
+constexpr const char* ATTEND_CAPSULE = "tandem.paged_decode_qkv";
+
+// One projection: its output columns are the parts' rows in order (a fused q/k/v or gate/up whose parts share a
+// format is one part), plus an optional bias.
+struct Projection {
+  std::vector<torch::Tensor> data, scales;
+  std::vector<int64_t> fmts;
+  int64_t K = 0, N = 0;
+  torch::Tensor bias;  // undefined: none
+
+  Projection(std::vector<torch::Tensor> data_, std::vector<int64_t> fmts_, std::vector<torch::Tensor> scales_,
+             int64_t K_, std::optional<torch::Tensor> bias_)
+      : data(std::move(data_)), scales(std::move(scales_)), fmts(std::move(fmts_)), K(K_) {
+    TORCH_CHECK(!data.empty() && data.size() == fmts.size() && data.size() == scales.size(),
+                "Projection: one format and one scales tensor per part");
+    for (size_t i = 0; i < data.size(); ++i) {
+      check(data[i], fmts[i], K, scales[i], PORTABLE);
+      N += data[i].size(0);
+    }
+    if (bias_.has_value()) {
+      bias = bias_->contiguous();
+      TORCH_CHECK(bias.scalar_type() == torch::kFloat32 && bias.numel() == N, "Projection: float32 bias of N");
+    }
+  }
+
+  // x [M, K] -> [M, N]
+  torch::Tensor operator()(const torch::Tensor& x, int64_t isa) const {
+    TORCH_CHECK(x.is_contiguous() && x.size(1) == K, "Projection: contiguous [M, K] input");
+    const int64_t M = x.size(0);
+    auto y = torch::empty({M, N}, x.options());
+    float* yp = y.data_ptr<float>();
+    int64_t col = 0;
+    for (size_t i = 0; i < data.size(); ++i) {
+      matmul_into(x.data_ptr<float>(), M, K, data[i], fmts[i], scales[i], isa, yp + col, N);
+      col += data[i].size(0);
+    }
+    if (bias.defined()) {
+      const float* b = bias.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) yp[m * N + n] += b[n];
+    }
+    return y;
+  }
+};
+
+struct Layer {
+  Projection qkv, o, gate_up, down;
+  // norm weights as the layer multiplies by them; undefined: the model has none there
+  torch::Tensor q_norm, k_norm, attn_post_norm, mlp_norm, mlp_post_norm, next_norm;
+  double scale, softcap;
+  int64_t window, rope;
+};
+
+namespace {
+torch::Tensor weight_or_none(const std::optional<torch::Tensor>& w) {
+  if (!w.has_value()) return torch::Tensor();
+  TORCH_CHECK(w->scalar_type() == torch::kFloat32 && w->is_contiguous() && w->dim() == 1,
+              "DecodeLayers: norm weights must be contiguous float32 vectors");
+  return *w;
+}
+
+// RMSNorm of each row of `rows` rows x D floats, `stride` floats apart, in place.
+void rms_rows_(float* p, int64_t rows, int64_t stride, int64_t D, const torch::Tensor& weight, float eps) {
+  TORCH_CHECK(weight.numel() == D, "DecodeLayers: norm weight size");
+  for (int64_t r = 0; r < rows; ++r) rms_row(p + r * stride, weight.data_ptr<float>(), eps, D, p + r * stride);
+}
+}  // namespace
+
+class DecodeLayers {
+ public:
+  DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, bool gelu,
+               const py::capsule& attend)
+      : nq_(num_heads), nkv_(num_kv_heads), D_(head_dim), eps_(static_cast<float>(eps)), gelu_(gelu) {
+    TORCH_CHECK(attend.name() != nullptr && std::string(attend.name()) == ATTEND_CAPSULE,
+                "DecodeLayers: the attention must be a ", ATTEND_CAPSULE, " capsule");
+    attend_ = reinterpret_cast<AttendFn>(attend.get_pointer());
+  }
+
+  void add_layer(Projection qkv, Projection o, Projection gate_up, Projection down,
+                 std::optional<torch::Tensor> q_norm, std::optional<torch::Tensor> k_norm,
+                 std::optional<torch::Tensor> attn_post_norm, torch::Tensor mlp_norm,
+                 std::optional<torch::Tensor> mlp_post_norm, torch::Tensor next_norm, double scale, int64_t window,
+                 double softcap, int64_t rope) {
+    TORCH_CHECK(qkv.N == (nq_ + 2 * nkv_) * D_ && o.K == nq_ * D_ && gate_up.N % 2 == 0 && down.K == gate_up.N / 2 &&
+                    o.N == qkv.K && gate_up.K == qkv.K && down.N == qkv.K,
+                "DecodeLayers: projection shapes do not fit the heads");
+    layers_.push_back(Layer{std::move(qkv), std::move(o), std::move(gate_up), std::move(down), weight_or_none(q_norm),
+                            weight_or_none(k_norm), weight_or_none(attn_post_norm), weight_or_none(mlp_norm),
+                            weight_or_none(mlp_post_norm), weight_or_none(next_norm), scale, softcap, window, rope});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // h: layer 0's normed input [T, hidden]; residual [T, hidden], updated in place; kv_caches [layers, 2, blocks,
+  // block, Hkv, D]; cos / sin: one [T, D] table per rope; the paged inputs of a decode-only step (one token per
+  // sequence). Returns the final norm's output [T, hidden], as the Python layer loop does.
+  torch::Tensor forward(torch::Tensor h, torch::Tensor residual, torch::Tensor kv_caches,
+                        std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin, torch::Tensor slot_mapping,
+                        torch::Tensor block_tables, torch::Tensor seq_lens, int64_t isa) const {
+    TORCH_CHECK(h.scalar_type() == torch::kFloat32 && h.dim() == 2 && h.is_contiguous(),
+                "DecodeLayers: h must be contiguous float32 [T, hidden]");
+    TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == num_layers() && kv_caches.size(1) == 2,
+                "DecodeLayers: kv_caches must be [layers, 2, blocks, block, Hkv, D]");
+    TORCH_CHECK(cos.size() == sin.size(), "DecodeLayers: one sin table per cos table");
+    TORCH_CHECK(isa >= PORTABLE && isa <= best_isa(), "DecodeLayers: CPU path ", isa, " is not in this build");
+    const int64_t T = h.size(0), H = nq_ + 2 * nkv_;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& L = layers_[i];
+      TORCH_CHECK(L.rope >= 0 && L.rope < static_cast<int64_t>(cos.size()), "DecodeLayers: no rope table ", L.rope);
+      auto qkv = L.qkv(h, isa).view({T, H, D_});
+      float* qp = qkv.data_ptr<float>();
+      if (L.q_norm.defined()) {
+        for (int64_t t = 0; t < T; ++t) {
+          rms_rows_(qp + t * H * D_, nq_, D_, D_, L.q_norm, eps_);
+          rms_rows_(qp + (t * H + nq_) * D_, nkv_, D_, D_, L.k_norm, eps_);
+        }
+      }
+      rotary_(qkv, nq_ + nkv_, cos[L.rope], sin[L.rope]);
+      auto cache = kv_caches.select(0, static_cast<int64_t>(i));
+      auto attn = attend_(qkv, nq_, cache.select(0, 0), cache.select(0, 1), slot_mapping, block_tables, seq_lens,
+                          L.scale, L.window, L.softcap);
+      auto o = L.o(attn.view({T, nq_ * D_}), isa);
+      if (L.attn_post_norm.defined()) rms_rows_(o.data_ptr<float>(), T, o.size(1), o.size(1), L.attn_post_norm, eps_);
+      h = add_rms_norm(o, residual, L.mlp_norm, eps_);
+      auto gate_up = L.gate_up(h, isa);
+      const int64_t I = L.gate_up.N / 2;
+      torch::Tensor act;
+      if (gelu_) {  // torch's own tanh GELU, as TorchOps.act_mul computes it
+        act = at::gelu(gate_up.slice(1, 0, I), "tanh") * gate_up.slice(1, I, 2 * I);
+      } else {
+        act = silu_mul(gate_up);
+      }
+      auto m = L.down(act.contiguous(), isa);
+      if (L.mlp_post_norm.defined()) rms_rows_(m.data_ptr<float>(), T, m.size(1), m.size(1), L.mlp_post_norm, eps_);
+      h = add_rms_norm(m, residual, L.next_norm, eps_);
+    }
+    return h;
+  }
+
+ private:
+  int64_t nq_, nkv_, D_;
+  float eps_;
+  bool gelu_;
+  AttendFn attend_ = nullptr;
+  std::vector<Layer> layers_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Projection>(m, "Projection", "a projection's weight parts as stored, their formats, K and a bias")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>, int64_t,
+                    std::optional<torch::Tensor>>())
+      .def_readonly("N", &Projection::N)
+      .def("__call__", [](const Projection& p, torch::Tensor x, int64_t isa) {
+        TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "Projection: x must be float32 [M, K]");
+        TORCH_CHECK(isa >= PORTABLE && isa <= best_isa(), "Projection: CPU path ", isa, " is not in this build");
+        return p(x.contiguous(), isa);
+      });
+  py::class_<DecodeLayers>(m, "DecodeLayers", "every layer of a small decode step in one call")
+      .def(py::init<int64_t, int64_t, int64_t, double, bool, const py::capsule&>())
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("num_layers", &DecodeLayers::num_layers)
+      .def("forward", &DecodeLayers::forward, py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual) * weight");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rotary_", &rotary_, "rotate-half RoPE of q and k in place");

@@ -144,3 +144,29 @@ def test_int8_activations_are_one_setting_away_and_stay_close_to_float32(llm, pr
             moved.append(abs(got.logprobs[i][got.token_ids[i]] - ref.logprobs[i][ref.token_ids[i]]))
     assert moved and max(moved) < 0.5 and max(moved) > 0
     assert_no_leaks(int8)
+
+
+def test_small_decode_steps_of_the_embedded_model_walk_its_layers_in_one_call(llm, prompts, hf_greedy) -> None:
+    """Issue #28 item 3: the embedded model's decode steps of up to small_m sequences run every layer in one C++ call
+    (GIL released), still token-identical to transformers; steps of more sequences, prefill and mixed steps keep the
+    Python layer loop. Dense weights and int8 activations have no walker."""
+    from tests.models.test_tiny_decoders import _CountingWalker
+
+    model = llm.engine.model
+    inner = model.walker
+    assert inner is not None and inner.num_layers() == model.args.num_layers
+    counter = model.walker = _CountingWalker(inner)
+    steps: list = []
+    llm.engine.add_observer(steps.append)
+    try:
+        outs = llm.generate(prompts[:4], GREEDY_32)
+    finally:
+        model.walker = inner
+        llm.engine.remove_observer(steps.append)
+    assert [o.token_ids for o in outs] == hf_greedy[:4]
+    decode_only = [s for s in steps if s.prefill_tokens == 0 and s.rerank_tokens == 0
+                   and 0 < s.decode_tokens <= quant.small_m(quant.cpu_isa())]
+    assert decode_only and counter.calls == len(decode_only)
+    assert make_llm(quantization="none").engine.model.walker is None
+    if quant.int8_activations_available():
+        assert make_llm(cpu_activations="int8").engine.model.walker is None

@@ -257,3 +257,41 @@ def test_int8_activations_leave_other_formats_on_float32() -> None:
     w = make("Q6_K", 37, 512)
     x = torch.randn(2, 512)
     assert torch.equal(quant.matmul(x, w, activations=quant.Activations.INT8), quant.matmul(x, w))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda isa: isa.label)
+def test_a_walker_projection_is_its_parts_side_by_side_plus_the_bias(isa) -> None:
+    """The layer walker's projection (cpu/quant_matmul.cpp `Projection`): parts stored in different formats (a q/k/v
+    whose parts could not be fused, as in Gemma 3's file) fill their own columns of one output, bit for bit what
+    `matmul` gives each part, then the bias is added."""
+    parts = [make("Q4_K", 40, 256, seed=1), make("Q5_0", 24, 256, seed=2), make("Q8_0", 24, 256, seed=3)]
+    bias = torch.randn(88)
+    x = torch.randn(3, 256)
+    got = quant.projection(parts, bias)(x, int(isa))
+    expected = torch.cat([quant.matmul(x, w, isa=isa) for w in parts], dim=1) + bias
+    assert torch.equal(got, expected)
+    assert torch.equal(quant.projection(parts[:1])(x, int(isa)), quant.matmul(x, parts[0], isa=isa))
+
+
+def test_the_walker_refuses_what_does_not_fit() -> None:
+    with pytest.raises(RuntimeError, match="float32 bias of N"):
+        quant.projection([make("Q8_0", 8, 64)], torch.zeros(7))
+    with pytest.raises(RuntimeError, match="contiguous \\[M, K\\] input"):
+        quant.projection([make("Q8_0", 8, 64)])(torch.zeros(2, 32), int(quant.cpu_isa()))
+    walker = quant.decode_layers(num_heads=2, num_kv_heads=1, head_dim=16, eps=1e-6, gelu=False)
+    assert walker is not None and walker.num_layers() == 0
+    qkv, o = quant.projection([make("Q8_0", 64, 32)]), quant.projection([make("Q8_0", 32, 32)])
+    up, down = quant.projection([make("Q8_0", 128, 32)]), quant.projection([make("Q8_0", 32, 64)])
+    norm = torch.ones(32)
+    with pytest.raises(RuntimeError, match="do not fit the heads"):  # q/k/v needs (2 + 2 * 1) heads of 16 = 64 rows
+        walker.add_layer(o, o, up, down, None, None, None, norm, None, norm, 0.25, 0, 0.0, 0)
+    walker.add_layer(qkv, o, up, down, None, None, None, norm, None, norm, 0.25, 0, 0.0, 0)
+    assert walker.num_layers() == 1
+    with pytest.raises(RuntimeError, match="kv_caches must be"):  # a cache for two layers
+        walker.forward(torch.zeros(1, 32), torch.zeros(1, 32), torch.zeros(2, 2, 4, 16, 1, 16), [torch.zeros(1, 16)],
+                       [torch.zeros(1, 16)], torch.zeros(1, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int32),
+                       torch.ones(1, dtype=torch.int32), int(quant.cpu_isa()))
+    import datetime  # its C API is a PyCapsule of another name
+
+    with pytest.raises(RuntimeError, match="must be a tandem.paged_decode_qkv capsule"):
+        quant._module().DecodeLayers(2, 1, 16, 1e-6, False, datetime.datetime_CAPI)

@@ -13,6 +13,7 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.models.decoder import FusedOps
+from kernels import quant
 from engine.models.loader import default_model_dir
 from tests.engine.test_hf_parity import _ragged_logits
 
@@ -24,7 +25,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 
 
 def _config(case: str):
-    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     if case.startswith("llama3"):
         return LlamaConfig(**BASE, head_dim=24, rope_parameters={**LLAMA3, "rope_theta": 500000.0})
@@ -43,6 +44,8 @@ def _config(case: str):
                                              "sliding_attention"])
     if case == "qwen3":
         return Qwen3Config(**BASE, head_dim=32)
+    if case == "qwen2":  # q/k/v biases
+        return Qwen2Config(**BASE)
     raise AssertionError(case)
 
 
@@ -52,11 +55,12 @@ def _hf_model(case: str, directory):
     torch.manual_seed(7)
     config = _config(case)
     config.architectures = [{"llama": "LlamaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                             "gemma3_text": "Gemma3ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[config.model_type]]
+                             "gemma3_text": "Gemma3ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                             "qwen2": "Qwen2ForCausalLM"}[config.model_type]]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():  # random norms and biases too, so (1 + w) and the q/k norms matter
+    with torch.no_grad():  # random norms and biases too, so (1 + w), the q/k norms and the biases matter
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 p.normal_(0.0, 0.3)
     model.save_pretrained(directory, max_shard_size="2MB" if case == "llama3-sharded" else "1GB")
     AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(directory)
@@ -100,3 +104,39 @@ def test_logits_match_transformers(case: str, tmp_path, monkeypatch) -> None:
         ref = hf(torch.tensor([full])).logits[0].log_softmax(-1)
     for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         assert abs(lp[token] - ref[len(ids) - 1 + i, token].item()) <= 1e-4, (case, i)
+
+
+class _CountingWalker:
+    """The model's C++ layer walker, counting the steps it walked."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.inner.forward(*args)
+
+
+@pytest.mark.skipif(not quant.available(), reason="the C++ kernels did not build here")
+@pytest.mark.parametrize("case", ["llama3", "gemma2", "gemma3", "qwen3", "qwen2"])
+def test_small_decode_steps_walk_the_layers_in_one_call_with_the_loops_values(case: str, tmp_path,
+                                                                               monkeypatch) -> None:
+    """Issue #28 item 3: on quantized weights (int8 here: blocks the walker multiplies), a decode step of a few
+    sequences runs every layer in one C++ call (kernels/quant.py `decode_layers`). Each family's features (Gemma's
+    sandwich norms, GELU, soft-caps and windows, q/k norms, Qwen2's biases) go through it, and every sampled token
+    and log-probability is bit-identical to the Python layer loop's (TANDEM_LAYER_WALKER=0)."""
+    _hf_model(case, tmp_path)
+    config = EngineConfig(model=str(tmp_path), num_kv_blocks=64, quantization="int8")
+    walked = LLM(config)
+    monkeypatch.setenv("TANDEM_LAYER_WALKER", "0")
+    looped = LLM(config)
+    assert walked.engine.model.walker is not None and looped.engine.model.walker is None
+    counter = walked.engine.model.walker = _CountingWalker(walked.engine.model.walker)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (40, 25, 9)]  # past the 16-token window
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    ours, theirs = walked.generate(prompts, params), looped.generate(prompts, params)
+    assert counter.calls >= 11  # every decode step after the prefill
+    for a, b in zip(ours, theirs):
+        assert a.token_ids == b.token_ids
+        assert [lp[t] for lp, t in zip(a.logprobs, a.token_ids)] == [lp[t] for lp, t in zip(b.logprobs, b.token_ids)]
