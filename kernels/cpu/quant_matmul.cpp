@@ -38,6 +38,13 @@
 
 namespace {
 
+// The weights of a small-M step stream from memory once, in order, faster than the hardware prefetcher alone keeps
+// up with when the compute per byte is small (Q8_0): each block's kernel asks for the bytes PREFETCH_BYTES further
+// on. 4 KB measured best on the 2-core AVX-512 host (Gemma 3's 178 MB Q8_0 LM head: 12.2 -> 6.4 ms, 2 threads; 2 KB
+// and 8 KB were 7.4 and 8.3 ms).
+constexpr int64_t PREFETCH_BYTES = 4096;
+inline void prefetch_ahead(const uint8_t* p) { __builtin_prefetch(p + PREFETCH_BYTES, 0, 3); }
+
 enum Fmt : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, I8 = 3, Q5_0 = 4, Q5_1 = 5, Q4_K = 6, Q5_K = 7, Q6_K = 8 };
 
 inline float fp16_to_fp32(const uint8_t* p) {
@@ -260,6 +267,7 @@ inline void row_blocks(const uint8_t* row, const float* x, int64_t ldx, int64_t 
   for (int m = 0; m < MT; ++m)
     for (int a = 0; a < NA; ++a) acc[m][a] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
+    prefetch_ahead(row + b * BB);
     __m256 w[4];
     dequant_block<FMT>(row + b * BB, w);
     const float* xb = x + b * 32;
@@ -494,6 +502,7 @@ inline void row512(const uint8_t* row, const float* x, int64_t ldx, int64_t K, f
   for (int m = 0; m < MT; ++m)
     for (int a = 0; a < NA; ++a) acc[m][a] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / BE; ++b) {
+    prefetch_ahead(row + b * BB);
     const Block512<FMT> blk(row + b * BB);
     for (int g = 0; g < Block512<FMT>::G; ++g) {
       __m512 w[2];
@@ -641,6 +650,7 @@ inline void row_q8(const uint8_t* row, const QuantizedRows& xq, int64_t m0, int6
   const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t p = 0; p < xq.pairs; ++p) {
     const int64_t b = 2 * p;
+    prefetch_ahead(row + b * BB);
     float d[2], c[2];
     const __m512i w = pair_u8<FMT>(row + b * BB, b + 1 < nb ? row + (b + 1) * BB : nullptr, d, c);
     const __m512 dw = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_setr_ps(d[0], d[1], 0.f, 0.f)));

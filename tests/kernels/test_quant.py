@@ -109,6 +109,18 @@ def test_every_cpu_path_dequantizes_bit_identically_and_multiplies_within_roundo
         assert_within_roundoff(quant.matmul(x, w, isa=isa), x, dense)
 
 
+@pytest.mark.parametrize("isa", ISAS, ids=lambda isa: isa.label)
+@pytest.mark.parametrize("fmt", list(quant.CPP_FORMATS))
+def test_one_row_of_x_gets_the_same_bits_as_that_row_among_others(fmt: str, isa) -> None:
+    """Batch 1 and batch 2 take the same arithmetic per row (two accumulators, one reduction), so a chat's tokens do
+    not change when a second sequence joins its decode step."""
+    k = shape_for(fmt)[1]
+    for n in (37, 40, 3):
+        w = make(fmt, n, k, seed=n)
+        x = torch.randn(2, k, generator=torch.Generator().manual_seed(n))
+        assert torch.equal(quant.matmul(x[:1], w, isa=isa), quant.matmul(x, w, isa=isa)[:1])
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantization_is_bit_identical_to_ggufs(fmt: str) -> None:
     w = make(fmt, *shape_for(fmt))
