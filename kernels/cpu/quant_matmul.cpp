@@ -394,7 +394,8 @@ struct Block512<Q8_0> {
   }
 };
 
-// Q5_0 / Q5_1: the fifth bits are one little-endian uint32, bit i for weight i: a lane mask adds 16.
+// Q5_0 / Q5_1: the fifth bits are one little-endian uint32, bit i for weight i: a byte mask adds 16 to the nibbles
+// before they are widened. Q5_0's d * (v - 16) is one fms, d * v - 16 d: exact, as the product is (16 bits).
 template <int64_t FMT>
 struct Block512Q5 {
   static constexpr int G = 1;
@@ -403,12 +404,12 @@ struct Block512Q5 {
   __m512 d, m;
   explicit Block512Q5(const uint8_t* blk)
       : q(blk + (FMT == Q5_1 ? 8 : 6)), qh(load_u32(blk + (FMT == Q5_1 ? 4 : 2))),
-        d(_mm512_set1_ps(fp16_to_fp32(blk))), m(_mm512_set1_ps(FMT == Q5_1 ? fp16_to_fp32(blk + 2) : 0.f)) {}
+        d(_mm512_set1_ps(fp16_to_fp32(blk))),
+        m(_mm512_set1_ps(FMT == Q5_1 ? fp16_to_fp32(blk + 2) : 16.f * fp16_to_fp32(blk))) {}
   inline __m512 half(__m128i nibbles, __mmask16 high) const {
-    __m512i v = _mm512_cvtepu8_epi32(nibbles);
-    v = _mm512_mask_add_epi32(v, high, v, _mm512_set1_epi32(16));
-    if constexpr (FMT == Q5_0) return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(16))));
-    return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(v), m);
+    const __m512 v = u8x16_to_ps(_mm_mask_add_epi8(nibbles, high, nibbles, _mm_set1_epi8(16)));
+    if constexpr (FMT == Q5_0) return _mm512_fmsub_ps(d, v, m);
+    return _mm512_fmadd_ps(d, v, m);
   }
   inline void group(int, __m512 w[2]) const {
     const __m128i bytes = load16(q), m4 = _mm_set1_epi8(0x0f);
@@ -442,14 +443,14 @@ struct Block512K {
       dm[j] = dmin * mn;
     }
   }
-  inline __m512 half(const uint8_t* bytes, int g, int h) const {
-    __m512i v = _mm512_cvtepu8_epi32(load16(bytes + 16 * h));
-    v = _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(4 * (g & 1))), _mm512_set1_epi32(15));
+  inline __m512 half(const uint8_t* bytes, int g, int h) const {  // the bits picked as bytes, then widened once
+    const __m128i b = load16(bytes + 16 * h);
+    __m128i v = _mm_and_si128(g & 1 ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(0x0f));
     if constexpr (FMT == Q5_K) {
       const __mmask16 high = _mm_test_epi8_mask(load16(qh + 16 * h), _mm_set1_epi8(static_cast<char>(1 << g)));
-      v = _mm512_mask_add_epi32(v, high, v, _mm512_set1_epi32(16));
+      v = _mm_mask_add_epi8(v, high, v, _mm_set1_epi8(16));
     }
-    return _mm512_fmsub_ps(_mm512_set1_ps(dd[g]), _mm512_cvtepi32_ps(v), _mm512_set1_ps(dm[g]));
+    return _mm512_fmsub_ps(_mm512_set1_ps(dd[g]), u8x16_to_ps(v), _mm512_set1_ps(dm[g]));
   }
   inline void group(int g, __m512 w[2]) const {
     const uint8_t* bytes = qs + (g / 2) * 32;
@@ -482,13 +483,11 @@ struct Block512<Q6_K> {
     const uint8_t* lo_bytes = ql + (j / 4) * 64 + (j % 2) * 32;
     const uint8_t* hi_bytes = qh + (j / 4) * 32;
     const __m128i lo_shift = _mm_cvtsi32_si128(4 * ((j / 2) % 2)), hi_shift = _mm_cvtsi32_si128(2 * (j % 4));
-    for (int h = 0; h < 2; ++h) {
-      const __m512i lo = _mm512_and_si512(_mm512_srl_epi32(_mm512_cvtepu8_epi32(load16(lo_bytes + 16 * h)), lo_shift),
-                                          _mm512_set1_epi32(15));
-      const __m512i hi = _mm512_and_si512(_mm512_srl_epi32(_mm512_cvtepu8_epi32(load16(hi_bytes + 16 * h)), hi_shift),
-                                          _mm512_set1_epi32(3));
-      const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
-      w[h] = _mm512_mul_ps(_mm512_set1_ps(ds[j * 2 + h]), _mm512_cvtepi32_ps(q));
+    for (int h = 0; h < 2; ++h) {  // the six bits put together as bytes (q - 32 as int8), then widened once
+      const __m128i lo = _mm_and_si128(_mm_srl_epi16(load16(lo_bytes + 16 * h), lo_shift), _mm_set1_epi8(0x0f));
+      const __m128i hi = _mm_and_si128(_mm_srl_epi16(load16(hi_bytes + 16 * h), hi_shift), _mm_set1_epi8(3));
+      const __m128i q = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
+      w[h] = _mm512_mul_ps(_mm512_set1_ps(ds[j * 2 + h]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
     }
   }
 };
