@@ -133,7 +133,10 @@ class Scheduler:
         if continuing:  # chunked prefill of prompts already running, as much as the policy lets them take
             chunk_budget = min(step.budget, self.policy.prefill_budget(step, continuing))
             step.budget -= chunk_budget - self._schedule_prefill_chunks(batch, chunk_budget)
-        if not (self.static and self.running):
+        # A step that had to preempt admits nobody (vLLM does the same): the sequences it just queued again would
+        # otherwise be re-admitted at once, onto the prefix-cached blocks they just gave back, and run in the very
+        # step that preempted them.
+        if not (self.static and self.running) and not batch.preempted:
             self.policy.admit(step)
         return batch
 

@@ -387,6 +387,20 @@ def test_preemption_recompute_uses_prefix_cache_and_without_cache_recomputes_all
         sim.run()
 
 
+
+def test_a_step_that_preempts_admits_nobody_so_the_victim_is_not_rerun_at_once():
+    """Hypothesis found it (tiny pool, one-token blocks, prefix caching): r1 was preempted for r0's decode and, its
+    prompt blocks still in the prefix cache, re-admitted and scheduled in that same step."""
+    sim = Sim(num_blocks=11, block_size=1, budget=6, max_seqs=2, aging=1, prefix_caching=True)
+    sim.add("r0", [0] * 5, max_tokens=3)
+    r1 = sim.add("r1", [0] * 5, max_tokens=2)
+    batch = step_until(sim, lambda: sim.preempted)  # _check_batch: no sequence both preempted and scheduled
+    assert [s.request_id for s in batch.preempted] == ["r1"] and not any(s is r1 for s in batch.seqs)
+    resumed = sim.step()  # the next step takes it back, its prompt from the cache
+    assert any(s is r1 for s in resumed.seqs) and resumed.num_cached_tokens > 0
+    sim.run()
+    assert sorted(sim.finished_order) == ["r0", "r1"]
+
 # ---- admission order -----------------------------------------------------------------------------------
 
 
