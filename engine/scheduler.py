@@ -4,9 +4,10 @@ Order: running decodes (one token each), then chunked-prefill continuations of p
 policy gives out: prompt admissions and rerank tokens (pairs the LLM scores continue in chunks, exactly like prompts,
 before new pairs are admitted; a cross-encoder pair runs whole). A sequence's whole prompt (a pair's whole text)
 gets its blocks at admission, so only decodes grow; a decode that finds no free block
-preempts the lowest-priority, newest running sequence (recomputed later). A sequence that shares another's
-prompt (`Sequence.blocked`: rerank pairs after their job's first, completions 1..n-1 after completion 0) is admitted
-once that one has computed it, and then takes its full blocks from the prefix cache or as a fork.
+preempts the lowest-priority, newest running sequence (recomputed later; that step admits nobody). A sequence
+that shares another's prompt (`Sequence.blocked`: rerank pairs after their job's first, completions 1..n-1 after
+completion 0) is admitted once that one has computed it, and then takes its full blocks from the prefix cache or as
+a fork.
 """
 from __future__ import annotations
 
