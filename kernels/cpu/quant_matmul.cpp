@@ -715,10 +715,14 @@ int64_t best_isa() {
 #endif
 }
 
+void check_isa(int64_t isa, const char* who) {
+  TORCH_CHECK(isa >= PORTABLE && isa <= best_isa(), who, ": CPU path ", isa, " is not in this build (best: ",
+              best_isa(), ")");
+}
+
 void check(const torch::Tensor& w, int64_t fmt, int64_t K, const torch::Tensor& scales, int64_t isa) {
   TORCH_CHECK(fmt >= Q4_0 && fmt <= Q6_K, "quant_matmul: unknown format ", fmt);
-  TORCH_CHECK(isa >= PORTABLE && isa <= best_isa(), "quant_matmul: CPU path ", isa, " is not in this build (best: ",
-              best_isa(), ")");
+  check_isa(isa, "quant_matmul");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "quant_matmul: weights must be a contiguous 2-d tensor");
   if (fmt == I8) {
     TORCH_CHECK(w.scalar_type() == torch::kInt8 && w.size(1) == K, "quant_matmul: int8 weights [N, K]");
@@ -1110,7 +1114,7 @@ class DecodeLayers {
     TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == num_layers() && kv_caches.size(1) == 2,
                 "DecodeLayers: kv_caches must be [layers, 2, blocks, block, Hkv, D]");
     TORCH_CHECK(cos.size() == sin.size(), "DecodeLayers: one sin table per cos table");
-    TORCH_CHECK(isa >= PORTABLE && isa <= best_isa(), "DecodeLayers: CPU path ", isa, " is not in this build");
+    check_isa(isa, "DecodeLayers");
     const int64_t T = h.size(0), H = nq_ + 2 * nkv_;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
@@ -1160,7 +1164,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("N", &Projection::N)
       .def("__call__", [](const Projection& p, torch::Tensor x, int64_t isa) {
         TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "Projection: x must be float32 [M, K]");
-        TORCH_CHECK(isa >= PORTABLE && isa <= best_isa(), "Projection: CPU path ", isa, " is not in this build");
+        check_isa(isa, "Projection");
         return p(x.contiguous(), isa);
       });
   py::class_<DecodeLayers>(m, "DecodeLayers", "every layer of a small decode step in one call")
