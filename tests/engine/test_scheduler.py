@@ -387,7 +387,6 @@ def test_preemption_recompute_uses_prefix_cache_and_without_cache_recomputes_all
         sim.run()
 
 
-
 def test_a_step_that_preempts_admits_nobody_so_the_victim_is_not_rerun_at_once():
     """Hypothesis found it (tiny pool, one-token blocks, prefix caching): r1 was preempted for r0's decode and, its
     prompt blocks still in the prefix cache, re-admitted and scheduled in that same step."""
@@ -400,6 +399,7 @@ def test_a_step_that_preempts_admits_nobody_so_the_victim_is_not_rerun_at_once()
     assert any(s is r1 for s in resumed.seqs) and resumed.num_cached_tokens > 0
     sim.run()
     assert sorted(sim.finished_order) == ["r0", "r1"]
+
 
 # ---- admission order -----------------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.models.decoder import FusedOps
-from kernels import quant
 from engine.models.loader import default_model_dir
+from kernels import quant
 from tests.engine.test_hf_parity import _ragged_logits
 
 VOCAB = 49152  # the embedded SmolLM2 tokenizer's, saved beside each model
