@@ -40,15 +40,29 @@ class SequenceStatus(enum.IntEnum):
         return self >= SequenceStatus.FINISHED_STOPPED
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> "FinishReason | None":
         return _FINISH_REASONS.get(self)
 
 
+class FinishReason(str, enum.Enum):
+    """Why a completion (or a rerank job) ended; a str, so it still reads and compares as "stop" / "length" / ...
+    Each door maps it once to its own vocabulary (the proto enum, OpenAI's finish_reason)."""
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
 _FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-    SequenceStatus.FINISHED_ERROR: "error",
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    SequenceStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
