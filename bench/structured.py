@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from bench.report import parse_bench_args, rotated, write_result
-from service.http.tokens import gpt2_byte_decoder  # the one copy of GPT-2's byte alphabet
+from service.tokens import gpt2_byte_decoder  # the one copy of GPT-2's byte alphabet
 from engine.structured import apply_bitmask, choice_regex
 
 

@@ -90,6 +90,11 @@ class LLMEngine:
     def chat_token_ids(self, messages: list[dict]) -> list[int]:
         return self.intake.chat_token_ids(messages)
 
+    def prompt_token_ids(self, prompt: str | list[int] | None, messages: list[dict] | None = None) -> list[int]:
+        """A prompt's (or chat's) token ids, checked: reads the tokenizer only, so another thread may call it while
+        this one steps (the service tokenizes there, then adds the ids). Raises ValueError naming the field."""
+        return self.intake.prompt_token_ids(prompt, messages)
+
     def _grammar_compiler(self) -> "GrammarCompiler":
         if self.grammar_compiler is None:
             from engine.structured import GrammarCompiler
@@ -159,6 +164,7 @@ class LLMEngine:
             # The most tokens one rerank pair may have (template, query and document), and what sets it.
             "rerank_max_pair_tokens": self.intake.rerank_limit()[0],
             "rerank_limit_by": self.intake.rerank_limit()[1],
+            "vocab_size": self.model_args.vocab_size,  # what clients need for token ids and logit_bias
         }
 
     # ---- the step ------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ class RequestIntake:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
-        token_ids = self._prompt_token_ids(prompt, messages)
+        token_ids = self.prompt_token_ids(prompt, messages)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
@@ -161,7 +161,7 @@ class RequestIntake:
             ids = ids["input_ids"]
         return list(ids)
 
-    def _prompt_token_ids(self, prompt, messages) -> list[int]:
+    def prompt_token_ids(self, prompt, messages) -> list[int]:
         if messages is not None:
             if prompt is not None:
                 raise ValueError("give either prompt or messages, not both")

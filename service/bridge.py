@@ -3,15 +3,16 @@
 The engine is synchronous and not thread-safe, so exactly one thread (started
 here) ever changes it. The loop side submits requests and aborts as commands on
 a thread-safe queue, one dataclass per command (AddGeneration, AddRerank, Abort,
-Call, Stop); the engine thread applies them between steps, runs `step()`, and
+Query, Stop); the engine thread applies them between steps, runs `step()`, and
 hands each step's outputs back with one `loop.call_soon_threadsafe`. Nothing
 here blocks the loop.
 
-Commands pass through an intake thread first, in order: it tokenizes rerank
-requests (`LLMEngine.prepare_rerank`, which reads the tokenizer and touches no
-engine state) so that rendering and tokenizing 40 documents (~50 ms on a CPU)
-happens while the engine steps, not between two steps that running chats wait
-for (measured by bench/mixed_serve.py as `tandem_step_gap_seconds`).
+Commands pass through an intake thread first, in order: it tokenizes every
+request (`LLMEngine.prompt_token_ids` for a prompt or chat, `prepare_rerank` for
+a rerank job; both read the tokenizer and touch no engine state) so that
+rendering and tokenizing (40 documents: ~50 ms on a CPU) happens while the engine
+steps, never on the engine thread between two steps that running chats wait for
+(measured by bench/mixed_serve.py as `tandem_step_gap_seconds`).
 
 A generation with n > 1 sends the outputs of all its completions (StepOutput.index) to its sink; only the one
 with finished=True ends it, and an abort stops all n.
@@ -28,7 +29,8 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import grpc
@@ -66,6 +68,7 @@ class AddGeneration:
     params: "SamplingParams"
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
+    prepared: Any = None  # set by the intake thread: the prompt's token ids, or the ValueError that refused it
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +87,9 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
-class Call:
-    """Run fn(engine) between steps; its result (or exception) resolves future on the loop."""
-    fn: Callable[["LLMEngine"], Any]
+class Query:
+    """Ask the engine between steps (its stats or model info); the answer (or exception) resolves future."""
+    kind: "QueryKind"
     future: asyncio.Future
 
 
@@ -95,7 +98,7 @@ class Stop:
     """End the engine thread after the commands taken with this one."""
 
 
-Command = AddGeneration | AddRerank | Abort | Call | Stop
+Command = AddGeneration | AddRerank | Abort | Query | Stop
 
 
 class EngineBridge:
@@ -157,16 +160,19 @@ class EngineBridge:
         """Return once no admitted request is live."""
         await self._idle.wait()
 
-    async def call(self, fn: Callable[["LLMEngine"], Any]) -> Any:
-        """Run fn(engine) on the engine thread between steps and return its result."""
+    async def _query(self, kind: "QueryKind") -> Any:
         future = self._loop.create_future()
-        self._intake.put(Call(fn, future))
+        self._intake.put(Query(kind, future))
         return await future
 
     async def stats(self) -> dict:
-        """The engine's stats plus the bridge's own counts."""
-        stats = await self.call(lambda engine: engine.stats())
+        """The engine's stats (read on the engine thread between steps) plus the bridge's own counts."""
+        stats = await self._query(QueryKind.STATS)
         return {**stats, "bridge_live": self.num_live, "bridge_waiting": self.num_waiting}
+
+    async def model_info(self) -> dict:
+        """The engine's model_info(), read on the engine thread between steps."""
+        return await self._query(QueryKind.MODEL_INFO)
 
     # ---- requests (loop side) --------------------------------------------------------------------
 
@@ -229,16 +235,19 @@ class EngineBridge:
     # ---- the engine thread -----------------------------------------------------------------------
 
     def _run_intake(self) -> None:
-        """Forward every command to the engine thread in order, tokenizing rerank requests on the way."""
-        prepare = getattr(self.engine, "prepare_rerank", None)
+        """Forward every command to the engine thread in order, tokenizing requests on the way."""
+        engine = self.engine
         while True:
             command = self._intake.get()
-            if isinstance(command, AddRerank) and prepare is not None:
-                try:
-                    job = prepare(command.request_id, command.query, command.documents, command.params)
-                except Exception as exc:  # refused (ValueError) or a bug: the engine thread fails the request
-                    job = exc
-                command = AddRerank(command.request_id, command.query, command.documents, command.params, job)
+            try:
+                match command:
+                    case AddGeneration():
+                        command = replace(command, prepared=engine.prompt_token_ids(command.prompt, command.messages))
+                    case AddRerank():
+                        command = replace(command, prepared=engine.prepare_rerank(
+                            command.request_id, command.query, command.documents, command.params))
+            except Exception as exc:  # refused (ValueError) or a bug: the engine thread fails the request
+                command = replace(command, prepared=exc)
             self._commands.put(command)
             if isinstance(command, Stop):
                 return
@@ -284,14 +293,17 @@ class EngineBridge:
         match command:
             case AddGeneration():
                 self._add(command.request_id, failures, lambda: engine.add_request(
-                    command.request_id, command.prompt, command.params, messages=command.messages))
+                    command.request_id, _prepared(command), command.params))
             case AddRerank():
-                self._add(command.request_id, failures, lambda: _add_rerank(engine, command))
+                self._add(command.request_id, failures, lambda: engine.add_rerank(
+                    command.request_id, command.query, command.documents, command.params,
+                    prepared=_prepared(command)))
             case Abort():
                 engine.abort(command.request_id)
-            case Call():
+            case Query():
                 try:
-                    result, error = command.fn(engine), None
+                    result = engine.stats() if command.kind is QueryKind.STATS else engine.model_info()
+                    error = None
                 except Exception as exc:
                     result, error = None, exc
                 self._post(_resolve, command.future, result, error)
@@ -405,23 +417,22 @@ class EngineBridge:
 
     def _emit(self, name: str, arg) -> None:
         for hooks in self.hooks:
-            fn = getattr(hooks, name, None)
-            if fn is None:
-                continue
             try:
-                fn(arg)
+                getattr(hooks, name)(arg)
             except Exception:
                 log.exception("lifecycle hook %s raised", name)
 
 
-def _add_rerank(engine: "LLMEngine", command: AddRerank) -> None:
+def _prepared(command: AddGeneration | AddRerank) -> Any:
+    """What the intake thread made of the command (token ids, a RerankJob), or the refusal it met, raised."""
     if isinstance(command.prepared, Exception):
         raise command.prepared
-    if command.prepared is not None:
-        engine.add_rerank(command.request_id, command.query, command.documents, command.params,
-                          prepared=command.prepared)
-    else:
-        engine.add_rerank(command.request_id, command.query, command.documents, command.params)
+    return command.prepared
+
+
+class QueryKind(Enum):
+    STATS = "stats"
+    MODEL_INFO = "model_info"
 
 
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

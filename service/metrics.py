@@ -62,7 +62,7 @@ class Metrics(Hooks):
                                   ["kind"], registry=r)
         self.rerank_pairs = Counter("tandem_rerank_pairs", "Rerank pairs scored", registry=r)
         self.preemptions = Counter("tandem_preemptions", "Sequences preempted for recompute", registry=r)
-        # door: "grpc" or "http", the front door the request came through (service/submit.py callers name it)
+        # door: "grpc" or "http", the front door the request came through (each door names it in the request metadata)
         self.requests = Counter("tandem_requests", "Finished requests", ["kind", "finish_reason", "door"],
                                 registry=r)
 

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from service.bridge import EngineBridge
+from service.core import CoreAPI
 from service.lifecycle import LifecycleHooks
 from service.metrics import Metrics
 from service.server import ServerConfig, TandemServer
@@ -38,9 +39,10 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     tracing = TracingHooks(provider) if provider is not None else None
     hooks = (*hooks, metrics) + ((tracing,) if tracing else ())
     bridge = EngineBridge(engine, max_waiting=max_waiting, hooks=hooks)
-    server = TandemServer(bridge, server_config)
-    http = _serve_metrics(metrics, server_config.host, metrics_port, lambda: server.serving)
     bridge.start()
+    core = await CoreAPI.load(bridge, server_config.limits())
+    server = TandemServer(core, server_config)
+    http = _serve_metrics(metrics, server_config.host, metrics_port, lambda: server.serving)
     try:
         address = await server.start()
     except OSError as exc:
@@ -48,7 +50,7 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
         await bridge.stop()
         await _stop_telemetry(http, tracing)
         return 1
-    door = await _serve_http(bridge, server_config, server, metrics)
+    door = await _serve_http(core, server_config, server, metrics)
     ready(address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -94,13 +96,13 @@ class StartupError(Exception):
         self.cause = cause
 
 
-async def _serve_http(bridge: EngineBridge, config: ServerConfig, server: TandemServer, metrics: Metrics):
+async def _serve_http(core: CoreAPI, config: ServerConfig, server: TandemServer, metrics: Metrics):
     """Start the HTTP door on the same loop and bridge; a busy port costs the HTTP door, never gRPC."""
     if config.http_port is None:
         return None
     from service.http.server import HttpServer  # starlette and uvicorn only when HTTP is on
 
-    door = HttpServer(bridge, config, config.http_port, serving=lambda: server.serving, registry=metrics.registry)
+    door = HttpServer(core, config, config.http_port, serving=lambda: server.serving, registry=metrics.registry)
     try:
         await door.start()
     except OSError as exc:

@@ -1,4 +1,9 @@
-"""The tandem.v1.Tandem servicer: turns RPCs into bridge submissions and engine outputs into messages."""
+"""The gRPC door: tandem.v1.Tandem RPCs to core API calls, protobuf converted here and nowhere else.
+
+Generate and RerankStream multiplex many requests on one stream (a `StreamSession`: client id -> live request,
+and a bounded outbox of messages); each admitted request is pumped from the core API into the session by a task
+of its own. Rerank and ModelInfo are unary.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -8,14 +13,14 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
-from engine.config import MAX_LOGPROBS, MAX_N
+from engine.config import RerankParams, SamplingParams, StructuredOutputsParams
+from engine.outputs import Logprobs, StepOutput
+from engine.request import FinishReason
 from proto import tandem_pb2 as pb
-from service.bridge import EngineBridge
-from service.catalog import Catalog
+from service.core import CoreAPI, GenerateEvent, GenerateInput, RerankInput, RerankOutcome, Usage, json_schema
 from service.errors import ServiceError, invalid
 from service.handlers import Unparseable
 from service.session import StreamSession
-from service.submit import Limits, Submitter, generate_error
 
 _FORWARDED_METADATA = ("traceparent", "tracestate", "x-tandem-prefix")
 
@@ -47,17 +52,11 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
 
 
 class TandemServicer:
-    def __init__(self, bridge: EngineBridge, *, replica: str, limits: Limits) -> None:
-        self.bridge = bridge
+    def __init__(self, core: CoreAPI, *, replica: str) -> None:
+        self.core = core
         self.replica = replica
-        self.limits = limits
-        self.catalog = Catalog()
-        self.submitter = Submitter(bridge, self.catalog, limits)
         self._streams = itertools.count()
-
-    async def load_model_info(self) -> None:
-        self.catalog = await Catalog.load(self.bridge)
-        self.submitter = Submitter(self.bridge, self.catalog, self.limits)
+        self._tasks: set[asyncio.Task] = set()  # per-request pumps, held until done
 
     # ---- Generate --------------------------------------------------------------------------------
 
@@ -74,36 +73,84 @@ class TandemServicer:
         elif kind == "cancel":
             self._cancel(session, message.cancel.request_id)
         else:
-            session.send(generate_error("", invalid("empty client message: set request or cancel")))
+            session.send(_generate_error("", invalid("empty client message: set request or cancel")))
 
     def _start_generate(self, session: StreamSession, req: pb.GenerateRequest, meta: dict) -> None:
-        self.submitter.start_generate(session, req, meta)
+        client_id = req.request_id
+        try:
+            _check_new_id(session, client_id)
+            stream = self.core.generate([generate_input(req)], meta)
+        except ServiceError as exc:
+            session.send(_generate_error(client_id, exc))
+            return
+        session.live[client_id] = stream.abort
+        self._spawn(self._pump_generate(session, client_id, stream))
 
-    def _cancel(self, session: StreamSession, client_id: str) -> None:
-        self.submitter.cancel(session, client_id)
+    @staticmethod
+    async def _pump_generate(session: StreamSession, client_id: str, stream: AsyncIterator[GenerateEvent]) -> None:
+        async for event in stream:
+            if event.error is not None:
+                session.send(_generate_error(client_id, event.error))
+            else:
+                session.send(generate_message(client_id, event.output, event.usage))
+        session.finished(client_id)
+
+    @staticmethod
+    def _cancel(session: StreamSession, client_id: str) -> None:
+        abort = session.live.get(client_id)
+        if abort is None:
+            session.send(_generate_error(client_id, ServiceError(
+                grpc.StatusCode.NOT_FOUND,
+                f"cancel: no live request {client_id!r} on this stream (it finished already or never started)")))
+            return
+        abort()
 
     # ---- Rerank ----------------------------------------------------------------------------------
 
     @_statuses
     async def Rerank(self, request: Any, context: grpc.aio.ServicerContext) -> pb.RerankResponse:
-        return await self.submitter.rerank(_parsed(request), _metadata(context))
+        req = _parsed(request)
+        return rerank_response(await self.core.rerank(rerank_input(req), _metadata(context)))
 
     @_statuses
     async def RerankStream(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
         await self._serve_stream("rerank", request_iterator, context, self._start_rerank)
 
     def _start_rerank(self, session: StreamSession, req: pb.RerankRequest, meta: dict) -> None:
-        self.submitter.start_rerank(session, req, meta)
+        client_id = req.request_id
+        try:
+            _check_new_id(session, client_id)
+            inp = rerank_input(req)
+        except ServiceError as exc:
+            session.send(pb.RerankStreamResponse(request_id=client_id, error=_request_error(exc)))
+            return
+        task = self._spawn(self._pump_rerank(session, inp, meta))
+        session.live[client_id] = task.cancel
+
+    async def _pump_rerank(self, session: StreamSession, inp: RerankInput, meta: dict) -> None:
+        try:
+            response = rerank_response(await self.core.rerank(inp, meta))
+            session.send(pb.RerankStreamResponse(request_id=inp.request_id, response=response))
+        except ServiceError as exc:
+            session.send(pb.RerankStreamResponse(request_id=inp.request_id, error=_request_error(exc)))
+        finally:
+            session.finished(inp.request_id)
 
     # ---- streams (Generate, RerankStream) --------------------------------------------------------
 
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     async def _serve_stream(self, kind: str, requests: AsyncIterator, context: grpc.aio.ServicerContext,
                             on_message: Callable[[StreamSession, Any, dict], None]) -> None:
-        """One bidirectional stream: a reader task hands each client message to `on_message` (which submits
-        to the engine and sends through the session) while this writes the session's messages; when the
-        writing ends (input done and answered, the stream failed, the client left) the reader stops and the
-        stream's live requests are aborted."""
-        session = self.submitter.new_session()
+        """One bidirectional stream: a reader task hands each client message to `on_message` (which admits it
+        through the core API) while this writes the session's messages; when the writing ends (input done and
+        answered, the stream failed, the client left) the reader stops and the stream's live requests are
+        aborted."""
+        session = StreamSession(self.core.limits.max_stream_buffer_bytes)
         meta = {**_metadata(context), "stream": f"{kind}-{next(self._streams)}"}
         reader = asyncio.create_task(self._read_stream(requests, session, meta, on_message))
         try:
@@ -111,8 +158,7 @@ class TandemServicer:
                 await context.write(message)
         finally:
             reader.cancel()
-            for engine_id in session.engine_ids():
-                self.bridge.abort(engine_id)
+            session.abort_all()
 
     @staticmethod
     async def _read_stream(requests: AsyncIterator, session: StreamSession, meta: dict,
@@ -131,17 +177,130 @@ class TandemServicer:
     @_statuses
     async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
         _parsed(request)
-        info = self.catalog.info
+        info = self.core.info
         return pb.ModelInfoResponse(
-            model=info.get("model", ""), served_names=self.catalog.names,
-            architecture=info.get("architecture", ""), max_model_len=info.get("max_model_len", 0),
-            block_size=info.get("block_size", 0), kv_blocks_total=info.get("kv_blocks_total", 0),
-            reranker=info.get("reranker", ""), rerank_mode=info.get("rerank_mode", ""),
-            device=info.get("device", ""), dtype=info.get("dtype", ""),
-            replica=self.replica, weight_format=info.get("weight_format", ""),
-            weight_bytes=info.get("weight_bytes", 0), vocab_size=info.get("vocab_size", 0),
-            rerank_max_pair_tokens=info.get("rerank_max_pair_tokens", 0),
-            rerank_limit_by=info.get("rerank_limit_by", ""), cpu_kernels=info.get("cpu_kernels", ""),
-            limits=pb.Limits(max_waiting=self.bridge.max_waiting, max_documents=self.limits.max_documents,
-                             max_message_bytes=self.limits.max_message_bytes, max_n=MAX_N,
-                             max_logprobs=MAX_LOGPROBS))
+            model=info.model, served_names=list(info.served_names), architecture=info.architecture,
+            max_model_len=info.max_model_len, block_size=info.block_size, kv_blocks_total=info.kv_blocks_total,
+            reranker=info.reranker, rerank_mode=info.rerank_mode, device=info.device, dtype=info.dtype,
+            replica=self.replica, weight_format=info.weight_format, weight_bytes=info.weight_bytes,
+            vocab_size=info.vocab_size, rerank_max_pair_tokens=info.rerank_max_pair_tokens,
+            rerank_limit_by=info.rerank_limit_by, cpu_kernels=info.cpu_kernels,
+            limits=pb.Limits(max_waiting=info.max_waiting, max_documents=info.max_documents,
+                             max_message_bytes=info.max_message_bytes, max_n=info.max_n,
+                             max_logprobs=info.max_logprobs))
+
+
+def _check_new_id(session: StreamSession, client_id: str) -> None:
+    """Ids are given and unique among a stream's unfinished requests (a stream is this door's own idea)."""
+    if not client_id:
+        raise invalid("request_id must be a non-empty string")
+    if client_id in session.live:
+        raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                           f"request_id {client_id!r} is already live on this stream; ids must be unique "
+                           "among a stream's unfinished requests (the earlier request goes on)")
+
+
+# ---- protobuf in -----------------------------------------------------------------------------------
+
+# Fields with presence: unset takes the engine's default, so 0 can be refused where it is not a valid value.
+_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "logprobs", "prompt_logprobs",
+                      "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "min_tokens")
+
+
+def generate_input(req: pb.GenerateRequest) -> GenerateInput:
+    which = req.WhichOneof("input")
+    prompt: str | list[int] | None = None
+    messages = None
+    if which == "prompt":
+        prompt = req.prompt
+    elif which == "token_ids":
+        prompt = list(req.token_ids.ids)
+    elif which == "messages":
+        messages = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+    return GenerateInput(req.request_id, sampling_params(req.params), prompt=prompt, messages=messages,
+                         model=req.model, timeout_ms=req.timeout_ms)
+
+
+def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
+    """The engine's SamplingParams; whatever it refuses is INVALID_ARGUMENT with its message (naming the field)."""
+    kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING if msg.HasField(name)}
+    try:
+        return SamplingParams(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
+                              ignore_eos=msg.ignore_eos, priority=msg.priority,
+                              logit_bias=dict(msg.logit_bias) or None,
+                              structured_outputs=_structured_outputs(msg), **kwargs)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+
+
+def _structured_outputs(msg: pb.SamplingParams) -> StructuredOutputsParams | None:
+    """The response_format oneof; a json_schema that is not a JSON object is refused here, before the engine."""
+    which = msg.WhichOneof("response_format")
+    if which == "json_schema":
+        return StructuredOutputsParams(json=json_schema(msg.json_schema, "response_format.json_schema"))
+    if which == "regex":
+        return StructuredOutputsParams(regex=msg.regex)
+    if which == "choice":
+        return StructuredOutputsParams(choice=list(msg.choice.choices))
+    return None
+
+
+def rerank_input(req: pb.RerankRequest) -> RerankInput:
+    try:
+        params = RerankParams(top_n=req.top_n if req.HasField("top_n") else None,
+                              truncate="none" if req.truncate == pb.TRUNCATE_NONE else "end",
+                              return_documents=req.return_documents,
+                              instruction=req.instruction if req.HasField("instruction") else None,
+                              priority=req.priority)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+    return RerankInput(req.request_id, req.query, list(req.documents), params, model=req.model)
+
+
+# ---- protobuf out ----------------------------------------------------------------------------------
+
+_FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+           FinishReason.ABORT: pb.FINISH_REASON_ABORT}
+
+
+def _usage(usage: Usage) -> pb.Usage:
+    return pb.Usage(prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+                    completion_tokens=usage.completion_tokens, time_to_first_token_s=usage.time_to_first_token_s,
+                    duration_s=usage.duration_s)
+
+
+def generate_message(client_id: str, out: StepOutput, usage: Usage | None) -> pb.GenerateServerMessage:
+    """A delta, or the final message when `out` ends the request (with n > 1: the last completion to end)."""
+    fields = dict(text=out.text, token_ids=out.new_token_ids, index=out.index,
+                  finish_reason=_FINISH.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+                  logprobs=[_token_logprobs(lp, token) for lp, token in zip(out.logprobs or (), out.new_token_ids)],
+                  prompt_logprobs=[_token_logprobs(lp) for lp in out.prompt_logprobs or ()])
+    if not out.finished:
+        return pb.GenerateServerMessage(request_id=client_id, delta=pb.TokenDelta(**fields))
+    return pb.GenerateServerMessage(request_id=client_id, final=pb.GenerateFinal(**fields, usage=_usage(usage)))
+
+
+def _token_logprobs(logprobs: Logprobs | None, chosen: int | None = None) -> pb.TokenLogprobs:
+    """One position: the chosen token first (for a prompt position, the engine's first entry), then the others,
+    most likely first. None (the first prompt token) is an empty entry."""
+    if not logprobs:
+        return pb.TokenLogprobs()
+    if chosen is None:
+        chosen = next(iter(logprobs))
+    first = [chosen] if chosen in logprobs else []
+    rest = sorted((t for t in logprobs if t != chosen), key=lambda t: -logprobs[t])
+    return pb.TokenLogprobs(entries=[pb.TokenLogprob(token_id=t, logprob=logprobs[t]) for t in first + rest])
+
+
+def _request_error(error: ServiceError) -> pb.RequestError:
+    return pb.RequestError(code=error.code.value[0], message=error.message)  # the google.rpc.Code number
+
+
+def _generate_error(client_id: str, error: ServiceError) -> pb.GenerateServerMessage:
+    return pb.GenerateServerMessage(request_id=client_id, error=_request_error(error))
+
+
+def rerank_response(outcome: RerankOutcome) -> pb.RerankResponse:
+    results = [pb.RerankResult(index=r.index, score=r.score, document=r.document, document_tokens=r.document_tokens,
+                               truncated=r.truncated) for r in outcome.results]
+    return pb.RerankResponse(request_id=outcome.request_id, results=results, usage=_usage(outcome.usage))

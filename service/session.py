@@ -7,11 +7,10 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
+from service.core import DEFAULT_MAX_BUFFER_BYTES
 from service.errors import ServiceError
-from service.lifecycle import RequestLifecycle
 
 _END = object()
-DEFAULT_MAX_BUFFER_BYTES = 16 * 2**20
 _MESSAGE_OVERHEAD = 64  # bytes counted per queued message on top of its serialized size (the Python object)
 
 
@@ -31,20 +30,18 @@ class StreamSession:
     messages queued and not yet taken by the stream exceed `max_buffer_bytes`
     (serialized size, plus a small per-message overhead; one message always
     fits), the stream fails with RESOURCE_EXHAUSTED: what was queued is dropped,
-    every live request on the stream is aborted (`abort(engine_id)`, its KV
-    blocks freed), and the client gets that status as soon as it reads again
+    every live request on the stream is aborted (its `live` abort, freeing its
+    KV blocks), and the client gets that status as soon as it reads again
     (or its stream is cancelled if it went away). Other streams are untouched.
     """
 
-    def __init__(self, max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
-                 abort: Callable[[str], None] | None = None) -> None:
+    def __init__(self, max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES) -> None:
         if max_buffer_bytes < 1:
             raise ValueError(f"max_buffer_bytes must be >= 1, got {max_buffer_bytes}")
-        self.live: dict[str, RequestLifecycle] = {}
+        self.live: dict[str, Callable[[], None]] = {}  # client id -> what stops that request (once)
         self.max_buffer_bytes = max_buffer_bytes
         self.buffered_bytes = 0
         self.overflowed = False
-        self._abort = abort
         self._aborted: set[str] = set()
         self._outbox: deque = deque()  # (item, size)
         self._wakeup = asyncio.Event()
@@ -64,6 +61,7 @@ class StreamSession:
     def finished(self, client_id: str) -> None:
         """The request sent its last message."""
         self.live.pop(client_id, None)
+        self._aborted.discard(client_id)
         self._maybe_end()
 
     def end_of_input(self) -> None:
@@ -74,8 +72,10 @@ class StreamSession:
     def fail(self, error: BaseException) -> None:
         self._put(_Failure(error), 0)
 
-    def engine_ids(self) -> list[str]:
-        return [lc.engine_id for lc in self.live.values()]
+    def abort_all(self) -> None:
+        """Stop every live request on the stream (the client went away or the stream ended)."""
+        for client_id in list(self.live):
+            self._abort_request(client_id)
 
     async def messages(self) -> AsyncIterator[Any]:
         """Messages to write, in order, until the stream is done; re-raises a reader failure."""
@@ -110,10 +110,10 @@ class StreamSession:
             self._abort_request(client_id)
 
     def _abort_request(self, client_id: str | None) -> None:
-        lc = self.live.get(client_id)
-        if lc is not None and self._abort is not None and lc.engine_id not in self._aborted:
-            self._aborted.add(lc.engine_id)
-            self._abort(lc.engine_id)
+        abort = self.live.get(client_id)
+        if abort is not None and client_id not in self._aborted:
+            self._aborted.add(client_id)
+            abort()
 
     def _maybe_end(self) -> None:
         if self._input_done and not self.live and not self._ended:

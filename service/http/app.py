@@ -1,5 +1,5 @@
-"""The HTTP routes (Starlette): each request is parsed with pydantic, turned into a tandem.v1 request and
-admitted through service/submit.py, the code the gRPC servicer runs; answers come back in each API's shape.
+"""The HTTP door (Starlette): each request is parsed with pydantic into the core API's inputs (service/core.py, the
+API the gRPC door calls too); its outputs come back in each API's shape. No protobuf here.
 
 | Route                        | Shape   | Scope (gRPC method) |
 |------------------------------|---------|---------------------|
@@ -13,6 +13,7 @@ admitted through service/submit.py, the code the gRPC servicer runs; answers com
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -26,16 +27,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from proto import tandem_pb2 as pb
 from service.auth import TokenTable
-from service.catalog import Catalog
+from service.core import CoreAPI, GenerateEvent, GenerateInput, GenerationStream, RerankInput, RerankOutcome
 from service.errors import ServiceError
 from service.http import openai_schema, rerank_schema
 from service.http.errors import HttpError, Shape
 from service.http.openai_output import Completion
-from service.http.tokens import TokenTexts
-from service.session import StreamSession
-from service.submit import Submitter
 
 log = logging.getLogger("tandem.http")
 _FORWARDED_HEADERS = ("traceparent", "tracestate", "x-tandem-prefix")
@@ -52,10 +49,8 @@ class _Gone(Exception):
 
 @dataclass(slots=True)
 class Door:
-    """What the routes need: the shared submitter and catalog, token texts, limits, auth, health, metrics."""
-    submitter: Submitter
-    catalog: Catalog
-    tokens: TokenTexts
+    """What the routes need: the core API, limits, auth, health, metrics."""
+    core: CoreAPI
     max_body_bytes: int
     tokens_table: TokenTable | None
     serving: Callable[[], bool]
@@ -134,81 +129,61 @@ def _error(exc: HttpError, shape: Shape) -> Response:
 async def _chat(door: Door, request: Request) -> Response:
     door.authorize(request, "Generate")
     body = openai_schema.parse(openai_schema.ChatRequest, await request.body())
-    requests = body.to_requests(default_max_tokens=int(door.catalog.info.get("max_model_len", 2048)))
+    inputs = body.to_inputs(default_max_tokens=door.core.info.max_model_len or 2048)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    return await _generate(door, request, body, requests, Completion(
-        chat=True, model=_name(door, body.model), n=body.n or 1, tokens=door.tokens, top_logprobs=top,
-        include_usage=bool(body.stream_options and body.stream_options.include_usage)))
+    return await _generate(door, request, body, inputs, Completion(
+        chat=True, model=door.core.model_name(body.model), n=body.n or 1, tokens=door.core.token_texts,
+        top_logprobs=top, include_usage=bool(body.stream_options and body.stream_options.include_usage)))
 
 
 async def _completions(door: Door, request: Request) -> Response:
     door.authorize(request, "Generate")
     body = openai_schema.parse(openai_schema.CompletionRequest, await request.body())
-    requests = body.to_requests(default_max_tokens=16)  # OpenAI's default for /v1/completions
-    return await _generate(door, request, body, requests, Completion(
-        chat=False, model=_name(door, body.model), n=body.n or 1, tokens=door.tokens, top_logprobs=body.logprobs,
-        include_usage=bool(body.stream_options and body.stream_options.include_usage)))
+    inputs = body.to_inputs(default_max_tokens=16)  # OpenAI's default for /v1/completions
+    return await _generate(door, request, body, inputs, Completion(
+        chat=False, model=door.core.model_name(body.model), n=body.n or 1, tokens=door.core.token_texts,
+        top_logprobs=body.logprobs, include_usage=bool(body.stream_options and body.stream_options.include_usage)))
 
 
-def _name(door: Door, model: str) -> str:
-    return model or str(door.catalog.info.get("model", ""))
-
-
-async def _generate(door: Door, request: Request, body, requests: list[pb.GenerateRequest],
-                    out: Completion) -> Response:
+async def _generate(door: Door, request: Request, body, inputs: list[GenerateInput], out: Completion) -> Response:
     timeout_ms = _timeout_ms(request)
     meta = {**door.meta(request), "stream": out.response_id}  # the id the client sees names the request span
     if body.user:
         meta["user"] = body.user
-    session = door.submitter.new_session()
-    try:
-        for req in requests:
-            req.timeout_ms = timeout_ms
-            door.submitter.admit_generate(session, req, meta)
-    except ServiceError:
-        _abort(door, session)
-        raise
-    session.end_of_input()
-    messages = session.messages()
+    stream = door.core.generate([dataclasses.replace(inp, timeout_ms=timeout_ms) for inp in inputs], meta)
     watcher = asyncio.ensure_future(_disconnected(request))
-    streaming = False  # once the StreamingResponse owns the session, its generator aborts what is left
+    streaming = False  # once the StreamingResponse owns the stream, its generator aborts what is left
     try:
-        first = await _until_gone(anext(messages), watcher)
-        if first.WhichOneof("kind") == "error":  # refused by the engine (e.g. prompt too long): a plain status
-            raise HttpError.from_code(first.error.code, first.error.message)
+        first = await _until_gone(anext(stream), watcher)
+        if first.error is not None:  # refused by the engine (e.g. prompt too long): a plain status
+            raise HttpError.from_service(first.error)
         if body.stream:
             watcher.cancel()  # the StreamingResponse watches for the disconnect from here on
             streaming = True
-            return _EventStream(_sse(session, first, messages, out), lambda: _abort(door, session))
+            return _EventStream(_sse(first, stream, out), stream.abort)
         out.add(first)
         while True:
             try:
-                message = await _until_gone(anext(messages), watcher)
+                event = await _until_gone(anext(stream), watcher)
             except StopAsyncIteration:
                 break
-            if message.WhichOneof("kind") == "error":
-                raise HttpError.from_code(message.error.code, message.error.message)
-            out.add(message)
+            if event.error is not None:
+                raise HttpError.from_service(event.error)
+            out.add(event)
         return JSONResponse(out.response())
-    except StopAsyncIteration:  # every request refused before sending anything: cannot happen with n >= 1
-        raise HttpError(500, "no output") from None
     finally:
         watcher.cancel()
         if not streaming:  # answered, refused or left: nothing of this request may run on
-            _abort(door, session)
+            stream.abort()
 
 
-async def _sse(session: StreamSession, first: pb.GenerateServerMessage,
-               messages: AsyncIterator[pb.GenerateServerMessage], out: Completion) -> AsyncIterator[bytes]:
+async def _sse(first: GenerateEvent, stream: GenerationStream, out: Completion) -> AsyncIterator[bytes]:
     yield out.chunk(first)
-    try:
-        async for message in messages:
-            if message.WhichOneof("kind") == "error":
-                yield HttpError.from_code(message.error.code, message.error.message).sse()
-                continue
-            yield out.chunk(message)
-    except ServiceError as exc:  # the stream failed (its buffer overflowed: the client did not read)
-        yield HttpError.from_service(exc).sse()
+    async for event in stream:
+        if event.error is not None:
+            yield HttpError.from_service(event.error).sse()
+            continue
+        yield out.chunk(event)
     yield out.closing()
 
 
@@ -226,11 +201,6 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-
-
-def _abort(door: Door, session: StreamSession) -> None:
-    for engine_id in session.engine_ids():
-        door.submitter.bridge.abort(engine_id)
 
 
 def _timeout_ms(request: Request) -> int:
@@ -261,10 +231,11 @@ async def _until_gone(awaitable: Awaitable, watcher: asyncio.Future) -> Any:
 
 # ---- rerank --------------------------------------------------------------------------------------
 
-async def _rerank(door: Door, request: Request, req: pb.RerankRequest) -> pb.RerankResponse:
+async def _rerank(door: Door, request: Request, inp: RerankInput) -> RerankOutcome:
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
-        return await _until_gone(door.submitter.rerank(req, door.meta(request)), watcher)
+        return await _until_gone(door.core.rerank(dataclasses.replace(inp, timeout_ms=_timeout_ms(request)),
+                                                  door.meta(request)), watcher)
     finally:
         watcher.cancel()
 
@@ -272,24 +243,8 @@ async def _rerank(door: Door, request: Request, req: pb.RerankRequest) -> pb.Rer
 async def _cohere(door: Door, request: Request, default_return_documents: bool) -> Response:
     door.authorize(request, "Rerank")
     body = openai_schema.parse(rerank_schema.CohereRerank, await request.body())
-    req = body.to_request()
-    texts = list(req.documents)
-    if body.max_tokens_per_doc is not None:
-        if body.max_tokens_per_doc < 1:
-            raise HttpError(400, f"max_tokens_per_doc must be >= 1, got {body.max_tokens_per_doc}",
-                            param="max_tokens_per_doc")
-        cut = await door.submitter.bridge.call(lambda engine: _first_tokens(engine, texts, body.max_tokens_per_doc))
-        del req.documents[:]
-        req.documents.extend(cut)
-    response = await _rerank(door, request, req)
-    returned = default_return_documents if body.return_documents is None else body.return_documents
-    return JSONResponse(rerank_schema.cohere_response(response, texts, return_documents=returned,
-                                                      model=_name(door, body.model)))
-
-
-def _first_tokens(engine, texts: list[str], limit: int) -> list[str]:
-    tokenizer = engine.tokenizer
-    return [tokenizer.decode(tokenizer(t, add_special_tokens=False)["input_ids"][:limit]) for t in texts]
+    outcome = await _rerank(door, request, body.to_input(default_return_documents))
+    return JSONResponse(rerank_schema.cohere_response(outcome, model=door.core.model_name(body.model)))
 
 
 async def _cohere_v1(door: Door, request: Request) -> Response:
@@ -303,20 +258,19 @@ async def _cohere_v2(door: Door, request: Request) -> Response:
 async def _tei(door: Door, request: Request) -> Response:
     door.authorize(request, "Rerank")
     body = openai_schema.parse(rerank_schema.TeiRerank, await request.body())
-    response = await _rerank(door, request, body.to_request())
-    return JSONResponse(rerank_schema.tei_response(response, body.texts, return_text=bool(body.return_text)))
+    return JSONResponse(rerank_schema.tei_response(await _rerank(door, request, body.to_input())))
 
 
 # ---- models, health, metrics ---------------------------------------------------------------------
 
 def _model_card(door: Door, name: str) -> dict:
     return {"id": name, "object": "model", "created": door.started, "owned_by": "tandem",
-            "max_model_len": door.catalog.info.get("max_model_len")}
+            "max_model_len": door.core.info.max_model_len}
 
 
 async def _models(door: Door, request: Request) -> Response:
     door.authorize(request, "ModelInfo")
-    return JSONResponse({"object": "list", "data": [_model_card(door, n) for n in door.catalog.names]})
+    return JSONResponse({"object": "list", "data": [_model_card(door, n) for n in door.core.info.served_names]})
 
 
 async def _model(door: Door, request: Request) -> Response:
@@ -324,7 +278,7 @@ async def _model(door: Door, request: Request) -> Response:
     name = request.path_params["model"]
     if not name:
         raise HttpError(404, "no model name given", code="model_not_found")
-    door.catalog.check_model(name)
+    door.core.check_model(name)
     return JSONResponse(_model_card(door, name))
 
 

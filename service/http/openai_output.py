@@ -1,4 +1,4 @@
-"""tandem.v1 GenerateServerMessages to OpenAI response bodies and stream chunks (chat and completions).
+"""The core API's generation events to OpenAI response bodies and stream chunks (chat and completions).
 
 One `Completion` per HTTP request accumulates or streams its choices: with several prompts (completions) or
 n > 1, choice index = prompt index * n + completion index, as OpenAI numbers them.
@@ -10,10 +10,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from proto import tandem_pb2 as pb
-from service.http.tokens import TokenTexts
+from engine.outputs import Logprobs
+from engine.request import FinishReason
+from service.core import GenerateEvent
+from service.tokens import TokenTexts
 
-_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+# OpenAI's finish_reason for the engine's (an abort keeps tandem's own word: OpenAI has none for it).
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
 
 @dataclass(slots=True)
@@ -48,38 +51,40 @@ class Completion:
 
     # ---- one message in --------------------------------------------------------------------------
 
-    def add(self, message: pb.GenerateServerMessage) -> tuple[int, str, list, str | None]:
-        """Record a delta or final message; returns (choice index, text, logprobs of its tokens, finish reason)."""
-        kind = message.WhichOneof("kind")
-        part = message.delta if kind == "delta" else message.final
-        index = int(message.request_id) * self.n + part.index
+    def add(self, event: GenerateEvent) -> tuple[int, str, list, str | None]:
+        """Record one output; returns (choice index, text, logprobs of its tokens, finish reason)."""
+        out = event.output
+        index = event.index * self.n + out.index
         choice = self.choices.setdefault(index, _Choice())
-        finish = _FINISH.get(part.finish_reason)
+        finish = _FINISH.get(out.finish_reason)
         if finish is not None:
             choice.finish_reason = finish
-        logprobs = self._logprobs(choice, part.token_ids, part.logprobs) if self.top_logprobs is not None else []
-        choice.text.append(part.text)
+        logprobs = self._logprobs(choice, out.new_token_ids, out.logprobs) if self.top_logprobs is not None else []
+        choice.text.append(out.text)
         choice.logprobs += logprobs
-        if kind == "final":
-            u = part.usage
+        if event.usage is not None:
+            u = event.usage
             self.usage["prompt_tokens"] += u.prompt_tokens
             self.usage["completion_tokens"] += u.completion_tokens
             self.usage["cached_tokens"] += u.cached_tokens
-        return index, part.text, logprobs, finish
+        return index, out.text, logprobs, finish
 
-    def _logprobs(self, choice: _Choice, token_ids, entries) -> list:
+    def _logprobs(self, choice: _Choice, token_ids: list[int], entries: list[Logprobs] | None) -> list:
         out = []
         k = self.top_logprobs or 0
-        for token, lp in zip(token_ids, entries):
-            chosen = lp.entries[0].logprob if lp.entries else 0.0
-            top = sorted(lp.entries, key=lambda e: -e.logprob)[:k]
+        for token, lp in zip(token_ids, entries or ()):
+            # the chosen token first, then the others most likely first (as the gRPC door orders them)
+            ordered = ([(token, lp[token])] if token in lp else []) + \
+                sorted(((t, v) for t, v in lp.items() if t != token), key=lambda e: -e[1])
+            chosen = ordered[0][1] if ordered else 0.0
+            top = sorted(ordered, key=lambda e: -e[1])[:k]
             if self.chat:
                 out.append({"token": self.tokens.text(token), "logprob": chosen, "bytes": self.tokens.bytes(token),
-                            "top_logprobs": [{"token": self.tokens.text(e.token_id), "logprob": e.logprob,
-                                              "bytes": self.tokens.bytes(e.token_id)} for e in top]})
+                            "top_logprobs": [{"token": self.tokens.text(t), "logprob": v,
+                                              "bytes": self.tokens.bytes(t)} for t, v in top]})
             else:
                 text = self.tokens.text(token)
-                out.append((text, chosen, {self.tokens.text(e.token_id): e.logprob for e in top}, choice.offset))
+                out.append((text, chosen, {self.tokens.text(t): v for t, v in top}, choice.offset))
                 choice.offset += len(text)
         return out
 
@@ -114,9 +119,9 @@ class Completion:
 
     # ---- streaming -------------------------------------------------------------------------------
 
-    def chunk(self, message: pb.GenerateServerMessage) -> bytes:
-        """The server-sent event for one message."""
-        index, text, logprobs, finish = self.add(message)
+    def chunk(self, event: GenerateEvent) -> bytes:
+        """The server-sent event for one output."""
+        index, text, logprobs, finish = self.add(event)
         choice = self.choices[index]
         lp = self._choice_logprobs(logprobs) if self.top_logprobs is not None else None
         if self.chat:

@@ -1,18 +1,18 @@
-"""OpenAI request bodies (pydantic), and their translation into tandem.v1 GenerateRequests.
+"""OpenAI request bodies (pydantic), and their translation into the core API's GenerateInputs.
 
 Types are checked strictly (a string is not a number). A field tandem does not implement is refused with 400
 naming it, unless it is null, false or empty (what clients send for "unset"); see docs/http.md for the list.
-Values are checked where gRPC requests are checked (service/convert.py, engine SamplingParams), so both doors
-refuse the same values with the same messages.
+Integers must fit the ranges the gRPC door's fields have; values are then checked where gRPC requests are checked
+(the engine's SamplingParams, the core API), so both doors refuse the same values with the same messages.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from proto import tandem_pb2 as pb
+from engine.config import SamplingParams, StructuredOutputsParams
+from service.core import GenerateInput, json_schema
 from service.http.errors import HttpError
 
 # Fields of OpenAI's (or vLLM's) APIs that tandem does not implement, with why; anything else unknown is refused
@@ -123,7 +123,7 @@ class _Sampling(_Model):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
 
-    def sampling(self, *, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
+    def sampling(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         refuse_extras(self)
         if self.stream_options is not None:
             refuse_extras(self.stream_options, "stream_options.")
@@ -149,26 +149,26 @@ class _Sampling(_Model):
             params["ignore_eos"] = True
         if self.logit_bias:
             params["logit_bias"] = _logit_bias(self.logit_bias)
-        params.update(self._format())
+        _check_ranges(params)
         try:
-            return pb.SamplingParams(**params)
-        except (ValueError, TypeError) as exc:  # out of the proto's integer ranges
-            raise HttpError(400, f"a sampling parameter is out of range: {exc}") from None
+            return SamplingParams(**params, structured_outputs=self._format())
+        except ValueError as exc:
+            raise HttpError(400, str(exc)) from None
 
-    def _format(self) -> dict[str, Any]:
-        """The response_format oneof: OpenAI's response_format, or vLLM's structured_outputs / guided_*."""
+    def _format(self) -> StructuredOutputsParams | None:
+        """The one output format: OpenAI's response_format, or vLLM's structured_outputs / guided_*."""
         formats: list[tuple[str, dict]] = []
         rf = self.response_format
         if rf is not None and rf.type != "text":
             refuse_extras(rf, "response_format.")
             if rf.type == "json_object":
-                formats.append(("response_format", {"json_schema": json.dumps({"type": "object"})}))
+                formats.append(("response_format", {"json": {"type": "object"}}))
             else:
                 if rf.json_schema is None or rf.json_schema.schema_ is None:
                     raise HttpError(400, "response_format.json_schema.schema is required with type json_schema",
                                     param="response_format.json_schema")
                 refuse_extras(rf.json_schema, "response_format.json_schema.")
-                formats.append(("response_format", {"json_schema": json.dumps(rf.json_schema.schema_)}))
+                formats.append(("response_format", {"json": rf.json_schema.schema_}))
         so = self.structured_outputs
         if so is not None:
             refuse_extras(so, "structured_outputs.")
@@ -177,17 +177,42 @@ class _Sampling(_Model):
         if len(formats) > 1:
             raise HttpError(400, f"give one output format, not {[name for name, _ in formats]}",
                             param=formats[1][0])
-        return formats[0][1] if formats else {}
+        if not formats:
+            return None
+        try:
+            return StructuredOutputsParams(**formats[0][1])
+        except ValueError as exc:
+            raise HttpError(400, str(exc), param=formats[0][0]) from None
+
+
+# The gRPC door's integer field types (proto/tandem.proto SamplingParams): the same request is refused the same way.
+_INT32, _UINT32 = (-(2**31), 2**31 - 1), (0, 2**32 - 1)
+_RANGES = {"max_tokens": _INT32, "top_k": _INT32, "priority": _INT32, "n": _UINT32, "logprobs": _UINT32,
+           "min_tokens": _UINT32, "seed": (0, 2**64 - 1)}
+
+
+def _check_ranges(params: dict[str, Any]) -> None:
+    for name, (low, high) in _RANGES.items():
+        value = params.get(name)
+        if value is not None and not low <= value <= high:
+            raise HttpError(400, f"a sampling parameter is out of range: {name}={value}", param=name)
+    if any(not _UINT32[0] <= t <= _UINT32[1] for t in params.get("stop_token_ids", ())):
+        raise HttpError(400, "a sampling parameter is out of range: stop_token_ids", param="stop_token_ids")
 
 
 def _vllm_format(where: str, schema, regex, choice) -> list[tuple[str, dict]]:
     out = []
     if schema is not None:
-        out.append((f"{where}json", {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}))
+        if isinstance(schema, str):
+            try:
+                schema = json_schema(schema, "response_format.json_schema")
+            except ValueError as exc:
+                raise HttpError(400, str(exc), param=f"{where}json") from None
+        out.append((f"{where}json", {"json": schema}))
     if regex is not None:
         out.append((f"{where}regex", {"regex": regex}))
     if choice is not None:
-        out.append((f"{where}choice", {"choice": pb.Choices(choices=choice)}))
+        out.append((f"{where}choice", {"choice": choice}))
     return out
 
 
@@ -210,7 +235,7 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
-    def to_requests(self, default_max_tokens: int) -> list[pb.GenerateRequest]:
+    def to_inputs(self, default_max_tokens: int) -> list[GenerateInput]:
         if self.top_logprobs is not None and not self.logprobs:
             raise HttpError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -220,11 +245,10 @@ class ChatRequest(_Sampling):
         messages = []
         for i, m in enumerate(self.messages):
             refuse_extras(m, f"messages[{i}].")
-            messages.append(pb.ChatMessage(role=m.role, content=m.text(i)))
+            messages.append({"role": m.role, "content": m.text(i)})
         if not messages:
             raise HttpError(400, "messages must be a non-empty list of {role, content}", param="messages")
-        return [pb.GenerateRequest(request_id="0", messages=pb.ChatMessages(messages=messages), params=params,
-                                   model=self.model)]
+        return [GenerateInput("0", params, messages=messages, model=self.model)]
 
 
 Prompt = Union[str, list[str], list[int], list[list[int]]]
@@ -234,24 +258,17 @@ class CompletionRequest(_Sampling):
     prompt: Prompt
     logprobs: int | None = None
 
-    def to_requests(self, default_max_tokens: int) -> list[pb.GenerateRequest]:
+    def to_inputs(self, default_max_tokens: int) -> list[GenerateInput]:
         params = self.sampling(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
                                logprobs=self.logprobs)
         prompts = self.prompts()
         if not prompts:
             raise HttpError(400, "prompt must not be an empty list", param="prompt")
-        requests = []
-        for i, prompt in enumerate(prompts):
-            req = pb.GenerateRequest(request_id=str(i), params=params, model=self.model)
-            if isinstance(prompt, str):
-                req.prompt = prompt
-            else:
-                if any(t < 0 or t >= 2**32 for t in prompt):
-                    raise HttpError(400, "prompt token ids must be integers >= 0 (and in the vocabulary)",
-                                    param="prompt")
-                req.token_ids.ids.extend(prompt)
-            requests.append(req)
-        return requests
+        for prompt in prompts:
+            if not isinstance(prompt, str) and any(t < 0 or t >= 2**32 for t in prompt):
+                raise HttpError(400, "prompt token ids must be integers >= 0 (and in the vocabulary)",
+                                param="prompt")
+        return [GenerateInput(str(i), params, prompt=prompt, model=self.model) for i, prompt in enumerate(prompts)]
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -1,5 +1,5 @@
-"""Rerank request bodies in Cohere's (v1, v2; Jina's fields too) and TEI's shapes, to tandem.v1 RerankRequests,
-and RerankResponses back to each shape. Scores are the gRPC Rerank's, unchanged."""
+"""Rerank request bodies in Cohere's (v1, v2; Jina's fields too) and TEI's shapes, to the core API's RerankInput,
+and its RerankOutcome back to each shape. Scores are the gRPC Rerank's, unchanged."""
 from __future__ import annotations
 
 import uuid
@@ -7,7 +7,8 @@ from typing import Union
 
 from pydantic import BaseModel, ConfigDict
 
-from proto import tandem_pb2 as pb
+from engine.config import RerankParams
+from service.core import RerankInput, RerankOutcome
 from service.http.errors import HttpError
 from service.http.openai_schema import refuse_extras
 
@@ -38,19 +39,18 @@ class CohereRerank(_Model):
     priority: int | None = None
     truncate: bool | None = None  # false: a document too long is refused instead of cut
 
-    def to_request(self) -> pb.RerankRequest:
+    def to_input(self, default_return_documents: bool) -> RerankInput:
         _refuse(self)
         for i, d in enumerate(self.documents):
             if isinstance(d, TextDocument):
                 refuse_extras(d, f"documents[{i}].")
-        req = pb.RerankRequest(query=self.query, documents=self.texts(), model=self.model,
-                               truncate=pb.TRUNCATE_NONE if self.truncate is False else pb.TRUNCATE_END,
-                               priority=_int32(self.priority or 0, "priority"))
-        if self.top_n is not None:
-            req.top_n = _int32(self.top_n, "top_n")
-        if self.instruction is not None:
-            req.instruction = self.instruction
-        return req
+        params = _params(top_n=None if self.top_n is None else _int32(self.top_n, "top_n"),
+                         truncate="none" if self.truncate is False else "end",
+                         return_documents=default_return_documents if self.return_documents is None
+                         else self.return_documents,
+                         instruction=self.instruction, priority=_int32(self.priority or 0, "priority"))
+        return RerankInput(uuid.uuid4().hex, self.query, self.texts(), params, model=self.model,
+                           max_tokens_per_doc=self.max_tokens_per_doc)
 
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
@@ -65,15 +65,22 @@ class TeiRerank(_Model):
     return_text: bool | None = None
     truncation_direction: str | None = None
 
-    def to_request(self) -> pb.RerankRequest:
+    def to_input(self) -> RerankInput:
         if self.truncation_direction not in (None, "Right", "right"):
             raise HttpError(400, "truncation_direction: documents are cut at the end only ('Right')",
                             param="truncation_direction")
         if self.raw_scores:
             raise HttpError(400, f"raw_scores is not supported: {_UNSUPPORTED['raw_scores']}", param="raw_scores")
         refuse_extras(self)
-        return pb.RerankRequest(query=self.query, documents=self.texts,
-                                truncate=pb.TRUNCATE_END if self.truncate else pb.TRUNCATE_NONE)
+        return RerankInput(uuid.uuid4().hex, self.query, list(self.texts),
+                           _params(truncate="end" if self.truncate else "none", return_documents=bool(self.return_text)))
+
+
+def _params(**kwargs) -> RerankParams:
+    try:
+        return RerankParams(**kwargs)
+    except ValueError as exc:
+        raise HttpError(400, str(exc)) from None
 
 
 def _refuse(model: BaseModel) -> None:
@@ -89,27 +96,26 @@ def _int32(value: int, name: str) -> int:
     return value
 
 
-def cohere_response(response: pb.RerankResponse, documents: list[str], *, return_documents: bool,
-                    model: str) -> dict:
+def cohere_response(outcome: RerankOutcome, *, model: str) -> dict:
     """Cohere's fields (id, results, meta) plus Jina's (model, usage, document as {text})."""
     results = []
-    for r in response.results:
+    for r in outcome.results:
         item = {"index": r.index, "relevance_score": r.score}
-        if return_documents:
-            item["document"] = {"text": documents[r.index]}
+        if r.document is not None:
+            item["document"] = {"text": r.document}
         results.append(item)
-    tokens = response.usage.prompt_tokens
+    tokens = outcome.usage.prompt_tokens
     return {"id": uuid.uuid4().hex, "model": model, "results": results,
             "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1},
                      "tokens": {"input_tokens": tokens, "output_tokens": 0}},
             "usage": {"total_tokens": tokens, "prompt_tokens": tokens}}
 
 
-def tei_response(response: pb.RerankResponse, texts: list[str], *, return_text: bool) -> list[dict]:
+def tei_response(outcome: RerankOutcome) -> list[dict]:
     out = []
-    for r in response.results:
+    for r in outcome.results:
         item = {"index": r.index, "score": r.score}
-        if return_text:
-            item["text"] = texts[r.index]
+        if r.document is not None:
+            item["text"] = r.document
         out.append(item)
     return out

@@ -1,5 +1,5 @@
 """The HTTP door's server: uvicorn serving service/http/app.py on the running event loop (the gRPC server's
-uvloop), over the same EngineBridge, with the gRPC door's TLS files and bearer tokens."""
+uvloop), over the same core API, with the gRPC door's TLS files and bearer tokens."""
 from __future__ import annotations
 
 import asyncio
@@ -13,12 +13,9 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from service.auth import TokenTable
-from service.bridge import EngineBridge
-from service.catalog import Catalog
-from service.http import tokens
+from service.config import ServerConfig
+from service.core import CoreAPI
 from service.http.app import Door, build_app
-from service.server import ServerConfig
-from service.submit import Limits, Submitter
 
 log = logging.getLogger("tandem.http")
 
@@ -32,9 +29,9 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, bridge: EngineBridge, config: ServerConfig, port: int, *,
+    def __init__(self, core: CoreAPI, config: ServerConfig, port: int, *,
                  serving: Callable[[], bool] = lambda: True, registry: CollectorRegistry | None = None) -> None:
-        self.bridge = bridge
+        self.core = core
         self.config = config
         self.port = port  # 0: an ephemeral port
         self.serving = serving
@@ -53,14 +50,9 @@ class HttpServer:
         sock = _bind(cfg.host, self.port)
         host, port = sock.getsockname()[:2]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        catalog = await Catalog.load(self.bridge)
-        texts = await self.bridge.call(tokens.build)
-        limits = Limits(max_documents=cfg.max_documents, max_message_bytes=cfg.max_message_bytes,
-                        max_stream_buffer_bytes=cfg.max_stream_buffer_bytes)
         table = TokenTable(cfg.auth_token, cfg.auth_scoped_tokens) if (cfg.auth_token or cfg.auth_scoped_tokens) \
             else None
-        door = Door(submitter=Submitter(self.bridge, catalog, limits), catalog=catalog, tokens=texts,
-                    max_body_bytes=cfg.max_message_bytes, tokens_table=table, serving=self.serving,
+        door = Door(core=self.core, max_body_bytes=cfg.max_message_bytes, tokens_table=table, serving=self.serving,
                     registry=self.registry, replica=cfg.replica or self.address)
         uv = uvicorn.Config(build_app(door), lifespan="off", access_log=False, log_level="warning",
                             http="httptools", ws="none", timeout_keep_alive=30,

@@ -9,6 +9,7 @@ from collections import defaultdict
 import uvloop
 
 from service.bridge import EngineBridge
+from service.core import CoreAPI
 from service.lifecycle import Hooks, RequestLifecycle
 from service.server import ServerConfig, TandemServer
 
@@ -38,12 +39,13 @@ class ServerThread:
         self._thread.start()
         self._servers: list[TandemServer] = []
         self._http: list = []  # HttpServer
-        self.call(self._start_bridge()).result(60)
+        self.core = self.call(self._start_bridge(config)).result(120)
         self.server = self.add_server(config)
         self.address = self.server.address
 
-    async def _start_bridge(self) -> None:
+    async def _start_bridge(self, config: ServerConfig) -> CoreAPI:
         self.bridge.start()
+        return await CoreAPI.load(self.bridge, config.limits())
 
     def call(self, coro) -> concurrent.futures.Future:
         """Run a coroutine on the server's loop."""
@@ -55,7 +57,7 @@ class ServerThread:
 
     def add_server(self, config: ServerConfig) -> TandemServer:
         """Another listening server on the same bridge (e.g. with TLS and auth)."""
-        server = TandemServer(self.bridge, config)
+        server = TandemServer(self.core, config)
         self.call(server.start()).result(60)
         self._servers.append(server)
         return server
@@ -64,7 +66,7 @@ class ServerThread:
         """An HTTP door (service/http/) on the same bridge, on an ephemeral port; returns the HttpServer."""
         from service.http.server import HttpServer
 
-        door = HttpServer(self.bridge, config, 0, serving=lambda: self.server.serving)
+        door = HttpServer(self.core, config, 0, serving=lambda: self.server.serving)
         self.call(door.start()).result(120)
         self._http.append(door)
         return door

@@ -33,6 +33,7 @@ class FakeEngine:
         self.running.set()
         self.steps = 0
         self.thread_ids: set[int] = set()
+        self.intake_thread_ids: set[int] = set()
 
     def add_observer(self, fn) -> None:
         self.observers.append(fn)
@@ -40,10 +41,19 @@ class FakeEngine:
     def remove_observer(self, fn) -> None:
         self.observers.remove(fn)
 
-    def add_request(self, request_id, prompt=None, params=None, *, messages=None) -> None:
-        self.thread_ids.add(threading.get_ident())
+    def prompt_token_ids(self, prompt, messages=None) -> list[int]:
+        """Called on the bridge's intake thread, never the engine's."""
+        self.intake_thread_ids.add(threading.get_ident())
         if not prompt:
             raise ValueError("prompt must not be empty")
+        return [1] * len(prompt)
+
+    def prepare_rerank(self, request_id, query, documents, params=None):
+        raise ValueError("this fake engine does not rerank")
+
+    def add_request(self, request_id, prompt=None, params=None) -> None:
+        self.thread_ids.add(threading.get_ident())
+        assert isinstance(prompt, list), "the bridge hands the engine token ids, tokenized off its thread"
         self.live[request_id] = params.max_tokens
 
     def abort(self, request_id: str) -> bool:
@@ -110,6 +120,7 @@ async def test_outputs_arrive_in_order_on_the_loop_and_the_engine_stays_on_one_t
     await done.wait()
     assert [e.text for e in events] == ["t", "t", "t"] and events[-1].finish_reason == "length"
     assert len(bridge.engine.thread_ids) == 1 and threading.get_ident() not in bridge.engine.thread_ids
+    assert len(bridge.engine.intake_thread_ids) == 1 and not bridge.engine.intake_thread_ids & bridge.engine.thread_ids
     assert await bridge.stats() == {"live": 0, "bridge_live": 0, "bridge_waiting": 0}
     assert lc.finish_reason == "length"
     assert lc.arrival <= lc.finished and lc.scheduled is not None and lc.first_token == 1.0

@@ -24,7 +24,7 @@ def _grpc_scores(address: str, documents: list[str]) -> dict[int, float]:
 def test_http_scores_equal_grpc_rerank(served, http_url, co, offline):
     _grpc_scores(served.address, DOCUMENTS)  # both doors then find the query's prefix cached
     grpc_scores = _grpc_scores(served.address, DOCUMENTS)
-    r = co.rerank(model=str(served.server.servicer.catalog.info["model"]), query=QUERY, documents=DOCUMENTS)
+    r = co.rerank(model=str(served.core.info.model), query=QUERY, documents=DOCUMENTS)
     assert {x.index: x.relevance_score for x in r.results} == grpc_scores
     with httpx.Client(base_url=http_url) as h:
         tei = h.post("/rerank", json={"query": QUERY, "texts": DOCUMENTS}).json()

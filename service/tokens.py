@@ -1,6 +1,6 @@
 """Each token id's text and bytes, as OpenAI's logprobs report them (`token`, `bytes`).
 
-Built once per server on the engine thread (the only thread that touches the tokenizer). Byte-level BPE
+Built once per server, on a worker thread, from the tokenizer (read-only). Byte-level BPE
 vocabularies (GPT-2 style: SmolLM2, Llama 3, Qwen) map each piece's characters back to bytes; SentencePiece
 ones (Llama 2, Gemma) read `▁` as a space and `<0xNN>` as a byte; special tokens keep their text. A token that is
 not whole UTF-8 on its own is written `bytes:\\xNN...` (vLLM's spelling), its `bytes` exact either way.
@@ -38,10 +38,9 @@ class TokenTexts:
         return list(self.raw[token_id]) if 0 <= token_id < len(self.raw) else []
 
 
-def build(engine) -> TokenTexts:
-    """Run on the engine thread (EngineBridge.call)."""
-    tokenizer = engine.tokenizer
-    size = max(len(tokenizer), engine.model_args.vocab_size)
+def build_token_texts(tokenizer, vocab_size: int) -> TokenTexts:
+    """Every id of the model's vocabulary (which may be larger than the tokenizer's)."""
+    size = max(len(tokenizer), vocab_size)
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     special |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})

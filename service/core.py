@@ -1,0 +1,350 @@
+"""The core API: the one typed, async interface both doors call (the shape of vLLM's EngineClient, TEI's Infer).
+
+Engine types in (`SamplingParams`, `RerankParams`, prompts, chat messages, token ids), engine types out
+(`StepOutput`, `RerankResult`) plus the small dataclasses below; never protobuf, never JSON. Every check that
+needs no engine (the model name, the document limit, an empty id or input) happens here, so a request is refused
+the same way whichever door it came through; what the engine refuses (a prompt too long, a bad schema) comes
+back as a `ServiceError` from the same place. Tokenizing never happens on the engine thread: the bridge's intake
+thread tokenizes prompts, chats and rerank pairs; `tokenize` and `max_tokens_per_doc` run on a worker thread.
+
+    core = await CoreAPI.load(bridge, limits)
+    stream = core.generate([GenerateInput("a", params, prompt="Hi")], metadata)   # admitted, or ServiceError
+    async for event in stream: ...                                                # GenerateEvent per output
+    outcome = await core.rerank(RerankInput("r", query, documents, RerankParams()), metadata)
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Sequence
+
+import grpc
+
+from engine.config import MAX_LOGPROBS, MAX_N, RerankParams, SamplingParams
+from engine.outputs import RerankResult, StepOutput, rank_scores
+from engine.request import FinishReason
+from service.errors import ServiceError, invalid
+from service.lifecycle import RequestLifecycle
+from service.tokens import TokenTexts, build_token_texts
+
+if TYPE_CHECKING:
+    from service.bridge import EngineBridge
+
+DEFAULT_MAX_BUFFER_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one request may ask for, whichever door it came through."""
+    max_documents: int = 1000
+    max_message_bytes: int = 4 * 2**20
+    max_stream_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES  # responses a gRPC stream may queue unread
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What this replica serves (gRPC ModelInfo, HTTP /v1/models)."""
+    model: str = ""
+    served_names: tuple[str, ...] = ()
+    architecture: str = ""
+    max_model_len: int = 0
+    block_size: int = 0
+    kv_blocks_total: int = 0
+    reranker: str = ""
+    rerank_mode: str = ""
+    device: str = ""
+    dtype: str = ""
+    weight_format: str = ""
+    weight_bytes: int = 0
+    vocab_size: int = 0
+    rerank_max_pair_tokens: int = 0
+    rerank_limit_by: str = ""
+    cpu_kernels: str = ""
+    max_waiting: int = 0
+    max_documents: int = 0
+    max_message_bytes: int = 0
+    max_n: int = MAX_N
+    max_logprobs: int = MAX_LOGPROBS
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    """One generation: exactly one of prompt (text or token ids) and messages (chat, templated by the engine)."""
+    request_id: str  # the client's id (unique per gRPC stream; the HTTP door numbers its prompts)
+    params: SamplingParams
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    model: str = ""  # "" or a served name
+    timeout_ms: int = 0  # 0: none
+
+
+@dataclass(frozen=True, slots=True)
+class RerankInput:
+    request_id: str
+    query: str
+    documents: list[str]
+    params: RerankParams
+    model: str = ""
+    timeout_ms: int = 0
+    max_tokens_per_doc: int | None = None  # cut each document to its first N tokens before scoring (Cohere)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    time_to_first_token_s: float = 0.0
+    duration_s: float = 0.0
+
+    @classmethod
+    def of(cls, lc: RequestLifecycle) -> "Usage":
+        return cls(lc.prompt_tokens, lc.cached_tokens, lc.completion_tokens, lc.ttft_s, lc.duration_s)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateEvent:
+    """One step's output of input `index`, or the error that ended it; `usage` on the input's last event."""
+    index: int
+    request_id: str
+    output: StepOutput | None = None
+    error: ServiceError | None = None
+    usage: Usage | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.error is not None or (self.output is not None and self.output.finished)
+
+
+@dataclass(frozen=True, slots=True)
+class RerankOutcome:
+    request_id: str
+    results: list[RerankResult]  # highest score first, cut to top_n
+    usage: Usage
+    mode: str  # the rerank mode that scored it
+
+
+class GenerationStream:
+    """The events of one or more admitted generations, in the order the engine produced them; ends when every
+    input has sent its last event. `abort()` stops whatever is still running (its last event still arrives).
+
+    The engine never waits for a reader, so events queue here until read, bounded: when the unread events exceed
+    `max_buffer_bytes` (their size as text, tokens and log-probabilities), every request of the stream is aborted
+    (its KV blocks freed), what was queued is dropped, and each unfinished input ends with RESOURCE_EXHAUSTED."""
+
+    def __init__(self, bridge: "EngineBridge", max_buffer_bytes: int) -> None:
+        self._bridge = bridge
+        self._max_bytes = max_buffer_bytes
+        self._events: deque[tuple[GenerateEvent, int]] = deque()
+        self._buffered = 0
+        self._wakeup = asyncio.Event()
+        self._lifecycles: list[RequestLifecycle] = []
+        self._ids: list[str] = []
+        self._read_last: set[int] = set()  # inputs whose last event was read
+        self._overflowed = False
+
+    def sink(self, index: int, request_id: str):
+        """The bridge's sink for input `index`: StepOutputs and the ServiceError that may end it."""
+        def put(event: StepOutput | ServiceError) -> None:
+            if self._overflowed:
+                return
+            if isinstance(event, ServiceError):
+                item = GenerateEvent(index, request_id, error=event, usage=Usage.of(self._lifecycles[index]))
+            elif event.finished:
+                item = GenerateEvent(index, request_id, event, usage=Usage.of(self._lifecycles[index]))
+            else:
+                item = GenerateEvent(index, request_id, event)
+            size = _size(item)
+            if self._events and self._buffered + size > self._max_bytes:
+                self._overflow()
+                return
+            self._events.append((item, size))
+            self._buffered += size
+            self._wakeup.set()
+        return put
+
+    def _admitted(self, request_id: str, lc: RequestLifecycle) -> None:
+        self._ids.append(request_id)
+        self._lifecycles.append(lc)
+
+    def _overflow(self) -> None:
+        self._overflowed = True
+        dropped = len(self._events)
+        self._events.clear()
+        self._buffered = 0
+        error = ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"stream buffer full: the client did not read {dropped} queued responses (over "
+                             f"{self._max_bytes} bytes, --max-stream-buffer-bytes); its requests were cancelled. "
+                             "Read responses as they come")
+        for index, request_id in enumerate(self._ids):
+            if index not in self._read_last:
+                self._events.append((GenerateEvent(index, request_id, error=error), 0))
+        self.abort()
+        self._wakeup.set()
+
+    @property
+    def engine_ids(self) -> list[str]:
+        return [lc.engine_id for lc in self._lifecycles]
+
+    def abort(self) -> None:
+        for lc in self._lifecycles:
+            self._bridge.abort(lc.engine_id)
+
+    def __aiter__(self) -> "GenerationStream":
+        return self
+
+    async def __anext__(self) -> GenerateEvent:
+        while not self._events:
+            if len(self._read_last) == len(self._ids):
+                raise StopAsyncIteration
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        event, size = self._events.popleft()
+        self._buffered -= size
+        if event.last:
+            self._read_last.add(event.index)
+        return event
+
+
+def _size(event: GenerateEvent) -> int:
+    """Roughly what the event costs to hold and send: its text, tokens and log-probability entries."""
+    out = event.output
+    if out is None:
+        return 64
+    entries = sum(len(lp) for lp in out.logprobs or ()) + sum(len(lp or ()) for lp in out.prompt_logprobs or ())
+    return 64 + len(out.text) + 8 * len(out.new_token_ids) + 16 * entries
+
+
+class CoreAPI:
+    """generate / rerank / abort / tokenize / model_info over a started EngineBridge."""
+
+    def __init__(self, bridge: "EngineBridge", limits: Limits, info: ModelInfo, token_texts: TokenTexts,
+                 tokenizer: Any) -> None:
+        self.bridge = bridge
+        self.limits = limits
+        self.info = info
+        self.token_texts = token_texts  # each token id's text and bytes (OpenAI logprobs)
+        self._tokenizer = tokenizer  # read-only here, on worker threads
+        self._names = {"", *info.served_names}
+
+    @classmethod
+    async def load(cls, bridge: "EngineBridge", limits: Limits) -> "CoreAPI":
+        """Ask the engine what it serves; build the token texts on a worker thread."""
+        engine_info = await bridge.model_info()
+        tokenizer = bridge.engine.tokenizer
+        texts = await asyncio.to_thread(build_token_texts, tokenizer, engine_info["vocab_size"])
+        names = sorted({engine_info["model"], os.path.basename(str(engine_info.get("model_dir", "")))} - {""})
+        known = {f.name for f in fields(ModelInfo)}
+        info = ModelInfo(**{k: v for k, v in engine_info.items() if k in known and k != "served_names"},
+                         served_names=tuple(names), max_waiting=bridge.max_waiting,
+                         max_documents=limits.max_documents, max_message_bytes=limits.max_message_bytes)
+        return cls(bridge, limits, info, texts, tokenizer)
+
+    # ---- checks that need no engine --------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        if model not in self._names:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                               f"model {model!r} is not served by this replica; it serves "
+                               f"{list(self.info.served_names)} (leave model empty for the default)")
+
+    def model_name(self, model: str) -> str:
+        """The name a response echoes: the one the client gave, else the served model's."""
+        return model or self.info.model
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    def generate(self, inputs: Sequence[GenerateInput], metadata: dict[str, str]) -> GenerationStream:
+        """Admit every input (all or none: a refusal aborts those admitted before it and raises ServiceError);
+        their outputs arrive through the returned stream."""
+        stream = GenerationStream(self.bridge, self.limits.max_stream_buffer_bytes)
+        try:
+            for index, inp in enumerate(inputs):
+                self._check_generate(inp)
+                lc = self.bridge.submit_generate(inp.request_id, stream.sink(index, inp.request_id),
+                                                 params=inp.params, prompt=inp.prompt, messages=inp.messages,
+                                                 timeout_ms=inp.timeout_ms, metadata=metadata)
+                stream._admitted(inp.request_id, lc)
+        except ServiceError:
+            stream.abort()
+            raise
+        return stream
+
+    def _check_generate(self, inp: GenerateInput) -> None:
+        if not inp.request_id:
+            raise invalid("request_id must be a non-empty string")
+        self.check_model(inp.model)
+        if (inp.prompt is None) == (inp.messages is None):
+            raise invalid("request has no input: set prompt, messages or token_ids" if inp.prompt is None
+                          else "give either prompt or messages, not both")
+        for i, m in enumerate(inp.messages or ()):
+            if not m.get("role"):
+                raise invalid(f"messages[{i}].role must not be empty (e.g. 'system', 'user', 'assistant')")
+
+    def abort(self, engine_id: str) -> None:
+        self.bridge.abort(engine_id)
+
+    # ---- rerank ----------------------------------------------------------------------------------
+
+    async def rerank(self, inp: RerankInput, metadata: dict[str, str]) -> RerankOutcome:
+        """Score inp's documents; raises ServiceError. Cancelling the await aborts the engine job."""
+        self.check_model(inp.model)
+        if len(inp.documents) > self.limits.max_documents:
+            raise invalid(f"documents has {len(inp.documents)} items; this server takes at most "
+                          f"{self.limits.max_documents} per request (--max-documents); split the request")
+        documents = inp.documents
+        if inp.max_tokens_per_doc is not None:
+            if inp.max_tokens_per_doc < 1:
+                raise invalid(f"max_tokens_per_doc must be >= 1, got {inp.max_tokens_per_doc}")
+            documents = await asyncio.to_thread(_first_tokens, self._tokenizer, documents, inp.max_tokens_per_doc)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        lc = self.bridge.submit_rerank(inp.request_id, lambda event: future.done() or future.set_result(event),
+                                       query=inp.query, documents=documents, params=inp.params,
+                                       timeout_ms=inp.timeout_ms, metadata=metadata)
+        try:
+            event = await future
+        finally:
+            if not future.done():  # cancelled: the client left or its deadline passed
+                self.bridge.abort(lc.engine_id)
+        if isinstance(event, ServiceError):
+            raise event
+        if event.finish_reason is FinishReason.ABORT:  # aborted by the server (drain timeout)
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "rerank aborted: the server is shutting down; retry")
+        params = inp.params
+        results = rank_scores(event.scores, inp.documents, params.top_n, params.return_documents,
+                              event.document_tokens, event.truncated)
+        return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode)
+
+    # ---- tokens ----------------------------------------------------------------------------------
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return await asyncio.to_thread(lambda: list(self._tokenizer(
+            text, add_special_tokens=add_special_tokens)["input_ids"]))
+
+    async def stats(self) -> dict:
+        return await self.bridge.stats()
+
+
+def json_schema(text: str, where: str) -> dict:
+    """A schema given as JSON text (gRPC's json_schema, HTTP's guided_json string): it must parse and be an
+    object. Raises ValueError naming `where`."""
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; deep nesting recurses
+        message = str(exc)
+        raise ValueError(f"{where} is not valid JSON: {message[:200] + '...' if len(message) > 200 else message}"
+                         ) from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where} must be a JSON object (a schema), got {type(schema).__name__}")
+    return schema
+
+
+def _first_tokens(tokenizer, texts: list[str], limit: int) -> list[str]:
+    return [tokenizer.decode(tokenizer(t, add_special_tokens=False)["input_ids"][:limit]) for t in texts]
+
+
+__all__ = ["CoreAPI", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo", "RerankInput",
+           "RerankOutcome", "Usage", "json_schema"]
