@@ -89,14 +89,20 @@ def main() -> None:
                 req = pb.GenerateRequest(request_id="c", messages=pb.ChatMessages(
                     messages=[pb.ChatMessage(role="user", content="Hi")]),
                     params=pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-                for record in (False, True):
-                    calls.on = record
-                    async for _ in stub.Generate(iter([pb.GenerateClientMessage(request=req)])):
-                        pass
-                    calls.on = False
+                calls.on = True
+                async for _ in stub.Generate(iter([pb.GenerateClientMessage(request=req)])):
+                    pass
+                calls.on = False
+                results["chat request (gRPC Generate)"] = calls.take()
+                # One token in steady state: from after the 2nd token's message to the 3rd's (no admission, no end).
+                seen = 0
+                async for _ in stub.Generate(iter([pb.GenerateClientMessage(request=req)])):
+                    seen += 1
+                    calls.on = seen == 2
+                calls.on = False
+                results["chat token (gRPC Generate)"] = calls.take()
 
         asyncio.run(chat())
-        results["chat token (gRPC Generate)"] = calls.take()
     finally:
         threading.setprofile(None)
         sys.setprofile(None)

@@ -327,6 +327,22 @@ class CoreAPI:
     async def stats(self) -> dict:
         return await self.bridge.stats()
 
+    # ---- draining --------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Refuse new work from now on (UNAVAILABLE through either door); in-flight work goes on."""
+        self.bridge.draining = True
+
+    @property
+    def num_live(self) -> int:
+        return self.bridge.num_live
+
+    async def wait_idle(self) -> None:
+        await self.bridge.wait_idle()
+
+    def abort_all(self) -> None:
+        self.bridge.abort_all()
+
 
 def json_schema(text: str, where: str) -> dict:
     """A schema given as JSON text (gRPC's json_schema, HTTP's guided_json string): it must parse and be an

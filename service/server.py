@@ -31,7 +31,6 @@ class TandemServer:
 
     def __init__(self, core: CoreAPI, config: ServerConfig) -> None:
         self.core = core
-        self.bridge = core.bridge
         self.config = config
         self.health = health.aio.HealthServicer()
         self.status = NOT_SERVING
@@ -104,15 +103,15 @@ class TandemServer:
             except asyncio.TimeoutError:
                 pass
         log.info("draining (up to %.0fs)", self.config.drain_timeout_s)
-        self.bridge.draining = True
+        self.core.drain()
         try:
-            await asyncio.wait_for(self.bridge.wait_idle(), self.config.drain_timeout_s)
+            await asyncio.wait_for(self.core.wait_idle(), self.config.drain_timeout_s)
         except asyncio.TimeoutError:
             log.warning("drain timeout (%.1fs): aborting %d requests", self.config.drain_timeout_s,
-                        self.bridge.num_live)
-            self.bridge.abort_all()
+                        self.core.num_live)
+            self.core.abort_all()
             try:
-                await asyncio.wait_for(self.bridge.wait_idle(), 10.0)
+                await asyncio.wait_for(self.core.wait_idle(), 10.0)
             except asyncio.TimeoutError:
                 log.error("requests still live after abort; stopping anyway")
         # A request arriving after the last in-flight one finished but before the transport closes would be
