@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -58,6 +59,8 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if config.chat_template is not None:
+        tokenizer.chat_template = _chat_template(config.chat_template, tokenizer)
     hf_config = read_config(model_dir)
     args = DecoderArgs.from_hf_config(hf_config)
     quantization = resolve_quantization(config, source.gguf is not None)
@@ -118,6 +121,21 @@ def _load_weights(source: ModelSource, args: DecoderArgs, quantization: str) -> 
     if quantization == "int8":
         return quantize_state_int8(weights, args.tie_word_embeddings)
     return weights
+
+
+def _chat_template(given: str, tokenizer) -> str:
+    """The template text of a file's path or the template itself, checked by rendering one user turn: a template
+    that does not render is refused at start-up, not at the first chat."""
+    path = Path(given).expanduser()
+    text = path.read_text() if "{" not in given and path.is_file() else given
+    if "{" not in text:
+        raise ValueError(f"chat_template {given!r} is neither a file nor a Jinja template (--chat-template)")
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=text, tokenize=False,
+                                      add_generation_prompt=True)
+    except Exception as exc:  # jinja2's TemplateError and whatever the template raises
+        raise ValueError(f"chat_template does not render one user message (--chat-template): {exc}") from None
+    return text
 
 
 def _eos_ids(hf_config: dict, tokenizer) -> set[int]:

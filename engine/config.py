@@ -22,6 +22,9 @@ class EngineConfig:
     # for Qwen3-Reranker-style checkpoints) or "cross-encoder" (needs reranker=DIR); None: the default for what is
     # loaded (cross-encoder when reranker is set, else likelihood).
     rerank_mode: str | None = None
+    # A Jinja chat template (a file's path or the template itself) replacing the tokenizer's own, or giving a base
+    # model (a GGUF without one) a template at all; None: the tokenizer's.
+    chat_template: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
     block_size: int = 16

@@ -170,6 +170,11 @@ class EngineBridge:
         stats = await self._query(QueryKind.STATS)
         return {**stats, "bridge_live": self.num_live, "bridge_waiting": self.num_waiting}
 
+    async def prompt_token_ids(self, prompt: str | list[int] | None, messages: list[dict] | None) -> list[int]:
+        """What the engine would make of a prompt or chat, computed on a worker thread (it reads the tokenizer
+        only, as the intake thread does). Raises ValueError naming the field."""
+        return await asyncio.to_thread(self.engine.prompt_token_ids, prompt, messages)
+
     async def model_info(self) -> dict:
         """The engine's model_info(), read on the engine thread between steps."""
         return await self._query(QueryKind.MODEL_INFO)

@@ -25,6 +25,8 @@ _ENGINE_FLAGS = [
     ("--reranker", str, None, "cross-encoder directory (default: the LLM scores pairs, see --rerank-mode)"),
     ("--rerank-mode", str, None, "likelihood | judge | cross-encoder: how rerank pairs are scored (default: "
                                  "cross-encoder with --reranker, else likelihood)"),
+    ("--chat-template", str, None, "a Jinja chat template, or the path of a file holding one, replacing the "
+                                   "model's (or giving a base model one)"),
     ("--device", str, None, "cpu | cuda | cuda:N"),
     ("--dtype", str, None, "float32 | float16 | bfloat16; given without --quantization, the dense weights are "
                            "served in it"),
@@ -82,6 +84,11 @@ _SERVER_FLAGS = [
     ("--max-concurrent-streams", int, None, "calls one connection may have open at once (default: grpc's)"),
     ("--metrics-port", int, 9464, "Prometheus /metrics port on --host (-1: off, 0: any free port)"),
     ("--replica", str, None, "name sent as x-tandem-replica (default host:port)"),
+    ("--served-model-name", "names", None, "the model's names in requests and /v1/models (the first is echoed "
+                                           "when a request names none; default: the GGUF file's stem or the "
+                                           "directory's name)"),
+    ("--strict-model-names", "switch", None, "refuse a rerank naming a model not served (default: the one "
+                                             "reranker scores it, as TEI does)"),
     ("--log-level", str, "INFO", "logging level (DEBUG also prints the traceback of a start-up failure)"),
 ]
 _ALIASES = {"--num-threads": ("--threads",)}
@@ -116,7 +123,13 @@ def parse_switch(text: str) -> bool:
     return value in ("1", "true", "yes", "on")
 
 
-_CONVERTERS = {"bytes": parse_bytes, "scoped tokens": parse_scoped_tokens, "switch": parse_switch}
+def parse_names(text: str) -> list[str]:
+    """'a,b' -> ['a', 'b'] (one flag value, or TANDEM_SERVED_MODEL_NAME)."""
+    return [name.strip() for name in str(text).split(",") if name.strip()]
+
+
+_CONVERTERS = {"bytes": parse_bytes, "scoped tokens": parse_scoped_tokens, "switch": parse_switch,
+               "names": parse_names}
 
 
 def _env_name(flag: str) -> str:
@@ -130,7 +143,7 @@ def _add_flags(p: argparse.ArgumentParser, flags: list) -> None:
         # A string default is converted by argparse only when this command is parsed and the flag is not
         # given, so a malformed variable is a usage error of `tandem serve` (not a crash of every command).
         # A switch given bare is on; `--flag false` (or its variable set to 0/false/no/off) is off.
-        extra = dict(nargs="?", const=True) if kind == "switch" else {}
+        extra = dict(nargs="?", const=True) if kind == "switch" else dict(nargs="+") if kind == "names" else {}
         p.add_argument(flag, *_ALIASES.get(flag, ()), type=_CONVERTERS.get(kind, kind),
                        default=value if value is not None else default, help=f"{help_text} (env {env})", **extra)
 
@@ -159,11 +172,20 @@ def build_server_config(args: argparse.Namespace):
                   max_stream_buffer_bytes=args.max_stream_buffer_bytes, keepalive_time_s=args.keepalive_time,
                   keepalive_timeout_s=args.keepalive_timeout, max_connection_idle_s=args.max_connection_idle,
                   max_connection_age_s=args.max_connection_age, max_concurrent_streams=args.max_concurrent_streams,
-                  http_port=args.http_port)
+                  http_port=args.http_port, strict_model_names=args.strict_model_names,
+                  served_model_names=_names(args.served_model_name))
     fields = {name: value for name, value in fields.items() if value is not None}
     if fields.get("http_port") == 0:  # on the command line 0 turns HTTP off (ServerConfig's 0: any free port)
         fields["http_port"] = None
     return ServerConfig(**fields)
+
+
+def _names(value) -> tuple[str, ...] | None:
+    """--served-model-name a b,c (each value a list) or its variable (one string) -> ('a', 'b', 'c')."""
+    if value is None:
+        return None
+    values = [value] if isinstance(value, str) else value
+    return tuple(name for item in values for name in (parse_names(item) if isinstance(item, str) else item))
 
 
 def build_engine_config(args: argparse.Namespace):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.core import DEFAULT_MAX_BUFFER_BYTES, Limits
+from service.core import DEFAULT_MAX_BUFFER_BYTES, Limits, Names
 
 
 @dataclass(slots=True)
@@ -43,6 +43,9 @@ class ServerConfig:
     # ephemeral port (on the command line, --http-port 0 means off). It shares TLS, bearer tokens,
     # max_message_bytes (its body limit), max_documents and max_stream_buffer_bytes with gRPC.
     http_port: int | None = 8000
+    # What a request's `model` may say (service/core.py Names): --served-model-name, --strict-model-names.
+    served_model_names: tuple[str, ...] = ()
+    strict_model_names: bool = False
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -61,9 +64,15 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0 or None, got {value}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must be in [0, 65535] or None, got {self.http_port}")
+        if any(not name or name != name.strip() for name in self.served_model_names):
+            raise ValueError(f"served model names must be non-empty, without surrounding spaces: "
+                             f"{list(self.served_model_names)}")
         for token, methods in self.auth_scoped_tokens.items():
             if not token or not methods:
                 raise ValueError("each scoped auth token needs a non-empty token and at least one method")
+
+    def names(self) -> Names:
+        return Names(served=tuple(self.served_model_names), strict=self.strict_model_names)
 
     def limits(self) -> Limits:
         """What one request may ask for, through either door."""

@@ -45,6 +45,20 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True)
+class Names:
+    """What a request's `model` may say. `served`: the names to answer to (`--served-model-name`; the first is the
+    one responses echo when a request names none); empty: the model's short id (the GGUF file's stem, the Hugging
+    Face directory's name, the embedded model's name). A rerank naming another model is scored by the one reranker
+    anyway (as TEI does) unless `strict`."""
+    served: tuple[str, ...] = ()
+    strict: bool = False
+
+
+# OpenAI's chat roles; the chat template decides what it makes of each.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
     """What this replica serves (gRPC ModelInfo, HTTP /v1/models)."""
     model: str = ""
@@ -222,34 +236,43 @@ class CoreAPI:
     """generate / rerank / abort / tokenize / model_info over a started EngineBridge."""
 
     def __init__(self, bridge: "EngineBridge", limits: Limits, info: ModelInfo, token_texts: TokenTexts,
-                 tokenizer: Any) -> None:
+                 tokenizer: Any, names: Names = Names(), aliases: tuple[str, ...] = ()) -> None:
         self.bridge = bridge
         self.limits = limits
         self.info = info
         self.token_texts = token_texts  # each token id's text and bytes (OpenAI logprobs)
         self._tokenizer = tokenizer  # read-only here, on worker threads
-        self._names = {"", *info.served_names}
+        self._strict = names.strict
+        self._accepted = {"", *info.served_names, *aliases}
 
     @classmethod
-    async def load(cls, bridge: "EngineBridge", limits: Limits) -> "CoreAPI":
+    async def load(cls, bridge: "EngineBridge", limits: Limits, names: Names = Names()) -> "CoreAPI":
         """Ask the engine what it serves; build the token texts on a worker thread."""
         engine_info = await bridge.model_info()
         tokenizer = bridge.engine.tokenizer
         texts = await asyncio.to_thread(build_token_texts, tokenizer, engine_info["vocab_size"])
-        names = sorted({engine_info["model"], os.path.basename(str(engine_info.get("model_dir", "")))} - {""})
+        given = str(engine_info["model"])  # the path as the operator gave it (or the embedded model's name)
+        served = tuple(dict.fromkeys(names.served)) or (short_name(given),)
         known = {f.name for f in fields(ModelInfo)}
-        info = ModelInfo(**{k: v for k, v in engine_info.items() if k in known and k != "served_names"},
-                         served_names=tuple(names), max_waiting=bridge.max_waiting,
+        info = ModelInfo(**{k: v for k, v in engine_info.items() if k in known and k not in ("model", "served_names")},
+                         model=served[0], served_names=served, max_waiting=bridge.max_waiting,
                          max_documents=limits.max_documents, max_message_bytes=limits.max_message_bytes)
-        return cls(bridge, limits, info, texts, tokenizer)
+        # Without --served-model-name the path as given still names the model (clients written against it keep
+        # working); it is not listed.
+        return cls(bridge, limits, info, texts, tokenizer, names, aliases=() if names.served else (given,))
 
     # ---- checks that need no engine --------------------------------------------------------------
 
     def check_model(self, model: str) -> None:
-        if model not in self._names:
+        if model not in self._accepted:
             raise ServiceError(grpc.StatusCode.NOT_FOUND,
                                f"model {model!r} is not served by this replica; it serves "
                                f"{list(self.info.served_names)} (leave model empty for the default)")
+
+    def _check_reranker(self, model: str) -> None:
+        """One reranker is served: a request naming another is scored by it anyway, unless names are strict."""
+        if self._strict:
+            self.check_model(model)
 
     def model_name(self, model: str) -> str:
         """The name a response echoes: the one the client gave, else the served model's."""
@@ -283,6 +306,8 @@ class CoreAPI:
         for i, m in enumerate(inp.messages or ()):
             if not m.get("role"):
                 raise invalid(f"messages[{i}].role must not be empty (e.g. 'system', 'user', 'assistant')")
+            if m["role"] not in CHAT_ROLES:
+                raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m['role']!r}")
 
     def abort(self, engine_id: str) -> None:
         self.bridge.abort(engine_id)
@@ -291,7 +316,7 @@ class CoreAPI:
 
     async def rerank(self, inp: RerankInput, metadata: dict[str, str]) -> RerankOutcome:
         """Score inp's documents; raises ServiceError. Cancelling the await aborts the engine job."""
-        self.check_model(inp.model)
+        self._check_reranker(inp.model)
         if len(inp.documents) > self.limits.max_documents:
             raise invalid(f"documents has {len(inp.documents)} items; this server takes at most "
                           f"{self.limits.max_documents} per request (--max-documents); split the request")
@@ -320,9 +345,29 @@ class CoreAPI:
 
     # ---- tokens ----------------------------------------------------------------------------------
 
-    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return await asyncio.to_thread(lambda: list(self._tokenizer(
-            text, add_special_tokens=add_special_tokens)["input_ids"]))
+    async def tokenize(self, *, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
+                       add_special_tokens: bool = True, model: str = "") -> list[int]:
+        """A prompt's token ids (as a generation would have them), or a chat's as the chat template renders it for
+        a reply; on a worker thread. Raises ServiceError."""
+        self.check_model(model)
+        for i, m in enumerate(messages or ()):
+            if m.get("role") not in CHAT_ROLES:
+                raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m.get('role')!r}")
+        try:
+            if prompt is not None and not add_special_tokens:
+                if not prompt:
+                    raise ValueError("prompt must not be empty")
+                return await asyncio.to_thread(_plain_ids, self._tokenizer, prompt)
+            return await self.bridge.prompt_token_ids(prompt, messages)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+
+    async def detokenize(self, token_ids: list[int], *, model: str = "") -> str:
+        self.check_model(model)
+        vocab = self.info.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise invalid(f"tokens must be token ids in [0, {vocab})")
+        return await asyncio.to_thread(self._tokenizer.decode, token_ids)
 
     async def stats(self) -> dict:
         return await self.bridge.stats()
@@ -344,6 +389,18 @@ class CoreAPI:
         self.bridge.abort_all()
 
 
+def short_name(model: str) -> str:
+    """A model's default id: a GGUF file's stem, a directory's name, the embedded model's name."""
+    if model.endswith(EMBEDDED_SUFFIX):
+        return model[:-len(EMBEDDED_SUFFIX)]
+    path = model.rstrip("/")
+    name = os.path.basename(path) or path
+    return name[:-len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+EMBEDDED_SUFFIX = " (embedded)"  # how engine.model_info() names the embedded model
+
+
 def json_schema(text: str, where: str) -> dict:
     """A schema given as JSON text (gRPC's json_schema, HTTP's guided_json string): it must parse and be an
     object. Raises ValueError naming `where`."""
@@ -358,9 +415,13 @@ def json_schema(text: str, where: str) -> dict:
     return schema
 
 
+def _plain_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def _first_tokens(tokenizer, texts: list[str], limit: int) -> list[str]:
     return [tokenizer.decode(tokenizer(t, add_special_tokens=False)["input_ids"][:limit]) for t in texts]
 
 
-__all__ = ["CoreAPI", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo", "RerankInput",
-           "RerankOutcome", "Usage", "json_schema"]
+__all__ = ["CHAT_ROLES", "CoreAPI", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
+           "Names", "RerankInput", "RerankOutcome", "Usage", "json_schema", "short_name"]

@@ -32,7 +32,8 @@ refuses). Tests: tests/service/test_errors.py walks this table.
 | logit_bias id < 0 / >= the vocabulary, bias outside [-100, 100] | INVALID_ARGUMENT | `logit_bias keys must be token ids ...` / `logit_bias token ids must be in [0, V)` / `logit_bias values must be ...` |
 | response_format.json_schema not JSON / not an object   | INVALID_ARGUMENT   | `response_format.json_schema is not valid JSON: ...`             |
 | a schema or regex the grammar library cannot compile, an empty choice | INVALID_ARGUMENT | `structured_outputs.json is not a usable JSON schema: ...` / `structured_outputs.regex is not a usable regular expression: ...` / `structured_outputs.choice must be ...` (at submission, never a failed step) |
-| model names something this replica does not serve      | NOT_FOUND          | `model 'X' is not served by this replica; it serves [...]`       |
+| model names something this replica does not serve (a rerank: only with --strict-model-names; else the one reranker scores it) | NOT_FOUND | `model 'X' is not served by this replica; it serves [...]` |
+| chat message whose role is not system, user, assistant, tool or developer | INVALID_ARGUMENT | `messages[i].role must be one of system, user, assistant, tool, developer; got 'X'` |
 | empty rerank query                                     | INVALID_ARGUMENT   | `query must be a non-empty string`                               |
 | zero documents                                         | INVALID_ARGUMENT   | `documents must be a non-empty list of strings`                  |
 | more documents than --max-documents                    | INVALID_ARGUMENT   | `documents has N items; this server takes at most M per request` |

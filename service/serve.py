@@ -40,7 +40,7 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     hooks = (*hooks, metrics) + ((tracing,) if tracing else ())
     bridge = EngineBridge(engine, max_waiting=max_waiting, hooks=hooks)
     bridge.start()
-    core = await CoreAPI.load(bridge, server_config.limits())
+    core = await CoreAPI.load(bridge, server_config.limits(), server_config.names())
     server = TandemServer(core, server_config)
     http = _serve_metrics(metrics, server_config.host, metrics_port, lambda: server.serving)
     try:

@@ -8,13 +8,17 @@ API the gRPC door calls too); its outputs come back in each API's shape. No prot
 | GET  /v1/models[/{model}]    | OpenAI  | ModelInfo           |
 | POST /v1/rerank, /v2/rerank  | Cohere  | Rerank              |
 | POST /rerank                 | TEI     | Rerank              |
-| GET  /health, /ready, /metrics | plain | open (as gRPC health) |
+| POST /tokenize, /detokenize  | vLLM    | ModelInfo           |
+| GET  /info                   | TEI     | ModelInfo           |
+| GET  /version, /openapi.json, /docs | plain | open         |
+| GET  /health, /healthz, /ready, /metrics | plain | open (as gRPC health) |
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import functools
+import importlib.metadata
 import logging
 import time
 from dataclasses import dataclass
@@ -24,17 +28,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from service.auth import TokenTable
 from service.core import CoreAPI, GenerateEvent, GenerateInput, GenerationStream, RerankInput, RerankOutcome
 from service.errors import ServiceError
-from service.http import openai_schema, rerank_schema
+from service.http import openai_schema, openapi, rerank_schema, tokens_schema
 from service.http.errors import HttpError, Shape
 from service.http.openai_output import Completion
 
 log = logging.getLogger("tandem.http")
+try:
+    VERSION = importlib.metadata.version("tandem")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    VERSION = "0+unknown"
 _FORWARDED_HEADERS = ("traceparent", "tracestate", "x-tandem-prefix")
 _METHOD = "/tandem.v1.Tandem/"
 
@@ -85,6 +93,8 @@ def build_app(door: Door) -> Starlette:
     def route(path: str, handler, shape: Shape, methods: list[str]) -> Route:
         async def endpoint(request: Request) -> Response:
             try:
+                if request.method == "POST":
+                    _check_json(request)
                 return await handler(door, request)
             except HttpError as exc:
                 return _error(exc, shape)
@@ -100,6 +110,7 @@ def build_app(door: Door) -> Starlette:
                 return _error(HttpError(500, f"internal error ({type(exc).__name__}); see the server log"), shape)
         return Route(path, endpoint, methods=methods)
 
+    document = openapi.openapi_document(VERSION)
     routes = [route("/v1/chat/completions", _chat, Shape.OPENAI, ["POST"]),
               route("/v1/completions", _completions, Shape.OPENAI, ["POST"]),
               route("/v1/models", _models, Shape.OPENAI, ["GET"]),
@@ -107,7 +118,14 @@ def build_app(door: Door) -> Starlette:
               route("/v1/rerank", _cohere_v1, Shape.COHERE, ["POST"]),
               route("/v2/rerank", _cohere_v2, Shape.COHERE, ["POST"]),
               route("/rerank", _tei, Shape.TEI, ["POST"]),
+              route("/tokenize", _tokenize, Shape.OPENAI, ["POST"]),
+              route("/detokenize", _detokenize, Shape.OPENAI, ["POST"]),
+              route("/info", _tei_info, Shape.TEI, ["GET"]),
+              Route("/version", _version, methods=["GET"]),
+              Route("/openapi.json", lambda request: JSONResponse(document), methods=["GET"]),
+              Route("/docs", lambda request: HTMLResponse(openapi.docs_page(document)), methods=["GET"]),
               Route("/health", _health, methods=["GET"]),
+              Route("/healthz", functools.partial(_ready, door), methods=["GET"]),
               Route("/ready", functools.partial(_ready, door), methods=["GET"]),
               Route("/metrics", functools.partial(_metrics, door), methods=["GET"])]
 
@@ -118,6 +136,17 @@ def build_app(door: Door) -> Starlette:
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     return _BodyLimit(app, door.max_body_bytes, door.replica)
+
+
+def _check_json(request: Request) -> None:
+    """415 for a body declared as anything but JSON (no Content-Type at all is read as JSON)."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise HttpError(415, f"the body must be JSON (Content-Type: application/json), got {declared!r}",
+                        code="unsupported_media_type")
 
 
 def _error(exc: HttpError, shape: Shape) -> Response:
@@ -259,6 +288,33 @@ async def _tei(door: Door, request: Request) -> Response:
     door.authorize(request, "Rerank")
     body = openai_schema.parse(rerank_schema.TeiRerank, await request.body())
     return JSONResponse(rerank_schema.tei_response(await _rerank(door, request, body.to_input())))
+
+
+# ---- tokens, version, info -----------------------------------------------------------------------
+
+async def _tokenize(door: Door, request: Request) -> Response:
+    door.authorize(request, "ModelInfo")
+    body = openai_schema.parse(tokens_schema.TokenizeRequest, await request.body()).checked()
+    ids = await door.core.tokenize(prompt=body.prompt, messages=body.chat(),
+                                   add_special_tokens=body.add_special_tokens, model=body.model)
+    return JSONResponse({"count": len(ids), "max_model_len": door.core.info.max_model_len, "tokens": ids,
+                         "token_strs": None})
+
+
+async def _detokenize(door: Door, request: Request) -> Response:
+    door.authorize(request, "ModelInfo")
+    body = openai_schema.parse(tokens_schema.DetokenizeRequest, await request.body())
+    openai_schema.refuse_extras(body)
+    return JSONResponse({"prompt": await door.core.detokenize(body.tokens, model=body.model)})
+
+
+async def _tei_info(door: Door, request: Request) -> Response:
+    door.authorize(request, "ModelInfo")
+    return JSONResponse(tokens_schema.tei_info(door.core.info, VERSION))
+
+
+async def _version(request: Request) -> Response:
+    return JSONResponse({"version": VERSION})
 
 
 # ---- models, health, metrics ---------------------------------------------------------------------

@@ -45,7 +45,7 @@ class ServerThread:
 
     async def _start_bridge(self, config: ServerConfig) -> CoreAPI:
         self.bridge.start()
-        return await CoreAPI.load(self.bridge, config.limits())
+        return await CoreAPI.load(self.bridge, config.limits(), config.names())
 
     def call(self, coro) -> concurrent.futures.Future:
         """Run a coroutine on the server's loop."""

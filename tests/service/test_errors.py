@@ -83,8 +83,9 @@ CASES = [
     Case("document too long with truncate NONE", INVALID, "documents[0] with the query is",
          rerank=pb.RerankRequest(query="q", documents=["word " * (MAX_MODEL_LEN + 100)],
                                  truncate=pb.TRUNCATE_NONE)),
-    Case("rerank with an unknown model", NOT_FOUND, "model 'bert' is not served",
-         rerank=pb.RerankRequest(query="q", documents=["a"], model="bert")),
+    Case("a chat role no API knows", INVALID, "messages[0].role must be one of system, user, assistant, tool, "
+         "developer; got 'wizard'", stream=[_gen(prompt=None, messages=pb.ChatMessages(
+             messages=[pb.ChatMessage(role="wizard", content="hi")]))]),
     Case("oversize message", grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max",
          rerank=pb.RerankRequest(query="q", documents=["x" * (MAX_MESSAGE_BYTES + 1)])),
 ]
