@@ -27,7 +27,7 @@ Request = Generation | RerankJob
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, admission: AdmissionPolicy | None = None) -> None:
         """`admission`: how a step's leftover budget goes to prompts and rerank pairs (engine/admission.py); None:
-        the policy the config names (tpot_target_ms, else rerank_share)."""
+        the policy the config names (tpot_target_ms, else rerank_share; engine/builder.py resolves it)."""
         self.config = config = config or EngineConfig()
         parts = build_engine_parts(config, admission)
         self.model_dir = parts.model_dir
@@ -38,6 +38,7 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.pool = parts.pool
         self.kv = parts.kv
+        self.admission = parts.admission
         self.scheduler = parts.scheduler
         self.scorer = parts.scorer
         self.runner = parts.runner
@@ -170,7 +171,7 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = start
         outputs, self._pending = self._pending, []
-        predicted = self.scheduler.policy.predict(batch) if batch.seqs else None
+        predicted = self.admission.predict(batch) if batch.seqs else None
         forward_s = 0.0
         if batch.seqs:
             try:
@@ -289,7 +290,7 @@ class LLMEngine:
         return outputs
 
     def _emit_record(self, batch: Batch, start: float, forward_s: float, predicted_s: float | None) -> None:
-        policy = self.scheduler.policy
+        policy = self.admission
         if not self._observers and not policy.observes_steps:
             return
         record = StepRecord(
