@@ -13,7 +13,7 @@ from engine.intake import Generation, RequestIntake
 from engine.detokenizer import TextStream
 from engine.outputs import Logprobs, StepOutput, StepRecord
 from engine.rerank import RerankJob
-from engine.request import Sequence, SequenceStatus, SeqKind
+from engine.request import FinishReason, Sequence, SequenceStatus, SeqKind
 from engine.runner import RunnerOutput
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class LLMEngine:
             if not seq.status.finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         if isinstance(req, RerankJob):
-            self._pending.append(_final_output(req, "abort"))
+            self._pending.append(_final_output(req, FinishReason.ABORT))
         else:
             self._pending.extend(_abort_outputs(req))
         return True
@@ -216,7 +216,7 @@ class LLMEngine:
                 job.remaining -= 1
                 if not job.remaining:
                     del self._requests[job.request_id]
-                    outputs.append(_final_output(job, "stop"))
+                    outputs.append(_final_output(job, FinishReason.STOP))
                 continue
             if token is None or seq.status is not SequenceStatus.RUNNING or seq in finished:
                 continue
@@ -261,7 +261,7 @@ class LLMEngine:
             if not s.status.finished:
                 finished[s] = SequenceStatus.FINISHED_ERROR
         del self._requests[gen.request_id]
-        out.finish_reason, out.error = "error", message
+        out.finish_reason, out.error = FinishReason.ERROR, message
         _close(out, gen)
         return out
 
@@ -286,7 +286,7 @@ class LLMEngine:
             for s in _seqs_of(req):
                 if not s.status.finished:
                     self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
-            outputs.append(_final_output(req, "error", message))
+            outputs.append(_final_output(req, FinishReason.ERROR, message))
         return outputs
 
     def _emit_record(self, batch: Batch, start: float, forward_s: float, predicted_s: float | None) -> None:
@@ -365,20 +365,20 @@ def _abort_outputs(gen: Generation) -> list[StepOutput]:
         if reason is not None:
             continue
         outs.append(StepOutput(request_id=gen.request_id, kind=SeqKind.GENERATE, text=stream.finish(),
-                               finish_reason="abort", index=seq.index, prompt_tokens=gen.seq.num_prompt_tokens,
+                               finish_reason=FinishReason.ABORT, index=seq.index, prompt_tokens=gen.seq.num_prompt_tokens,
                                cached_tokens=gen.seq.num_cached_tokens, completion_tokens=gen.completion_tokens,
                                first_token_time=gen.first_token_time, arrival_time=gen.seq.arrival_time))
     _close(outs[-1], gen)
     return outs
 
 
-def _final_output(req: Request, reason: str, error: str | None = None) -> StepOutput:
+def _final_output(req: Request, reason: FinishReason, error: str | None = None) -> StepOutput:
     if isinstance(req, RerankJob):
         started = [p.first_scheduled_time for p in req.pairs if p.first_scheduled_time is not None]
         return StepOutput(request_id=req.request_id, kind=SeqKind.RERANK, finished=True, finish_reason=reason,
-                          error=error, scores=list(req.scores) if reason == "stop" else None,
-                          document_tokens=list(req.document_tokens) if reason == "stop" else None,
-                          truncated=list(req.truncated) if reason == "stop" else None,
+                          error=error, scores=list(req.scores) if reason is FinishReason.STOP else None,
+                          document_tokens=list(req.document_tokens) if reason is FinishReason.STOP else None,
+                          truncated=list(req.truncated) if reason is FinishReason.STOP else None,
                           prompt_tokens=req.prompt_tokens, cached_tokens=req.cached_tokens,
                           arrival_time=req.arrival_time,
                           queue_time_s=min(started) - req.arrival_time if started else None)

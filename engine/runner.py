@@ -182,7 +182,7 @@ class ModelRunner:
         `tops_out`. The LM head runs on those rows only, never on the whole batch."""
         values: list[float] = []
         tops: list[dict[int, float] | None] = []
-        ks = [getattr(seqs[owner], "num_prompt_logprobs", None) for owner in prepared.logprob_owners]
+        ks = [seqs[owner].num_prompt_logprobs for owner in prepared.logprob_owners]
         for lo in range(0, len(prepared.logprob_rows), self.LOGPROB_CHUNK):
             rows = prepared.logprob_rows[lo:lo + self.LOGPROB_CHUNK]
             chunk_targets = prepared.logprob_targets[lo:lo + self.LOGPROB_CHUNK]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
-from engine.config import RerankParams
+from engine.config import RerankMode, RerankParams
 from engine.rerank.pairs import PairTemplate, PairTokens
 
 if TYPE_CHECKING:
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 class PairScorer(ABC):
     """A rerank mode, chosen once when the engine is built and handed to the model runner."""
-    mode: ClassVar[str]
+    mode: ClassVar[RerankMode]
     # True: pairs ride the LLM's forward in the scheduler's ragged batch and hold KV blocks while they run.
     # False: the scorer runs its own model over the pairs (a cross-encoder), no KV at all.
     runs_on_llm: ClassVar[bool] = True
