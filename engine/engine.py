@@ -190,37 +190,39 @@ class LLMEngine:
 
     def _process(self, batch: Batch, result: RunnerOutput, finished: dict[Sequence, SequenceStatus]
                  ) -> list[StepOutput]:
-        """Record the prompt log-probabilities each row computed, append each sampled token and decide there whether
-        its sequence stops, score the pairs whose last chunk ran. Fills `finished` with the sequences the scheduler
-        must let go."""
+        """Apply one step's results, the one place that does: put the prompt (span) log-probabilities each row
+        computed on its request, score the pairs whose last chunk ran, append each sampled token and decide there
+        whether its sequence stops. Fills `finished` with the sequences the scheduler must let go; its update() then
+        advances every row's computed tokens (num_computed_tokens is the scheduler's alone)."""
         outputs = []
         now = time.monotonic()
-        none = [None] * len(batch.seqs)
-        logprobs = getattr(result, "logprobs", None) or none
-        spans = getattr(result, "prompt_logprobs", None) or none
-        tops = getattr(result, "prompt_top_logprobs", None) or none
+        requests = self._requests
         for seq, n, token, score, lp, span, top in zip(batch.seqs, batch.num_new_tokens, result.sampled,
-                                                        result.scores, logprobs, spans, tops):
-            if span:
-                seq.prompt_logprobs.extend(span)
-            if top:
-                seq.prompt_top_logprobs.extend(top)
+                                                        result.scores, result.logprobs, result.prompt_logprobs,
+                                                        result.prompt_top_logprobs):
             if seq.kind is SeqKind.RERANK:
+                job = requests[seq.request_id]
+                index = seq.pair.index
+                if span:
+                    _put_span(job.span_logprobs[index], seq, span)
                 if seq.num_computed_tokens + n < seq.num_tokens:
                     continue  # a chunk of a pair: scored when its last chunk runs
-                if score is None:
-                    score = self.scorer.span_score(seq.prompt_logprobs)
                 finished[seq] = SequenceStatus.FINISHED_STOPPED
-                job = self._requests[seq.request_id]
-                job.scores[seq.pair.index] = score
+                job.scores[index] = self.scorer.pair_score(score, job.span_logprobs[index])
                 job.remaining -= 1
                 if not job.remaining:
-                    del self._requests[job.request_id]
+                    del requests[job.request_id]
                     outputs.append(_final_output(job, FinishReason.STOP))
                 continue
-            if token is None or seq.status is not SequenceStatus.RUNNING or seq in finished:
-                continue
-            outputs.append(self._append(self._requests[seq.request_id], seq, token, lp, now, finished))
+            if seq.status is not SequenceStatus.RUNNING or seq in finished:
+                continue  # its request failed earlier in this step
+            gen = requests[seq.request_id]
+            if span:
+                _put_span(gen.prompt_logprobs, seq, span)
+                if top:
+                    _put_span(gen.prompt_top_logprobs, seq, top)
+            if token is not None:
+                outputs.append(self._append(gen, seq, token, lp, now, finished))
         return outputs
 
     def _append(self, gen: Generation, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float,
@@ -237,7 +239,7 @@ class LLMEngine:
             out.logprobs = [logprobs if logprobs is not None else {}]
         if not gen.sent_first:
             gen.sent_first = True
-            out.prompt_logprobs = _prompt_logprobs(gen.seq)
+            out.prompt_logprobs = _prompt_logprobs(gen)
         if seq.grammar is not None and not seq.grammar.accept(token):
             return self._fail_request(gen, out, f"structured output: the grammar rejected token {token}", finished)
         status = self._stop_status(seq, token, stream)
@@ -344,14 +346,22 @@ def _queue_time(seq: Sequence) -> float | None:
     return seq.first_scheduled_time - seq.arrival_time if seq.first_scheduled_time is not None else None
 
 
-def _prompt_logprobs(seq: Sequence) -> list[Logprobs | None] | None:
+def _put_span(acc: list, seq: Sequence, span: list) -> None:
+    """Put the log-probabilities (or top alternatives) a row's chunk computed for positions logprob_start.. in their
+    place in `acc`, the request's: a chunk that starts over (a preempted sequence recomputing) replaces the rest."""
+    first = seq.logprob_start - 1  # the position whose hidden state predicts the first scored token
+    acc[max(seq.num_computed_tokens - first, 0):] = span
+
+
+def _prompt_logprobs(gen: Generation) -> list[Logprobs | None] | None:
     """One entry per prompt token: None for the first, then the prompt token's raw log-probability followed by the
     top alternatives the runner found (the prompt token is there even when it is not among them)."""
+    seq = gen.seq
     if seq.num_prompt_logprobs is None:
         return None
-    tops = seq.prompt_top_logprobs
+    tops = gen.prompt_top_logprobs
     out: list[Logprobs | None] = [None]
-    for j, value in enumerate(seq.prompt_logprobs):
+    for j, value in enumerate(gen.prompt_logprobs):
         token = seq.token_ids[j + 1]
         top = tops[j] if j < len(tops) else {}
         out.append({token: value, **{t: v for t, v in top.items() if t != token}})

@@ -31,6 +31,10 @@ class Generation:
     first_token_time: float | None = None  # of the request: its first token of any completion
     sent_first: bool = False  # the request's first output went out (it carries prompt_logprobs)
     finish_reasons: list[FinishReason | None] = field(default_factory=list)
+    # With prompt_logprobs: completion 0's prompt token log-probabilities from position 1 on, as its chunks compute
+    # them, and per position the top alternatives (token id -> raw log-probability).
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
     @property
     def seq(self) -> Sequence:
@@ -118,7 +122,8 @@ class RequestIntake:
         if any(not isinstance(d, str) for d in documents):
             raise ValueError("documents must all be strings")
         job = RerankJob(request_id, query, list(documents), params, arrival_time=time.monotonic(),
-                        scores=[None] * len(documents), remaining=len(documents))
+                        scores=[None] * len(documents), remaining=len(documents),
+                        span_logprobs=[[] for _ in documents])
         scorer = self.scorer
         limit, limit_by = self.rerank_limit()
         pairs, shared = scorer.pairs(query, job.documents, params, limit, limit_by)

@@ -216,6 +216,7 @@ class Scheduler:
             if seq.uses_kv and not self.kv.allocate(seq, n, prefix, reserve=self.watermark if self.running else 0):
                 break
             queue.pop(seq)
+            seq.num_computed_tokens = prefix.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = prefix.num_tokens
             batch.num_cached_tokens += prefix.num_tokens
@@ -241,8 +242,6 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
-        seq.prompt_logprobs.clear()  # recomputed with the prompt
-        seq.prompt_top_logprobs.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(seq)

@@ -38,5 +38,5 @@ class LikelihoodScorer(PairScorer):
     def score(self, pairs: list[Sequence], last_hidden: torch.Tensor | None) -> list[float]:
         raise NotImplementedError("query likelihood scores a pair from its span: span_score")
 
-    def span_score(self, logprobs: list[float]) -> float:
-        return math.exp(sum(logprobs) / len(logprobs))
+    def pair_score(self, last: float | None, span: list[float]) -> float:
+        return math.exp(sum(span) / len(span))
