@@ -375,7 +375,8 @@ def _abort_outputs(gen: Generation) -> list[StepOutput]:
         if reason is not None:
             continue
         outs.append(StepOutput(request_id=gen.request_id, kind=SeqKind.GENERATE, text=stream.finish(),
-                               finish_reason=FinishReason.ABORT, index=seq.index, prompt_tokens=gen.seq.num_prompt_tokens,
+                               finish_reason=FinishReason.ABORT, index=seq.index,
+                               prompt_tokens=gen.seq.num_prompt_tokens,
                                cached_tokens=gen.seq.num_cached_tokens, completion_tokens=gen.completion_tokens,
                                first_token_time=gen.first_token_time, arrival_time=gen.seq.arrival_time))
     _close(outs[-1], gen)
