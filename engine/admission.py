@@ -2,70 +2,76 @@
 between waiting prompts and waiting rerank pairs. The scheduler is given one; it never hard-wires a split."""
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from engine.batch import Batch
 from engine.config import EngineConfig
-from engine.step_time import CROSS_ENCODER, LLM_RERANK, PREFILL, OnlineStepTime, StepShape
+from engine.step_time import OnlineStepTime, StepShape, TokenKind
 
 if TYPE_CHECKING:
     from engine.outputs import StepRecord
     from engine.request import Sequence
     from engine.step_time import LinearStepTime
 
-# admit(max_tokens, max_seats) -> tokens admitted; None: no limit but the step's own
-Admit = Callable[[int | None, int | None], int]
-Peek = Callable[[], "Sequence | None"]
 
+class AdmissionQueues(Protocol):
+    """The scheduler's side of one step's admissions: its two wait queues (rerank pairs part-way through count as
+    the rerank queue's) and the batch they admit into. Each admit call takes from the head of its queue (priority,
+    then FIFO) while `max_tokens` tokens and `max_seats` new seats (None: no limit) last; returns tokens admitted."""
 
-def _nobody() -> None:
-    return None
+    def admit_generation(self, max_tokens: int, max_seats: int | None) -> int: ...
+
+    def admit_rerank(self, max_tokens: int, max_seats: int | None) -> int: ...
+
+    def generation_head(self) -> "Sequence | None": ...
+
+    def rerank_head(self) -> "Sequence | None": ...
 
 
 @dataclass(slots=True)
 class AdmissionStep:
-    """What a policy sees of one step, and the two calls it makes. Each admit call takes from the head of its
-    queue (priority, then FIFO) while the tokens and seats last, and lowers `budget` by what it admitted."""
+    """What a policy sees of one step, and the queues it admits from. admit_generation / admit_rerank lower
+    `budget` by what they admitted."""
     batch: Batch  # decodes and prefill chunks already scheduled this step
     budget: int  # tokens left in this step
     free_seats: int  # sequences that may still join the running set
     generation_waiting: int
     rerank_waiting: int
     rerank_head_tokens: int  # tokens of the rerank pair that would be admitted next (0: none)
-    _admit_generation: Admit = field(repr=False)
-    _admit_rerank: Admit = field(repr=False)
-    _peek_generation: Peek = field(default=_nobody, repr=False)
-    _peek_rerank: Peek = field(default=_nobody, repr=False)
+    queues: AdmissionQueues = field(repr=False)
 
     def generation_head(self) -> "Sequence | None":
         """The prompt admit_generation would take next (it changes as admissions pop the queue)."""
-        return self._peek_generation()
+        return self.queues.generation_head()
 
     def rerank_head(self) -> "Sequence | None":
         """The pair admit_rerank would take next."""
-        return self._peek_rerank()
+        return self.queues.rerank_head()
 
     def admit_generation(self, max_tokens: int | None = None, max_seats: int | None = None) -> int:
-        return self._take(self._admit_generation, max_tokens, max_seats)
+        limit = self.budget if max_tokens is None else min(max_tokens, self.budget)
+        used = self.queues.admit_generation(limit, max_seats) if limit > 0 else 0
+        self.budget -= used
+        return used
 
     def admit_rerank(self, max_tokens: int | None = None, max_seats: int | None = None) -> int:
-        return self._take(self._admit_rerank, max_tokens, max_seats)
-
-    def _take(self, admit: Admit, max_tokens: int | None, max_seats: int | None) -> int:
         limit = self.budget if max_tokens is None else min(max_tokens, self.budget)
-        used = admit(limit, max_seats) if limit > 0 else 0
+        used = self.queues.admit_rerank(limit, max_seats) if limit > 0 else 0
         self.budget -= used
         return used
 
 
-class AdmissionPolicy(ABC):
-    observes_steps = False  # True: the engine builds a StepRecord every step and hands it to observe()
+@runtime_checkable
+class AdmissionPolicy(Protocol):
+    """How a step's leftover budget and seats go to prompts and rerank pairs. The scheduler calls `prefill_budget`
+    then `admit` each step; the engine calls `predict` and, when `observes_steps`, `observe`. A policy need only
+    write `admit`: subclassing this protocol gives the rest their defaults."""
+    observes_steps: bool = False  # True: the engine builds a StepRecord every step and hands it to observe()
 
-    @abstractmethod
     def admit(self, step: AdmissionStep) -> None:
         """Admit waiting work into `step.batch` through step.admit_generation / step.admit_rerank."""
+        raise NotImplementedError
 
     def prefill_budget(self, step: AdmissionStep, continuing: list["Sequence"]) -> int:
         """Tokens the prompts already running (`continuing`, chunked prefill) may take next, of the `step.budget`
@@ -181,12 +187,12 @@ class LatencyAdmission(AdmissionPolicy):
         head = step.rerank_head()
         share = 1.0 if head is None or head.priority > urgent else 0.0 if head.priority < urgent \
             else 1.0 - self.rerank_share
-        allowed = self._tokens(step, PREFILL, self.limit_s(), share)
+        allowed = self._tokens(step, TokenKind.PREFILL, self.limit_s(), share)
         granted = min(step.budget, max(allowed, self.min_prefill_tokens))
         self._prefill_over = max(0, granted - allowed)
         return granted
 
-    def _tokens(self, step: AdmissionStep, kind: str, limit: float, share: float = 1.0) -> int:
+    def _tokens(self, step: AdmissionStep, kind: TokenKind, limit: float, share: float = 1.0) -> int:
         """Tokens of `kind` that keep the step's predicted time under `limit`, or under its `share` of the headroom."""
         shape = StepShape.of_batch(step.batch)
         if share < 1.0:
@@ -199,7 +205,8 @@ class LatencyAdmission(AdmissionPolicy):
         is `rerank_floor` x the target (at least one)."""
         shape = StepShape.of_batch(batch) if batch is not None else StepShape(decode_rows=1)
         now = self.model.predict(shape)
-        return max(1, self.model.tokens_within(shape, LLM_RERANK, now + self.rerank_floor * self.tpot_target_s))
+        limit = now + self.rerank_floor * self.tpot_target_s
+        return max(1, self.model.tokens_within(shape, TokenKind.LLM_RERANK, limit))
 
     def admit(self, step: AdmissionStep) -> None:
         waiting = step.rerank_head() is not None
@@ -214,7 +221,7 @@ class LatencyAdmission(AdmissionPolicy):
         self._admit_urgent(step, batch.min_decode_priority)
         # Prefill the floor gave running prompts beyond their share does not count against the others.
         over, self._prefill_over = min(self._prefill_over, batch.num_prefill_tokens), 0
-        limit = self.limit_s() + over * self.model.token_cost_s(PREFILL)
+        limit = self.limit_s() + over * self.model.token_cost_s(TokenKind.PREFILL)
         rerank, gen = step.rerank_head(), step.generation_head()
         if rerank is not None and gen is not None and rerank.priority != gen.priority:
             order = (self._fill_rerank, self._fill_generation) if rerank.priority < gen.priority \
@@ -246,7 +253,8 @@ class LatencyAdmission(AdmissionPolicy):
         head = step.rerank_head()
         if head is None:
             return
-        tokens = self._tokens(step, LLM_RERANK if head.uses_kv else CROSS_ENCODER, limit, share)
+        kind = TokenKind.LLM_RERANK if head.uses_kv else TokenKind.CROSS_ENCODER
+        tokens = self._tokens(step, kind, limit, share)
         if tokens:
             step.admit_rerank(tokens, seats)
         if step.batch.num_rerank_tokens:
@@ -259,7 +267,7 @@ class LatencyAdmission(AdmissionPolicy):
     def _fill_generation(self, step: AdmissionStep, limit: float) -> None:
         if step.generation_head() is None:
             return
-        tokens = self._tokens(step, PREFILL, limit)
+        tokens = self._tokens(step, TokenKind.PREFILL, limit)
         tokens = max(tokens, self.min_prefill_tokens - step.batch.num_prefill_tokens)  # the prefill floor
         if tokens > 0:
             step.admit_generation(tokens)

@@ -39,6 +39,7 @@ class EngineParts:
     max_model_len_by: str  # what sets max_model_len (the model, the config, or the KV pool), named in errors
     pool: BlockPool
     kv: KVCacheManager
+    admission: AdmissionPolicy  # the scheduler's; the engine asks it for step-time predictions and feeds it records
     scheduler: Scheduler
     scorer: PairScorer
     runner: ModelRunner
@@ -50,12 +51,17 @@ class EngineParts:
 
 
 def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None = None) -> EngineParts:
-    """`admission`: the policy the scheduler runs (None: the one config names, engine/admission.py policy_for)."""
-    policy_for(config, admission)  # checked before anything slow is loaded
+    """`admission`: the policy the scheduler runs (None: the one config names). The one place an engine's admission
+    policy is resolved (engine/admission.py policy_for), before anything slow is loaded."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     source = resolve_model(config.model)
     model_dir = source.meta_dir
+    quantization = resolve_quantization(config, source.gguf is not None)
+    # The quantized CPU matmul switches path (dequantize + GEMM) above small_m rows: a fixed cost the objective's
+    # step-time model gets as its own feature.
+    policy = policy_for(config, admission,
+                        wide_rows=quant.small_m(quant.cpu_isa()) if quantization in ("gguf", "int8") else None)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -63,11 +69,6 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
         tokenizer.chat_template = _chat_template(config.chat_template, tokenizer)
     hf_config = read_config(model_dir)
     args = DecoderArgs.from_hf_config(hf_config)
-    quantization = resolve_quantization(config, source.gguf is not None)
-    # The quantized CPU matmul switches path (dequantize + GEMM) above small_m rows: a fixed cost the objective's
-    # step-time model gets as its own feature.
-    policy = policy_for(config, admission,
-                        wide_rows=quant.small_m(quant.cpu_isa()) if quantization in ("gguf", "int8") else None)
     weights = _load_weights(source, args, quantization)
     model = build_decoder(args, weights, config.device, DTYPES[config.dtype],
                           quant.Activations(config.cpu_activations))
@@ -101,7 +102,7 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                      runner.decode_graphs.sizes, time.monotonic() - started)
     return EngineParts(model_dir=str(model_dir), tokenizer=tokenizer, hf_config=hf_config, model_args=args,
                        model=model, max_model_len=max_model_len,
-                       max_model_len_by=max_model_len_by, pool=pool, kv=kv,
+                       max_model_len_by=max_model_len_by, pool=pool, kv=kv, admission=policy,
                        scheduler=Scheduler(config, kv, policy), scorer=scorer, runner=runner,
                        eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
                        weight_bytes=weight_bytes(model), weight_format=weight_format(model),

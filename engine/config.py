@@ -2,12 +2,25 @@
 (the admission policy object is handed to the engine beside its config, engine/builder.py)."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 
-RERANK_MODES = ("likelihood", "judge", "cross-encoder")
+class RerankMode(str, enum.Enum):
+    """How rerank pairs are scored (engine/rerank/); a str, so it reads and compares as "likelihood" / ..."""
+    LIKELIHOOD = "likelihood"  # query likelihood: the default for a causal LM
+    JUDGE = "judge"  # yes/no prompt, for Qwen3-Reranker-style checkpoints
+    CROSS_ENCODER = "cross-encoder"  # a sequence classifier (reranker=DIR)
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+_RERANK_MODES = tuple(m.value for m in RerankMode)
 MAX_LOGPROBS = 20  # most alternatives `logprobs` / `prompt_logprobs` may ask for per position (as vLLM's default)
 MAX_N = 16  # most completions one request may ask for (each needs a seat among max_num_seqs)
 
@@ -21,7 +34,7 @@ class EngineConfig:
     # How pairs are scored: "likelihood" (query likelihood, the default for a causal LM), "judge" (yes/no prompt,
     # for Qwen3-Reranker-style checkpoints) or "cross-encoder" (needs reranker=DIR); None: the default for what is
     # loaded (cross-encoder when reranker is set, else likelihood).
-    rerank_mode: str | None = None
+    rerank_mode: RerankMode | None = None  # a RerankMode's value (a plain string) is taken too
     # A Jinja chat template (a file's path or the template itself) replacing the tokenizer's own, or giving a base
     # model (a GGUF without one) a template at all; None: the tokenizer's.
     chat_template: str | None = None
@@ -73,12 +86,14 @@ class EngineConfig:
             raise ValueError(f"tpot_target_ms must be a number > 0 or None, got {self.tpot_target_ms!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
-        if self.rerank_mode is not None and self.rerank_mode not in RERANK_MODES:
-            raise ValueError(f"rerank_mode must be one of {', '.join(RERANK_MODES)}, got {self.rerank_mode!r}")
-        if self.rerank_mode == "cross-encoder" and not self.reranker:
+        if self.rerank_mode is not None:
+            if self.rerank_mode not in _RERANK_MODES:
+                raise ValueError(f"rerank_mode must be one of {', '.join(_RERANK_MODES)}, got {self.rerank_mode!r}")
+            self.rerank_mode = RerankMode(self.rerank_mode)
+        if self.rerank_mode is RerankMode.CROSS_ENCODER and not self.reranker:
             raise ValueError("rerank_mode 'cross-encoder' needs reranker=DIR (a sequence-classification model)")
-        if self.reranker and self.rerank_mode not in (None, "cross-encoder"):
-            raise ValueError(f"reranker={self.reranker!r} is a cross-encoder; rerank_mode {self.rerank_mode!r} "
+        if self.reranker and self.rerank_mode not in (None, RerankMode.CROSS_ENCODER):
+            raise ValueError(f"reranker={self.reranker!r} is a cross-encoder; rerank_mode {self.rerank_mode.value!r} "
                              "scores with the LLM: leave one of them unset")
         if self.cpu_activations not in ("float32", "int8"):
             raise ValueError(f"cpu_activations must be 'float32' or 'int8', got {self.cpu_activations!r}")

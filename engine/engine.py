@@ -13,7 +13,7 @@ from engine.intake import Generation, RequestIntake
 from engine.detokenizer import TextStream
 from engine.outputs import Logprobs, StepOutput, StepRecord
 from engine.rerank import RerankJob
-from engine.request import Sequence, SequenceStatus, SeqKind
+from engine.request import FinishReason, Sequence, SequenceStatus, SeqKind
 from engine.runner import RunnerOutput
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ Request = Generation | RerankJob
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, admission: AdmissionPolicy | None = None) -> None:
         """`admission`: how a step's leftover budget goes to prompts and rerank pairs (engine/admission.py); None:
-        the policy the config names (tpot_target_ms, else rerank_share)."""
+        the policy the config names (tpot_target_ms, else rerank_share; engine/builder.py resolves it)."""
         self.config = config = config or EngineConfig()
         parts = build_engine_parts(config, admission)
         self.model_dir = parts.model_dir
@@ -38,6 +38,7 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.pool = parts.pool
         self.kv = parts.kv
+        self.admission = parts.admission
         self.scheduler = parts.scheduler
         self.scorer = parts.scorer
         self.runner = parts.runner
@@ -112,7 +113,7 @@ class LLMEngine:
             if not seq.status.finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         if isinstance(req, RerankJob):
-            self._pending.append(_final_output(req, "abort"))
+            self._pending.append(_final_output(req, FinishReason.ABORT))
         else:
             self._pending.extend(_abort_outputs(req))
         return True
@@ -176,7 +177,7 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = start
         outputs, self._pending = self._pending, []
-        predicted = self.scheduler.policy.predict(batch) if batch.seqs else None
+        predicted = self.admission.predict(batch) if batch.seqs else None
         forward_s = 0.0
         if batch.seqs:
             try:
@@ -195,37 +196,39 @@ class LLMEngine:
 
     def _process(self, batch: Batch, result: RunnerOutput, finished: dict[Sequence, SequenceStatus]
                  ) -> list[StepOutput]:
-        """Record the prompt log-probabilities each row computed, append each sampled token and decide there whether
-        its sequence stops, score the pairs whose last chunk ran. Fills `finished` with the sequences the scheduler
-        must let go."""
+        """Apply one step's results, the one place that does: put the prompt (span) log-probabilities each row
+        computed on its request, score the pairs whose last chunk ran, append each sampled token and decide there
+        whether its sequence stops. Fills `finished` with the sequences the scheduler must let go; its update() then
+        advances every row's computed tokens (num_computed_tokens is the scheduler's alone)."""
         outputs = []
         now = time.monotonic()
-        none = [None] * len(batch.seqs)
-        logprobs = getattr(result, "logprobs", None) or none
-        spans = getattr(result, "prompt_logprobs", None) or none
-        tops = getattr(result, "prompt_top_logprobs", None) or none
+        requests = self._requests
         for seq, n, token, score, lp, span, top in zip(batch.seqs, batch.num_new_tokens, result.sampled,
-                                                        result.scores, logprobs, spans, tops):
-            if span:
-                seq.prompt_logprobs.extend(span)
-            if top:
-                seq.prompt_top_logprobs.extend(top)
+                                                        result.scores, result.logprobs, result.prompt_logprobs,
+                                                        result.prompt_top_logprobs):
             if seq.kind is SeqKind.RERANK:
+                job = requests[seq.request_id]
+                index = seq.pair.index
+                if span:
+                    _put_span(job.span_logprobs[index], seq, span)
                 if seq.num_computed_tokens + n < seq.num_tokens:
                     continue  # a chunk of a pair: scored when its last chunk runs
-                if score is None:
-                    score = self.scorer.span_score(seq.prompt_logprobs)
                 finished[seq] = SequenceStatus.FINISHED_STOPPED
-                job = self._requests[seq.request_id]
-                job.scores[seq.pair.index] = score
+                job.scores[index] = self.scorer.pair_score(score, job.span_logprobs[index])
                 job.remaining -= 1
                 if not job.remaining:
-                    del self._requests[job.request_id]
-                    outputs.append(_final_output(job, "stop"))
+                    del requests[job.request_id]
+                    outputs.append(_final_output(job, FinishReason.STOP))
                 continue
-            if token is None or seq.status is not SequenceStatus.RUNNING or seq in finished:
-                continue
-            outputs.append(self._append(self._requests[seq.request_id], seq, token, lp, now, finished))
+            if seq.status is not SequenceStatus.RUNNING or seq in finished:
+                continue  # its request failed earlier in this step
+            gen = requests[seq.request_id]
+            if span:
+                _put_span(gen.prompt_logprobs, seq, span)
+                if top:
+                    _put_span(gen.prompt_top_logprobs, seq, top)
+            if token is not None:
+                outputs.append(self._append(gen, seq, token, lp, now, finished))
         return outputs
 
     def _append(self, gen: Generation, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float,
@@ -242,7 +245,7 @@ class LLMEngine:
             out.logprobs = [logprobs if logprobs is not None else {}]
         if not gen.sent_first:
             gen.sent_first = True
-            out.prompt_logprobs = _prompt_logprobs(gen.seq)
+            out.prompt_logprobs = _prompt_logprobs(gen)
         if seq.grammar is not None and not seq.grammar.accept(token):
             return self._fail_request(gen, out, f"structured output: the grammar rejected token {token}", finished)
         status = self._stop_status(seq, token, stream)
@@ -266,7 +269,7 @@ class LLMEngine:
             if not s.status.finished:
                 finished[s] = SequenceStatus.FINISHED_ERROR
         del self._requests[gen.request_id]
-        out.finish_reason, out.error = "error", message
+        out.finish_reason, out.error = FinishReason.ERROR, message
         _close(out, gen)
         return out
 
@@ -291,11 +294,11 @@ class LLMEngine:
             for s in _seqs_of(req):
                 if not s.status.finished:
                     self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
-            outputs.append(_final_output(req, "error", message))
+            outputs.append(_final_output(req, FinishReason.ERROR, message))
         return outputs
 
     def _emit_record(self, batch: Batch, start: float, forward_s: float, predicted_s: float | None) -> None:
-        policy = self.scheduler.policy
+        policy = self.admission
         if not self._observers and not policy.observes_steps:
             return
         record = StepRecord(
@@ -349,14 +352,22 @@ def _queue_time(seq: Sequence) -> float | None:
     return seq.first_scheduled_time - seq.arrival_time if seq.first_scheduled_time is not None else None
 
 
-def _prompt_logprobs(seq: Sequence) -> list[Logprobs | None] | None:
+def _put_span(acc: list, seq: Sequence, span: list) -> None:
+    """Put the log-probabilities (or top alternatives) a row's chunk computed for positions logprob_start.. in their
+    place in `acc`, the request's: a chunk that starts over (a preempted sequence recomputing) replaces the rest."""
+    first = seq.logprob_start - 1  # the position whose hidden state predicts the first scored token
+    acc[max(seq.num_computed_tokens - first, 0):] = span
+
+
+def _prompt_logprobs(gen: Generation) -> list[Logprobs | None] | None:
     """One entry per prompt token: None for the first, then the prompt token's raw log-probability followed by the
     top alternatives the runner found (the prompt token is there even when it is not among them)."""
+    seq = gen.seq
     if seq.num_prompt_logprobs is None:
         return None
-    tops = seq.prompt_top_logprobs
+    tops = gen.prompt_top_logprobs
     out: list[Logprobs | None] = [None]
-    for j, value in enumerate(seq.prompt_logprobs):
+    for j, value in enumerate(gen.prompt_logprobs):
         token = seq.token_ids[j + 1]
         top = tops[j] if j < len(tops) else {}
         out.append({token: value, **{t: v for t, v in top.items() if t != token}})
@@ -370,20 +381,21 @@ def _abort_outputs(gen: Generation) -> list[StepOutput]:
         if reason is not None:
             continue
         outs.append(StepOutput(request_id=gen.request_id, kind=SeqKind.GENERATE, text=stream.finish(),
-                               finish_reason="abort", index=seq.index, prompt_tokens=gen.seq.num_prompt_tokens,
+                               finish_reason=FinishReason.ABORT, index=seq.index,
+                               prompt_tokens=gen.seq.num_prompt_tokens,
                                cached_tokens=gen.seq.num_cached_tokens, completion_tokens=gen.completion_tokens,
                                first_token_time=gen.first_token_time, arrival_time=gen.seq.arrival_time))
     _close(outs[-1], gen)
     return outs
 
 
-def _final_output(req: Request, reason: str, error: str | None = None) -> StepOutput:
+def _final_output(req: Request, reason: FinishReason, error: str | None = None) -> StepOutput:
     if isinstance(req, RerankJob):
         started = [p.first_scheduled_time for p in req.pairs if p.first_scheduled_time is not None]
         return StepOutput(request_id=req.request_id, kind=SeqKind.RERANK, finished=True, finish_reason=reason,
-                          error=error, scores=list(req.scores) if reason == "stop" else None,
-                          document_tokens=list(req.document_tokens) if reason == "stop" else None,
-                          truncated=list(req.truncated) if reason == "stop" else None,
+                          error=error, scores=list(req.scores) if reason is FinishReason.STOP else None,
+                          document_tokens=list(req.document_tokens) if reason is FinishReason.STOP else None,
+                          truncated=list(req.truncated) if reason is FinishReason.STOP else None,
                           prompt_tokens=req.prompt_tokens, cached_tokens=req.cached_tokens,
                           arrival_time=req.arrival_time,
                           queue_time_s=min(started) - req.arrival_time if started else None)

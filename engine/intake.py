@@ -15,7 +15,7 @@ import xxhash
 from engine.config import EngineConfig, RerankParams, SamplingParams
 from engine.detokenizer import TextStream
 from engine.rerank import PairScorer, RerankJob
-from engine.request import RerankPair, Sequence, SeqKind
+from engine.request import FinishReason, RerankPair, Sequence, SeqKind
 
 if TYPE_CHECKING:
     from engine.structured import GrammarCompiler
@@ -30,7 +30,11 @@ class Generation:
     num_done: int = 0  # completions that have finished
     first_token_time: float | None = None  # of the request: its first token of any completion
     sent_first: bool = False  # the request's first output went out (it carries prompt_logprobs)
-    finish_reasons: list[str | None] = field(default_factory=list)
+    finish_reasons: list[FinishReason | None] = field(default_factory=list)
+    # With prompt_logprobs: completion 0's prompt token log-probabilities from position 1 on, as its chunks compute
+    # them, and per position the top alternatives (token id -> raw log-probability).
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
 
     @property
     def seq(self) -> Sequence:
@@ -118,7 +122,8 @@ class RequestIntake:
         if any(not isinstance(d, str) for d in documents):
             raise ValueError("documents must all be strings")
         job = RerankJob(request_id, query, list(documents), params, arrival_time=time.monotonic(),
-                        scores=[None] * len(documents), remaining=len(documents))
+                        scores=[None] * len(documents), remaining=len(documents),
+                        span_logprobs=[[] for _ in documents])
         scorer = self.scorer
         limit, limit_by = self.rerank_limit()
         pairs, shared = scorer.pairs(query, job.documents, params, limit, limit_by)
@@ -154,7 +159,7 @@ class RequestIntake:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("each message needs a string role and string content")
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not self.tokenizer.chat_template:
             raise ValueError("messages: this model has no chat template (a base model); send a prompt instead")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

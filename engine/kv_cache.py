@@ -154,17 +154,19 @@ class KVCacheManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX, reserve: int = 0
                  ) -> bool:
-        """Attach `prefix` (its tokens count as computed) and make room for num_new_tokens more tokens, leaving at
-        least `reserve` blocks free; False, with nothing changed, if the pool is short."""
+        """Attach `prefix` and make room for num_new_tokens more tokens after it (after what seq has computed, without
+        one), leaving at least `reserve` blocks free; False, with nothing changed, if the pool is short. The caller
+        (the scheduler) counts the prefix's tokens as computed: this writes block tables only."""
         if self.blocks_to_take(seq, num_new_tokens, prefix) > self.pool.num_free - reserve:
             return False
+        computed = seq.num_computed_tokens
         if prefix.blocks:
             for block in prefix.blocks:  # taken first, so the new blocks below cannot evict them
                 self.pool.acquire(block)
             seq.block_table.extend(prefix.blocks)
             seq.block_hashes.extend(prefix.hashes)
-            seq.num_computed_tokens = prefix.num_tokens
-        need = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+            computed = prefix.num_tokens
+        need = self.blocks_for(computed + num_new_tokens) - len(seq.block_table)
         if need > 0:
             seq.block_table.extend(self.pool.allocate(need))
         return True

@@ -8,6 +8,7 @@ from engine.admission import AdmissionPolicy
 from engine.config import EngineConfig, RerankParams, SamplingParams
 from engine.engine import LLMEngine
 from engine.outputs import CompletionOutput, Logprobs, RequestOutput, RerankResult, StepOutput, rank_scores
+from engine.request import FinishReason
 
 
 class LLM:
@@ -93,7 +94,7 @@ class _Completion:
     token_ids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ class SamplingContext:
     @classmethod
     def of(cls, seqs: list[Sequence], eos_token_ids: Collection[int]) -> SamplingContext:
         return cls(token_ids=[s.token_ids for s in seqs], num_prompt_tokens=[s.num_prompt_tokens for s in seqs],
-                   eos_token_ids=frozenset(eos_token_ids), grammars=[getattr(s, "grammar", None) for s in seqs])
+                   eos_token_ids=frozenset(eos_token_ids), grammars=[s.grammar for s in seqs])
 
     def num_output_tokens(self, row: int) -> int:
         return len(self.token_ids[row]) - self.num_prompt_tokens[row]

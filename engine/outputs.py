@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import SeqKind
+from engine.request import FinishReason, SeqKind
 
 
 # Per position: token id -> log-probability, holding the chosen (or prompt) token and the top-k alternatives.
@@ -22,7 +22,7 @@ class StepOutput:
     new_token_ids: list[int] = field(default_factory=list)
     text: str = ""  # text delta, never a broken UTF-8 sequence or a partial stop string
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     index: int = 0  # which completion (0..n-1) the tokens belong to
     logprobs: list[Logprobs] | None = None  # one per new token, with SamplingParams.logprobs set
     # With SamplingParams.prompt_logprobs: on the first output of the request only, one per prompt token (None for
@@ -46,7 +46,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: FinishReason
     logprobs: list[Logprobs] | None = None  # one per token, with SamplingParams.logprobs set
 
 
@@ -58,7 +58,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     cached_tokens: int = 0
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs | None] | None = None

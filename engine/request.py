@@ -109,15 +109,12 @@ class Sequence:
     generator: "torch.Generator | None" = None
     uses_kv: bool = True  # False for cross-encoder pairs: no KV blocks at all
     pair: RerankPair | None = None  # set exactly for rerank pairs
-    # Prompt positions from here on get their token's log-probability computed (query likelihood); positions
-    # before it may come from the prefix cache, the ones after may not (a cached position has no logits).
+    # Prompt positions from here on get their token's log-probability computed (query likelihood, prompt_logprobs);
+    # positions before it may come from the prefix cache, the ones after may not (a cached position has no logits).
+    # What is computed accumulates on the request (Generation, RerankJob), not here.
     logprob_start: int | None = None
-    prompt_logprobs: list[float] = field(default_factory=list)  # of tokens logprob_start.., as computed
     # Top alternatives wanted per scored prompt position (SamplingParams.prompt_logprobs); None: none.
     num_prompt_logprobs: int | None = None
-    # Filled by the runner when num_prompt_logprobs is set: per scored prompt position, in prompt_logprobs' order,
-    # token id -> raw log-probability of the top alternatives.
-    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     index: int = 0  # which completion of its request (0..n-1)
     # Completion 0 of the same request, for completions 1..n-1: they share its prompt's KV blocks.
     fork_of: "Sequence | None" = None

@@ -20,20 +20,27 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 @dataclass(slots=True)
 class RunnerOutput:
-    sampled: list[int | None]  # per batch sequence: its next token, if its prompt completed this step
-    # Per batch sequence: the rerank score of a pair whose last token was computed this step, for modes that score
-    # at the last position (judge, cross-encoder); None for query likelihood, scored from its span (below).
+    """What one step computed, one entry per row of its Batch (same order). The runner keeps nothing of it: the
+    engine applies it (LLMEngine._process) and the requests keep what accumulates."""
+    sampled: list[int | None]  # the row's next token, if its prompt completed this step
+    # The row's sampled token's raw log-probability and top alternatives, if its params ask.
+    logprobs: list[dict[int, float] | None]
+    # The log-probabilities of the prompt tokens this row's chunk predicts (positions from its logprob_start on: a
+    # likelihood pair's query span, a prompt_logprobs request's prompt), in order; and, for a row that asks for
+    # alternatives (num_prompt_logprobs), the top ones per position. A chunked sequence gets its span over several
+    # steps' outputs.
+    prompt_logprobs: list[list[float] | None]
+    prompt_top_logprobs: list[list[dict[int, float]] | None]
+    # What a pair's last position gives, for a pair whose last token was computed this step, in modes that score
+    # there (judge, cross-encoder); the engine makes every pair's score of it and its span (PairScorer.pair_score).
     scores: list[float | None]
     forward_s: float = 0.0  # time inside model forwards (LLM and cross-encoder), the rest is engine overhead
-    # Per batch sequence: its sampled token's raw log-probability and top alternatives, if its params ask;
-    # None (the whole list) from runners that compute none.
-    logprobs: list[dict[int, float] | None] | None = None
-    # Per batch sequence: the log-probabilities of the prompt tokens this step's chunk predicts (positions from its
-    # logprob_start on: a likelihood pair's query span, a prompt_logprobs request's prompt), in order; and for
-    # sequences that ask for alternatives (num_prompt_logprobs), the top ones per position. None (the whole list)
-    # from runners that compute none. A chunked sequence gets its span over several steps' outputs.
-    prompt_logprobs: list[list[float] | None] | None = None
-    prompt_top_logprobs: list[list[dict[int, float]] | None] | None = None
+
+    @classmethod
+    def empty(cls, rows: int) -> "RunnerOutput":
+        """Nothing computed yet for `rows` rows: every entry None."""
+        return cls(sampled=[None] * rows, logprobs=[None] * rows, prompt_logprobs=[None] * rows,
+                   prompt_top_logprobs=[None] * rows, scores=[None] * rows)
 
 
 @dataclass(slots=True)
@@ -124,28 +131,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> RunnerOutput:
-        sampled: list[int | None] = [None] * len(batch)
-        scores: list[float | None] = [None] * len(batch)
-        logprobs: list[dict[int, float] | None] = [None] * len(batch)
-        spans: list[list[float] | None] = [None] * len(batch)
-        tops: list[list[dict[int, float]] | None] = [None] * len(batch)
+        out = RunnerOutput.empty(len(batch))
         llm_rows = [i for i, s in enumerate(batch.seqs) if s.uses_kv]
         own_rows = [i for i, s in enumerate(batch.seqs) if not s.uses_kv]  # pairs the scorer's own model runs
         clock = ForwardClock(self.device)
         if llm_rows:
-            self._run_llm(batch, llm_rows, sampled, scores, logprobs, (spans, tops), clock)
+            self._run_llm(batch, llm_rows, out, clock)
         if own_rows:
             with clock:
                 own_scores = self.scorer.score([batch.seqs[i] for i in own_rows], None)
             for i, score in zip(own_rows, own_scores):
-                scores[i] = score
-        return RunnerOutput(sampled=sampled, scores=scores, forward_s=clock.seconds(), logprobs=logprobs,
-                            prompt_logprobs=spans, prompt_top_logprobs=tops)
+                out.scores[i] = score
+        out.forward_s = clock.seconds()
+        return out
 
-    def _run_llm(self, batch: Batch, rows: list[int], sampled: list, scores: list, logprobs: list,
-                 prompt_logprobs: tuple[list, list], clock: ForwardClock) -> None:
-        """Fills `sampled`, `scores`, `logprobs` and the (spans, tops) of `prompt_logprobs` for the LLM rows; model
-        forwards are timed on `clock`."""
+    def _run_llm(self, batch: Batch, rows: list[int], out: RunnerOutput, clock: ForwardClock) -> None:
+        """Fills `out` for the LLM rows; model forwards are timed on `clock`."""
         seqs = [batch.seqs[i] for i in rows]
         prepared = self.prepare(seqs, [batch.num_new_tokens[i] for i in rows])
         with clock:
@@ -155,7 +156,7 @@ class ModelRunner:
             if hidden is None:
                 hidden = self.model(prepared.input_ids, prepared.positions, self.kv_caches, prepared.meta)
             if prepared.logprob_rows:
-                self._prompt_logprobs(hidden, prepared, seqs, rows, *prompt_logprobs)
+                self._prompt_logprobs(hidden, prepared, seqs, rows, out.prompt_logprobs, out.prompt_top_logprobs)
         gen_rows, gen_seqs, pair_rows, pair_seqs = [], [], [], []
         for row, j in zip(prepared.last_token_rows, prepared.completing):
             if seqs[j].kind is SeqKind.RERANK:
@@ -167,13 +168,13 @@ class ModelRunner:
         if gen_rows:
             with clock:
                 logits = self.model.compute_logits(hidden[gen_rows])
-            out = sample_sequences(logits, [batch.seqs[i] for i in gen_seqs], self.eos_token_ids)
-            for i, t, lp in zip(gen_seqs, out.tokens, out.logprobs):
-                sampled[i] = t
-                logprobs[i] = lp
+            drawn = sample_sequences(logits, [batch.seqs[i] for i in gen_seqs], self.eos_token_ids)
+            for i, t, lp in zip(gen_seqs, drawn.tokens, drawn.logprobs):
+                out.sampled[i] = t
+                out.logprobs[i] = lp
         if pair_rows and self.scorer.scores_last_position:
             for i, s in zip(pair_seqs, self.scorer.score([batch.seqs[i] for i in pair_seqs], hidden[pair_rows])):
-                scores[i] = s
+                out.scores[i] = s
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prepared: PreparedBatch, seqs: list[Sequence],
                          batch_rows: list[int], spans: list, tops_out: list) -> None:
@@ -182,7 +183,7 @@ class ModelRunner:
         `tops_out`. The LM head runs on those rows only, never on the whole batch."""
         values: list[float] = []
         tops: list[dict[int, float] | None] = []
-        ks = [getattr(seqs[owner], "num_prompt_logprobs", None) for owner in prepared.logprob_owners]
+        ks = [seqs[owner].num_prompt_logprobs for owner in prepared.logprob_owners]
         for lo in range(0, len(prepared.logprob_rows), self.LOGPROB_CHUNK):
             rows = prepared.logprob_rows[lo:lo + self.LOGPROB_CHUNK]
             chunk_targets = prepared.logprob_targets[lo:lo + self.LOGPROB_CHUNK]

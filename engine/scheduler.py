@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-from engine.admission import AdmissionPolicy, AdmissionStep, policy_for
+from engine.admission import AdmissionPolicy, AdmissionStep
 from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.kv_cache import NO_PREFIX, CachedPrefix, KVCacheManager
@@ -73,15 +73,15 @@ class WaitQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: AdmissionPolicy | None = None) -> None:
-        """`policy`: how admissions share a step (the builder hands it over); None: the one `config` names."""
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: AdmissionPolicy) -> None:
+        """`policy`: how admissions share a step (engine/builder.py resolves it from the config)."""
         self.kv = kv
         self.budget = config.max_num_batched_tokens
         # Every running sequence must fit in one step's budget, or decodes could be skipped.
         self.max_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
-        if policy is not None and not isinstance(policy, AdmissionPolicy):
-            raise ValueError(f"admission must be an AdmissionPolicy or None, got {policy!r}")
-        self.policy: AdmissionPolicy = policy if policy is not None else policy_for(config)
+        if not isinstance(policy, AdmissionPolicy):
+            raise ValueError(f"admission must be an AdmissionPolicy, got {policy!r}")
+        self.policy = policy
         self.static = config.scheduling == "static"
         self.watermark = max(1, kv.num_blocks // 100)  # headroom admissions leave for decodes
         self.waiting = WaitQueue(config.priority_aging_steps)
@@ -126,10 +126,7 @@ class Scheduler:
             batch=batch, budget=budget, free_seats=self.max_seqs - len(self.running),
             generation_waiting=len(self.waiting), rerank_waiting=len(self.waiting_rerank) + len(pairs),
             rerank_head_tokens=(head.num_uncomputed_tokens if not head.uses_kv else 1) if head else 0,
-            _admit_generation=lambda tokens, seats: self._admit_from(self.waiting, batch, tokens, seats),
-            _admit_rerank=lambda tokens, seats: self._admit_rerank(pairs, batch, tokens, seats),
-            _peek_generation=lambda: self.waiting.peek(self.num_steps),
-            _peek_rerank=lambda: self._rerank_head(pairs, batch))
+            queues=_StepQueues(self, batch, pairs))
         continuing = [s for s in self.running if s.kind is SeqKind.GENERATE and s.num_uncomputed_tokens > 1]
         if continuing:  # chunked prefill of prompts already running, as much as the policy lets them take
             chunk_budget = min(step.budget, self.policy.prefill_budget(step, continuing))
@@ -219,6 +216,7 @@ class Scheduler:
             if seq.uses_kv and not self.kv.allocate(seq, n, prefix, reserve=self.watermark if self.running else 0):
                 break
             queue.pop(seq)
+            seq.num_computed_tokens = prefix.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = prefix.num_tokens
             batch.num_cached_tokens += prefix.num_tokens
@@ -244,8 +242,6 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
-        seq.prompt_logprobs.clear()  # recomputed with the prompt
-        seq.prompt_top_logprobs.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(seq)
@@ -266,6 +262,28 @@ class Scheduler:
                 self.kv.commit(seq)
         for seq, status in finished.items():
             self.finish(seq, status)
+
+
+class _StepQueues:
+    """The AdmissionQueues of one step (engine/admission.py): the scheduler's wait queues admitting into `batch`."""
+    __slots__ = ("scheduler", "batch", "pairs")
+
+    def __init__(self, scheduler: Scheduler, batch: Batch, pairs: list[Sequence]) -> None:
+        self.scheduler = scheduler
+        self.batch = batch
+        self.pairs = pairs  # LLM-scored pairs part-way through: their next chunks come before new pairs
+
+    def admit_generation(self, max_tokens: int, max_seats: int | None) -> int:
+        return self.scheduler._admit_from(self.scheduler.waiting, self.batch, max_tokens, max_seats)
+
+    def admit_rerank(self, max_tokens: int, max_seats: int | None) -> int:
+        return self.scheduler._admit_rerank(self.pairs, self.batch, max_tokens, max_seats)
+
+    def generation_head(self) -> Sequence | None:
+        return self.scheduler.waiting.peek(self.scheduler.num_steps)
+
+    def rerank_head(self) -> Sequence | None:
+        return self.scheduler._rerank_head(self.pairs, self.batch)
 
 
 def _in_batch(seq: Sequence, batch: Batch) -> bool:

@@ -22,6 +22,7 @@ Fitting is lazy (on the first predict after new steps), so its cost lands inside
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -29,8 +30,13 @@ import numpy as np
 
 FEATURES = ("llm_forward", "decode_rows", "decode_context_tokens", "prefill_tokens", "llm_rerank_tokens",
             "cross_encoder_forward", "cross_encoder_tokens", "wide_forward")
-# Token kinds a policy admits, and the coefficient each one costs.
-PREFILL, LLM_RERANK, CROSS_ENCODER = "prefill_tokens", "llm_rerank_tokens", "cross_encoder_tokens"
+
+
+class TokenKind(str, enum.Enum):
+    """A kind of token a policy admits; its value names the FEATURE (coefficient) one such token costs."""
+    PREFILL = "prefill_tokens"
+    LLM_RERANK = "llm_rerank_tokens"  # a rerank pair's token in the LLM forward (likelihood, judge)
+    CROSS_ENCODER = "cross_encoder_tokens"  # a rerank pair's token in the cross-encoder's own forward
 
 
 @dataclass(slots=True)
@@ -73,7 +79,8 @@ class StepShape:
 # Seconds per unit of each feature: slow on purpose (conservative), replaced by the first real steps.
 PRIOR = dict(llm_forward=0.010, decode_rows=0.002, decode_context_tokens=2e-6, prefill_tokens=0.002,
              llm_rerank_tokens=0.002, cross_encoder_forward=0.010, cross_encoder_tokens=0.001, wide_forward=0.0)
-_FORWARD_OF = {PREFILL: 0, LLM_RERANK: 0, CROSS_ENCODER: 5}  # the fixed cost a kind's first token brings
+# The fixed cost a kind's first token brings.
+_FORWARD_OF = {TokenKind.PREFILL: 0, TokenKind.LLM_RERANK: 0, TokenKind.CROSS_ENCODER: 5}
 
 
 class LinearStepTime:
@@ -104,23 +111,23 @@ class LinearStepTime:
             return 0.0
         return sum(c * x for c, x in zip(self.coef, shape.features(self.wide_rows)))
 
-    def token_cost_s(self, kind: str) -> float:
+    def token_cost_s(self, kind: TokenKind) -> float:
         """Seconds one more token of `kind` adds to a step that already runs its forward."""
         return self.coef[FEATURES.index(kind)]
 
-    def tokens_within(self, shape: StepShape, kind: str, limit_s: float) -> int:
-        """The most tokens of `kind` (PREFILL, LLM_RERANK, CROSS_ENCODER) that `shape` can take with its predicted
-        time still <= limit_s (0 when it is over already)."""
+    def tokens_within(self, shape: StepShape, kind: TokenKind, limit_s: float) -> int:
+        """The most tokens of `kind` that `shape` can take with its predicted time still <= limit_s (0 when it is
+        over already)."""
         i = FEATURES.index(kind)
-        extra = (shape.llm_rerank_tokens or shape.prefill_tokens or shape.decode_rows) if kind != CROSS_ENCODER \
-            else shape.cross_encoder_tokens
+        extra = shape.cross_encoder_tokens if kind is TokenKind.CROSS_ENCODER \
+            else (shape.llm_rerank_tokens or shape.prefill_tokens or shape.decode_rows)
         fixed = 0.0 if extra else self.coef[_FORWARD_OF[kind]]
         room = limit_s - self.predict(shape) - fixed
         if room < 0:
             return 0
         per_token = self.coef[i]
         n = int(room / per_token) if per_token > 0 else 1 << 30
-        if self.wide_rows is None or kind == CROSS_ENCODER or shape.llm_rows > self.wide_rows:
+        if self.wide_rows is None or kind is TokenKind.CROSS_ENCODER or shape.llm_rows > self.wide_rows:
             return n
         narrow = self.wide_rows - shape.llm_rows  # tokens that keep the step on the narrow path
         if n <= narrow:
@@ -174,7 +181,7 @@ class OnlineStepTime(LinearStepTime):
         self._refit()
         return LinearStepTime.predict(self, shape)
 
-    def tokens_within(self, shape: StepShape, kind: str, limit_s: float) -> int:
+    def tokens_within(self, shape: StepShape, kind: TokenKind, limit_s: float) -> int:
         self._refit()
         return LinearStepTime.tokens_within(self, shape, kind, limit_s)
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import grpc
 
-from engine.request import SeqKind
+from engine.request import FinishReason, SeqKind
 from service.errors import ServiceError, draining
 from service.lifecycle import LifecycleHooks, RequestLifecycle
 
@@ -382,13 +382,13 @@ class EngineBridge:
             lc.first_token = out.first_token_time
             self._emit("on_first_token", lc)
         if not out.finished:
-            if not (handle.expired and out.finish_reason == "abort"):  # its request ends in DEADLINE_EXCEEDED
+            if not (handle.expired and out.finish_reason is FinishReason.ABORT):  # its request ends in DEADLINE_EXCEEDED
                 self._send(handle, out)
             return
-        if handle.expired and out.finish_reason == "abort":
+        if handle.expired and out.finish_reason is FinishReason.ABORT:
             self._finish_error(out.request_id, ServiceError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"request exceeded its timeout_ms of {handle.timeout_ms} ms"))
-        elif out.finish_reason == "error":
+        elif out.finish_reason is FinishReason.ERROR:
             self._finish_error(out.request_id, ServiceError(grpc.StatusCode.INTERNAL, out.error or "engine error"))
         else:
             self._close(out.request_id, out.finish_reason)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import RerankParams
+from engine.config import RerankMode, RerankParams
 from engine.models.encoder_loader import CrossEncoder
 from engine.rerank.pairs import PairTemplate
 from engine.rerank.scorer import PairScorer
@@ -11,7 +11,7 @@ from engine.request import Sequence
 
 
 class CrossEncoderScorer(PairScorer):
-    mode = "cross-encoder"
+    mode = RerankMode.CROSS_ENCODER
     runs_on_llm = False
 
     def __init__(self, encoder: CrossEncoder) -> None:

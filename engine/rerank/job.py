@@ -16,6 +16,8 @@ class RerankJob:
     arrival_time: float
     pairs: list[Sequence] = field(default_factory=list)
     scores: list[float | None] = field(default_factory=list)
+    # Per document: its scored span's log-probabilities as its chunks compute them (query likelihood).
+    span_logprobs: list[list[float]] = field(default_factory=list)
     remaining: int = 0
     document_tokens: list[int] = field(default_factory=list)  # per document: its tokens the pair scores
     truncated: list[bool] = field(default_factory=list)  # per document: cut at its end to fit the pair limit

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import RerankParams
+from engine.config import RerankMode, RerankParams
 from engine.rerank.pairs import PairTemplate
 from engine.rerank.scorer import PairScorer
 from engine.request import Sequence
@@ -35,7 +35,7 @@ def single_token(tokenizer, word: str) -> int:
 def split_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
     """Token ids of the chat-rendered messages before and after DOC_SLOT (which one message content holds); without
     a chat template, the contents as plain paragraphs."""
-    if getattr(tokenizer, "chat_template", None):
+    if tokenizer.chat_template:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     else:  # a base model without a chat template (Gemma 3 270M's GGUF): the turns as plain paragraphs
         text = "\n\n".join(m["content"] for m in messages) + ("\n\n" if add_generation_prompt else "")
@@ -44,7 +44,7 @@ def split_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> 
 
 
 class JudgeScorer(PairScorer):
-    mode = "judge"
+    mode = RerankMode.JUDGE
 
     def __init__(self, tokenizer, model) -> None:
         self.tokenizer = tokenizer

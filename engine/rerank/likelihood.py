@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from engine.config import RerankParams
+from engine.config import RerankMode, RerankParams
 from engine.rerank.judge import DOC_SLOT, split_chat
 from engine.rerank.pairs import PairTemplate
 from engine.rerank.scorer import PairScorer
@@ -20,7 +20,7 @@ DEFAULT_INSTRUCTION = "Please write a question based on this passage."
 
 
 class LikelihoodScorer(PairScorer):
-    mode = "likelihood"
+    mode = RerankMode.LIKELIHOOD
     scores_last_position = False  # the query span's log-probabilities, which may arrive over several chunks
 
     def __init__(self, tokenizer) -> None:
@@ -38,5 +38,5 @@ class LikelihoodScorer(PairScorer):
     def score(self, pairs: list[Sequence], last_hidden: torch.Tensor | None) -> list[float]:
         raise NotImplementedError("query likelihood scores a pair from its span: span_score")
 
-    def span_score(self, logprobs: list[float]) -> float:
-        return math.exp(sum(logprobs) / len(logprobs))
+    def pair_score(self, last: float | None, span: list[float]) -> float:
+        return math.exp(sum(span) / len(span))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
-from engine.config import RerankParams
+from engine.config import RerankMode, RerankParams
 from engine.rerank.pairs import PairTemplate, PairTokens
 
 if TYPE_CHECKING:
@@ -15,13 +15,13 @@ if TYPE_CHECKING:
 
 class PairScorer(ABC):
     """A rerank mode, chosen once when the engine is built and handed to the model runner."""
-    mode: ClassVar[str]
+    mode: ClassVar[RerankMode]
     # True: pairs ride the LLM's forward in the scheduler's ragged batch and hold KV blocks while they run.
     # False: the scorer runs its own model over the pairs (a cross-encoder), no KV at all.
     runs_on_llm: ClassVar[bool] = True
     # True: score() reads the final hidden state at each pair's last position (judge) or runs its own model
-    # (cross-encoder). False: the score comes from the log-probabilities of the pair's scored span, which a pair
-    # prefilled in chunks gets over several steps: span_score() turns the whole span into the score.
+    # (cross-encoder), in the runner. False: the score comes from the log-probabilities of the pair's scored span,
+    # which a pair prefilled in chunks gets over several steps. Either way pair_score() makes the pair's score.
     scores_last_position: ClassVar[bool] = True
     max_length: int | None = None  # the scorer's own cap on a pair's tokens, if it has one
 
@@ -38,9 +38,13 @@ class PairScorer(ABC):
         """One score in [0, 1] per finished pair. `last_hidden` is the LLM's final hidden state at each pair's last
         position (None when the scorer runs its own model)."""
 
-    def span_score(self, logprobs: list[float]) -> float:
-        """The score of a pair from its scored span's log-probabilities (scorers with scores_last_position False)."""
-        raise NotImplementedError(f"the {self.mode} mode scores at the last position")
+    def pair_score(self, last: float | None, span: list[float]) -> float:
+        """A pair's score once its last chunk has run, in every mode (the engine asks here and nowhere else): from
+        `last`, what score() gave at its last position (scores_last_position), or from `span`, its scored span's
+        log-probabilities over all its chunks."""
+        if last is None:
+            raise ValueError(f"the {self.mode} mode scores at a pair's last position, and none was scored")
+        return last
 
     def pairs(self, query: str, documents: list[str], params: RerankParams, limit: int, limit_by: str = ""
               ) -> tuple[list[PairTokens], int]:

@@ -390,15 +390,11 @@ def test_cold_model_admits_only_the_floors_beside_decodes():
 
 
 def test_tpot_target_ms_selects_the_objective():
-    from engine.kv_cache import BlockPool, KVCacheManager
-    from engine.scheduler import Scheduler
-
-    kv = KVCacheManager(BlockPool(16), 4, True)
-    policy = Scheduler(EngineConfig(num_kv_blocks=16, block_size=4, tpot_target_ms=40, rerank_share=0.3), kv).policy
+    policy = policy_for(EngineConfig(num_kv_blocks=16, block_size=4, tpot_target_ms=40, rerank_share=0.3))
     assert isinstance(policy, LatencyAdmission)
     assert policy.tpot_target_s == pytest.approx(0.040) and policy.rerank_share == 0.3
     assert isinstance(policy.model, OnlineStepTime)
-    assert isinstance(Scheduler(EngineConfig(num_kv_blocks=16, block_size=4), kv).policy, ShareAdmission)
+    assert isinstance(policy_for(EngineConfig(num_kv_blocks=16, block_size=4)), ShareAdmission)
 
 
 @pytest.mark.parametrize("value", [0, -5, float("nan"), float("inf"), "40"])

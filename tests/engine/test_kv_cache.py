@@ -16,9 +16,11 @@ def make_seq(token_ids, rid="r", arrival=0) -> Sequence:
 
 
 def attach_prefix(kv: KVCacheManager, seq: Sequence) -> int:
-    """Look up the cached prefix and take it (no new blocks yet); returns the tokens it covers."""
+    """Look up the cached prefix and take it (no new blocks yet), and count its tokens as computed (the scheduler's
+    part); returns the tokens it covers."""
     prefix = kv.find_cached_prefix(seq)
     assert kv.allocate(seq, 0, prefix)
+    seq.num_computed_tokens = prefix.num_tokens
     return prefix.num_tokens
 
 
@@ -125,8 +127,8 @@ def test_allocate_with_a_prefix_commits_everything_or_nothing():
     assert b.block_table == [] and b.block_hashes == [] and b.num_computed_tokens == 0
     assert kv.allocate(b, 4, prefix, reserve=1) is False  # 2 cached + 1 new take all 3: none left in reserve
     assert (free_order(pool), dict(pool.cached), list(pool.ref_counts)) == state
-    assert kv.allocate(b, 4, prefix) is True
-    assert b.num_computed_tokens == 8 and b.block_table[:2] == list(prefix.blocks) and pool.num_free == 0
+    assert kv.allocate(b, 4, prefix) is True  # 8 prefix tokens + 4 new: 3 blocks, 1 of them new
+    assert len(b.block_table) == 3 and b.block_table[:2] == list(prefix.blocks) and pool.num_free == 0
     kv.free(b)
     pool.release(other)
     assert pool.num_free == 5

@@ -356,43 +356,42 @@ def test_grammar_rows_draw_only_allowed_tokens_and_other_rows_are_untouched(stru
 # ---- runner: logprobs per sampled row, prompt top-k, chunked -----------------------------------------------
 
 
-if "num_prompt_logprobs" in Sequence.__dataclass_fields__:
-    ScoredSequence = Sequence
-else:  # until the engine branch adds the fields to Sequence
-    @dataclass(slots=True, eq=False)
-    class ScoredSequence(Sequence):
-        num_prompt_logprobs: int | None = None
-        prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+@dataclass(slots=True)
+class PromptLogprobs:
+    """What the engine accumulates on a request from the runner's outputs (Generation.prompt_logprobs / _top_)."""
+    values: list[float] = field(default_factory=list)
+    tops: list[dict[int, float]] = field(default_factory=list)
 
 
 def _run_prompt(llm, ids: list[int], params: SamplingParams, chunks: list[int], k: int | None):
     eng = llm.engine
-    seq = ScoredSequence(request_id="lp", token_ids=list(ids), num_prompt_tokens=len(ids), params=params,
-                         arrival=0, arrival_time=0.0, logprob_start=1 if k is not None else None)
-    seq.num_prompt_logprobs = k
+    seq = Sequence(request_id="lp", token_ids=list(ids), num_prompt_tokens=len(ids), params=params,
+                   arrival=0, arrival_time=0.0, logprob_start=1 if k is not None else None, num_prompt_logprobs=k)
+    got = PromptLogprobs()
     assert eng.kv.allocate(seq, len(ids))
     try:
         for n in chunks:
             batch = Batch()
             batch.add(seq, n)
             out = eng.runner.run(batch)
-            # The runner returns a row's prompt log-probabilities in its output; the engine appends them (as here).
-            seq.prompt_logprobs.extend((out.prompt_logprobs or [None])[0] or [])
-            seq.prompt_top_logprobs.extend((out.prompt_top_logprobs or [None])[0] or [])
+            # The runner returns a row's prompt log-probabilities in its output; the engine appends them to the
+            # request (as here) and the scheduler advances the sequence.
+            got.values.extend(out.prompt_logprobs[0] or [])
+            got.tops.extend(out.prompt_top_logprobs[0] or [])
             seq.num_computed_tokens += n
     finally:
         eng.kv.free(seq)
-    return seq, out
+    return got, out
 
 
 def test_runner_prompt_top_logprobs_across_chunks_match_transformers(llm, hf_model, tokenizer, monkeypatch):
     monkeypatch.setattr(ModelRunner, "LOGPROB_CHUNK", 4)  # several LM-head chunks per step
     ids = tokenizer("The quick brown fox jumps over the lazy dog because it").input_ids
-    seq, _ = _run_prompt(llm, ids, SamplingParams(temperature=0.0), [5, len(ids) - 5], k=3)
+    got, _ = _run_prompt(llm, ids, SamplingParams(temperature=0.0), [5, len(ids) - 5], k=3)
     with torch.inference_mode():
         ref = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-    assert len(seq.prompt_top_logprobs) == len(seq.prompt_logprobs) == len(ids) - 1
-    for pos, (value, top) in enumerate(zip(seq.prompt_logprobs, seq.prompt_top_logprobs)):
+    assert len(got.tops) == len(got.values) == len(ids) - 1
+    for pos, (value, top) in enumerate(zip(got.values, got.tops)):
         token = ids[pos + 1]
         assert top[token] == value  # the float list is unchanged and agrees
         assert abs(value - ref[pos, token].item()) <= 2e-3
@@ -409,7 +408,7 @@ def test_runner_prompt_top_logprobs_across_chunks_match_transformers(llm, hf_mod
 def test_runner_returns_raw_logprobs_of_the_penalised_greedy_pick(llm, hf_model, tokenizer):
     ids = tokenizer("one two three one two three one two").input_ids
     params = SamplingParams(temperature=0.0, repetition_penalty=3.0, logprobs=4)
-    seq, out = _run_prompt(llm, ids, params, [len(ids)], k=None)
+    got, out = _run_prompt(llm, ids, params, [len(ids)], k=None)
     with torch.inference_mode():
         last = hf_model(torch.tensor([ids])).logits[0, -1:].float()
     penalised = RepetitionPenaltyLogitsProcessor(3.0)(torch.tensor([ids]), last.clone())[0]
@@ -419,4 +418,4 @@ def test_runner_returns_raw_logprobs_of_the_penalised_greedy_pick(llm, hf_model,
     assert set(lp) == set(torch.topk(raw, 4).indices.tolist()) | {out.sampled[0]}
     for t, v in lp.items():
         assert abs(v - raw[t].item()) <= 2e-3
-    assert seq.prompt_logprobs == []
+    assert got.values == [] and out.prompt_logprobs == [None]

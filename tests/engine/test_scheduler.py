@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.admission import AdmissionPolicy, AdmissionStep
+from engine.admission import AdmissionPolicy, AdmissionStep, policy_for
 from engine.config import EngineConfig, RerankParams, SamplingParams
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.request import RerankPair, Sequence, SequenceStatus, SeqKind
@@ -40,7 +40,7 @@ class Sim:
         self.bs = block_size
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, block_size, prefix_caching)
-        self.sched = Scheduler(self.cfg, self.kv, admission)
+        self.sched = Scheduler(self.cfg, self.kv, admission if admission is not None else policy_for(self.cfg))
         self._arrivals = itertools.count()
         self.seqs: dict[str, Sequence] = {}
         self.shadow: dict[tuple[int, int], int] = {}  # (block, slot) -> token whose KV sits there

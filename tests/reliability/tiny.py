@@ -116,9 +116,8 @@ class ScriptedRunner:
             error, self.fail_next = self.fail_next, None
             raise error
         bs = self.block_size
-        sampled: list[int | None] = []
-        scores: list[float | None] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        out = RunnerOutput.empty(len(batch))
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             assert len(seq.block_table) * bs >= end, (seq.request_id, seq.block_table, end)
             for pos in range(start, end):
@@ -129,15 +128,22 @@ class ScriptedRunner:
                 got = self.shadow.get((seq.block_table[pos // bs], pos % bs))
                 assert got == seq.token_ids[pos], (seq.request_id, pos, got, seq.token_ids[pos])
             completes = end == seq.num_tokens
+            if seq.logprob_start is not None:  # as the runner: the prompt tokens this chunk predicts (a pair's span)
+                first, stop = max(start, seq.logprob_start - 1), min(end, seq.num_prompt_tokens - 1)
+                if stop > first:
+                    out.prompt_logprobs[row] = [-(zlib.crc32(repr(seq.token_ids[:p + 2]).encode()) % 1000) / 1000
+                                                for p in range(first, stop)]
+                    if seq.num_prompt_logprobs is not None:
+                        out.prompt_top_logprobs[row] = [{seq.token_ids[p + 1]: v} for p, v in
+                                                        zip(range(first, stop), out.prompt_logprobs[row])]
             if seq.kind is SeqKind.RERANK:
-                sampled.append(None)
-                scores.append((zlib.crc32(repr(seq.token_ids[-8:]).encode()) % 1000) / 1000 if completes else None)
-            else:
+                if completes and seq.logprob_start is None:  # a mode that scores at the pair's last position
+                    out.scores[row] = (zlib.crc32(repr(seq.token_ids[-8:]).encode()) % 1000) / 1000
+            elif completes:
                 index = seq.num_output_tokens
                 token = self.eos_id if "eos" in seq.request_id and index == 2 else scripted_token(seq.request_id, index)
-                sampled.append(token if completes else None)
-                scores.append(None)
-        return RunnerOutput(sampled=sampled, scores=scores)
+                out.sampled[row] = token
+        return out
 
 
 class FaultyRunner:
