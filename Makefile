@@ -32,9 +32,12 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q tests/gpu
 	$(PY) -m bench.kernels
 
-# The reliability soak at full length (make test runs 5 rounds of it).
+# The reliability soak at full length (make test runs 5 rounds of it), and the HTTP door's schemathesis fuzzing at
+# 300 examples a route (make test runs 25).
 soak: $(STAMP)
 	TANDEM_SOAK_ROUNDS=$${TANDEM_SOAK_ROUNDS:-15} $(PY) -m pytest -q -s tests/reliability/test_soak.py
+	TANDEM_SCHEMA_FUZZ_EXAMPLES=$${TANDEM_SCHEMA_FUZZ_EXAMPLES:-300} $(PY) -m pytest -q \
+	  tests/reliability/test_http_schema_fuzz.py
 
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve --port $(PORT)

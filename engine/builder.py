@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,8 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if source.gguf is not None:
+        _mark_markup_tokens_special(tokenizer)
     if config.chat_template is not None:
         tokenizer.chat_template = _chat_template(config.chat_template, tokenizer)
     hf_config = read_config(model_dir)
@@ -122,6 +125,20 @@ def _load_weights(source: ModelSource, args: DecoderArgs, quantization: str) -> 
     if quantization == "int8":
         return quantize_state_int8(weights, args.tie_word_embeddings)
     return weights
+
+
+# A GGUF marks control tokens (EOS, <start_of_turn>) as such, and transformers makes them special; tokens the model's
+# own tokenizer calls special but the GGUF stores as "user defined" (Gemma 3's <start_of_image>, <end_of_image>) come
+# out as plain added tokens. Those named like <word_word> are made special again, so skip_special_tokens leaves them
+# out of the text as it does with the original tokenizer; markup without an underscore (<table>, </td>) stays text.
+_MARKUP_TOKEN = re.compile(r"<[a-z]+(?:_[a-z]+)+>")
+
+
+def _mark_markup_tokens_special(tokenizer) -> None:
+    markup = [token.content for token in tokenizer.added_tokens_decoder.values()
+              if not token.special and _MARKUP_TOKEN.fullmatch(token.content)]
+    if markup:
+        tokenizer.add_tokens(markup, special_tokens=True)
 
 
 def _chat_template(given: str, tokenizer) -> str:

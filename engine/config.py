@@ -147,6 +147,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # special tokens (EOS, <start_of_image>...) are left out of the text, as in vLLM
     priority: int = 0  # lower runs first, as in vLLM
     n: int = 1  # completions of this prompt, sharing its prefill; 1..MAX_N
     # Per generated token: the chosen token's log-probability plus the top `logprobs` alternatives (0..MAX_LOGPROBS);

@@ -5,7 +5,9 @@ from __future__ import annotations
 class TextStream:
     """Turns a growing list of output token ids into text deltas and finds stop strings."""
 
-    def __init__(self, tokenizer, stop: list[str] | None = None, min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer, stop: list[str] | None = None, min_tokens: int = 0,
+                 skip_special_tokens: bool = True) -> None:
+        self.skip_special_tokens = skip_special_tokens
         self.tokenizer = tokenizer
         self.stop = stop or []
         # As vLLM: stop strings are looked for only in text that arrives once more than min_tokens tokens exist.
@@ -19,7 +21,7 @@ class TextStream:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append a token; returns the text that is now safe to emit ('' if none)."""

@@ -89,7 +89,8 @@ class RequestIntake:
         if params.prompt_logprobs is not None:
             seqs[0].logprob_start = 1
             seqs[0].num_prompt_logprobs = params.prompt_logprobs
-        streams = [TextStream(self.tokenizer, params.stop, params.min_tokens) for _ in seqs]
+        streams = [TextStream(self.tokenizer, params.stop, params.min_tokens, params.skip_special_tokens)
+                   for _ in seqs]
         return Generation(request_id, seqs, streams, finish_reasons=[None] * params.n)
 
     def _check_token_params(self, params: SamplingParams) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/tandem.proto\x12\ttandem.v1\"z\n\x15GenerateClientMessage\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequestH\x00\x12*\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x18.tandem.v1.CancelRequestH\x00\x42\x06\n\x04kind\"\xe5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12+\n\x08messages\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12)\n\x06params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\rB\x07\n\x05input\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xab\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x0e\n\x01n\x18\n \x01(\rH\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\rH\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x01H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x01H\x0b\x88\x01\x01\x12\x12\n\x05min_p\x18\x10 \x01(\x01H\x0c\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x11 \x01(\rH\r\x88\x01\x01\x12<\n\nlogit_bias\x18\x12 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0fresponse_formatB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xb0\x01\n\x15GenerateServerMessage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenDeltaH\x00\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x18.tandem.v1.GenerateFinalH\x00\x12(\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.tandem.v1.RequestErrorH\x00\x42\x06\n\x04kind\"\xcb\x01\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"9\n\rTokenLogprobs\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xef\x01\n\rGenerateFinal\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\r\n\x05index\x18\x05 \x01(\r\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"\x83\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12\x12\n\nduration_s\x18\x05 \x01(\x01\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xef\x01\n\rRerankRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\x11\n\tdocuments\x18\x02 \x03(\t\x12\x12\n\x05top_n\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x10return_documents\x18\x04 \x01(\x08\x12%\n\x08truncate\x18\x05 \x01(\x0e\x32\x13.tandem.v1.Truncate\x12\x18\n\x0binstruction\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\nrequest_id\x18\t \x01(\tB\x08\n\x06_top_nB\x0e\n\x0c_instruction\"|\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x15\n\x08\x64ocument\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x17\n\x0f\x64ocument_tokens\x18\x04 \x01(\r\x12\x11\n\ttruncated\x18\x05 \x01(\x08\x42\x0b\n\t_document\"o\n\x0eRerankResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.tandem.v1.RerankResult\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x8b\x01\n\x14RerankStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x08response\x18\x02 \x01(\x0b\x32\x19.tandem.v1.RerankResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.tandem.v1.RequestErrorH\x00\x42\x06\n\x04kind\"\x12\n\x10ModelInfoRequest\"\x9b\x03\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0cserved_names\x18\x02 \x03(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x10\n\x08reranker\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0f\n\x07replica\x18\n \x01(\t\x12!\n\x06limits\x18\x0b \x01(\x0b\x32\x11.tandem.v1.Limits\x12\x13\n\x0brerank_mode\x18\x0c \x01(\t\x12\x15\n\rweight_format\x18\r \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0e \x01(\x04\x12\x12\n\nvocab_size\x18\x0f \x01(\r\x12\x1e\n\x16rerank_max_pair_tokens\x18\x10 \x01(\r\x12\x17\n\x0frerank_limit_by\x18\x11 \x01(\t\x12\x13\n\x0b\x63pu_kernels\x18\x12 \x01(\t\"t\n\x06Limits\x12\x13\n\x0bmax_waiting\x18\x01 \x01(\r\x12\x15\n\rmax_documents\x18\x02 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\r\x12\r\n\x05max_n\x18\x04 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*I\n\x08Truncate\x12\x18\n\x14TRUNCATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cTRUNCATE_END\x10\x01\x12\x11\n\rTRUNCATE_NONE\x10\x02\x32\xb2\x02\n\x06Tandem\x12R\n\x08Generate\x12 .tandem.v1.GenerateClientMessage\x1a .tandem.v1.GenerateServerMessage(\x01\x30\x01\x12=\n\x06Rerank\x12\x18.tandem.v1.RerankRequest\x1a\x19.tandem.v1.RerankResponse\x12M\n\x0cRerankStream\x12\x18.tandem.v1.RerankRequest\x1a\x1f.tandem.v1.RerankStreamResponse(\x01\x30\x01\x12\x46\n\tModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x1c.tandem.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/tandem.proto\x12\ttandem.v1\"z\n\x15GenerateClientMessage\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1a.tandem.v1.GenerateRequestH\x00\x12*\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x18.tandem.v1.CancelRequestH\x00\x42\x06\n\x04kind\"\xe5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12+\n\x08messages\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12)\n\x06params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\rB\x07\n\x05input\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe5\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x0e\n\x01n\x18\n \x01(\rH\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\rH\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x01H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x01H\x0b\x88\x01\x01\x12\x12\n\x05min_p\x18\x10 \x01(\x01H\x0c\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x11 \x01(\rH\r\x88\x01\x01\x12<\n\nlogit_bias\x18\x12 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12 \n\x13skip_special_tokens\x18\x16 \x01(\x08H\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0fresponse_formatB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xb0\x01\n\x15GenerateServerMessage\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenDeltaH\x00\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x18.tandem.v1.GenerateFinalH\x00\x12(\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x17.tandem.v1.RequestErrorH\x00\x42\x06\n\x04kind\"\xcb\x01\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"9\n\rTokenLogprobs\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xef\x01\n\rGenerateFinal\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\r\n\x05index\x18\x05 \x01(\r\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"\x83\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12\x12\n\nduration_s\x18\x05 \x01(\x01\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xef\x01\n\rRerankRequest\x12\r\n\x05query\x18\x01 \x01(\t\x12\x11\n\tdocuments\x18\x02 \x03(\t\x12\x12\n\x05top_n\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x10return_documents\x18\x04 \x01(\x08\x12%\n\x08truncate\x18\x05 \x01(\x0e\x32\x13.tandem.v1.Truncate\x12\x18\n\x0binstruction\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\r\n\x05model\x18\x08 \x01(\t\x12\x12\n\nrequest_id\x18\t \x01(\tB\x08\n\x06_top_nB\x0e\n\x0c_instruction\"|\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x15\n\x08\x64ocument\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x17\n\x0f\x64ocument_tokens\x18\x04 \x01(\r\x12\x11\n\ttruncated\x18\x05 \x01(\x08\x42\x0b\n\t_document\"o\n\x0eRerankResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.tandem.v1.RerankResult\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x8b\x01\n\x14RerankStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x08response\x18\x02 \x01(\x0b\x32\x19.tandem.v1.RerankResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.tandem.v1.RequestErrorH\x00\x42\x06\n\x04kind\"\x12\n\x10ModelInfoRequest\"\x9b\x03\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0cserved_names\x18\x02 \x03(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x10\n\x08reranker\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0f\n\x07replica\x18\n \x01(\t\x12!\n\x06limits\x18\x0b \x01(\x0b\x32\x11.tandem.v1.Limits\x12\x13\n\x0brerank_mode\x18\x0c \x01(\t\x12\x15\n\rweight_format\x18\r \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0e \x01(\x04\x12\x12\n\nvocab_size\x18\x0f \x01(\r\x12\x1e\n\x16rerank_max_pair_tokens\x18\x10 \x01(\r\x12\x17\n\x0frerank_limit_by\x18\x11 \x01(\t\x12\x13\n\x0b\x63pu_kernels\x18\x12 \x01(\t\"t\n\x06Limits\x12\x13\n\x0bmax_waiting\x18\x01 \x01(\r\x12\x15\n\rmax_documents\x18\x02 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\r\x12\r\n\x05max_n\x18\x04 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*I\n\x08Truncate\x12\x18\n\x14TRUNCATE_UNSPECIFIED\x10\x00\x12\x10\n\x0cTRUNCATE_END\x10\x01\x12\x11\n\rTRUNCATE_NONE\x10\x02\x32\xb2\x02\n\x06Tandem\x12R\n\x08Generate\x12 .tandem.v1.GenerateClientMessage\x1a .tandem.v1.GenerateServerMessage(\x01\x30\x01\x12=\n\x06Rerank\x12\x18.tandem.v1.RerankRequest\x1a\x19.tandem.v1.RerankResponse\x12M\n\x0cRerankStream\x12\x18.tandem.v1.RerankRequest\x1a\x1f.tandem.v1.RerankStreamResponse(\x01\x30\x01\x12\x46\n\tModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x1c.tandem.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3490
-  _globals['_FINISHREASON']._serialized_end=3610
-  _globals['_TRUNCATE']._serialized_start=3612
-  _globals['_TRUNCATE']._serialized_end=3685
+  _globals['_FINISHREASON']._serialized_start=3548
+  _globals['_FINISHREASON']._serialized_end=3668
+  _globals['_TRUNCATE']._serialized_start=3670
+  _globals['_TRUNCATE']._serialized_end=3743
   _globals['_GENERATECLIENTMESSAGE']._serialized_start=33
   _globals['_GENERATECLIENTMESSAGE']._serialized_end=155
   _globals['_GENERATEREQUEST']._serialized_start=158
@@ -48,41 +48,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=493
   _globals['_TOKENIDS']._serialized_end=516
   _globals['_SAMPLINGPARAMS']._serialized_start=519
-  _globals['_SAMPLINGPARAMS']._serialized_end=1330
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1073
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1121
-  _globals['_CHOICES']._serialized_start=1332
-  _globals['_CHOICES']._serialized_end=1358
-  _globals['_CANCELREQUEST']._serialized_start=1360
-  _globals['_CANCELREQUEST']._serialized_end=1395
-  _globals['_GENERATESERVERMESSAGE']._serialized_start=1398
-  _globals['_GENERATESERVERMESSAGE']._serialized_end=1574
-  _globals['_TOKENDELTA']._serialized_start=1577
-  _globals['_TOKENDELTA']._serialized_end=1780
-  _globals['_TOKENLOGPROBS']._serialized_start=1782
-  _globals['_TOKENLOGPROBS']._serialized_end=1839
-  _globals['_TOKENLOGPROB']._serialized_start=1841
-  _globals['_TOKENLOGPROB']._serialized_end=1890
-  _globals['_GENERATEFINAL']._serialized_start=1893
-  _globals['_GENERATEFINAL']._serialized_end=2132
-  _globals['_USAGE']._serialized_start=2135
-  _globals['_USAGE']._serialized_end=2266
-  _globals['_REQUESTERROR']._serialized_start=2268
-  _globals['_REQUESTERROR']._serialized_end=2313
-  _globals['_RERANKREQUEST']._serialized_start=2316
-  _globals['_RERANKREQUEST']._serialized_end=2555
-  _globals['_RERANKRESULT']._serialized_start=2557
-  _globals['_RERANKRESULT']._serialized_end=2681
-  _globals['_RERANKRESPONSE']._serialized_start=2683
-  _globals['_RERANKRESPONSE']._serialized_end=2794
-  _globals['_RERANKSTREAMRESPONSE']._serialized_start=2797
-  _globals['_RERANKSTREAMRESPONSE']._serialized_end=2936
-  _globals['_MODELINFOREQUEST']._serialized_start=2938
-  _globals['_MODELINFOREQUEST']._serialized_end=2956
-  _globals['_MODELINFORESPONSE']._serialized_start=2959
-  _globals['_MODELINFORESPONSE']._serialized_end=3370
-  _globals['_LIMITS']._serialized_start=3372
-  _globals['_LIMITS']._serialized_end=3488
-  _globals['_TANDEM']._serialized_start=3688
-  _globals['_TANDEM']._serialized_end=3994
+  _globals['_SAMPLINGPARAMS']._serialized_end=1388
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1107
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1155
+  _globals['_CHOICES']._serialized_start=1390
+  _globals['_CHOICES']._serialized_end=1416
+  _globals['_CANCELREQUEST']._serialized_start=1418
+  _globals['_CANCELREQUEST']._serialized_end=1453
+  _globals['_GENERATESERVERMESSAGE']._serialized_start=1456
+  _globals['_GENERATESERVERMESSAGE']._serialized_end=1632
+  _globals['_TOKENDELTA']._serialized_start=1635
+  _globals['_TOKENDELTA']._serialized_end=1838
+  _globals['_TOKENLOGPROBS']._serialized_start=1840
+  _globals['_TOKENLOGPROBS']._serialized_end=1897
+  _globals['_TOKENLOGPROB']._serialized_start=1899
+  _globals['_TOKENLOGPROB']._serialized_end=1948
+  _globals['_GENERATEFINAL']._serialized_start=1951
+  _globals['_GENERATEFINAL']._serialized_end=2190
+  _globals['_USAGE']._serialized_start=2193
+  _globals['_USAGE']._serialized_end=2324
+  _globals['_REQUESTERROR']._serialized_start=2326
+  _globals['_REQUESTERROR']._serialized_end=2371
+  _globals['_RERANKREQUEST']._serialized_start=2374
+  _globals['_RERANKREQUEST']._serialized_end=2613
+  _globals['_RERANKRESULT']._serialized_start=2615
+  _globals['_RERANKRESULT']._serialized_end=2739
+  _globals['_RERANKRESPONSE']._serialized_start=2741
+  _globals['_RERANKRESPONSE']._serialized_end=2852
+  _globals['_RERANKSTREAMRESPONSE']._serialized_start=2855
+  _globals['_RERANKSTREAMRESPONSE']._serialized_end=2994
+  _globals['_MODELINFOREQUEST']._serialized_start=2996
+  _globals['_MODELINFOREQUEST']._serialized_end=3014
+  _globals['_MODELINFORESPONSE']._serialized_start=3017
+  _globals['_MODELINFORESPONSE']._serialized_end=3428
+  _globals['_LIMITS']._serialized_start=3430
+  _globals['_LIMITS']._serialized_end=3546
+  _globals['_TANDEM']._serialized_start=3746
+  _globals['_TANDEM']._serialized_end=4052
 # @@protoc_insertion_point(module_scope)

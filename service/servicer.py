@@ -204,7 +204,8 @@ def _check_new_id(session: StreamSession, client_id: str) -> None:
 
 # Fields with presence: unset takes the engine's default, so 0 can be refused where it is not a valid value.
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "logprobs", "prompt_logprobs",
-                      "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "min_tokens")
+                      "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "min_tokens",
+                      "skip_special_tokens")
 
 
 def generate_input(req: pb.GenerateRequest) -> GenerateInput:

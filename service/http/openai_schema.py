@@ -116,6 +116,7 @@ class _Sampling(_Model):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
     priority: int | None = None
     stop_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -147,6 +148,8 @@ class _Sampling(_Model):
             params["stop_token_ids"] = self.stop_token_ids
         if self.ignore_eos:
             params["ignore_eos"] = True
+        if self.skip_special_tokens is not None:
+            params["skip_special_tokens"] = self.skip_special_tokens
         if self.logit_bias:
             params["logit_bias"] = _logit_bias(self.logit_bias)
         _check_ranges(params)

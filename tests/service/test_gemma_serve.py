@@ -1,15 +1,19 @@
 """`tandem serve --model gemma-3-270m-q4_k_m.gguf` as a real process: greedy continuations through gRPC equal
-transformers' on the same file (the shared session reference of tests/gemma.py), and the model's info names it."""
+transformers' on the same file (the shared session reference of tests/gemma.py), and the model's info names it.
+The same process serves the operator's first-day flags: `--chat-template` gives the base model (its GGUF has no
+template) a chat, `--served-model-name` its aliases, and special tokens stay out of the text."""
 from __future__ import annotations
 
 import asyncio
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from clients import AsyncClient
@@ -43,9 +47,21 @@ class _Serve:
         self.proc.wait(30)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+TEMPLATE = ROOT / "tests" / "service" / "data" / "gemma3_chat_template.jinja"
+
+
 @pytest.fixture(scope="module")
 def gemma_server(gemma_gguf):
-    server = _Serve("--model", str(gemma_gguf), "--host", "127.0.0.1")
+    http_port = _free_port()
+    server = _Serve("--model", str(gemma_gguf), "--host", "127.0.0.1", "--http-port", str(http_port),
+                    "--metrics-port", "-1", "--chat-template", str(TEMPLATE), "--served-model-name", "gemma", "gemma3")
+    server.http = f"http://127.0.0.1:{http_port}"
     yield server
     server.stop()
 
@@ -57,3 +73,41 @@ async def test_greedy_through_grpc_matches_transformers(gemma_server, gemma_prom
         outs = await asyncio.gather(*(client.complete(p, max_tokens=MAX_TOKENS, temperature=0.0)
                                       for p in gemma_prompts))
     check_greedy([o.token_ids for o in outs], gemma_reference.greedy)
+
+
+async def test_aliases_from_the_openai_and_cohere_sdks(gemma_server) -> None:
+    """--served-model-name: /v1/models lists the aliases (nothing else); each works and is echoed; the file's path
+    is not a name any more; the cohere SDK's required model gets the one reranker whatever it names."""
+    import cohere
+    import openai
+
+    client = openai.OpenAI(base_url=gemma_server.http + "/v1", api_key="x")
+    assert [m.id for m in client.models.list().data] == ["gemma", "gemma3"]
+    for name in ("gemma", "gemma3"):
+        out = client.completions.create(model=name, prompt="The capital of France is", max_tokens=4, temperature=0)
+        assert out.model == name and out.choices[0].text
+    with pytest.raises(openai.NotFoundError, match="it serves \\['gemma', 'gemma3'\\]"):
+        client.completions.create(model="gemma-3-270m-q4_k_m", prompt="Hi", max_tokens=1)
+    co = cohere.ClientV2(api_key="x", base_url=gemma_server.http)
+    ranked = co.rerank(model="rerank-v3.5", query="capital of France", documents=["Paris is in France.", "Bananas."])
+    assert [r.index for r in ranked.results] == [0, 1]
+
+
+async def test_chat_template_makes_the_base_model_chat_without_special_tokens_in_the_text(gemma_server) -> None:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=gemma_server.http + "/v1", api_key="x")
+    chat = await client.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "Say hello."}],
+                                                max_tokens=24, temperature=0)
+    assert chat.choices[0].message.content and chat.usage.prompt_tokens > 5
+    async with httpx.AsyncClient(base_url=gemma_server.http) as http:
+        rendered = (await http.post("/tokenize", json={
+            "model": "gemma", "messages": [{"role": "user", "content": "Say hello."}]})).json()
+    assert rendered["tokens"][:2] == [2, 105] and rendered["count"] == chat.usage.prompt_tokens  # <bos><start_of_turn>
+    # Special tokens (here <start_of_image>, which the GGUF stores as an ordinary added token) are not text unless
+    # asked for; their ids are still generated.
+    forced = dict(model="gemma", prompt="A picture:", max_tokens=3, temperature=0, logit_bias={"255999": 100})
+    plain = await client.completions.create(**forced)
+    raw = await client.completions.create(**forced, extra_body={"skip_special_tokens": False})
+    assert plain.choices[0].text == "" and plain.usage.completion_tokens == 3
+    assert raw.choices[0].text == "<start_of_image>" * 3
