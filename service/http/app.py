@@ -139,12 +139,14 @@ def build_app(door: Door) -> Starlette:
 
 
 def _check_json(request: Request) -> None:
-    """415 for a body declared as anything but JSON (no Content-Type at all is read as JSON)."""
+    """415 for a body declared as something other than JSON. No Content-Type, and curl -d's default form type, are
+    read as JSON (a body that does not parse is then a 400 saying where)."""
     declared = request.headers.get("content-type")
     if declared is None:
         return
     media = declared.split(";", 1)[0].strip().lower()
-    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+    if media not in ("application/json", "application/x-www-form-urlencoded") and \
+            not (media.startswith("application/") and media.endswith("+json")):
         raise HttpError(415, f"the body must be JSON (Content-Type: application/json), got {declared!r}",
                         code="unsupported_media_type")
 

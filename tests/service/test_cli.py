@@ -47,7 +47,8 @@ def test_flags_set_every_server_config_field():
                      "--tls-client-ca", "ca.pem", "--auth-token", "t", "--auth-scoped-tokens",
                      "a=Rerank, RerankStream; b=Generate", "--replica", "r1", "--max-stream-buffer-bytes", "2MiB",
                      "--keepalive-time", "5", "--keepalive-timeout", "3", "--max-connection-idle", "60",
-                     "--max-connection-age", "600", "--max-concurrent-streams", "8", "--http-port", "8081")
+                     "--max-connection-age", "600", "--max-concurrent-streams", "8", "--http-port", "8081",
+                     "--served-model-name", "smol", "chat,tiny", "--strict-model-names")
     assert (config.host, config.port, config.max_documents, config.max_message_bytes) == ("0.0.0.0", 6000, 7, 2**20)
     assert (config.drain_timeout_s, config.drain_grace_s) == (9.0, 2.5)
     assert (config.tls_cert, config.tls_key, config.tls_client_ca) == ("c.pem", "k.pem", "ca.pem")
@@ -57,6 +58,7 @@ def test_flags_set_every_server_config_field():
     assert (config.keepalive_time_s, config.keepalive_timeout_s) == (5.0, 3.0)
     assert (config.max_connection_idle_s, config.max_connection_age_s, config.max_concurrent_streams) == (60, 600, 8)
     assert config.http_port == 8081
+    assert config.served_model_names == ("smol", "chat", "tiny") and config.strict_model_names is True
     # Every field but the internal stop grace is reachable from the command line: no setting is env-only.
     default = ServerConfig()
     unset = [f.name for f in dataclasses.fields(ServerConfig) if getattr(config, f.name) == getattr(default, f.name)]

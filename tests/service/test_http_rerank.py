@@ -73,7 +73,6 @@ def test_cohere_errors(http_url):
         cases = [({"documents": DOCUMENTS}, 400, "query is required"),
                  ({"query": "", "documents": DOCUMENTS}, 400, "query must be a non-empty string"),
                  ({"query": QUERY, "documents": ["d"] * (MAX_DOCUMENTS + 1)}, 400, "--max-documents"),
-                 ({"query": QUERY, "documents": DOCUMENTS, "model": "rerank-v3.5"}, 404, "rerank-v3.5"),
                  ({"query": QUERY, "documents": DOCUMENTS, "top_n": 0}, 400, "top_n must be >= 1"),
                  ({"query": QUERY, "documents": DOCUMENTS, "rank_fields": ["title"]}, 400, "rank_fields")]
         for body, status, text in cases:
