@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -16,12 +17,13 @@ from engine.cuda_graphs import capture_sizes, cuda_graph_capture
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.models import gguf_file
 from engine.models.decoder import DecoderArgs, DecoderForCausalLM, Weight, build_decoder
-from engine.models.loader import ModelSource, cache_root, load_state_dict, read_config, resolve_model
+from engine.models.loader import ModelSource, load_state_dict, read_config, resolve_model
 from engine.models.quantized import quantize_state_int8, resolve_quantization, weight_bytes, weight_format
 from kernels.quant import QuantWeight
 from engine.rerank import PairScorer, build_scorer
 from engine.runner import DTYPES, ModelRunner
 from engine.scheduler import Scheduler
+from engine.settings import Settings
 
 log = logging.getLogger("tandem.engine")
 
@@ -48,12 +50,16 @@ class EngineParts:
     cpu_kernels: str  # the CPU path the quantized matmuls take ("avx512", "avx2", "portable"); "" when none do
 
 
-def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None = None) -> EngineParts:
-    """`admission`: the policy the scheduler runs (None: the one config names, engine/admission.py policy_for)."""
+def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None = None,
+                       settings: Settings | None = None) -> EngineParts:
+    """`admission`: the policy the scheduler runs (None: the one config names, engine/admission.py policy_for);
+    `settings`: the process settings (None: read from the environment here, once: engine/settings.py)."""
     policy_for(config, admission)  # checked before anything slow is loaded
+    settings = settings or Settings.from_env()
+    quant.select_cpu_path(settings.cpu_isa, settings.quant_small_m)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    source = resolve_model(config.model)
+    source = resolve_model(config.model, settings.cache_dir)
     model_dir = source.meta_dir
     from transformers import AutoTokenizer
 
@@ -65,9 +71,9 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     # step-time model gets as its own feature.
     policy = policy_for(config, admission,
                         wide_rows=quant.small_m(quant.cpu_isa()) if quantization in ("gguf", "int8") else None)
-    weights = _load_weights(source, args, quantization)
+    weights = _load_weights(source, args, quantization, settings.cache_dir)
     model = build_decoder(args, weights, config.device, DTYPES[config.dtype],
-                          quant.Activations(config.cpu_activations))
+                          quant.Activations(config.cpu_activations), settings)
     cpu_kernels = quant.kernel_path() if quantization in ("gguf", "int8") else ""
     if cpu_kernels and config.cpu_activations == "int8":
         if not quant.int8_activations_available():
@@ -86,10 +92,10 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
         max_model_len_by = "the KV cache (tandem serve --kv-cache-bytes / --num-kv-blocks)"
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, config.block_size, config.enable_prefix_caching)
-    scorer = build_scorer(config, tokenizer, model)
+    scorer = build_scorer(config, tokenizer, model, settings)
     runner = ModelRunner(model, num_blocks, config.block_size, config.device, config.dtype, scorer,
                          eos_token_ids=_eos_ids(hf_config, tokenizer))
-    kernels.prepare(config.device, DTYPES[config.dtype])
+    kernels.prepare(config.device, DTYPES[config.dtype], settings.kernels)
     if runner.device.type == "cuda" and not config.enforce_eager:
         started = time.monotonic()
         if runner.capture_decode_graphs(capture_sizes(config.max_num_seqs),
@@ -105,11 +111,11 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                        cpu_kernels=cpu_kernels)
 
 
-def _load_weights(source: ModelSource, args: DecoderArgs, quantization: str) -> dict[str, Weight]:
+def _load_weights(source: ModelSource, args: DecoderArgs, quantization: str, cache: Path) -> dict[str, Weight]:
     """HF-named weights as the chosen quantization holds them: a GGUF file's blocks as stored ("gguf"), dense
     ("none": a directory's safetensors, or a GGUF file dequantized once here), or per-channel int8 ("int8")."""
     if source.gguf is not None and (quantization == "gguf" or not source.embedded):
-        weights = gguf_file.load_gguf(source.gguf, cache_root())
+        weights = gguf_file.load_gguf(source.gguf, cache)
         if quantization == "gguf":
             return weights
         weights = {k: w.dequantize() if isinstance(w, QuantWeight) else w for k, w in weights.items()}

@@ -10,7 +10,6 @@ fusing q/k/v and gate/up where the parts share a format.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -23,6 +22,7 @@ from kernels import quant
 from kernels.quant import QuantWeight
 from engine.attention import AttentionMetadata
 from engine.models.quantized import QuantizedEmbedding, QuantizedLinear
+from engine.settings import Settings
 
 
 class Family(Enum):
@@ -254,10 +254,10 @@ class FusedOps(TorchOps):
         self.m.rotary_(qkv, n, cos, sin)
 
 
-def select_ops(device: torch.device | str, dtype: torch.dtype) -> TorchOps:
-    """FusedOps for float32 on CPU when the C++ module built (TANDEM_FUSED_OPS=0 turns them off), else TorchOps."""
-    if (torch.device(device).type == "cpu" and dtype == torch.float32
-            and os.environ.get("TANDEM_FUSED_OPS", "1") != "0" and quant.available()):
+def select_ops(device: torch.device | str, dtype: torch.dtype, fused: bool = True) -> TorchOps:
+    """FusedOps for float32 on CPU when the C++ module built (`fused` False: TANDEM_FUSED_OPS=0 turns them off),
+    else TorchOps."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and fused and quant.available():
         return FusedOps(quant._module())
     return TorchOps()
 
@@ -349,9 +349,10 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.ops: TorchOps = TorchOps()
         self.walker = None  # the C++ layer walker of small decode steps (`layer_walker`), when the model has one
+        self.kernels = "auto"  # the attention backend (TANDEM_KERNELS, kernels/dispatch.py)
 
-    def use_ops(self, ops: TorchOps, walker=None) -> "DecoderForCausalLM":
-        self.ops, self.walker = ops, walker
+    def use_ops(self, ops: TorchOps, walker=None, kernels: str = "auto") -> "DecoderForCausalLM":
+        self.ops, self.walker, self.kernels = ops, walker, kernels
         return self
 
     def forward(self, input_ids, positions, kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -368,7 +369,7 @@ class DecoderForCausalLM(nn.Module):
         T = h.shape[0]
         # Decided once for all layers: backend, decode-only or mixed, which slots to write.
         paged = kernels.plan_step(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, h,
-                                  kv_caches)
+                                  kv_caches, self.kernels)
         if self.walker is not None and paged.backend == "cpp" and paged.decode_only and T <= quant.small_m(
                 quant.cpu_isa()):  # a few sequences decoding: every layer in one C++ call
             return self.walker.forward(h, residual, kv_caches, [c for c, _ in tables], [s for _, s in tables],
@@ -451,9 +452,12 @@ def make_linear(weights: list[Weight], biases: list[torch.Tensor] | None, dtype:
 
 def build_decoder(args: DecoderArgs, weights: dict[str, Weight], device: str = "cpu",
                   dtype: torch.dtype = torch.float32,
-                  activations: quant.Activations = quant.Activations.FLOAT32) -> DecoderForCausalLM:
+                  activations: quant.Activations = quant.Activations.FLOAT32,
+                  settings: Settings | None = None) -> DecoderForCausalLM:
     """The model holding these HF-named weights (rotary buffers and transformers' extras ignored); a missing or
-    unexpected tensor is a ValueError naming it. `activations`: what quantized projections multiply with."""
+    unexpected tensor is a ValueError naming it. `activations`: what quantized projections multiply with;
+    `settings`: the kernel backend, fused ops and layer walker (None: the defaults)."""
+    settings = settings or Settings()
     weights = {k: v for k, v in weights.items() if "rotary_emb" not in k}
     used: set[str] = set()
     missing: list[str] = []
@@ -519,16 +523,15 @@ def build_decoder(args: DecoderArgs, weights: dict[str, Weight], device: str = "
                          f"unexpected {unexpected[:5]}")
     model.ropes = nn.ModuleList(RopeTable(s, args.max_position_embeddings) for s in args.ropes)
     model = model.to(device).eval()
-    ops = select_ops(device, dtype)
-    return model.use_ops(ops, layer_walker(model) if isinstance(ops, FusedOps) else None)
+    ops = select_ops(device, dtype, settings.fused_ops)
+    walker = layer_walker(model) if isinstance(ops, FusedOps) and settings.layer_walker else None
+    return model.use_ops(ops, walker, settings.kernels)
 
 
 def layer_walker(model: DecoderForCausalLM):
     """The C++ walker of this model's layers (kernels/quant.py `decode_layers`), or None where it does not apply:
-    TANDEM_LAYER_WALKER=0 (A/B runs), the C++ modules not built, or a projection that is not float32-activation
-    blocks in a C++ format (dense weights, `--cpu-activations int8`, F16 / BF16 tensors)."""
-    if os.environ.get("TANDEM_LAYER_WALKER", "1") == "0":
-        return None
+    the C++ modules not built, or a projection that is not float32-activation blocks in a C++ format (dense weights,
+    `--cpu-activations int8`, F16 / BF16 tensors). TANDEM_LAYER_WALKER=0 (A/B runs) keeps build_decoder from asking."""
     a = model.args
     walker = quant.decode_layers(a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps,
                                  a.activation is Activation.GELU_TANH)

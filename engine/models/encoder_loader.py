@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.models.bert import EncoderArgs, SequenceClassifier, build_model, pack_pairs
+from engine.models.bert import EncoderArgs, SequenceClassifier, build_model, pack_pairs, use_kernels
 from engine.models.modernbert import ModernBertArgs, ModernBertForSequenceClassification
 
 Pair = tuple[list[int], list[int]]  # (input_ids, token_type_ids) of one tokenized (query, document) pair
@@ -76,10 +76,11 @@ def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def load_encoder(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32
-                 ) -> tuple[SequenceClassifier | ModernBertForSequenceClassification, EncoderArgs | ModernBertArgs,
-                            dict]:
-    """The sequence classifier in eval mode on `device`/`dtype`, its args, and the raw config.json dict."""
+def load_encoder(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
+                 kernels: str = "auto") -> tuple[SequenceClassifier | ModernBertForSequenceClassification,
+                                                 EncoderArgs | ModernBertArgs, dict]:
+    """The sequence classifier in eval mode on `device`/`dtype`, its args, and the raw config.json dict; `kernels`:
+    the attention backend of a BERT-family model (TANDEM_KERNELS; ModernBERT attends with torch's SDPA)."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -100,6 +101,7 @@ def load_encoder(path: str | Path, device: str | torch.device = "cpu", dtype: to
         args = dataclasses.replace(args, num_labels=_num_labels(state, args.family, path))
         with torch.device("meta"):
             model = build_model(args)
+        use_kernels(model, kernels)
     try:
         result = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # shape mismatches between config.json and the weights
@@ -143,10 +145,10 @@ class CrossEncoder:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | str = torch.float32) -> "CrossEncoder":
+                        dtype: torch.dtype | str = torch.float32, kernels: str = "auto") -> "CrossEncoder":
         from transformers import AutoTokenizer
 
-        model, args, cfg = load_encoder(path, device, dtype)
+        model, args, cfg = load_encoder(path, device, dtype, kernels)
         activation = score_activation(cfg, args.num_labels)
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         return cls(model, args, tokenizer, activation, torch.device(device))

