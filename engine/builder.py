@@ -16,7 +16,9 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import capture_sizes, cuda_graph_capture
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.models import gguf_file
-from engine.models.decoder import DecoderArgs, DecoderForCausalLM, Weight, build_decoder
+from engine.models.decoder import DecoderForCausalLM
+from engine.models.decoder_args import DecoderArgs
+from engine.models.decoder_weights import Weight, build_decoder
 from engine.models.loader import ModelSource, load_state_dict, read_config, resolve_model
 from engine.models.quantized import quantize_state_int8, resolve_quantization, weight_bytes, weight_format
 from kernels.quant import QuantWeight

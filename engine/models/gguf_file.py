@@ -18,14 +18,11 @@ import torch
 
 from kernels import quant
 from kernels.quant import QuantWeight
-from engine.models.decoder import MODEL_TYPES
+from engine.models.decoder_args import ARCHITECTURES, architecture
 
 log = logging.getLogger("tandem.engine")
 
 GGUF_MAGIC = b"GGUF"
-# GGUF general.architecture -> the transformers model_type its config becomes
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                 "gemma3": "gemma3_text"}
 DENSE_TYPES = ("F32",)
 SUPPORTED_TYPES = (*quant.BLOCK_BYTES, *DENSE_TYPES)
 _CACHE_VERSION = "v2"
@@ -117,9 +114,9 @@ def check_file(path: Path, reader) -> str:
     """The file's architecture, once it is known that tandem serves it and every tensor's type; else a ValueError
     that names the architecture, or the first tensor of an unsupported type and that type."""
     arch = str(_field(reader, "general.architecture"))
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(ARCHITECTURES)}")
+    served = [a.gguf for a in ARCHITECTURES]
+    if arch not in served:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(served)}")
     unsupported = [(t.name, t.tensor_type.name) for t in reader.tensors if t.tensor_type.name not in SUPPORTED_TYPES]
     if unsupported:
         name, kind = unsupported[0]
@@ -164,7 +161,7 @@ def metadata_dir(path: Path, cache: Path) -> Path:
     check_file(path, gguf.GGUFReader(str(path)))
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     config.pop("quantization_config", None)
-    config["architectures"] = [MODEL_TYPES[config["model_type"]]]
+    config["architectures"] = [architecture({"model_type": config["model_type"]}).name]
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)

@@ -202,7 +202,7 @@ def test_without_the_cpp_build_the_reference_computes(monkeypatch, caplog) -> No
 
 
 def test_fused_decode_ops_match_torch() -> None:
-    from engine.models.decoder import TorchOps
+    from engine.models.decoder_ops import TorchOps
 
     ops = quant._module()
     g = torch.Generator().manual_seed(5)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.models.decoder import FusedOps
+from engine.models.decoder_ops import FusedOps
 from engine.models.loader import default_model_dir
 from engine.settings import Settings
 from kernels import quant
