@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
 
 from kernels import quant
 from kernels.quant import QuantWeight
+from engine.models.cache_write import write_atomically
 from engine.models.decoder_args import ARCHITECTURES, architecture
 
 log = logging.getLogger("tandem.engine")
@@ -141,11 +140,9 @@ def load_gguf(path: Path, cache: Path) -> dict[str, torch.Tensor | QuantWeight]:
         return tensors
     _, tensors = read_gguf(path)
     formats = {k: [w.fmt, *w.shape] for k, w in tensors.items() if isinstance(w, QuantWeight)}
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: (w.data if isinstance(w, QuantWeight) else w.contiguous()) for k, w in tensors.items()}, str(tmp),
-              metadata={"format": "pt", "formats": json.dumps(formats)})
-    os.replace(tmp, target)
+    stored = {k: (w.data if isinstance(w, QuantWeight) else w.contiguous()) for k, w in tensors.items()}
+    write_atomically(target, lambda tmp: save_file(stored, str(tmp), metadata={"format": "pt",
+                                                                              "formats": json.dumps(formats)}))
     return tensors
 
 
@@ -163,12 +160,10 @@ def metadata_dir(path: Path, cache: Path) -> Path:
     config.pop("quantization_config", None)
     config["architectures"] = [architecture({"model_type": config["model_type"]}).name]
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    try:
-        tmp.rename(target)
-    except OSError:  # another process wrote it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir(exist_ok=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+
+    return write_atomically(target, write)

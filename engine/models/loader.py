@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 from pathlib import Path
 
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models import gguf_file
+from engine.models.cache_write import write_atomically
 
 log = logging.getLogger("tandem.loader")
 
@@ -50,7 +50,6 @@ def _convert_gguf(directory: Path, gguf_file: str, target: Path) -> None:
     """Dequantize once with transformers and save safetensors + tokenizer; atomic via rename."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
     # transformers refuses save_pretrained on a GGUF-loaded model, so write the plain HF layout directly.
@@ -61,16 +60,14 @@ def _convert_gguf(directory: Path, gguf_file: str, target: Path) -> None:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.save_pretrained(tmp)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process converted it first
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir(exist_ok=True)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tokenizer.save_pretrained(tmp)
+
+    write_atomically(target, write)
 
 
 def resolve_model_dir(model: str | None, cache: Path) -> Path:
@@ -125,6 +122,8 @@ def read_config(path: Path) -> dict:
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A Hugging Face folder's weights, one dict: the files a sharded checkpoint's index names, else every
+    *.safetensors merged (a bare encoder's head may live in its own file), else pytorch_model*.bin."""
     from safetensors.torch import load_file
 
     index = path / "model.safetensors.index.json"
@@ -132,9 +131,14 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
     else:
         files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
+    if files:
+        return state
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {str(path)!r}")
+    for f in bins:
+        state.update(torch.load(f, map_location="cpu", weights_only=True))
     return state
