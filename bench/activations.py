@@ -10,9 +10,9 @@ file's float32 expansion as the reference nobody here wrote:
   first difference);
 * logprobs on a fixed text (AlpacaEval instructions and answers, `--text-tokens`, in prompts of `--chunk` tokens):
   each position's log-probability of the text's next token, mean |tandem - transformers| and perplexity. The int8
-  path lives in the small-M kernel that decode steps use; a prompt is wide, so this pass raises
-  the CPU path's small M (TANDEM_QUANT_SMALL_M) above the chunk length, putting every matmul of the text through the small-M kernel
-  (the arithmetic a decode step does, position by position).
+  path lives in the small-M kernel that decode steps use; a prompt is wide, so this pass raises the CPU path's
+  small M (what TANDEM_QUANT_SMALL_M sets) above the chunk length, putting every matmul of the text through the
+  small-M kernel (the arithmetic a decode step does, position by position).
 """
 from __future__ import annotations
 

@@ -52,7 +52,8 @@ def tandem_runner(quantization: str, threads: int):
 def hf_runner(threads: int):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir(Settings.from_env().cache_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir(Settings.from_env().cache_dir),
+                                                 dtype=torch.float32).eval()
 
     class Clock:
         def __init__(self) -> None:

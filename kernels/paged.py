@@ -35,7 +35,8 @@ class PagedPlan:
 
 
 def plan_step(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-         query_start_loc: torch.Tensor, activations: torch.Tensor, cache: torch.Tensor, mode: str = "auto") -> PagedPlan:
+         query_start_loc: torch.Tensor, activations: torch.Tensor, cache: torch.Tensor,
+         mode: str = "auto") -> PagedPlan:
     """The plan of a step whose hidden states look like `activations` and whose KV cache is `cache`, on the backend
     `mode` asks for (kernels/dispatch.py).
 
