@@ -140,27 +140,32 @@ class CpuPath:
     small_m: int | None = None
 
 
-_selected: CpuPath | None = None
+_ISAS = {isa.label: isa for isa in CpuIsa}
+_wanted: tuple[str, int | None] = ("auto", None)  # what select_cpu_path was asked for
+_selected: CpuPath | None = None  # that, resolved on first use
 
 
-def select_cpu_path(wanted: str = "auto", small_m: int | None = None) -> CpuPath:
+def select_cpu_path(wanted: str = "auto", small_m: int | None = None) -> None:
     """Choose the path this process computes with, once at start-up (the engine's builder, from TANDEM_CPU_ISA and
-    TANDEM_QUANT_SMALL_M in engine/settings.py): `wanted` is auto (the widest this CPU has) or a CpuIsa label.
-    Asking for one this CPU lacks is an error, not a silent downgrade."""
-    global _selected
-    best = best_isa()
-    names = {isa.label: isa for isa in CpuIsa}
-    if wanted != "auto" and wanted not in names:
-        raise ValueError(f"TANDEM_CPU_ISA={wanted!r}: expected auto or one of {', '.join(names)}")
-    if wanted != "auto" and names[wanted] > best:
-        raise ValueError(f"TANDEM_CPU_ISA={wanted}: this CPU's kernels go up to {best.label}")
-    _selected = CpuPath(best if wanted == "auto" else names[wanted], small_m)
-    return _selected
+    TANDEM_QUANT_SMALL_M in engine/settings.py): `wanted` is auto (the widest this CPU has) or a CpuIsa label. It is
+    resolved on first use, so a process that never multiplies blocks never builds the C++ module; asking then for a
+    path this CPU lacks is an error, not a silent downgrade."""
+    global _wanted, _selected
+    if wanted != "auto" and wanted not in _ISAS:
+        raise ValueError(f"TANDEM_CPU_ISA={wanted!r}: expected auto or one of {', '.join(_ISAS)}")
+    _wanted, _selected = (wanted, small_m), None
 
 
 def cpu_path() -> CpuPath:
-    """The path `select_cpu_path` chose; the default one (auto) where nothing chose."""
-    return _selected if _selected is not None else select_cpu_path()
+    """The path `select_cpu_path` chose (auto where nothing chose)."""
+    global _selected
+    if _selected is None:
+        wanted, small_m = _wanted
+        best = best_isa()
+        if wanted != "auto" and _ISAS[wanted] > best:
+            raise ValueError(f"TANDEM_CPU_ISA={wanted}: this CPU's kernels go up to {best.label}")
+        _selected = CpuPath(best if wanted == "auto" else _ISAS[wanted], small_m)
+    return _selected
 
 
 def cpu_isa() -> CpuIsa:

@@ -80,7 +80,8 @@ def test_the_default_path_is_the_widest_this_cpu_has(monkeypatch) -> None:
     expected = (quant.CpuIsa.AVX512 if {"avx512f", "avx512bw", "avx512vl"} <= set(flags)
                 else quant.CpuIsa.AVX2 if {"avx2", "fma", "f16c"} <= set(flags) else quant.CpuIsa.PORTABLE)
     assert quant.best_isa() == expected
-    monkeypatch.setattr(quant, "_selected", None)  # restored afterwards: the path this test process chose
+    monkeypatch.setattr(quant, "_wanted", ("auto", None))  # both restored afterwards: what this process chose
+    monkeypatch.setattr(quant, "_selected", None)
     assert quant.cpu_isa() == expected and quant.kernel_path() == expected.label  # nothing chose: auto
     assert quant.small_m(expected) == {"avx512": 10}.get(expected.label, 16)
     quant.select_cpu_path("portable", 3)  # what the builder does with TANDEM_CPU_ISA and TANDEM_QUANT_SMALL_M
@@ -178,6 +179,7 @@ def test_without_the_cpp_build_the_reference_computes(monkeypatch, caplog) -> No
         raise RuntimeError("Error building extension: g++: command not found")
 
     quant._module.cache_clear()
+    monkeypatch.setattr(quant, "_wanted", ("auto", None))
     monkeypatch.setattr(quant, "_selected", None)
     try:
         monkeypatch.setattr(cpp_extension, "load", broken)
