@@ -37,3 +37,26 @@ def test_each_variable_sets_its_field(tmp_path) -> None:
 def test_a_bad_value_is_refused_naming_the_variable(name: str, value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Settings.from_env({name: value})
+
+
+def test_the_variables_reach_the_model_when_the_engine_is_built(monkeypatch, tmp_path) -> None:
+    """Read at build, not per step: the model holds what the variables said then, and a later change does nothing."""
+    from engine import SamplingParams
+    from engine.models.decoder_ops import FusedOps
+    from engine.models.loader import default_model_dir
+    from kernels import quant
+    from tests.engine.conftest import make_llm
+
+    cache = default_model_dir(Settings.from_env().cache_dir).parent  # the converted embedded model, reused
+    monkeypatch.setattr(quant, "_wanted", quant._wanted)  # the CPU path this build selects is undone afterwards
+    monkeypatch.setattr(quant, "_selected", quant._selected)
+    for name, value in {"TANDEM_KERNELS": "torch", "TANDEM_FUSED_OPS": "0", "TANDEM_QUANT_SMALL_M": "3",
+                        "TANDEM_CACHE_DIR": str(cache)}.items():
+        monkeypatch.setenv(name, value)
+    llm = make_llm(quantization="none", num_kv_blocks=32)
+    model = llm.engine.model
+    assert model.kernels == "torch" and not isinstance(model.ops, FusedOps) and model.walker is None
+    assert quant.small_m(quant.cpu_isa()) == 3
+    monkeypatch.setenv("TANDEM_KERNELS", "nonsense")  # read once: a step after the build never looks again
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 2
