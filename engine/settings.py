@@ -53,6 +53,8 @@ class Settings:
             return environ.get(name, "").strip()
 
         small_m = get("TANDEM_QUANT_SMALL_M")
+        if small_m and not small_m.lstrip("-").isdigit():
+            raise ValueError(f"TANDEM_QUANT_SMALL_M={small_m!r}: expected a row count >= 0")
         cache = get("TANDEM_CACHE_DIR")
         return cls(kernels=get("TANDEM_KERNELS").lower() or "auto", cpu_isa=get("TANDEM_CPU_ISA").lower() or "auto",
                    quant_small_m=int(small_m) if small_m else None,

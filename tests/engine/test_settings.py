@@ -33,6 +33,7 @@ def test_each_variable_sets_its_field(tmp_path) -> None:
     ("TANDEM_KERNELS", "cuda", "TANDEM_KERNELS='cuda': expected one of torch, triton, cpp, auto"),
     ("TANDEM_CPU_ISA", "sse9", "TANDEM_CPU_ISA='sse9': expected auto or one of"),
     ("TANDEM_QUANT_SMALL_M", "-1", "TANDEM_QUANT_SMALL_M=-1"),
+    ("TANDEM_QUANT_SMALL_M", "many", "TANDEM_QUANT_SMALL_M='many': expected a row count"),
 ])
 def test_a_bad_value_is_refused_naming_the_variable(name: str, value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
