@@ -10,9 +10,9 @@ file's float32 expansion as the reference nobody here wrote:
   first difference);
 * logprobs on a fixed text (AlpacaEval instructions and answers, `--text-tokens`, in prompts of `--chunk` tokens):
   each position's log-probability of the text's next token, mean |tandem - transformers| and perplexity. The int8
-  path lives in the small-M kernel that decode steps use; a prompt is wide, so this pass sets
-  TANDEM_QUANT_SMALL_M above the chunk length, putting every matmul of the text through the small-M kernel
-  (the arithmetic a decode step does, position by position).
+  path lives in the small-M kernel that decode steps use; a prompt is wide, so this pass raises the CPU path's
+  small M (what TANDEM_QUANT_SMALL_M sets) above the chunk length, putting every matmul of the text through the
+  small-M kernel (the arithmetic a decode step does, position by position).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ SETTINGS = ("float32", "int8")
 def tandem_pass(model: Path | None, activations: str, threads: int, prompts: list[list[int]], n: int,
                 chunks: list[list[int]]) -> dict:
     from engine import LLM, EngineConfig, SamplingParams
+    from kernels import quant
 
     llm = LLM(EngineConfig(model=str(model) if model else None, num_threads=threads, cpu_activations=activations))
     eng = llm.engine
@@ -49,18 +50,15 @@ def tandem_pass(model: Path | None, activations: str, threads: int, prompts: lis
                 times += [time.perf_counter()] * len(step.new_token_ids)
         tokens.append(out)
         rates.append((len(times) - 1) / (times[-1] - times[0]))
-    previous = os.environ.get("TANDEM_QUANT_SMALL_M")
-    os.environ["TANDEM_QUANT_SMALL_M"] = str(10**9)  # every row through the small-M kernel (see the docstring)
+    previous = quant.cpu_path()
+    quant.select_cpu_path(previous.isa.label, 10**9)  # every row through the small-M kernel (see the docstring)
     try:
         logprobs = []
         for chunk in chunks:
             res = llm.generate(chunk, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))[0]
             logprobs += [entry[tok] for entry, tok in zip(res.prompt_logprobs[1:], chunk[1:])]
     finally:
-        if previous is None:
-            del os.environ["TANDEM_QUANT_SMALL_M"]
-        else:
-            os.environ["TANDEM_QUANT_SMALL_M"] = previous
+        quant.select_cpu_path(previous.isa.label, previous.small_m)
     return {"cpu_kernels": eng.model_info()["cpu_kernels"], "tokens": tokens,
             "decode_tok_s": round(statistics.median(rates), 2), "decode_tok_s_each": [round(r, 2) for r in rates],
             "logprobs": logprobs}
@@ -92,9 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from engine.models.loader import embedded_gguf_path, resolve_model
+    from engine.settings import Settings
 
     path = args.model or embedded_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(str(path)).meta_dir)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(str(path), Settings.from_env().cache_dir).meta_dir)
     pool = token_pool(tokenizer, args.text_tokens + 4096)
     text = pool[:args.text_tokens]
     chunks = [text[i:i + args.chunk] for i in range(0, len(text), args.chunk) if len(text[i:i + args.chunk]) > 1]

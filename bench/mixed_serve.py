@@ -165,8 +165,9 @@ def _documents(n_queries: int, n_docs: int, doc_tokens: int, seed: int) -> list[
 
     from bench.datasets import synthetic_rerank
     from engine.models.loader import resolve_model_dir
+    from engine.settings import Settings
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None, Settings.from_env().cache_dir))
     lo, hi = int(doc_tokens * 0.85), int(doc_tokens * 1.15)
     return [(q.query, q.documents) for q in synthetic_rerank(tokenizer, n_queries, n_docs, lo, hi, seed)]
 

@@ -100,11 +100,13 @@ def build_systems(args: argparse.Namespace) -> Systems:
     from transformers import AutoModelForCausalLM
 
     from engine.models.loader import default_model_dir
+    from engine.settings import Settings
 
     engines = {"tandem": LLM(EngineConfig(num_threads=args.threads)),
                "tandem_one_chunk": LLM(EngineConfig(max_num_batched_tokens=max(args.lengths),
                                                     num_threads=args.threads))}
-    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir(Settings.from_env().cache_dir),
+                                              dtype=torch.float32).eval()
     greedy_one = SamplingParams(max_tokens=1, temperature=0.0)
 
     def tandem(name):

@@ -317,8 +317,9 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from engine.models.loader import resolve_model_dir
+    from engine.settings import Settings
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None, Settings.from_env().cache_dir))
     samples = {name: prepare(CORPORA[name](), tokenizer, args) for name in args.corpora}
     scores: dict[str, dict[str, list[list[float]]]] = {name: {} for name in samples}
     unavailable: list[str] = []

@@ -126,8 +126,9 @@ def model_logits(prompts: int, steps: int, seed: int) -> torch.Tensor:
 
     from bench.workloads import alpaca_eval_chat
     from engine.models.loader import default_model_dir
+    from engine.settings import Settings
 
-    model_dir = default_model_dir()
+    model_dir = default_model_dir(Settings.from_env().cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = []

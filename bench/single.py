@@ -23,6 +23,7 @@ import torch
 from bench.report import parse_bench_args, rotated, write_result
 from engine import LLM, EngineConfig, SamplingParams
 from engine.models.loader import default_model_dir, embedded_gguf_path
+from engine.settings import Settings
 
 QUICK = dict(new_tokens=8, rounds=1)
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. Describe the storm, the "
@@ -51,7 +52,8 @@ def tandem_runner(quantization: str, threads: int):
 def hf_runner(threads: int):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir(Settings.from_env().cache_dir),
+                                                 dtype=torch.float32).eval()
 
     class Clock:
         def __init__(self) -> None:
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_bench_args(ap, argv, "single", QUICK)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(Settings.from_env().cache_dir))
     ids = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False))
     builders = {"tandem_gguf": lambda: tandem_runner("gguf", args.threads),

@@ -424,7 +424,8 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     from engine.models.loader import default_model_dir
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    from engine.settings import Settings
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(Settings.from_env().cache_dir))
     vocab = len(tokenizer)
     libs, libraries = prepare(args.libraries, tokenizer, args)
     time_masks(libs, libraries, args.n, args.rounds, vocab)

@@ -17,13 +17,16 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import capture_sizes, cuda_graph_capture
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.models import gguf_file
-from engine.models.decoder import DecoderArgs, DecoderForCausalLM, Weight, build_decoder
-from engine.models.loader import ModelSource, cache_root, load_state_dict, read_config, resolve_model
+from engine.models.decoder import DecoderForCausalLM
+from engine.models.decoder_args import DecoderArgs
+from engine.models.decoder_weights import Weight, build_decoder
+from engine.models.loader import ModelSource, load_state_dict, read_config, resolve_model
 from engine.models.quantized import quantize_state_int8, resolve_quantization, weight_bytes, weight_format
 from kernels.quant import QuantWeight
 from engine.rerank import PairScorer, build_scorer
 from engine.runner import DTYPES, ModelRunner
 from engine.scheduler import Scheduler
+from engine.settings import Settings
 
 log = logging.getLogger("tandem.engine")
 
@@ -51,12 +54,16 @@ class EngineParts:
     cpu_kernels: str  # the CPU path the quantized matmuls take ("avx512", "avx2", "portable"); "" when none do
 
 
-def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None = None) -> EngineParts:
+def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None = None,
+                       settings: Settings | None = None) -> EngineParts:
     """`admission`: the policy the scheduler runs (None: the one config names). The one place an engine's admission
-    policy is resolved (engine/admission.py policy_for), before anything slow is loaded."""
+    policy is resolved (engine/admission.py policy_for), before anything slow is loaded. `settings`: the process
+    settings (None: read from the environment here, once: engine/settings.py)."""
+    settings = settings or Settings.from_env()
+    quant.select_cpu_path(settings.cpu_isa, settings.quant_small_m)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    source = resolve_model(config.model)
+    source = resolve_model(config.model, settings.cache_dir)
     model_dir = source.meta_dir
     quantization = resolve_quantization(config, source.gguf is not None)
     # The quantized CPU matmul switches path (dequantize + GEMM) above small_m rows: a fixed cost the objective's
@@ -72,9 +79,9 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
         tokenizer.chat_template = _chat_template(config.chat_template, tokenizer)
     hf_config = read_config(model_dir)
     args = DecoderArgs.from_hf_config(hf_config)
-    weights = _load_weights(source, args, quantization)
+    weights = _load_weights(source, args, quantization, settings.cache_dir)
     model = build_decoder(args, weights, config.device, DTYPES[config.dtype],
-                          quant.Activations(config.cpu_activations))
+                          quant.Activations(config.cpu_activations), settings)
     cpu_kernels = quant.kernel_path() if quantization in ("gguf", "int8") else ""
     if cpu_kernels and config.cpu_activations == "int8":
         if not quant.int8_activations_available():
@@ -93,10 +100,10 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
         max_model_len_by = "the KV cache (tandem serve --kv-cache-bytes / --num-kv-blocks)"
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, config.block_size, config.enable_prefix_caching)
-    scorer = build_scorer(config, tokenizer, model)
+    scorer = build_scorer(config, tokenizer, model, settings)
     runner = ModelRunner(model, num_blocks, config.block_size, config.device, config.dtype, scorer,
                          eos_token_ids=_eos_ids(hf_config, tokenizer))
-    kernels.prepare(config.device, DTYPES[config.dtype])
+    kernels.prepare(config.device, DTYPES[config.dtype], settings.kernels)
     if runner.device.type == "cuda" and not config.enforce_eager:
         started = time.monotonic()
         if runner.capture_decode_graphs(capture_sizes(config.max_num_seqs),
@@ -112,11 +119,11 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                        cpu_kernels=cpu_kernels)
 
 
-def _load_weights(source: ModelSource, args: DecoderArgs, quantization: str) -> dict[str, Weight]:
+def _load_weights(source: ModelSource, args: DecoderArgs, quantization: str, cache: Path) -> dict[str, Weight]:
     """HF-named weights as the chosen quantization holds them: a GGUF file's blocks as stored ("gguf"), dense
     ("none": a directory's safetensors, or a GGUF file dequantized once here), or per-channel int8 ("int8")."""
     if source.gguf is not None and (quantization == "gguf" or not source.embedded):
-        weights = gguf_file.load_gguf(source.gguf, cache_root())
+        weights = gguf_file.load_gguf(source.gguf, cache)
         if quantization == "gguf":
             return weights
         weights = {k: w.dequantize() if isinstance(w, QuantWeight) else w for k, w in weights.items()}

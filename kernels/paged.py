@@ -1,7 +1,7 @@
 """Paged attention as a model layer calls it: write this step's K/V into the cache, then attend.
 
 A forward runs the same step through every layer, so what is the same for all layers is decided once, in `plan_step`:
-the backend (TANDEM_KERNELS is read once per forward, not on every op), whether the step is decode-only, the
+the backend (from the model's kernel mode, TANDEM_KERNELS read once at start-up), whether the step is decode-only, the
 query offsets and context lengths as Python lists (CPU), and which rows have a cache slot. On a small CPU decode
 step those per-layer decisions, not arithmetic, were most of the time outside the matmuls (30 layers x a dozen
 small torch ops and list conversions). `write_and_attend` then does one layer's work with them: on float32 CPU,
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_decode, reference
-from kernels.dispatch import backend, cpp_forced, cpp_usable, triton_refuses
+from kernels.dispatch import backend, cpp_usable, triton_refuses
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,13 +35,15 @@ class PagedPlan:
 
 
 def plan_step(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-         query_start_loc: torch.Tensor, activations: torch.Tensor, cache: torch.Tensor) -> PagedPlan:
-    """The plan of a step whose hidden states look like `activations` and whose KV cache is `cache`.
+         query_start_loc: torch.Tensor, activations: torch.Tensor, cache: torch.Tensor,
+         mode: str = "auto") -> PagedPlan:
+    """The plan of a step whose hidden states look like `activations` and whose KV cache is `cache`, on the backend
+    `mode` asks for (kernels/dispatch.py).
 
     On CUDA it reads nothing back from the device (a CUDA graph captures the forward that calls it)."""
-    choice = backend(activations)
+    choice = backend(activations, mode)
     if choice == "cpp":  # the C++ kernels write and read float32 caches only
-        choice = "cpp" if cpp_usable(activations, cpp_forced(), cache) else "torch"
+        choice = "cpp" if cpp_usable(activations, mode == "cpp", cache) else "torch"
     if choice == "triton":
         return PagedPlan(slot_mapping, block_tables, seq_lens, query_start_loc, choice, False, None, None)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()

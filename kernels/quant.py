@@ -13,7 +13,8 @@ per output channel) and `matmul(x, w)` computes `x @ dequantize(w).T` in float32
   pass of dequantization (cheap against M rows of FLOPs) and runs at GEMM speed.
 
 The CPU path (`CpuIsa`: AVX-512, AVX2, portable) is chosen once per process: the widest this CPU has, or
-`TANDEM_CPU_ISA=avx2|portable` to force a narrower one (tests and A/B runs pass `isa=` per call instead).
+`TANDEM_CPU_ISA=avx2|portable` to force a narrower one (`select_cpu_path`, called by the engine's builder with
+engine/settings.py's values; tests and A/B runs pass `isa=` per call instead).
 
 The kernel is built like the decode-attention kernel (kernels/cpu_decode.py: torch cpp_extension + ninja,
 -O3 -march=native, cached under a name keyed by this CPU). When it cannot be built, `available()` is False, the
@@ -25,7 +26,6 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,20 +132,45 @@ def best_isa() -> CpuIsa:
     return CpuIsa(module.best_isa()) if module is not None else CpuIsa.PORTABLE
 
 
-@functools.cache
+@dataclass(frozen=True, slots=True)
+class CpuPath:
+    """The CPU path this process computes with: its vector instructions and, when set, the most rows the
+    in-register kernel takes (None: the measured value of that path, `_SMALL_M`)."""
+    isa: CpuIsa
+    small_m: int | None = None
+
+
+_ISAS = {isa.label: isa for isa in CpuIsa}
+_wanted: tuple[str, int | None] = ("auto", None)  # what select_cpu_path was asked for
+_selected: CpuPath | None = None  # that, resolved on first use
+
+
+def select_cpu_path(wanted: str = "auto", small_m: int | None = None) -> None:
+    """Choose the path this process computes with, once at start-up (the engine's builder, from TANDEM_CPU_ISA and
+    TANDEM_QUANT_SMALL_M in engine/settings.py): `wanted` is auto (the widest this CPU has) or a CpuIsa label. It is
+    resolved on first use, so a process that never multiplies blocks never builds the C++ module; asking then for a
+    path this CPU lacks is an error, not a silent downgrade."""
+    global _wanted, _selected
+    if wanted != "auto" and wanted not in _ISAS:
+        raise ValueError(f"TANDEM_CPU_ISA={wanted!r}: expected auto or one of {', '.join(_ISAS)}")
+    _wanted, _selected = (wanted, small_m), None
+
+
+def cpu_path() -> CpuPath:
+    """The path `select_cpu_path` chose (auto where nothing chose)."""
+    global _selected
+    if _selected is None:
+        wanted, small_m = _wanted
+        best = best_isa()
+        if wanted != "auto" and _ISAS[wanted] > best:
+            raise ValueError(f"TANDEM_CPU_ISA={wanted}: this CPU's kernels go up to {best.label}")
+        _selected = CpuPath(best if wanted == "auto" else _ISAS[wanted], small_m)
+    return _selected
+
+
 def cpu_isa() -> CpuIsa:
-    """The path this process computes with: TANDEM_CPU_ISA (auto | avx512 | avx2 | portable, read once), auto
-    meaning the widest this CPU has. Asking for one this CPU lacks is an error, not a silent downgrade."""
-    wanted = os.environ.get("TANDEM_CPU_ISA", "auto").strip().lower() or "auto"
-    best = best_isa()
-    if wanted == "auto":
-        return best
-    names = {isa.label: isa for isa in CpuIsa}
-    if wanted not in names:
-        raise ValueError(f"TANDEM_CPU_ISA={wanted!r}: expected auto or one of {', '.join(names)}")
-    if names[wanted] > best:
-        raise ValueError(f"TANDEM_CPU_ISA={wanted}: this CPU's kernels go up to {best.label}")
-    return names[wanted]
+    """The vector instructions this process computes with (`cpu_path`)."""
+    return cpu_path().isa
 
 
 class Activations(enum.Enum):
@@ -167,7 +192,8 @@ def int8_activations_available() -> bool:
 
 def small_m(isa: CpuIsa) -> int:
     """The most rows `matmul` gives the register kernel on this path; more go to dequantize + GEMM."""
-    return int(os.environ.get("TANDEM_QUANT_SMALL_M", _SMALL_M[isa.label]))
+    override = cpu_path().small_m
+    return _SMALL_M[isa.label] if override is None else override
 
 
 def kernel_path() -> str:
@@ -197,14 +223,6 @@ def _module():
 
 def available() -> bool:
     return _module() is not None
-
-
-def fused_ops(x: torch.Tensor):
-    """The compiled module when `x` is a float32 CPU tensor and the extension is built (its add_rms_norm, silu_mul
-    and rotary_ serve the model's decode path), else None. TANDEM_FUSED_OPS=0 turns them off (for A/B runs)."""
-    if x.is_cuda or x.dtype != torch.float32 or os.environ.get("TANDEM_FUSED_OPS", "1") == "0":
-        return None
-    return _module()
 
 
 def decode_layers(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, gelu: bool):

@@ -1,8 +1,6 @@
 """Helpers shared by the Triton kernels: ragged-batch work lookup and host-side launch choices."""
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -39,5 +37,10 @@ def compute_mode(t: torch.Tensor) -> tuple[bool, str]:
     with exact dots: TF32 would miss the reference by ~1e-3. On a GPU fp16/bf16 tiles stay native so tl.dot
     runs on tensor cores with fp32 accumulation; the precision setting is then ignored.
     """
-    upcast = t.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    upcast = t.dtype == torch.float32 or interpreting()
     return upcast, "ieee" if upcast else "tf32"
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its interpreter (TRITON_INTERPRET=1, as Triton itself reads it)."""
+    return bool(triton.knobs.runtime.interpret)

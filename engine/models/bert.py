@@ -137,6 +137,7 @@ class SelfAttention(nn.Module):
         self.key = nn.Linear(a.hidden_size, a.hidden_size)
         self.value = nn.Linear(a.hidden_size, a.hidden_size)
         self._fused_cache: dict[int, tuple] = {}  # not a buffer: the state dict keeps HF's three projections
+        self.kernels = "auto"  # the attention backend (TANDEM_KERNELS): `use_kernels`
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output of every token [T, H], or with `rows` (each sequence's first token) of those only."""
@@ -148,7 +149,7 @@ class SelfAttention(nn.Module):
         # One GEMM for Q, K and V (three [T, H] outputs side by side), then views: no copies.
         q, k, v = F.linear(x, *self._fused(self.query, self.key, self.value)).view(
             x.shape[0], 3, *shape[1:]).unbind(1)
-        return kernels.varlen_attention(q, k, v, cu_seqlens, self.scale).reshape(x.shape[0], -1)
+        return kernels.varlen_attention(q, k, v, cu_seqlens, self.scale, self.kernels).reshape(x.shape[0], -1)
 
     def _fused(self, *projs: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """The projections' weights and biases concatenated, built once and rebuilt if a weight changes."""
@@ -313,6 +314,13 @@ class RobertaForSequenceClassification(nn.Module):
 
 
 SequenceClassifier = BertForSequenceClassification | RobertaForSequenceClassification
+
+
+def use_kernels(model: nn.Module, mode: str) -> None:
+    """Run every attention of `model` on the backend `mode` names (TANDEM_KERNELS, kernels/dispatch.py)."""
+    for module in model.modules():
+        if isinstance(module, SelfAttention):
+            module.kernels = mode
 
 
 def build_model(a: EncoderArgs) -> SequenceClassifier:

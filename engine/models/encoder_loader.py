@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from engine.models.bert import EncoderArgs, SequenceClassifier, build_model, pack_pairs
+from engine.models.bert import EncoderArgs, SequenceClassifier, build_model, pack_pairs, use_kernels
+from engine.models.loader import load_state_dict
 from engine.models.modernbert import ModernBertArgs, ModernBertForSequenceClassification
 
 Pair = tuple[list[int], list[int]]  # (input_ids, token_type_ids) of one tokenized (query, document) pair
@@ -20,25 +21,6 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 # Buffers some checkpoints serialize; the packed forward computes them instead.
 _IGNORED_SUFFIXES = (".position_ids", ".token_type_ids")
-
-
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All *.safetensors in the directory merged (a bare encoder's head may live in its own file), else *.bin."""
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        from safetensors.torch import load_file
-
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        return state
-    bins = sorted(path.glob("pytorch_model*.bin"))
-    if not bins:
-        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {str(path)!r}")
-    state = {}
-    for f in bins:
-        state.update(torch.load(f, map_location="cpu", weights_only=True))
-    return state
 
 
 def normalize_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -76,10 +58,11 @@ def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def load_encoder(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32
-                 ) -> tuple[SequenceClassifier | ModernBertForSequenceClassification, EncoderArgs | ModernBertArgs,
-                            dict]:
-    """The sequence classifier in eval mode on `device`/`dtype`, its args, and the raw config.json dict."""
+def load_encoder(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
+                 kernels: str = "auto") -> tuple[SequenceClassifier | ModernBertForSequenceClassification,
+                                                 EncoderArgs | ModernBertArgs, dict]:
+    """The sequence classifier in eval mode on `device`/`dtype`, its args, and the raw config.json dict; `kernels`:
+    the attention backend of a BERT-family model (TANDEM_KERNELS; ModernBERT attends with torch's SDPA)."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -87,7 +70,7 @@ def load_encoder(path: str | Path, device: str | torch.device = "cpu", dtype: to
                                 "(no config.json)")
     cfg = json.loads(config_file.read_text())
     if cfg.get("model_type") == "modernbert":
-        state = {k: v for k, v in read_state_dict(path).items() if not k.startswith(("decoder.", "head.decoder"))}
+        state = {k: v for k, v in load_state_dict(path).items() if not k.startswith(("decoder.", "head.decoder"))}
         if not any(k.startswith("model.") for k in state):  # a bare ModernBertModel saves its names unprefixed
             state = {f"model.{k}" if k.split(".", 1)[0] in ("embeddings", "layers", "final_norm") else k: v
                      for k, v in state.items()}
@@ -96,10 +79,11 @@ def load_encoder(path: str | Path, device: str | torch.device = "cpu", dtype: to
             model = ModernBertForSequenceClassification(args)
     else:
         args = EncoderArgs.from_hf_config(cfg, num_labels=1)  # the real label count comes from the head's weights
-        state = normalize_state_dict(read_state_dict(path), args.family)
+        state = normalize_state_dict(load_state_dict(path), args.family)
         args = dataclasses.replace(args, num_labels=_num_labels(state, args.family, path))
         with torch.device("meta"):
             model = build_model(args)
+        use_kernels(model, kernels)
     try:
         result = model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as e:  # shape mismatches between config.json and the weights
@@ -143,10 +127,10 @@ class CrossEncoder:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | str = torch.float32) -> "CrossEncoder":
+                        dtype: torch.dtype | str = torch.float32, kernels: str = "auto") -> "CrossEncoder":
         from transformers import AutoTokenizer
 
-        model, args, cfg = load_encoder(path, device, dtype)
+        model, args, cfg = load_encoder(path, device, dtype, kernels)
         activation = score_activation(cfg, args.num_labels)
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         return cls(model, args, tokenizer, activation, torch.device(device))

@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
 
 from kernels import quant
 from kernels.quant import QuantWeight
-from engine.models.decoder import MODEL_TYPES
+from engine.models.cache_write import write_atomically
+from engine.models.decoder_args import ARCHITECTURES, architecture
 
 log = logging.getLogger("tandem.engine")
 
 GGUF_MAGIC = b"GGUF"
-# GGUF general.architecture -> the transformers model_type its config becomes
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                 "gemma3": "gemma3_text"}
 DENSE_TYPES = ("F32",)
 SUPPORTED_TYPES = (*quant.BLOCK_BYTES, *DENSE_TYPES)
 _CACHE_VERSION = "v2"
@@ -117,9 +113,9 @@ def check_file(path: Path, reader) -> str:
     """The file's architecture, once it is known that tandem serves it and every tensor's type; else a ValueError
     that names the architecture, or the first tensor of an unsupported type and that type."""
     arch = str(_field(reader, "general.architecture"))
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(ARCHITECTURES)}")
+    served = [a.gguf for a in ARCHITECTURES]
+    if arch not in served:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(served)}")
     unsupported = [(t.name, t.tensor_type.name) for t in reader.tensors if t.tensor_type.name not in SUPPORTED_TYPES]
     if unsupported:
         name, kind = unsupported[0]
@@ -144,11 +140,9 @@ def load_gguf(path: Path, cache: Path) -> dict[str, torch.Tensor | QuantWeight]:
         return tensors
     _, tensors = read_gguf(path)
     formats = {k: [w.fmt, *w.shape] for k, w in tensors.items() if isinstance(w, QuantWeight)}
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: (w.data if isinstance(w, QuantWeight) else w.contiguous()) for k, w in tensors.items()}, str(tmp),
-              metadata={"format": "pt", "formats": json.dumps(formats)})
-    os.replace(tmp, target)
+    stored = {k: (w.data if isinstance(w, QuantWeight) else w.contiguous()) for k, w in tensors.items()}
+    write_atomically(target, lambda tmp: save_file(stored, str(tmp), metadata={"format": "pt",
+                                                                              "formats": json.dumps(formats)}))
     return tensors
 
 
@@ -164,14 +158,12 @@ def metadata_dir(path: Path, cache: Path) -> Path:
     check_file(path, gguf.GGUFReader(str(path)))
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     config.pop("quantization_config", None)
-    config["architectures"] = [MODEL_TYPES[config["model_type"]]]
+    config["architectures"] = [architecture({"model_type": config["model_type"]}).name]
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    try:
-        tmp.rename(target)
-    except OSError:  # another process wrote it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir(exist_ok=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+
+    return write_atomically(target, write)

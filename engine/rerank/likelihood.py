@@ -11,8 +11,7 @@ import math
 import torch
 
 from engine.config import RerankMode, RerankParams
-from engine.rerank.judge import DOC_SLOT, split_chat
-from engine.rerank.pairs import PairTemplate
+from engine.rerank.pairs import DOC_SLOT, PairTemplate, split_chat
 from engine.rerank.scorer import PairScorer
 from engine.request import Sequence
 

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 Truncate = Literal["end", "none"]
+# Where the document goes in a chat-rendered pair (likelihood and judge): `split_chat` cuts the rendering there.
+DOC_SLOT = "\x00DOCUMENT\x00"
 
 
 @dataclass(slots=True)
@@ -53,3 +55,14 @@ class PairTemplate:
             start = len(ids) - self.scored_suffix if self.scored_suffix else None
             pairs.append(PairTokens(ids, types, start, document_tokens=len(doc), truncated=truncated))
         return pairs
+
+
+def split_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[list[int], list[int]]:
+    """Token ids of the chat-rendered messages before and after DOC_SLOT (which one message content holds); without
+    a chat template, the contents as plain paragraphs."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    else:  # a base model without a chat template (Gemma 3 270M's GGUF): the turns as plain paragraphs
+        text = "\n\n".join(m["content"] for m in messages) + ("\n\n" if add_generation_prompt else "")
+    before, after = text.split(DOC_SLOT)
+    return list(tokenizer(before).input_ids), list(tokenizer(after, add_special_tokens=False).input_ids)

@@ -6,6 +6,7 @@ import torch
 from bench.models import minilm_cross_encoder_dir
 from engine import LLM, EngineConfig, SamplingParams
 from engine.models.loader import default_model_dir
+from engine.settings import Settings
 
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0)
 
@@ -26,7 +27,7 @@ def _prompts(tokenizer) -> list[str]:
 
 @pytest.fixture(scope="session")
 def model_dir():
-    return default_model_dir()
+    return default_model_dir(Settings.from_env().cache_dir)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs, capture_sizes, eager_capture
-from engine.models.decoder import DecoderArgs as LlamaArgs, DecoderForCausalLM as LlamaForCausalLM
+from engine.models.decoder import DecoderForCausalLM as LlamaForCausalLM
+from engine.models.decoder_args import DecoderArgs as LlamaArgs
 from tests.engine.conftest import GREEDY_32, assert_no_leaks, make_llm, record_steps
 
 BLOCK = 16

@@ -13,8 +13,9 @@ def tok():
     from transformers import AutoTokenizer
 
     from engine.models.loader import default_model_dir
+    from engine.settings import Settings
 
-    return AutoTokenizer.from_pretrained(default_model_dir())
+    return AutoTokenizer.from_pretrained(default_model_dir(Settings.from_env().cache_dir))
 
 
 def decode(tok, ids) -> str:

@@ -1,5 +1,5 @@
-"""The dispatcher routes each op per TANDEM_KERNELS (torch | triton | cpp | auto = Triton on CUDA tensors, the C++
-decode kernel for CPU paged attention, the torch reference for the other CPU ops)."""
+"""The dispatcher routes each op per its mode, TANDEM_KERNELS read once at start-up (torch | triton | cpp | auto =
+Triton on CUDA tensors, the C++ decode kernel for CPU paged attention, the torch reference for the other CPU ops)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -55,58 +55,44 @@ _CPP = ["cpp:paged_attention", "torch:varlen_attention", "torch:write_kv_cache"]
     ("triton", [f"triton:{op}" for op, _ in _OPS]),
     ("cpp", _CPP), ("auto", _CPP), (None, _CPP),
 ])
-def test_env_picks_the_implementation_on_cpu(
-    mode: str | None, expected: list[str], calls: list[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if mode is None:
-        monkeypatch.delenv("TANDEM_KERNELS", raising=False)
-    else:
-        monkeypatch.setenv("TANDEM_KERNELS", mode)
+def test_mode_picks_the_implementation_on_cpu(mode: str | None, expected: list[str], calls: list[str]) -> None:
     for op, _ in _OPS:
-        getattr(kernels, op)(*_inputs(op))
+        getattr(kernels, op)(*_inputs(op), **({} if mode is None else {"mode": mode}))
     assert calls == expected
 
 
-def test_cpp_falls_back_to_the_reference_for_other_dtypes_unless_forced(
-    calls: list[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cpp_falls_back_to_the_reference_for_other_dtypes_unless_forced(calls: list[str]) -> None:
     batch = paged_batch([(4, 1), (9, 1)], block_size=16, num_kv_heads=1, group=1, head_dim=16, dtype=torch.float64)
-    monkeypatch.setenv("TANDEM_KERNELS", "auto")
-    kernels.paged_attention(*batch.args())
+    kernels.paged_attention(*batch.args(), mode="auto")
     assert calls == ["torch:paged_attention"]
-    monkeypatch.setenv("TANDEM_KERNELS", "cpp")
     with pytest.raises(RuntimeError, match="float32"):
-        kernels.paged_attention(*batch.args())
+        kernels.paged_attention(*batch.args(), mode="cpp")
 
 
-def test_auto_picks_triton_for_cuda_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TANDEM_KERNELS", "auto")
-    assert dispatch.backend(SimpleNamespace(is_cuda=True)) == "triton"
-    assert dispatch.backend(SimpleNamespace(is_cuda=False)) == "cpp"
-    monkeypatch.setenv("TANDEM_KERNELS", "torch")
-    assert dispatch.backend(SimpleNamespace(is_cuda=True)) == "torch"
+def test_auto_picks_triton_for_cuda_tensors() -> None:
+    assert dispatch.backend(SimpleNamespace(is_cuda=True), "auto") == "triton"
+    assert dispatch.backend(SimpleNamespace(is_cuda=False), "auto") == "cpp"
+    assert dispatch.backend(SimpleNamespace(is_cuda=True), "torch") == "torch"
 
 
-def test_unknown_mode_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TANDEM_KERNELS", "cuda")
+def test_unknown_mode_is_an_error() -> None:
     with pytest.raises(ValueError, match="TANDEM_KERNELS"):
-        kernels.paged_attention(*_inputs("paged_attention"))
+        kernels.paged_attention(*_inputs("paged_attention"), mode="cuda")
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TANDEM_KERNELS", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="CUDA"):
-        dispatch.backend(torch.zeros(1))
+        dispatch.backend(torch.zeros(1), "triton")
 
 
 @pytest.mark.parametrize("window,softcap", [(16, 0.0), (0, 30.0)])
 def test_triton_refuses_a_window_or_softcap_rather_than_ignore_it(monkeypatch: pytest.MonkeyPatch, window: int,
                                                                   softcap: float) -> None:
-    monkeypatch.setenv("TANDEM_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     batch = paged_batch([(0, 1), (20, 1)], 16, num_kv_heads=1, group=2, head_dim=16)
     with pytest.raises(NotImplementedError, match="no sliding window or soft-cap"):
-        dispatch.paged_attention(*batch.args(), window=window, softcap=softcap)
-    monkeypatch.setenv("TANDEM_KERNELS", "torch")  # the reference takes both
-    assert dispatch.paged_attention(*batch.args(), window=window, softcap=softcap).shape == batch.query.shape
+        dispatch.paged_attention(*batch.args(), window=window, softcap=softcap, mode="triton")
+    # the reference takes both
+    assert dispatch.paged_attention(*batch.args(), window=window, softcap=softcap,
+                                    mode="torch").shape == batch.query.shape

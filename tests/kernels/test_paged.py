@@ -27,20 +27,20 @@ def _step(specs: list[tuple[int, int]], group: int, seed: int, dtype: torch.dtyp
     return batch, qkv, torch.tensor(slots, dtype=torch.int64)
 
 
-def _separate(batch, qkv, slots, window=0, softcap=0.0):
+def _separate(batch, qkv, slots, window=0, softcap=0.0, mode="auto"):
     """The per-op path: kernels.write_kv_cache then kernels.paged_attention, on copies of the caches."""
     k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
     q, k, v = qkv.split([batch.query.shape[1], 2, 2], dim=1)
-    kernels.write_kv_cache(k, v, k_cache, v_cache, slots)
+    kernels.write_kv_cache(k, v, k_cache, v_cache, slots, mode)
     out = kernels.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                                  batch.scale, window=window, softcap=softcap)
+                                  batch.scale, window=window, softcap=softcap, mode=mode)
     return out, k_cache, v_cache
 
 
-def _fused(batch, qkv, slots, window=0, softcap=0.0):
+def _fused(batch, qkv, slots, window=0, softcap=0.0, mode="auto"):
     k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
     plan = kernels.plan_step(slots, batch.block_tables, batch.seq_lens, batch.query_start_loc, qkv,
-                             torch.stack([k_cache, v_cache]))
+                             torch.stack([k_cache, v_cache]), mode)
     out = kernels.write_and_attend(plan, qkv, batch.query.shape[1], k_cache, v_cache, batch.scale, window, softcap)
     return out, k_cache, v_cache, plan
 
@@ -51,25 +51,22 @@ _DECODES = [(ctx - 1, 1) for ctx in (1, 15, 16, 17, 40, 100)]
 @pytest.mark.parametrize("mode", ["cpp", "torch"])
 @pytest.mark.parametrize("specs", [_DECODES, mixed_specs(seed=3, n_random=4)], ids=["decode", "mixed"])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (16, 0.0), (0, 30.0)])
-def test_write_and_attend_equals_the_separate_ops(mode: str, specs, window: int, softcap: float,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TANDEM_KERNELS", mode)
+def test_write_and_attend_equals_the_separate_ops(mode: str, specs, window: int, softcap: float) -> None:
     batch, qkv, slots = _step(specs, group=3, seed=len(specs) + window)
-    want = _separate(batch, qkv, slots, window, softcap)
-    *got, plan = _fused(batch, qkv, slots, window, softcap)
+    want = _separate(batch, qkv, slots, window, softcap, mode)
+    *got, plan = _fused(batch, qkv, slots, window, softcap, mode)
     assert plan.backend == mode and plan.decode_only == (specs is _DECODES)
     for g, w in zip(got, want):
         assert torch.equal(g, w)  # bit for bit: the model's outputs must not move
 
 
 @pytest.mark.parametrize("mode", ["cpp", "torch"])
-def test_padding_slots_write_nothing(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_padding_slots_write_nothing(mode: str) -> None:
     """CUDA-graph padding rows (slot -1) are skipped, checked once in the plan (torch) or in C++ (cpp)."""
-    monkeypatch.setenv("TANDEM_KERNELS", mode)
     batch, qkv, slots = _step(_DECODES, group=1, seed=5)
     slots[[1, 4]] = -1
-    want = _separate(batch, qkv, slots)
-    *got, plan = _fused(batch, qkv, slots)
+    want = _separate(batch, qkv, slots, mode=mode)
+    *got, plan = _fused(batch, qkv, slots, mode=mode)
     assert (plan.kept_rows is not None) == (mode == "torch")
     for g, w in zip(got, want):
         assert torch.equal(g, w)
@@ -88,11 +85,10 @@ def test_cpp_kv_write_matches_the_reference_on_strided_rows() -> None:
         cpu_decode.write_kv_cache(k, v, *got, torch.full_like(slots, 10 ** 9))
 
 
-def test_plan_falls_back_to_the_reference_for_other_dtypes_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_falls_back_to_the_reference_for_other_dtypes_unless_forced() -> None:
     batch, qkv, slots = _step(_DECODES, group=1, seed=2, dtype=torch.float64)
     kv = torch.stack([batch.k_cache, batch.v_cache])
-    monkeypatch.setenv("TANDEM_KERNELS", "auto")
-    assert paged.plan_step(slots, batch.block_tables, batch.seq_lens, batch.query_start_loc, qkv, kv).backend == "torch"
-    monkeypatch.setenv("TANDEM_KERNELS", "cpp")
+    args = (slots, batch.block_tables, batch.seq_lens, batch.query_start_loc, qkv, kv)
+    assert paged.plan_step(*args, "auto").backend == "torch"
     with pytest.raises(RuntimeError, match="float32"):
-        paged.plan_step(slots, batch.block_tables, batch.seq_lens, batch.query_start_loc, qkv, kv)
+        paged.plan_step(*args, "cpp")

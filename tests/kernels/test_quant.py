@@ -71,7 +71,7 @@ def test_the_kernel_builds_here() -> None:
 
 
 # Every CPU path this machine can run: the one it takes by default and each narrower one (forced by `isa=`, as
-# TANDEM_CPU_ISA forces it for a whole process).
+# TANDEM_CPU_ISA forces it for a whole process through select_cpu_path).
 ISAS = [isa for isa in quant.CpuIsa if isa <= quant.best_isa()]
 
 
@@ -80,19 +80,14 @@ def test_the_default_path_is_the_widest_this_cpu_has(monkeypatch) -> None:
     expected = (quant.CpuIsa.AVX512 if {"avx512f", "avx512bw", "avx512vl"} <= set(flags)
                 else quant.CpuIsa.AVX2 if {"avx2", "fma", "f16c"} <= set(flags) else quant.CpuIsa.PORTABLE)
     assert quant.best_isa() == expected
-    quant.cpu_isa.cache_clear()
-    try:
-        monkeypatch.delenv("TANDEM_CPU_ISA", raising=False)
-        assert quant.cpu_isa() == expected and quant.kernel_path() == expected.label
-        quant.cpu_isa.cache_clear()
-        monkeypatch.setenv("TANDEM_CPU_ISA", "portable")
-        assert quant.cpu_isa() == quant.CpuIsa.PORTABLE
-        quant.cpu_isa.cache_clear()
-        monkeypatch.setenv("TANDEM_CPU_ISA", "sse9")
-        with pytest.raises(ValueError, match="expected auto or one of"):
-            quant.cpu_isa()
-    finally:
-        quant.cpu_isa.cache_clear()
+    monkeypatch.setattr(quant, "_wanted", ("auto", None))  # both restored afterwards: what this process chose
+    monkeypatch.setattr(quant, "_selected", None)
+    assert quant.cpu_isa() == expected and quant.kernel_path() == expected.label  # nothing chose: auto
+    assert quant.small_m(expected) == {"avx512": 10}.get(expected.label, 16)
+    quant.select_cpu_path("portable", 3)  # what the builder does with TANDEM_CPU_ISA and TANDEM_QUANT_SMALL_M
+    assert quant.cpu_isa() == quant.CpuIsa.PORTABLE and quant.small_m(quant.CpuIsa.PORTABLE) == 3
+    with pytest.raises(ValueError, match="expected auto or one of"):
+        quant.select_cpu_path("sse9")
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda isa: isa.label)
@@ -184,6 +179,8 @@ def test_without_the_cpp_build_the_reference_computes(monkeypatch, caplog) -> No
         raise RuntimeError("Error building extension: g++: command not found")
 
     quant._module.cache_clear()
+    monkeypatch.setattr(quant, "_wanted", ("auto", None))
+    monkeypatch.setattr(quant, "_selected", None)
     try:
         monkeypatch.setattr(cpp_extension, "load", broken)
         with caplog.at_level(logging.WARNING, logger="tandem.kernels"):
@@ -200,7 +197,6 @@ def test_without_the_cpp_build_the_reference_computes(monkeypatch, caplog) -> No
     finally:
         monkeypatch.undo()
         quant._module.cache_clear()
-        quant.cpu_isa.cache_clear()
     assert quant.available()
 
 
@@ -208,7 +204,7 @@ def test_without_the_cpp_build_the_reference_computes(monkeypatch, caplog) -> No
 
 
 def test_fused_decode_ops_match_torch() -> None:
-    from engine.models.decoder import TorchOps
+    from engine.models.decoder_ops import TorchOps
 
     ops = quant._module()
     g = torch.Generator().manual_seed(5)

@@ -7,6 +7,7 @@ import torch
 
 from engine import LLM, EngineConfig, RerankParams
 from engine.models.loader import default_model_dir
+from engine.settings import Settings
 
 QUERY = "how do bees make honey"
 DOCS = ["Bees collect nectar from flowers and turn it into honey in the hive.", "The stock market fell on Tuesday.",
@@ -54,7 +55,7 @@ def test_judge_mode_equals_the_model_cards_formula(tmp_path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
     torch.manual_seed(11)
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())  # ChatML: <|im_start|>, <|im_end|>
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(Settings.from_env().cache_dir))  # ChatML: <|im_start|>, <|im_end|>
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                          tie_word_embeddings=True)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from engine.models.decoder import FusedOps
+from engine.models.decoder_ops import FusedOps
 from engine.models.loader import default_model_dir
+from engine.settings import Settings
 from kernels import quant
 from tests.engine.test_hf_parity import _ragged_logits
 
@@ -63,7 +64,7 @@ def _hf_model(case: str, directory):
             if "norm" in name or name.endswith("bias"):
                 p.normal_(0.0, 0.3)
     model.save_pretrained(directory, max_shard_size="2MB" if case == "llama3-sharded" else "1GB")
-    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(default_model_dir(Settings.from_env().cache_dir)).save_pretrained(directory)
     if case == "llama3-rope_scaling":  # transformers 4's spelling of the same scaling
         cfg = json.loads((directory / "config.json").read_text())
         params = cfg.pop("rope_parameters")

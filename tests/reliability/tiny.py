@@ -31,8 +31,9 @@ def make_tiny_model_dir(target: Path, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from engine.models.loader import default_model_dir, read_config
+    from engine.settings import Settings
 
-    src = default_model_dir()
+    src = default_model_dir(Settings.from_env().cache_dir)
     cfg = {**read_config(src), **TINY}
     cfg.pop("head_dim", None)
     target.mkdir(parents=True, exist_ok=True)

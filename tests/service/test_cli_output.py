@@ -126,13 +126,15 @@ def test_the_metrics_port_answers_404_off_its_own_paths():
 
 def _unsupported_architecture(tmp_path: Path) -> Path:
     from engine.models.loader import default_model_dir
+    from engine.settings import Settings
 
     model = tmp_path / "foo-model"
     model.mkdir()
     (model / "config.json").write_text('{"architectures": ["FooForCausalLM"], "model_type": "foo"}')
+    embedded = default_model_dir(Settings.from_env().cache_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (default_model_dir() / name).exists():
-            shutil.copy(default_model_dir() / name, model / name)
+        if (embedded / name).exists():
+            shutil.copy(embedded / name, model / name)
     return model
 
 

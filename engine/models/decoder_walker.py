@@ -1,0 +1,48 @@
+"""The C++ walker of a decoder's layers (kernels/quant.py `decode_layers`): every layer of a small decode-only step
+in one call, built once from the loaded model's blocks and norms."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import quant
+from engine.models.decoder import ConcatLinear, DecoderForCausalLM
+from engine.models.decoder_args import Activation
+from engine.models.quantized import QuantizedLinear
+
+
+def layer_walker(model: DecoderForCausalLM):
+    """The C++ walker of this model's layers (kernels/quant.py `decode_layers`), or None where it does not apply:
+    the C++ modules not built, or a projection that is not float32-activation blocks in a C++ format (dense weights,
+    `--cpu-activations int8`, F16 / BF16 tensors). TANDEM_LAYER_WALKER=0 (A/B runs) keeps build_decoder from asking."""
+    a = model.args
+    walker = quant.decode_layers(a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps,
+                                 a.activation is Activation.GELU_TANH)
+    if walker is None:
+        return None
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [_walker_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(p is None for p in projections):
+            return None
+        weight = lambda norm: None if norm is None else norm.weight  # noqa: E731
+        next_norm = layers[i + 1].attn_norm if i + 1 < len(layers) else model.model.norm
+        walker.add_layer(*projections, weight(attn.q_norm), weight(attn.k_norm), weight(layer.attn_post_norm),
+                         layer.mlp_norm.weight, weight(layer.mlp_post_norm), next_norm.weight, attn.scale,
+                         attn.window, attn.softcap, attn.rope)
+    return walker
+
+
+def _walker_projection(module: nn.Module):
+    """A walker projection of a QuantizedLinear or a ConcatLinear of them (float32 activations, C++ formats)."""
+    parts = list(module.parts) if isinstance(module, ConcatLinear) else [module]
+    if not all(isinstance(p, QuantizedLinear) and p.activations is quant.Activations.FLOAT32
+               and p.qweight.fmt in quant.CPP_FORMATS for p in parts):
+        return None
+    biases = [p.bias for p in parts]
+    bias = None
+    if any(b is not None for b in biases):  # a part without one adds zeros
+        bias = torch.cat([b.detach() if b is not None else torch.zeros(p.out_features)
+                          for b, p in zip(biases, parts)]).float().contiguous()
+    return quant.projection([p.qweight for p in parts], bias)
