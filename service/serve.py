@@ -1,4 +1,4 @@
-"""`tandem serve`: load the engine, start the bridge and the server, drain on SIGTERM/SIGINT, exit 0."""
+"""`tandem serve`: check the ports, load the engine, start the bridge and the doors, drain on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import asyncio
@@ -7,62 +7,83 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from service import ports
+from service.access_log import AccessLog
 from service.bridge import EngineBridge
 from service.lifecycle import LifecycleHooks
 from service.metrics import Metrics
+from service.phases import phase, weights_size
 from service.server import ServerConfig, TandemServer
+from service.shutdown import ShutdownTally
 from service.tracing import TracingHooks, describe_tracing, tracer_provider_from_env
+from service.vllm_metrics import VllmMetrics
 
 log = logging.getLogger("tandem.serve")
 
 
 async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
                 ready: Callable[[str], None] = print, hooks: tuple[LifecycleHooks, ...] = (),
-                metrics_port: int | None = None) -> int:
-    """Serve until SIGTERM or SIGINT; the first drains, a second one aborts what is still running.
+                metrics_port: int | None = None, access_log: bool = True) -> int:
+    """Serve until SIGTERM or SIGINT; the first drains, a second one aborts what is still running and stops now.
 
-    On the first signal the replica reports NOT_SERVING at once (gRPC health and HTTP /healthz, both from
-    `TandemServer.status`), keeps taking new work for `server_config.drain_grace_s` so a load balancer polling
-    its health check can stop routing to it, then drains: new work gets UNAVAILABLE, in-flight work finishes
-    (up to the drain timeout). See TandemServer.drain.
+    Every port is checked before the model loads, and a port that cannot be bound (gRPC, HTTP, metrics) raises
+    StartupError with a line naming it and its flag. On the first signal the replica reports NOT_SERVING at once
+    (gRPC health and HTTP /ready, /healthz, all from `TandemServer.status`), keeps taking new work for
+    `server_config.drain_grace_s` so a load balancer polling its health check can stop routing to it, then drains:
+    new work gets UNAVAILABLE, in-flight work finishes (up to the drain timeout). See TandemServer.drain. The last
+    log line says how it ended: the signal, the requests drained and aborted.
     """
     from engine import LLMEngine  # torch only here, so client commands stay light
 
     try:
-        engine = await _in_own_thread(LLMEngine, engine_config)
+        ports.check_free(server_config.host, _listeners(server_config, metrics_port))
+        with phase(log, f"loading the model ({engine_config.model or 'embedded SmolLM2-135M-Instruct'})",
+                   weights_size(engine_config.model)):
+            engine = await _in_own_thread(LLMEngine, engine_config)
     except Exception as exc:  # noqa: BLE001 (said in one line by the CLI; the traceback at --log-level debug)
         raise StartupError(exc) from exc
+    model_name = str(engine.model_info()["model"])
     metrics = Metrics()
     provider = tracer_provider_from_env()  # None unless an OTLP endpoint is configured
     log.info("%s", describe_tracing(provider))
     tracing = TracingHooks(provider) if provider is not None else None
-    hooks = (*hooks, metrics) + ((tracing,) if tracing else ())
+    tally = ShutdownTally()
+    hooks = (*hooks, metrics, VllmMetrics(metrics.registry, model_name), tally,
+             *((AccessLog(model_name),) if access_log else ()), *((tracing,) if tracing else ()))
+    if not access_log:
+        log.info("access log off (--no-access-log)")
     bridge = EngineBridge(engine, max_waiting=max_waiting, hooks=hooks)
     server = TandemServer(bridge, server_config)
-    http = _serve_metrics(metrics, server_config.host, metrics_port, lambda: server.serving)
     bridge.start()
+    http = door = None
     try:
+        http = _serve_metrics(metrics, server_config.host, metrics_port, lambda: server.serving)
         address = await server.start()
+        door = await _serve_http(bridge, server_config, server, metrics)
     except OSError as exc:
-        log.error("%s", exc)
+        if door is not None:
+            await door.stop()
+        await server.stop()
         await bridge.stop()
         await _stop_telemetry(http, tracing)
-        return 1
-    door = await _serve_http(bridge, server_config, server, metrics)
+        raise StartupError(exc) from exc
     ready(address)
     stop = asyncio.Event()
+    how: list[str] = []  # the signals that stopped it, in order
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
         name = signal.Signals(signum).name
         if stop.is_set():
             log.warning("second %s: aborting %d in-flight requests and stopping now", name, bridge.num_live)
-            bridge.abort_all()
-            server.end_grace()  # a second signal cuts the grace short
-        else:
-            log.warning("%s: stopping; in-flight requests get up to %.0fs to finish (--drain-timeout). "
-                        "Press Ctrl-C again (or send %s again) to abort them and stop now",
-                        name, server_config.drain_timeout_s, name)
+            how.append(f"second {name}")
+            server.abort()
+            return
+        log.warning("%s: stopping; in-flight requests get up to %.0fs to finish (--drain-timeout). "
+                    "Press Ctrl-C again (or send %s again) to abort them and stop now",
+                    name, server_config.drain_timeout_s, name)
+        how.append(name)
+        tally.start()
         stop.set()
 
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -73,7 +94,18 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
         await door.stop()
     await bridge.stop()
     await _stop_telemetry(http, tracing)
+    log.info("%s", tally.summary(how[-1]))
     return 0
+
+
+def _listeners(config: ServerConfig, metrics_port: int | None) -> list[ports.Listener]:
+    """The fixed ports this server will listen on, each with the flag that moves it."""
+    listeners = [ports.Listener("gRPC", config.port, "--port")]
+    if config.http_port is not None:
+        listeners.append(ports.Listener("HTTP", config.http_port, "--http-port", "--http-port off"))
+    if metrics_port is not None and metrics_port >= 0:
+        listeners.append(ports.Listener("Prometheus metrics", metrics_port, "--metrics-port", "--metrics-port off"))
+    return listeners
 
 
 async def _in_own_thread(fn: Callable, *args):
@@ -95,33 +127,30 @@ class StartupError(Exception):
 
 
 async def _serve_http(bridge: EngineBridge, config: ServerConfig, server: TandemServer, metrics: Metrics):
-    """Start the HTTP door on the same loop and bridge; a busy port costs the HTTP door, never gRPC."""
+    """Start the HTTP door on the same loop and bridge; OSError (one line naming --http-port) if it cannot bind."""
     if config.http_port is None:
         return None
     from service.http.server import HttpServer  # starlette and uvicorn only when HTTP is on
 
     door = HttpServer(bridge, config, config.http_port, serving=lambda: server.serving, registry=metrics.registry)
-    try:
-        await door.start()
-    except OSError as exc:
-        log.warning("HTTP door not served: %s", exc)
-        return None
+    await door.start()
     log.info("HTTP (OpenAI /v1/chat/completions, /v1/completions; rerank /v1/rerank, /v2/rerank, /rerank; "
              "/metrics, /health, /ready) on %s", door.url)
     return door
 
 
 def _serve_metrics(metrics: Metrics, host: str, port: int | None, healthy: Callable[[], bool]):
-    """Start the /metrics and /healthz endpoint; a busy port costs the metrics, never the service."""
+    """Start the /metrics and health endpoint; PortInUse (one line naming --metrics-port) if it cannot bind."""
     if port is None or port < 0:
-        log.info("Prometheus metrics off (--metrics-port -1)")
+        log.info("Prometheus metrics off (--metrics-port off)")
         return None
     try:
         http, _ = metrics.serve(host, port, healthy)
     except OSError as exc:
-        log.warning("Prometheus metrics not served on %s:%s: %s", host, port, exc)
-        return None
-    log.info("Prometheus metrics on http://%s:%d/metrics, health on /healthz", host, http.server_address[1])
+        listener = ports.Listener("Prometheus metrics", port, "--metrics-port", "--metrics-port off")
+        raise ports.PortInUse(listener.problem(host, exc.strerror or str(exc))) from None
+    log.info("Prometheus metrics on http://%s:%d/metrics, health on /health, /ready and /healthz", host,
+             http.server_address[1])
     return http
 
 

@@ -29,8 +29,8 @@ class ServeProcess:
 
     def __init__(self, *args: str, env: dict[str, str]) -> None:
         # PYTHONPATH: this checkout's code even where the venv's editable install points at another one.
-        self.proc = subprocess.Popen([TANDEM, "serve", "--port", "0", *args], cwd=ROOT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        self.proc = subprocess.Popen([TANDEM, "serve", "--port", "0", "--http-port", "off", "--metrics-port", "0",
+                                      *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
