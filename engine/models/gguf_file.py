@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -142,6 +143,8 @@ def load_gguf(path: Path, cache: Path) -> dict[str, torch.Tensor | QuantWeight]:
         for k, (fmt, n, kk) in formats.items():
             tensors[k] = QuantWeight(tensors[k], fmt, (n, kk))
         return tensors
+    started = time.monotonic()
+    log.info("converting %s (%.0f MB) into %s: once per file", path.name, path.stat().st_size / 1e6, target)
     _, tensors = read_gguf(path)
     formats = {k: [w.fmt, *w.shape] for k, w in tensors.items() if isinstance(w, QuantWeight)}
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
@@ -149,6 +152,7 @@ def load_gguf(path: Path, cache: Path) -> dict[str, torch.Tensor | QuantWeight]:
     save_file({k: (w.data if isinstance(w, QuantWeight) else w.contiguous()) for k, w in tensors.items()}, str(tmp),
               metadata={"format": "pt", "formats": json.dumps(formats)})
     os.replace(tmp, target)
+    log.info("converted %s in %.1f s", path.name, time.monotonic() - started)
     return tensors
 
 
@@ -161,6 +165,9 @@ def metadata_dir(path: Path, cache: Path) -> Path:
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
+    started = time.monotonic()
+    log.info("reading the config and tokenizer of %s (%.0f MB) into %s: once per file", path.name,
+             path.stat().st_size / 1e6, target)
     check_file(path, gguf.GGUFReader(str(path)))
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     config.pop("quantization_config", None)
@@ -174,4 +181,5 @@ def metadata_dir(path: Path, cache: Path) -> Path:
         tmp.rename(target)
     except OSError:  # another process wrote it first
         shutil.rmtree(tmp, ignore_errors=True)
+    log.info("read the config and tokenizer of %s in %.1f s", path.name, time.monotonic() - started)
     return target
