@@ -262,6 +262,9 @@ def _serve(args: argparse.Namespace) -> int:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(serve(engine_config, server_config, max_waiting=args.max_waiting, ready=ready,
                                     metrics_port=args.metrics_port, access_log=not args.no_access_log))
+    except KeyboardInterrupt:  # Ctrl-C before the server's own signal handlers are in place (while loading)
+        print("tandem serve: interrupted while starting", file=sys.stderr)
+        return 130
     except StartupError as exc:
         log.debug("start-up failed", exc_info=exc.cause)
         hint = "" if level == "DEBUG" or isinstance(exc.cause, PortInUse) else " (the traceback: --log-level debug)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from typing import Callable
 
 from service import ports
@@ -113,9 +113,37 @@ async def _in_own_thread(fn: Callable, *args):
     pool of workers for every thread that starts one, until that thread exits: a loader thread of asyncio's
     executor would keep its idle pool for the process's life beside the engine thread's, so OpenMP would count
     more threads than cores and cut every wait to its throttled spin count (none under PASSIVE), making each
-    parallel region of a decode step wake a sleeping worker. Leaving the `with` joins the finished thread."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-load") as pool:
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+    parallel region of a decode step wake a sleeping worker. The thread is a daemon, so a Ctrl-C while loading
+    (the await is cancelled) stops the process at once instead of after the load."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def run() -> None:
+        try:
+            outcome = (fn(*args), None)
+        except BaseException as exc:  # noqa: BLE001 (re-raised on the loop)
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(_settle, done, *outcome)
+        except RuntimeError:  # the loop is closed: start-up was interrupted, nobody waits for the result
+            pass
+
+    thread = threading.Thread(target=run, name="tandem-load", daemon=True)
+    thread.start()
+    try:
+        return await done
+    finally:
+        if not done.cancelled():  # it handed over its result or error: only its exit (and its OpenMP pool's) is left
+            thread.join()
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class StartupError(Exception):

@@ -52,6 +52,25 @@ def test_a_taken_port_stops_serve_with_one_line_naming_the_port_and_its_flag(doo
     assert "loading the model" not in done.stderr  # found before minutes of loading, not after
 
 
+def test_ctrl_c_while_loading_stops_at_once_with_one_line(tmp_path):
+    # The model "file" is a FIFO nobody writes: loading blocks on it until the process ends, whatever the machine.
+    model = tmp_path / "model.gguf"
+    os.mkfifo(model)
+    proc = subprocess.Popen([*SERVE, "--port", "0", "--http-port", "off", "--metrics-port", "off", "--model",
+                             str(model)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "loading the model" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stdout.read()
+        assert proc.wait(HANG) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rest.strip().splitlines() == ["tandem serve: interrupted while starting"]
+
+
 def test_no_access_log_flag_and_its_variable(monkeypatch):
     assert build_parser().parse_args(["serve"]).no_access_log is False
     assert build_parser().parse_args(["serve", "--no-access-log"]).no_access_log is True
