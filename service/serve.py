@@ -55,47 +55,57 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     bridge = EngineBridge(engine, max_waiting=max_waiting, hooks=hooks)
     server = TandemServer(bridge, server_config)
     bridge.start()
-    http = door = None
+    http = None
     try:
         http = _serve_metrics(metrics, server_config.host, metrics_port, lambda: server.serving)
         address = await server.start()
         door = await _serve_http(bridge, server_config, server, metrics)
     except OSError as exc:
-        if door is not None:
-            await door.stop()
         await server.stop()
         await bridge.stop()
         await _stop_telemetry(http, tracing)
         raise StartupError(exc) from exc
     ready(address)
-    stop = asyncio.Event()
-    how: list[str] = []  # the signals that stopped it, in order
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        name = signal.Signals(signum).name
-        if stop.is_set():
-            log.warning("second %s: aborting %d in-flight requests and stopping now", name, bridge.num_live)
-            how.append(f"second {name}")
-            server.abort()
-            return
-        log.warning("%s: stopping; in-flight requests get up to %.0fs to finish (--drain-timeout). "
-                    "Press Ctrl-C again (or send %s again) to abort them and stop now",
-                    name, server_config.drain_timeout_s, name)
-        how.append(name)
-        tally.start()
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    await stop.wait()
+    signals = _StopSignals(server, tally)
+    await signals.wait()
     await server.drain()  # both doors: the bridge refuses new work, in-flight work of either door finishes
     if door is not None:
         await door.stop()
     await bridge.stop()
     await _stop_telemetry(http, tracing)
-    log.info("%s", tally.summary(how[-1]))
+    log.info("%s", tally.summary(signals.how))
     return 0
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT on the running loop: the first starts the drain (and the tally of how requests end), a
+    second aborts what still runs. `how` names the signal that ended it ("SIGTERM", "second SIGINT")."""
+
+    def __init__(self, server: TandemServer, tally: ShutdownTally) -> None:
+        self.server, self.tally = server, tally
+        self.how = ""
+        self._stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+
+    async def wait(self) -> None:
+        await self._stop.wait()
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self._stop.is_set():
+            log.warning("second %s: aborting %d in-flight requests and stopping now", name,
+                        self.server.bridge.num_live)
+            self.how = f"second {name}"
+            self.server.abort()
+            return
+        log.warning("%s: stopping; in-flight requests get up to %.0fs to finish (--drain-timeout). "
+                    "Press Ctrl-C again (or send %s again) to abort them and stop now",
+                    name, self.server.config.drain_timeout_s, name)
+        self.how = name
+        self.tally.start()
+        self._stop.set()
 
 
 def _listeners(config: ServerConfig, metrics_port: int | None) -> list[ports.Listener]:
