@@ -55,12 +55,15 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     bridge = EngineBridge(engine, max_waiting=max_waiting, hooks=hooks)
     server = TandemServer(bridge, server_config)
     bridge.start()
-    http = None
+    http = door = None
     try:
         http = _serve_metrics(metrics, server_config.host, metrics_port, lambda: server.serving)
-        address = await server.start()
+        # The HTTP door first: gRPC's start turns health SERVING, and a balancer that sees it may send HTTP at once.
         door = await _serve_http(bridge, server_config, server, metrics)
+        address = await server.start()
     except OSError as exc:
+        if door is not None:
+            await door.stop()
         await server.stop()
         await bridge.stop()
         await _stop_telemetry(http, tracing)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import urllib.error
 import urllib.request
 
 import pytest
@@ -31,9 +32,11 @@ def chat(cluster: ClusterProcess, *, key: str | None = None, user: str | None = 
         body["user"] = user
     headers = {"Content-Type": "application/json", **({"x-tandem-prefix": key} if key is not None else {})}
     request = urllib.request.Request(cluster.http_url + "/v1/chat/completions", json.dumps(body).encode(), headers)
-    with urllib.request.urlopen(request, timeout=600) as reply:
-        assert reply.status == 200
-        http_address = reply.headers["x-tandem-replica"]
+    try:
+        with urllib.request.urlopen(request, timeout=600) as reply:
+            http_address = reply.headers["x-tandem-replica"]
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"{exc.code} {exc.read()!r}\n{cluster.log_tail()}") from None
     return next(r.address for r in cluster.replicas.values() if r.http_address == http_address)
 
 
@@ -41,8 +44,8 @@ async def test_http_chats_are_hashed_on_the_header_or_the_user_field_like_grpc(c
     by_header = {key: chat(cluster, key=key) for key in KEYS}
     assert set(by_header.values()) == {r.address for r in cluster.replicas.values()}  # both replicas get keys
     for key in KEYS:
-        assert chat(cluster, key=key) == by_header[key]  # the same key, the same replica
-        assert chat(cluster, user=key) == by_header[key]  # no header: the `user` field is the key
+        assert chat(cluster, key=key) == by_header[key], cluster.log_tail()  # the same key, the same replica
+        assert chat(cluster, user=key) == by_header[key], cluster.log_tail()  # no header: `user` is the key
         async with AsyncClient(cluster.address) as client:
             out = await client.complete("Hi", max_tokens=1, routing_key=key)
-        assert out.replica == by_header[key]  # and the gRPC door routes the key to the same replica
+        assert out.replica == by_header[key], cluster.log_tail()  # and the gRPC door routes the key to the same replica
