@@ -136,7 +136,7 @@ async def arms(cluster: Cluster, args: argparse.Namespace) -> tuple[dict, dict]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    cfg = ClusterConfig(replicas=2, port=free_port(), roundrobin_port=free_port(),
+    cfg = ClusterConfig(replicas=2, port=free_port(), http_port=free_port(), roundrobin_port=free_port(),
                         serve_args=["--num-threads", str(args.threads), "--max-documents", str(args.docs)],
                         env={"OMP_WAIT_POLICY": "PASSIVE", "TANDEM_LOG_LEVEL": "WARNING"})
     cluster = Cluster(cfg, out=sys.stderr)

@@ -55,7 +55,7 @@ class Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.metrics_port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--metrics-port",
+        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--http-port", "off", "--metrics-port",
                str(self.metrics_port), "--log-level", "WARNING", *flags]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env=os.environ.copy())

@@ -143,7 +143,8 @@ class Spawned:
     from the repo root: the venv's `tandem` script may point at another checkout)."""
 
     def __init__(self, extra: list[str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", "0", *extra],
+        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", "0",
+                                      "--http-port", "off", "--metrics-port", "off", *extra],
                                      cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
         for line in self.proc.stdout:

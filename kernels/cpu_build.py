@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 log = logging.getLogger("tandem.kernels")
@@ -33,11 +34,16 @@ def load_extension(name: str, source: Path, extra_cflags: list[str], extra_ldfla
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     directory = build_directory(name)
     directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / f"{name}.so").exists():
-        log.info("compiling the CPU kernel %s into %s: once per CPU and torch version, about a minute", name,
-                 directory)
+    building = not (directory / f"{name}.so").exists()
+    if building:
+        log.info("compiling the CPU kernel %s (%.0f kB of C++) into %s: once per CPU and torch version, about a "
+                 "minute", name, source.stat().st_size / 1e3, directory)
+    started = time.monotonic()
     with open(directory / "tandem.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # waits for a live build by another process; released if it dies
         (directory / "lock").unlink(missing_ok=True)  # held by no live tandem build: a dead process's leftover
-        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=extra_cflags,
-                                  extra_ldflags=extra_ldflags, build_directory=str(directory), verbose=False)
+        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=extra_cflags,
+                                    extra_ldflags=extra_ldflags, build_directory=str(directory), verbose=False)
+    if building:
+        log.info("compiled the CPU kernel %s in %.0f s", name, time.monotonic() - started)
+    return module

@@ -57,12 +57,13 @@ _ENGINE_FLAGS = [
 _SERVER_FLAGS = [
     ("--host", str, "127.0.0.1", "address to bind (0.0.0.0 for all interfaces)"),
     ("--port", int, 50051, "port to bind (0: any free port; the address is printed)"),
-    ("--http-port", int, 8000, "HTTP port on --host for the OpenAI, Cohere/Jina and TEI APIs, /metrics and /health "
-                               "(0: off; docs/http.md)"),
+    ("--http-port", "port", 8000, "HTTP port on --host for the OpenAI, Cohere/Jina and TEI APIs, /metrics and "
+                                  "/health (0 or off: off; docs/http.md)"),
     ("--max-waiting", int, 256, "requests that may wait for the engine before RESOURCE_EXHAUSTED"),
     ("--max-documents", int, 1000, "documents per rerank request"),
     ("--max-message-bytes", "bytes", 4 * 2**20, "largest client message"),
-    ("--drain-timeout", float, 30.0, "seconds in-flight work gets after SIGTERM"),
+    ("--drain-timeout", float, 30.0, "seconds in-flight work gets after SIGTERM or Ctrl-C (a second one aborts it "
+                                     "at once)"),
     ("--drain-grace", float, 0.0, "seconds a SIGTERMed replica reports NOT_SERVING (gRPC health and /healthz) yet "
                                   "still takes new work, so a load balancer's health check notices first (about "
                                   "check interval x fall)"),
@@ -82,7 +83,9 @@ _SERVER_FLAGS = [
     ("--max-connection-age", float, None, "seconds: recycle connections this old, calls in flight get "
                                           "--drain-timeout (default: never)"),
     ("--max-concurrent-streams", int, None, "calls one connection may have open at once (default: grpc's)"),
-    ("--metrics-port", int, 9464, "Prometheus /metrics port on --host (-1: off, 0: any free port)"),
+    ("--metrics-port", "port", 9464, "Prometheus /metrics and /health, /ready, /healthz port on --host (off or -1: "
+                                     "off, 0: any free port)"),
+    ("--no-access-log", "switch", False, "no access-log line per finished request (logger tandem.access)"),
     ("--replica", str, None, "name sent as x-tandem-replica (default host:port)"),
     ("--served-model-name", "names", None, "the model's names in requests and /v1/models (the first is echoed "
                                            "when a request names none; default: the GGUF file's stem or the "
@@ -128,7 +131,18 @@ def parse_names(text: str) -> list[str]:
     return [name.strip() for name in str(text).split(",") if name.strip()]
 
 
-_CONVERTERS = {"bytes": parse_bytes, "scoped tokens": parse_scoped_tokens, "switch": parse_switch,
+def parse_port(text: str) -> int | None:
+    """'8000' -> 8000; 'off' -> None (the door is not served)."""
+    value = str(text).strip().lower()
+    if value == "off":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r} (a number, or off)") from None
+
+
+_CONVERTERS = {"bytes": parse_bytes, "scoped tokens": parse_scoped_tokens, "switch": parse_switch, "port": parse_port,
                "names": parse_names}
 
 
@@ -175,7 +189,7 @@ def build_server_config(args: argparse.Namespace):
                   http_port=args.http_port, strict_model_names=args.strict_model_names,
                   served_model_names=_names(args.served_model_name))
     fields = {name: value for name, value in fields.items() if value is not None}
-    if fields.get("http_port") == 0:  # on the command line 0 turns HTTP off (ServerConfig's 0: any free port)
+    if args.http_port in (0, None):  # on the command line 0 or off turns HTTP off (ServerConfig's 0: any free port)
         fields["http_port"] = None
     return ServerConfig(**fields)
 
@@ -246,6 +260,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvloop
 
+    from service.ports import PortInUse
     from service.serve import StartupError, serve
 
     level = args.log_level.upper()
@@ -268,10 +283,13 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(serve(engine_config, server_config, max_waiting=args.max_waiting, ready=ready,
-                                    metrics_port=args.metrics_port))
+                                    metrics_port=args.metrics_port, access_log=not args.no_access_log))
+    except KeyboardInterrupt:  # Ctrl-C before the server's own signal handlers are in place (while loading)
+        print("tandem serve: interrupted while starting", file=sys.stderr)
+        return 130
     except StartupError as exc:
         log.debug("start-up failed", exc_info=exc.cause)
-        hint = "" if level == "DEBUG" else " (the traceback: --log-level debug)"
+        hint = "" if level == "DEBUG" or isinstance(exc.cause, PortInUse) else " (the traceback: --log-level debug)"
         print(f"tandem serve: cannot start: {startup_problem(exc.cause, args)}{hint}", file=sys.stderr)
         return 1
 

@@ -1,7 +1,8 @@
 """`tandem cluster`: N `tandem serve` replicas on loopback ports behind HAProxy, with rolling restarts.
 
-HAProxy (not a router of ours) does the routing: consistent hashing on the `x-tandem-prefix` metadata, so a
-chat's next turn or a query's next batch lands on the replica whose prefix cache holds it. Each replica
+HAProxy (not a router of ours) does the routing for both doors: consistent hashing on the `x-tandem-prefix`
+metadata (gRPC, on --port) or header (HTTP, on --http-port; without it, the OpenAI `user` field of the JSON body),
+so a chat's next turn or a query's next batch lands on the replica whose prefix cache holds it. Each replica
 serves HTTP /healthz next to /metrics (503 once it drains), which HAProxy checks.
 
 Signals: SIGINT/SIGTERM stop everything this started (replicas drain first); SIGHUP, or
@@ -50,6 +51,7 @@ class ClusterConfig:
     replicas: int = 2
     host: str = "127.0.0.1"  # where HAProxy listens; replicas always listen on 127.0.0.1
     port: int = 50051
+    http_port: int = 8000  # HAProxy's HTTP frontend (the replicas' HTTP doors behind it)
     roundrobin_port: int | None = None  # also a plain round-robin frontend (for comparisons)
     serve_args: list[str] = field(default_factory=list)  # passed to every `tandem serve`
     check_inter_ms: int = 500
@@ -67,6 +69,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("--replicas must be at least 1")
+        if not 0 < self.http_port < 65536 or self.http_port == self.port:
+            raise ValueError(f"--http-port must be a port in [1, 65535] other than --port, got {self.http_port}")
         if self.check_inter_ms < 10 or self.check_fall < 1 or self.check_rise < 1:
             raise ValueError("health checks need --check-inter-ms >= 10, --check-fall >= 1, --check-rise >= 1")
         if self.drain_grace_s is None:
@@ -89,9 +93,11 @@ def _die_with_parent() -> None:
 class Replica:
     """One `tandem serve` process on fixed loopback ports (the same ports across restarts)."""
 
-    def __init__(self, name: str, port: int, metrics_port: int, cfg: ClusterConfig, log: Callable[[str], None]):
-        self.name, self.port, self.metrics_port = name, port, metrics_port
+    def __init__(self, name: str, port: int, metrics_port: int, http_port: int, cfg: ClusterConfig,
+                 log: Callable[[str], None]):
+        self.name, self.port, self.metrics_port, self.http_port = name, port, metrics_port, http_port
         self.address = f"127.0.0.1:{port}"
+        self.http_address = f"127.0.0.1:{http_port}"
         self.health_url = f"http://127.0.0.1:{metrics_port}/healthz"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         self._cfg = cfg
@@ -100,9 +106,9 @@ class Replica:
 
     def start(self) -> None:
         cfg = self._cfg
-        # HAProxy fronts the replicas' gRPC only: their HTTP doors stay off (all on one port they would collide).
-        command = [sys.executable, "-m", "service.cli", "serve", "--http-port", "0", *cfg.serve_args,
-                   "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
+        command = [sys.executable, "-m", "service.cli", "serve", *cfg.serve_args, "--host", "127.0.0.1",
+                   "--port", str(self.port), "--http-port", str(self.http_port),
+                   "--metrics-port", str(self.metrics_port),
                    "--drain-grace", str(cfg.drain_grace_s), "--drain-timeout", str(cfg.drain_timeout_s)]
         env = {**os.environ, **cfg.env}
         env.setdefault("TANDEM_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.replicas)))
@@ -174,19 +180,21 @@ class Cluster:
             raise ClusterError(f"HAProxy config template {cfg.template} not found (--haproxy-template)")
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         (cfg.run_dir / "cluster.pid").write_text(f"{os.getpid()}\n")
-        self.replicas = [Replica(f"r{i}", free_port(), free_port(), cfg, self.log) for i in range(cfg.replicas)]
+        self.replicas = [Replica(f"r{i}", free_port(), free_port(), free_port(), cfg, self.log)
+                         for i in range(cfg.replicas)]
         for replica in self.replicas:
             replica.start()
         for replica in self.replicas:
             self._wait_healthy(replica)
             self.say(f"replica {replica.name} pid {replica.proc.pid} grpc {replica.address} "
-                     f"metrics {replica.metrics_url}")
+                     f"metrics {replica.metrics_url} http {replica.http_address}")
         self._start_haproxy()
         for replica in self.replicas:
             self._wait_state(replica, "UP")
         rr = f", round-robin on {cfg.host}:{cfg.roundrobin_port}" if cfg.roundrobin_port else ""
-        self.say(f"tandem cluster ready on {cfg.host}:{cfg.port} ({len(self.replicas)} replicas, consistent "
-                 f"hashing on x-tandem-prefix{rr}; haproxy pid {self.haproxy.pid})")
+        self.say(f"tandem cluster ready on {cfg.host}:{cfg.port}, HTTP on {cfg.host}:{cfg.http_port} "
+                 f"({len(self.replicas)} replicas, consistent hashing on x-tandem-prefix{rr}; "
+                 f"haproxy pid {self.haproxy.pid})")
 
     def _start_haproxy(self) -> None:
         cfg = self.cfg
@@ -208,6 +216,9 @@ class Cluster:
         cfg = self.cfg
         servers = "\n".join(f"    server {r.name} {r.address} proto h2 port {r.metrics_port} check-proto h1"
                             for r in self.replicas)
+        # The HTTP doors follow their replica's health (and maintenance) as HAProxy sees it in the gRPC backend.
+        http_servers = "\n".join(f"    server {r.name} {r.http_address} track {BACKEND}/{r.name}"
+                                 for r in self.replicas)
         extra = ""
         if cfg.roundrobin_port:
             tracked = "\n".join(f"    server {r.name} {r.address} proto h2 track {BACKEND}/{r.name}"
@@ -216,9 +227,9 @@ class Cluster:
                      f"    default_backend tandem_roundrobin\n\n"
                      f"backend tandem_roundrobin\n    balance roundrobin\n{tracked}\n")
         return Template(Path(cfg.template).read_text()).substitute(
-            bind=cfg.host, port=cfg.port, stats_socket=str(cfg.run_dir / "haproxy.sock"),
+            bind=cfg.host, port=cfg.port, http_port=cfg.http_port, stats_socket=str(cfg.run_dir / "haproxy.sock"),
             check_inter=f"{cfg.check_inter_ms}ms", check_fall=cfg.check_fall, check_rise=cfg.check_rise,
-            servers=servers, extra=extra)
+            servers=servers, http_servers=http_servers, extra=extra)
 
     def rolling_restart(self) -> None:
         """One replica at a time: out of rotation, drain, exit, start on the same ports, back in rotation."""
@@ -331,6 +342,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                     "Arguments after `--` go to every `tandem serve`.")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--port", type=int, default=50051, help="HAProxy's gRPC port (h2c)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="HAProxy's HTTP port (OpenAI, Cohere/Jina, TEI APIs), hashed like gRPC")
     p.add_argument("--host", default="127.0.0.1", help="HAProxy's bind address (0.0.0.0: all interfaces)")
     p.add_argument("--roundrobin-port", type=int, default=None,
                    help="also serve a plain round-robin frontend here (to compare against hashing)")
@@ -357,7 +370,7 @@ def _config(args: argparse.Namespace) -> ClusterConfig:
     serve_args = list(args.serve_args)
     if serve_args[:1] == ["--"]:
         serve_args = serve_args[1:]
-    return ClusterConfig(replicas=args.replicas, host=args.host, port=args.port,
+    return ClusterConfig(replicas=args.replicas, host=args.host, port=args.port, http_port=args.http_port,
                          roundrobin_port=args.roundrobin_port, serve_args=serve_args,
                          check_inter_ms=args.check_inter_ms, check_fall=args.check_fall,
                          check_rise=args.check_rise, drain_grace_s=args.drain_grace,

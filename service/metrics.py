@@ -1,8 +1,11 @@
 """Prometheus metrics from request lifecycles and step records, served over HTTP for scraping.
 
-The same HTTP server answers `/healthz` for load balancers that check over plain HTTP (HAProxy's
-`option httpchk`): what the gRPC health service reports, 200 while SERVING, 503 otherwise (from the moment
-a drain starts, while the server still takes work for its --drain-grace).
+The same HTTP server answers the health paths of the HTTP door, for load balancers that check over plain HTTP
+(HAProxy's `option httpchk`) and probes that know vLLM's or TEI's paths: `/ready` and `/healthz` say what the gRPC
+health service reports, 200 while SERVING, 503 otherwise (from the moment a drain starts, while the server still
+takes work for its --drain-grace); `/health` says the process is up (200 until it exits), as on the HTTP port.
+The registry also holds prometheus_client's `process_*` metrics (CPU seconds, resident memory, open files) and,
+from service/vllm_metrics.py, vLLM's metric names.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from socketserver import ThreadingMixIn
 from typing import Callable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
 
 from service.lifecycle import Hooks, RequestLifecycle
 
@@ -27,6 +30,7 @@ class Metrics(Hooks):
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        ProcessCollector(registry=r)
         self.ttft = Histogram("tandem_time_to_first_token_seconds", "Arrival to first generated token",
                               buckets=_LATENCY, registry=r)
         self.tpot = Histogram("tandem_time_per_output_token_seconds", "Mean gap between generated tokens",
@@ -108,21 +112,25 @@ class Metrics(Hooks):
     def serve(self, host: str, port: int, healthy: Callable[[], bool] = lambda: True):
         """Expose /metrics and /healthz on host:port from a daemon thread; returns (http server, thread).
 
-        `healthy()` decides /healthz (and /health): 200 "SERVING" when true, 503 "NOT_SERVING" when false. /metrics
-        answers the metrics; any other path is 404 (it used to answer every path with metrics).
+        `healthy()` decides /ready and /healthz: 200 "SERVING" when true, 503 "NOT_SERVING" when false; /health is
+        200 "OK" while the process answers at all. /metrics answers the metrics; any other path is 404.
         """
         metrics_app = make_wsgi_app(self.registry)
 
         def app(environ, start_response):
-            if environ.get("PATH_INFO") in ("/healthz", "/health"):
+            path = environ.get("PATH_INFO")
+            if path in ("/ready", "/healthz"):
                 ok = healthy()
-                start_response("200 OK" if ok else "503 Service Unavailable",
-                               [("Content-Type", "text/plain"), ("Cache-Control", "no-store")])
+                start_response("200 OK" if ok else "503 Service Unavailable", _no_store())
                 return [b"SERVING\n" if ok else b"NOT_SERVING\n"]
-            if environ.get("PATH_INFO") == "/metrics":
+            if path == "/health":
+                start_response("200 OK", _no_store())
+                return [b"OK\n"]
+            if path == "/metrics":
                 return metrics_app(environ, start_response)
             start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"not found: this port serves /metrics and /healthz only (gRPC and the APIs are on --port)\n"]
+            return [b"not found: this port serves /metrics, /health, /ready and /healthz only (gRPC and the APIs "
+                    b"are on --port and --http-port)\n"]
 
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         server_class = type("_Server", (_ThreadingServer,), {"address_family": family})  # "::" binds IPv6
@@ -130,6 +138,11 @@ class Metrics(Hooks):
         thread = threading.Thread(target=http.serve_forever, name="tandem-metrics", daemon=True)
         thread.start()
         return http, thread
+
+
+def _no_store() -> list[tuple[str, str]]:
+    """Fresh each time: wsgiref appends Content-Length to the list it is given."""
+    return [("Content-Type", "text/plain"), ("Cache-Control", "no-store")]
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):

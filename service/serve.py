@@ -1,81 +1,127 @@
-"""`tandem serve`: load the engine, start the bridge and the server, drain on SIGTERM/SIGINT, exit 0."""
+"""`tandem serve`: check the ports, load the engine, start the bridge and the doors, drain on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from typing import Callable
 
+from service import ports
+from service.access_log import AccessLog
 from service.bridge import EngineBridge
-from service.core import CoreAPI
+from service.core import CoreAPI, short_name
 from service.lifecycle import LifecycleHooks
 from service.metrics import Metrics
+from service.phases import phase, weights_size
 from service.server import ServerConfig, TandemServer
+from service.shutdown import ShutdownTally
 from service.tracing import TracingHooks, describe_tracing, tracer_provider_from_env
+from service.vllm_metrics import VllmMetrics
 
 log = logging.getLogger("tandem.serve")
 
 
 async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
                 ready: Callable[[str], None] = print, hooks: tuple[LifecycleHooks, ...] = (),
-                metrics_port: int | None = None) -> int:
-    """Serve until SIGTERM or SIGINT; the first drains, a second one aborts what is still running.
+                metrics_port: int | None = None, access_log: bool = True) -> int:
+    """Serve until SIGTERM or SIGINT; the first drains, a second one aborts what is still running and stops now.
 
-    On the first signal the replica reports NOT_SERVING at once (gRPC health and HTTP /healthz, both from
-    `TandemServer.status`), keeps taking new work for `server_config.drain_grace_s` so a load balancer polling
-    its health check can stop routing to it, then drains: new work gets UNAVAILABLE, in-flight work finishes
-    (up to the drain timeout). See TandemServer.drain.
+    Every port is checked before the model loads, and a port that cannot be bound (gRPC, HTTP, metrics) raises
+    StartupError with a line naming it and its flag. On the first signal the replica reports NOT_SERVING at once
+    (gRPC health and HTTP /ready, /healthz, all from `TandemServer.status`), keeps taking new work for
+    `server_config.drain_grace_s` so a load balancer polling its health check can stop routing to it, then drains:
+    new work gets UNAVAILABLE, in-flight work finishes (up to the drain timeout). See TandemServer.drain. The last
+    log line says how it ended: the signal, the requests drained and aborted.
     """
     from engine import LLMEngine  # torch only here, so client commands stay light
 
     try:
-        engine = await _in_own_thread(LLMEngine, engine_config)
+        ports.check_free(server_config.host, _listeners(server_config, metrics_port))
+        with phase(log, f"loading the model ({engine_config.model or 'embedded SmolLM2-135M-Instruct'})",
+                   weights_size(engine_config.model)):
+            engine = await _in_own_thread(LLMEngine, engine_config)
     except Exception as exc:  # noqa: BLE001 (said in one line by the CLI; the traceback at --log-level debug)
         raise StartupError(exc) from exc
+    # The name requests and responses use (service/core.py): the first --served-model-name, else the short id.
+    model_name = (server_config.served_model_names or (short_name(str(engine.model_info()["model"])),))[0]
     metrics = Metrics()
     provider = tracer_provider_from_env()  # None unless an OTLP endpoint is configured
     log.info("%s", describe_tracing(provider))
     tracing = TracingHooks(provider) if provider is not None else None
-    hooks = (*hooks, metrics) + ((tracing,) if tracing else ())
+    tally = ShutdownTally()
+    hooks = (*hooks, metrics, VllmMetrics(metrics.registry, model_name), tally,
+             *((AccessLog(model_name),) if access_log else ()), *((tracing,) if tracing else ()))
+    if not access_log:
+        log.info("access log off (--no-access-log)")
     bridge = EngineBridge(engine, max_waiting=max_waiting, hooks=hooks)
     bridge.start()
     core = await CoreAPI.load(bridge, server_config.limits(), server_config.names())
     server = TandemServer(core, server_config)
-    http = _serve_metrics(metrics, server_config.host, metrics_port, lambda: server.serving)
+    http = door = None
     try:
+        http = _serve_metrics(metrics, server_config.host, metrics_port, lambda: server.serving)
+        # The HTTP door first: gRPC's start turns health SERVING, and a balancer that sees it may send HTTP at once.
+        door = await _serve_http(core, server_config, server, metrics)
         address = await server.start()
     except OSError as exc:
-        log.error("%s", exc)
+        if door is not None:
+            await door.stop()
+        await server.stop()
         await bridge.stop()
         await _stop_telemetry(http, tracing)
-        return 1
-    door = await _serve_http(core, server_config, server, metrics)
+        raise StartupError(exc) from exc
     ready(address)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int) -> None:
-        name = signal.Signals(signum).name
-        if stop.is_set():
-            log.warning("second %s: aborting %d in-flight requests and stopping now", name, bridge.num_live)
-            bridge.abort_all()
-            server.end_grace()  # a second signal cuts the grace short
-        else:
-            log.warning("%s: stopping; in-flight requests get up to %.0fs to finish (--drain-timeout). "
-                        "Press Ctrl-C again (or send %s again) to abort them and stop now",
-                        name, server_config.drain_timeout_s, name)
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    await stop.wait()
+    signals = _StopSignals(server, tally)
+    await signals.wait()
     await server.drain()  # both doors: the bridge refuses new work, in-flight work of either door finishes
     if door is not None:
         await door.stop()
     await bridge.stop()
     await _stop_telemetry(http, tracing)
+    log.info("%s", tally.summary(signals.how))
     return 0
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT on the running loop: the first starts the drain (and the tally of how requests end), a
+    second aborts what still runs. `how` names the signal that ended it ("SIGTERM", "second SIGINT")."""
+
+    def __init__(self, server: TandemServer, tally: ShutdownTally) -> None:
+        self.server, self.tally = server, tally
+        self.how = ""
+        self._stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+
+    async def wait(self) -> None:
+        await self._stop.wait()
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self._stop.is_set():
+            log.warning("second %s: aborting %d in-flight requests and stopping now", name,
+                        self.server.core.num_live)
+            self.how = f"second {name}"
+            self.server.abort()
+            return
+        log.warning("%s: stopping; in-flight requests get up to %.0fs to finish (--drain-timeout). "
+                    "Press Ctrl-C again (or send %s again) to abort them and stop now",
+                    name, self.server.config.drain_timeout_s, name)
+        self.how = name
+        self.tally.start()
+        self._stop.set()
+
+
+def _listeners(config: ServerConfig, metrics_port: int | None) -> list[ports.Listener]:
+    """The fixed ports this server will listen on, each with the flag that moves it."""
+    listeners = [ports.Listener("gRPC", config.port, "--port")]
+    if config.http_port is not None:
+        listeners.append(ports.Listener("HTTP", config.http_port, "--http-port", "--http-port off"))
+    if metrics_port is not None and metrics_port >= 0:
+        listeners.append(ports.Listener("Prometheus metrics", metrics_port, "--metrics-port", "--metrics-port off"))
+    return listeners
 
 
 async def _in_own_thread(fn: Callable, *args):
@@ -83,9 +129,37 @@ async def _in_own_thread(fn: Callable, *args):
     pool of workers for every thread that starts one, until that thread exits: a loader thread of asyncio's
     executor would keep its idle pool for the process's life beside the engine thread's, so OpenMP would count
     more threads than cores and cut every wait to its throttled spin count (none under PASSIVE), making each
-    parallel region of a decode step wake a sleeping worker. Leaving the `with` joins the finished thread."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-load") as pool:
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+    parallel region of a decode step wake a sleeping worker. The thread is a daemon, so a Ctrl-C while loading
+    (the await is cancelled) stops the process at once instead of after the load."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def run() -> None:
+        try:
+            outcome = (fn(*args), None)
+        except BaseException as exc:  # noqa: BLE001 (re-raised on the loop)
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(_settle, done, *outcome)
+        except RuntimeError:  # the loop is closed: start-up was interrupted, nobody waits for the result
+            pass
+
+    thread = threading.Thread(target=run, name="tandem-load", daemon=True)
+    thread.start()
+    try:
+        return await done
+    finally:
+        if not done.cancelled():  # it handed over its result or error: only its exit (and its OpenMP pool's) is left
+            thread.join()
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class StartupError(Exception):
@@ -97,33 +171,30 @@ class StartupError(Exception):
 
 
 async def _serve_http(core: CoreAPI, config: ServerConfig, server: TandemServer, metrics: Metrics):
-    """Start the HTTP door on the same loop and bridge; a busy port costs the HTTP door, never gRPC."""
+    """Start the HTTP door on the same loop and core API; OSError (one line naming --http-port) if it cannot bind."""
     if config.http_port is None:
         return None
     from service.http.server import HttpServer  # starlette and uvicorn only when HTTP is on
 
     door = HttpServer(core, config, config.http_port, serving=lambda: server.serving, registry=metrics.registry)
-    try:
-        await door.start()
-    except OSError as exc:
-        log.warning("HTTP door not served: %s", exc)
-        return None
+    await door.start()
     log.info("HTTP (OpenAI /v1/chat/completions, /v1/completions; rerank /v1/rerank, /v2/rerank, /rerank; "
              "/metrics, /health, /ready) on %s", door.url)
     return door
 
 
 def _serve_metrics(metrics: Metrics, host: str, port: int | None, healthy: Callable[[], bool]):
-    """Start the /metrics and /healthz endpoint; a busy port costs the metrics, never the service."""
+    """Start the /metrics and health endpoint; PortInUse (one line naming --metrics-port) if it cannot bind."""
     if port is None or port < 0:
-        log.info("Prometheus metrics off (--metrics-port -1)")
+        log.info("Prometheus metrics off (--metrics-port off)")
         return None
     try:
         http, _ = metrics.serve(host, port, healthy)
     except OSError as exc:
-        log.warning("Prometheus metrics not served on %s:%s: %s", host, port, exc)
-        return None
-    log.info("Prometheus metrics on http://%s:%d/metrics, health on /healthz", host, http.server_address[1])
+        listener = ports.Listener("Prometheus metrics", port, "--metrics-port", "--metrics-port off")
+        raise ports.PortInUse(listener.problem(host, exc.strerror or str(exc))) from None
+    log.info("Prometheus metrics on http://%s:%d/metrics, health on /health, /ready and /healthz", host,
+             http.server_address[1])
     return http
 
 

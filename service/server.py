@@ -13,6 +13,7 @@ from service.config import ServerConfig
 from service.core import CoreAPI
 from service.handlers import SERVICE_NAME, add_tandem_servicer
 from service.interceptors import BearerAuthInterceptor, ReplicaInterceptor
+from service.ports import Listener, PortInUse
 from service.servicer import TandemServicer
 
 log = logging.getLogger("tandem.server")
@@ -35,6 +36,7 @@ class TandemServer:
         self.health = health.aio.HealthServicer()
         self.status = NOT_SERVING
         self._grace_over = asyncio.Event()
+        self._aborting = False  # abort(): a second stop signal
         self.server: grpc.aio.Server | None = None
         self.servicer: TandemServicer | None = None
         self.address = ""
@@ -55,8 +57,8 @@ class TandemServer:
             else:
                 port = server.add_insecure_port(bind)
         except RuntimeError:
-            raise OSError(f"cannot listen on {bind}: is the port in use, or the host not an address of this "
-                          "machine? (--host/--port, TANDEM_HOST/TANDEM_PORT)") from None
+            raise PortInUse(Listener("gRPC", cfg.port, "--port").problem(cfg.host, "grpc could not bind it")) \
+                from None
         self.address = f"{cfg.host}:{port}"
         self._replica.replica = cfg.replica or self.address
         self.servicer = TandemServicer(self.core, replica=self._replica.replica)
@@ -92,7 +94,8 @@ class TandemServer:
 
     async def drain(self) -> None:
         """NOT_SERVING at once; new work still served for drain_grace_s (end_grace() cuts it short) so load
-        balancers stop routing here first; then refuse new work, let in-flight work finish (bounded), stop."""
+        balancers stop routing here first; then refuse new work, let in-flight work finish (bounded), stop.
+        abort() at any point ends it as soon as the engine has stopped what runs."""
         await self._set_status(NOT_SERVING)
         grace = self.config.drain_grace_s
         if grace > 0:
@@ -116,17 +119,26 @@ class TandemServer:
                 log.error("requests still live after abort; stopping anyway")
         # A request arriving after the last in-flight one finished but before the transport closes would be
         # cancelled by grpc (CANCELLED, which clients do not retry); a moment of refusing with UNAVAILABLE first
-        # tells a client that is still sending to go elsewhere.
-        await asyncio.sleep(self.config.stop_grace_s)
+        # tells a client that is still sending to go elsewhere. Not after abort(): it was asked to stop now.
+        if not self._aborting:
+            await asyncio.sleep(self.config.stop_grace_s)
         await self.stop()
 
     def end_grace(self) -> None:
-        """Refuse new work now rather than at the end of drain_grace_s (a second SIGTERM)."""
+        """Refuse new work now rather than at the end of drain_grace_s."""
         self._grace_over.set()
+
+    def abort(self) -> None:
+        """Stop now (a second SIGTERM or Ctrl-C): end the grace, refuse new work, abort every in-flight request;
+        a drain() under way returns once the engine has stopped them, without the stop grace."""
+        self._aborting = True
+        self.end_grace()
+        self.core.drain()
+        self.core.abort_all()
 
     async def stop(self) -> None:
         await self._set_status(NOT_SERVING)
         if self.server is not None:
-            await self.server.stop(self.config.stop_grace_s)
+            await self.server.stop(0 if self._aborting else self.config.stop_grace_s)
             self.server = None
 

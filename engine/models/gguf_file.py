@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -138,11 +139,14 @@ def load_gguf(path: Path, cache: Path) -> dict[str, torch.Tensor | QuantWeight]:
         for k, (fmt, n, kk) in formats.items():
             tensors[k] = QuantWeight(tensors[k], fmt, (n, kk))
         return tensors
+    started = time.monotonic()
+    log.info("converting %s (%.0f MB) into %s: once per file", path.name, path.stat().st_size / 1e6, target)
     _, tensors = read_gguf(path)
     formats = {k: [w.fmt, *w.shape] for k, w in tensors.items() if isinstance(w, QuantWeight)}
     stored = {k: (w.data if isinstance(w, QuantWeight) else w.contiguous()) for k, w in tensors.items()}
     write_atomically(target, lambda tmp: save_file(stored, str(tmp), metadata={"format": "pt",
                                                                               "formats": json.dumps(formats)}))
+    log.info("converted %s in %.1f s", path.name, time.monotonic() - started)
     return tensors
 
 
@@ -155,6 +159,9 @@ def metadata_dir(path: Path, cache: Path) -> Path:
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
+    started = time.monotonic()
+    log.info("reading the config and tokenizer of %s (%.0f MB) into %s: once per file", path.name,
+             path.stat().st_size / 1e6, target)
     check_file(path, gguf.GGUFReader(str(path)))
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     config.pop("quantization_config", None)
@@ -166,4 +173,6 @@ def metadata_dir(path: Path, cache: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
 
-    return write_atomically(target, write)
+    written = write_atomically(target, write)
+    log.info("read the config and tokenizer of %s in %.1f s", path.name, time.monotonic() - started)
+    return written

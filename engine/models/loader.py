@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import time
 from pathlib import Path
 
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ def default_model_dir(cache: Path) -> Path:
     gguf_path = embedded_gguf_path()
     log.info("converting the embedded model (SmolLM2-135M-Instruct GGUF, ~600 MB as float32) into %s: this "
              "happens once, later starts load it from there (TANDEM_CACHE_DIR moves it)", target)
+    started = time.monotonic()
     _convert_gguf(gguf_path.parent, gguf_path.name, target)
-    log.info("converted the embedded model into %s", target)
+    log.info("converted the embedded model into %s in %.1f s", target, time.monotonic() - started)
     return target
 
 

@@ -68,7 +68,7 @@ class Door:
 
     def meta(self, request: Request) -> dict[str, str]:
         client = request.client
-        meta = {"door": "http", "peer": f"{client.host}:{client.port}" if client else ""}
+        meta = {"door": "http", "route": request.url.path, "peer": f"{client.host}:{client.port}" if client else ""}
         for key in _FORWARDED_HEADERS:
             value = request.headers.get(key)
             if value is not None:

@@ -32,20 +32,22 @@ class ReplicaInfo:
     pid: int
     address: str
     metrics_url: str
+    http_address: str = ""
 
 
 class ClusterProcess:
     """Starts `tandem cluster --replicas 2` with a hashing and a round-robin frontend; parses what it prints."""
 
     def __init__(self, replicas: int = 2, *extra: str, serve_args: tuple[str, ...] = ()) -> None:
-        self.port, self.roundrobin_port = free_port(), free_port()
+        self.port, self.roundrobin_port, self.http_port = free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
         self.roundrobin_address = f"127.0.0.1:{self.roundrobin_port}"
         self.run_dir = Path(tempfile.mkdtemp(prefix="tandem-cluster-test-"))
         self.log_path = self.run_dir.with_suffix(".log")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [TANDEM, "cluster", "--replicas", str(replicas), "--port", str(self.port),
+            [TANDEM, "cluster", "--replicas", str(replicas), "--port", str(self.port), "--http-port", str(self.http_port),
              "--roundrobin-port", str(self.roundrobin_port), "--run-dir", str(self.run_dir / "run"),
              "--check-inter-ms", "300", "--check-fall", "2", "--check-rise", "1", "--drain-timeout", "60",
              *extra, "--", *SERVE_ARGS, *serve_args],
@@ -73,8 +75,8 @@ class ClusterProcess:
                 raise AssertionError(f"no {prefix!r} line within {timeout}s\n{self.log_tail()}") from None
             if line is None:
                 raise AssertionError(f"tandem cluster exited ({self.proc.wait()}) before {prefix!r}\n{self.log_tail()}")
-            if m := re.match(r"replica (\S+) pid (\d+) grpc (\S+) metrics (\S+)", line):
-                self.replicas[m[1]] = ReplicaInfo(m[1], int(m[2]), m[3], m[4])
+            if m := re.match(r"replica (\S+) pid (\d+) grpc (\S+) metrics (\S+) http (\S+)", line):
+                self.replicas[m[1]] = ReplicaInfo(m[1], int(m[2]), m[3], m[4], m[5])
             elif m := re.match(r"replica (\S+) restarted pid (\d+)", line):
                 self.replicas[m[1]].pid = int(m[2])
             elif m := re.search(r"haproxy pid (\d+)", line):

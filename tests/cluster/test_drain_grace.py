@@ -28,7 +28,7 @@ def _health(url: str) -> int:
 def graced():
     port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen([TANDEM, "serve", *SERVE_ARGS, "--port", str(port), "--metrics-port", str(metrics_port),
-                             "--drain-grace", "600"], cwd=ROOT, env={**os.environ, **REPLICA_ENV},
+                             "--http-port", "off", "--drain-grace", "600"], cwd=ROOT, env={**os.environ, **REPLICA_ENV},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         if line.startswith("tandem listening on "):

@@ -82,6 +82,8 @@ def test_each_flag_reads_its_environment_variable(monkeypatch):
 def test_http_port_flag_variable_and_zero_for_off(monkeypatch):
     assert _config().http_port == 8000
     assert _config("--http-port", "0").http_port is None
+    assert _config("--http-port", "off").http_port is None
+    assert build_parser().parse_args(["serve", "--metrics-port", "off"]).metrics_port is None
     monkeypatch.setenv("TANDEM_HTTP_PORT", "9000")
     assert _config().http_port == 9000
     monkeypatch.setenv("TANDEM_HTTP_PORT", "0")

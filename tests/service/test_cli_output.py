@@ -116,10 +116,11 @@ def test_the_metrics_port_answers_404_off_its_own_paths():
     try:
         status, body = _status(base + "/metrics")
         assert status == 200 and b"tandem_" in body
-        assert _status(base + "/healthz") == (200, b"SERVING\n")
+        assert _status(base + "/healthz") == _status(base + "/ready") == (200, b"SERVING\n")
+        assert _status(base + "/health") == (200, b"OK\n")
         for path in ("/v1/rerank", "/", "/metrics/extra", "/favicon.ico"):
             status, body = _status(base + path)
-            assert status == 404 and b"/metrics and /healthz" in body, path
+            assert status == 404 and b"/metrics, /health, /ready and /healthz" in body, path
     finally:
         http.shutdown()
 
@@ -162,7 +163,7 @@ def test_start_up_failures_are_one_line_and_the_traceback_waits_for_debug(tmp_pa
     path = {"not a GGUF file": _not_gguf, "unsupported architecture": _unsupported_architecture,
             "no CUDA": _cuda}.get(case, lambda _: None)(tmp_path)
     argv = [a.format(tmp=tmp_path, path=path) for a in argv]
-    base = [*SERVE, "--port", "0", "--metrics-port", "-1", *argv]
+    base = [*SERVE, "--port", "0", "--http-port", "off", "--metrics-port", "off", *argv]
     env = {**os.environ, "TANDEM_LOG_LEVEL": ""}
     # A hang guard, not a time limit: a server that starts instead of failing would otherwise serve forever.
     quiet = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

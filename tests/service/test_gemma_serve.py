@@ -26,7 +26,8 @@ class _Serve:
     """`python -m service.cli serve --port 0 ...` from this checkout; address from its 'tandem listening on' line."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", "0", *args], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", "0", "--http-port", "off",
+                                      "--metrics-port", "off", *args], cwd=ROOT,
                                      env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout] + [lines.put(None)],

@@ -1,0 +1,61 @@
+"""One access-log line per finished request, from both doors: a lifecycle observer, so no door logs anything itself.
+
+    grpc Generate model=M status=OK finish=stop prompt_tokens=12 completion_tokens=8 cached_tokens=0 ttft=0.031s
+        latency=0.210s peer=ipv4:127.0.0.1:50312
+    http /v2/rerank model=M status=200 finish=stop prompt_tokens=92 documents=2 cached_tokens=32 latency=0.450s
+        peer=127.0.0.1:33738
+
+The route is the HTTP path the door names in the request's metadata ("route"), or for gRPC the method its kind and
+stream say. The status is what the door answered: gRPC's code name, HTTP's status for it. Only requests the engine
+admitted have a lifecycle: one refused before admission (bad JSON, unknown model, a full queue, draining) is
+answered by its door and logged here not at all. `tandem serve --no-access-log` leaves this observer out.
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from service.errors import ServiceError
+from service.lifecycle import Hooks, RequestLifecycle
+
+log = logging.getLogger("tandem.access")
+
+_GRPC_METHODS = {"generate": "Generate", "rerank": "Rerank"}
+
+
+def route(lc: RequestLifecycle) -> str:
+    """The HTTP path, or the gRPC method (RerankStream for a rerank that came on a stream)."""
+    if "route" in lc.metadata:
+        return lc.metadata["route"]
+    method = _GRPC_METHODS.get(lc.kind, lc.kind)
+    if lc.kind == "rerank" and lc.metadata.get("stream", "").startswith("rerank-"):
+        method = "RerankStream"
+    return method
+
+
+def status(lc: RequestLifecycle) -> str:
+    """gRPC: "OK" or the code name; HTTP: 200 or the status the door maps the code to (service/http/errors.py)."""
+    if lc.metadata.get("door") != "http":
+        return lc.error or "OK"
+    if lc.error is None:
+        return "200"
+    from service.http.errors import HttpError  # starlette only where the HTTP door runs
+
+    return str(HttpError.from_service(ServiceError(grpc.StatusCode[lc.error], "")).status)
+
+
+class AccessLog(Hooks):
+    def __init__(self, model_name: str, logger: logging.Logger = log) -> None:
+        self.model_name = model_name
+        self.log = logger
+
+    def on_finish(self, lc: RequestLifecycle) -> None:
+        if lc.kind == "rerank":
+            counts = f"prompt_tokens={lc.prompt_tokens} documents={lc.documents} cached_tokens={lc.cached_tokens}"
+        else:
+            counts = (f"prompt_tokens={lc.prompt_tokens} completion_tokens={lc.completion_tokens} "
+                      f"cached_tokens={lc.cached_tokens} ttft={lc.ttft_s:.3f}s")
+        self.log.info("%s %s model=%s status=%s finish=%s %s latency=%.3fs peer=%s", lc.metadata.get("door", "-"),
+                      route(lc), self.model_name, status(lc), lc.finish_reason, counts, lc.duration_s,
+                      lc.metadata.get("peer") or "-")

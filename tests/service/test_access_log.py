@@ -1,0 +1,49 @@
+"""The access log's route and status for each door, and the shutdown tally, from lifecycles alone (no engine)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from service.access_log import AccessLog, route, status
+from service.lifecycle import RequestLifecycle
+from service.shutdown import ShutdownTally
+
+
+def lifecycle(kind: str = "generate", error: str | None = None, reason: str = "stop", **metadata) -> RequestLifecycle:
+    lc = RequestLifecycle(engine_id="g0", client_id="c", kind=kind, metadata=metadata)
+    lc.finished, lc.finish_reason, lc.error = lc.arrival + 0.25, reason, error
+    return lc
+
+
+@pytest.mark.parametrize("lc, expected", [
+    (lifecycle(door="grpc", stream="generate-3"), ("Generate", "OK")),
+    (lifecycle("rerank", door="grpc"), ("Rerank", "OK")),
+    (lifecycle("rerank", door="grpc", stream="rerank-2"), ("RerankStream", "OK")),
+    (lifecycle(door="grpc", error="INVALID_ARGUMENT", reason="error"), ("Generate", "INVALID_ARGUMENT")),
+    (lifecycle(door="http", route="/v1/chat/completions"), ("/v1/chat/completions", "200")),
+    (lifecycle("rerank", door="http", route="/rerank", error="UNAVAILABLE", reason="error"), ("/rerank", "503")),
+    (lifecycle(door="http", route="/v1/completions", error="DEADLINE_EXCEEDED", reason="deadline"),
+     ("/v1/completions", "504")),
+])
+def test_route_and_status_as_each_door_names_them(lc, expected):
+    assert (route(lc), status(lc)) == expected
+
+
+def test_one_line_per_finished_request(caplog):
+    caplog.set_level(logging.INFO, logger="tandem.access")
+    lc = lifecycle(door="grpc", peer="ipv4:127.0.0.1:5000")
+    lc.prompt_tokens, lc.completion_tokens = 7, 3
+    AccessLog("smol").on_finish(lc)
+    (record,) = caplog.records
+    assert record.getMessage().startswith("grpc Generate model=smol status=OK finish=stop prompt_tokens=7 "
+                                          "completion_tokens=3 cached_tokens=0 ttft=0.000s latency=0.250s")
+
+
+def test_the_tally_counts_only_after_the_stop_signal():
+    tally = ShutdownTally()
+    tally.on_finish(lifecycle())  # before the signal: not counted
+    tally.start()
+    for reason in ("stop", "length", "abort", "error"):
+        tally.on_finish(lifecycle(reason=reason))
+    assert tally.summary("SIGTERM") == "tandem serve stopped (SIGTERM): drained 2 requests, aborted 2"

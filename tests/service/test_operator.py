@@ -1,0 +1,214 @@
+"""What an operator meets on the first day, through `tandem serve` as a subprocess (issue #38): a taken port stops it
+with one line naming the flag; start-up phases say their size and time; one access-log line per request on both
+doors; vLLM's metric names and process_* beside tandem's, health paths on the metrics port; a second Ctrl-C stops
+at once, and the last line says how it ended.
+
+The tests of the shared server run in file order (the last one stops it). They wait on states (a line printed, a
+health status, the process's exit); a timeout only turns a hang into a failure."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from clients import AsyncClient, Client
+from service.cli import build_parser
+from service.cluster import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE = [sys.executable, "-m", "service.cli", "serve"]  # this checkout's code, as `tandem serve`
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TANDEM_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
+HANG = 900  # a hang guard, never a time limit: start-up on a loaded 2-core machine may take minutes
+ACCESS = re.compile(r" INFO tandem\.access: (\S+) (\S+) model=(.+?) status=(\S+) finish=(\S+) ")
+
+
+@pytest.mark.parametrize("door, flag", [("gRPC", "--port"), ("HTTP", "--http-port"),
+                                        ("Prometheus metrics", "--metrics-port")])
+def test_a_taken_port_stops_serve_with_one_line_naming_the_port_and_its_flag(door, flag):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        ports = {"--port": "0", "--http-port": "off", "--metrics-port": "off", flag: str(taken)}
+        argv = [a for pair in ports.items() for a in pair]
+        done = subprocess.run([*SERVE, "--host", "127.0.0.1", *argv], cwd=ROOT, env=ENV, capture_output=True,
+                              text=True, timeout=HANG)
+    mine = [line for line in done.stderr.splitlines() if line.startswith("tandem serve:")]
+    assert done.returncode == 1 and len(mine) == 1, done.stderr
+    assert f"cannot listen for {door} on 127.0.0.1:{taken} (Address already in use)" in mine[0]
+    assert f"move it with {flag}" in mine[0] and "Traceback" not in done.stderr
+    assert "loading the model" not in done.stderr  # found before minutes of loading, not after
+
+
+def test_ctrl_c_while_loading_stops_at_once_with_one_line(tmp_path):
+    # The model "file" is a FIFO nobody writes: loading blocks on it until the process ends, whatever the machine.
+    model = tmp_path / "model.gguf"
+    os.mkfifo(model)
+    proc = subprocess.Popen([*SERVE, "--port", "0", "--http-port", "off", "--metrics-port", "off", "--model",
+                             str(model)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "loading the model" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stdout.read()
+        assert proc.wait(HANG) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rest.strip().splitlines() == ["tandem serve: interrupted while starting"]
+
+
+def test_no_access_log_flag_and_its_variable(monkeypatch):
+    assert build_parser().parse_args(["serve"]).no_access_log is False
+    assert build_parser().parse_args(["serve", "--no-access-log"]).no_access_log is True
+    monkeypatch.setenv("TANDEM_NO_ACCESS_LOG", "1")
+    assert build_parser().parse_args(["serve"]).no_access_log is True
+
+
+class Served:
+    """`tandem serve` with both doors and the metrics port on free ports; its output lines, as they come."""
+
+    def __init__(self) -> None:
+        self.http_port, self.metrics_port = free_port(), free_port()
+        self.proc = subprocess.Popen(
+            [*SERVE, "--host", "127.0.0.1", "--port", "0", "--http-port", str(self.http_port), "--metrics-port",
+             str(self.metrics_port), "--num-threads", "1", "--max-num-seqs", "4", "--num-kv-blocks", "600",
+             "--drain-timeout", "3600"],
+            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.address = self.wait_for("tandem listening on ").split()[-1]
+        self.http = f"http://127.0.0.1:{self.http_port}"
+        self.metrics = f"http://127.0.0.1:{self.metrics_port}"
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def wait_for(self, text: str) -> str:
+        while True:
+            line = self.lines.get(timeout=HANG)
+            if line is None:
+                raise AssertionError(f"tandem serve exited before {text!r}:\n" + "\n".join(self.output))
+            self.output.append(line)
+            if text in line:
+                return line
+
+    def rest(self) -> list[str]:
+        """Every line up to the end of the output (the process has exited)."""
+        self.output += [line for line in iter(lambda: self.lines.get(timeout=HANG), None)]
+        return self.output
+
+    def access_lines(self) -> list[re.Match]:
+        return [m for line in self.output if (m := ACCESS.search(line))]
+
+
+@pytest.fixture(scope="module")
+def served():
+    server = Served()
+    yield server
+    if server.proc.poll() is None:
+        server.proc.kill()
+    server.proc.wait(60)
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=HANG) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=HANG) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_start_up_phases_say_their_size_and_time_taken(served):
+    said = "\n".join(served.output)
+    assert re.search(r"loading the model \(embedded SmolLM2-135M-Instruct\) \([\d,]+ MB\): started", said), said
+    assert re.search(r"loading the model \(embedded SmolLM2-135M-Instruct\): done in [\d.]+ s", said), said
+
+
+def test_one_access_log_line_per_request_on_both_doors(served):
+    with Client(served.address) as client:
+        assert client.complete("Hello", max_tokens=3).finish_reason == "length"
+        assert len(client.rerank("capital of France", ["Paris", "Bananas"])) == 2
+    assert _post(served.http + "/v1/chat/completions",
+                 {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})[0] == 200
+    assert _post(served.http + "/rerank", {"query": "capital of France", "texts": ["Paris", "Bananas"]})[0] == 200
+    status, body = _post(served.http + "/v1/completions", {"prompt": "Hi", "max_tokens": 1_000_000})
+    assert status == 400, body
+    while len(served.access_lines()) < 5:
+        served.wait_for("tandem.access")
+    lines = [m.groups() for m in served.access_lines()]
+    model = lines[0][2]
+    assert model and all(line[2] == model for line in lines)
+    assert [(door, route, status, finish) for door, route, _, status, finish in lines] == [
+        ("grpc", "Generate", "OK", "length"), ("grpc", "Rerank", "OK", "stop"),
+        ("http", "/v1/chat/completions", "200", "length"), ("http", "/rerank", "200", "stop"),
+        ("http", "/v1/completions", "400", "error")]
+    first = next(line for line in served.output if ACCESS.search(line))
+    counts = r"prompt_tokens=\d+ completion_tokens=3 cached_tokens=\d+ ttft=[\d.]+s latency=[\d.]+s"
+    assert re.search(counts, first), first
+
+
+def test_vllm_metric_names_process_metrics_and_health_paths_on_the_metrics_port(served):
+    status, text = _get(served.metrics + "/metrics")
+    assert status == 200
+    samples = {s.name: s for family in text_string_to_metric_families(text) for s in family.samples}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total"):
+        assert name in samples, name
+        assert samples[name].labels.get("model_name"), (name, samples[name].labels)
+    assert samples["vllm:prompt_tokens_total"].value > 0 and samples["vllm:generation_tokens_total"].value >= 5
+    assert samples["vllm:e2e_request_latency_seconds_count"].value >= 5
+    assert "tandem_requests_total" in samples  # tandem's own names stay
+    assert "process_cpu_seconds_total" in samples and "process_resident_memory_bytes" in samples
+    for path in ("/health", "/ready", "/healthz"):
+        assert _get(served.metrics + path)[0] == 200, path
+
+
+async def test_ctrl_c_drains_and_a_second_ctrl_c_stops_at_once_saying_how_it_ended(served):
+    before = len(served.access_lines())
+    async with AsyncClient(served.address, max_retries=0) as client:
+        # Cannot end on its own (EOS ignored, thousands of tokens) and --drain-timeout is an hour: only the second
+        # Ctrl-C ends it.
+        stream = client.generate("Tell me a very long story.", max_tokens=8000, ignore_eos=True)
+        await stream.__anext__()
+        served.proc.send_signal(signal.SIGINT)
+        served.wait_for("SIGINT: stopping; in-flight requests get up to 3600s")
+        served.wait_for("draining (up to 3600s)")  # logged once health reports NOT_SERVING
+        assert _get(served.metrics + "/ready")[0] == 503  # health fails first
+        assert _get(served.metrics + "/health")[0] == 200  # still alive, draining
+        served.proc.send_signal(signal.SIGINT)
+        last = [delta async for delta in stream][-1]
+    assert last.finish_reason == "abort"
+    assert served.proc.wait(HANG) == 0
+    output = served.rest()
+    assert "second SIGINT: aborting 1 in-flight requests and stopping now" in "\n".join(output)
+    assert output[-1].endswith("tandem serve stopped (second SIGINT): drained 0 requests, aborted 1"), output[-5:]
+    assert len(served.access_lines()) == before + 1  # the aborted request has its line too
+    assert served.access_lines()[-1].group(5) == "abort"
