@@ -49,12 +49,13 @@ async def test_sigterm_reports_not_serving_first_and_serves_through_the_grace(gr
         # Inside the (long) grace: NOT_SERVING, yet new work is served, not refused.
         assert (await client.rerank("capital of France", ["Paris.", "Bananas."])).replica == address
         assert (await client.complete("Hi", max_tokens=2, ignore_eos=True)).finish_reason == "length"
-        proc.send_signal(signal.SIGTERM)  # a second signal ends the grace: draining refuses new work
+        proc.send_signal(signal.SIGTERM)  # a second signal stops now: new work is refused while the server closes
         while True:
             try:
                 await client.rerank("q", ["d"])
             except TandemError as exc:
                 refused = exc
                 break
-    assert refused.code is grpc.StatusCode.UNAVAILABLE and "draining" in refused.message
+    # "server is draining" if the call arrived before the transport closed, grpc's own UNAVAILABLE after
+    assert refused.code is grpc.StatusCode.UNAVAILABLE
     assert proc.wait(60) == 0

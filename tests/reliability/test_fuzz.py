@@ -425,6 +425,7 @@ BAD_VALUES: dict[str, tuple[str, list]] = {
     "stop": ("stop", [[""], ["ok", ""]]),
     "stop_token_ids": ("stop_token_ids", []),
     "ignore_eos": ("ignore_eos", []),
+    "skip_special_tokens": ("skip_special_tokens", []),
     "priority": ("priority", []),
     "n": ("n", [0, 17, 2**32 - 1]),
     "logprobs": ("logprobs", [21, 2**32 - 1]),
