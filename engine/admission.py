@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from engine.batch import Batch
 from engine.config import EngineConfig
+from engine.request import SeqKind
 from engine.step_time import OnlineStepTime, StepShape, TokenKind
 
 if TYPE_CHECKING:
@@ -211,7 +212,7 @@ class LatencyAdmission(AdmissionPolicy):
     def admit(self, step: AdmissionStep) -> None:
         waiting = step.rerank_head() is not None
         self._admit(step)
-        self._rerank_starved = self._rerank_starved + 1 if waiting and not step.batch.num_rerank_tokens else 0
+        self._rerank_starved = self._rerank_starved + 1 if waiting and not step.batch.num_scoring_tokens else 0
 
     def _admit(self, step: AdmissionStep) -> None:
         batch = step.batch
@@ -253,11 +254,12 @@ class LatencyAdmission(AdmissionPolicy):
         head = step.rerank_head()
         if head is None:
             return
-        kind = TokenKind.LLM_RERANK if head.uses_kv else TokenKind.CROSS_ENCODER
+        kind = TokenKind.EMBED if head.kind is SeqKind.EMBED else \
+            TokenKind.LLM_RERANK if head.uses_kv else TokenKind.CROSS_ENCODER
         tokens = self._tokens(step, kind, limit, share)
         if tokens:
             step.admit_rerank(tokens, seats)
-        if step.batch.num_rerank_tokens:
+        if step.batch.num_scoring_tokens:
             return
         if head.uses_kv:  # the floor: a few tokens of the next pair's chunk
             step.admit_rerank(self.rerank_floor_tokens(step.batch), seats)

@@ -111,7 +111,9 @@ class Scheduler:
         return len(self.waiting) + len(self.waiting_rerank)
 
     def _queue_of(self, seq: Sequence) -> WaitQueue:
-        return self.waiting_rerank if seq.kind is SeqKind.RERANK else self.waiting
+        """Prompts wait in `waiting`; rerank pairs and embedding rows (prefill-only scoring work) in `waiting_rerank`,
+        one priority order for both."""
+        return self.waiting if seq.kind is SeqKind.GENERATE else self.waiting_rerank
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -142,7 +144,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_uncomputed_tokens != 1 or seq.kind is SeqKind.RERANK:
+            if seq.num_uncomputed_tokens != 1 or seq.kind is not SeqKind.GENERATE:
                 i += 1
                 continue
             while not self.kv.allocate(seq, 1):
