@@ -332,7 +332,7 @@ class CoreAPI:
         try:
             event = await future
         finally:
-            if not future.done():  # cancelled: the client left or its deadline passed
+            if not future.done() or future.cancelled():  # cancelled: the client left or its deadline passed
                 self.bridge.abort(lc.engine_id)
         if isinstance(event, ServiceError):
             raise event
