@@ -4,14 +4,18 @@ API's own error shape; /v1/models lists the embedder; a request cancelled or tim
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import cohere
+import grpc
 import httpx
 import numpy as np
 import openai
 import pytest
 
 from engine.config import EMBEDDED_EMBEDDER, EmbedParams
+from proto import tandem_pb2 as pb
+from proto import tandem_pb2_grpc as pb_grpc
 from service.core import EmbedInput
 from tests.service.conftest import DOCUMENTS, MAX_DOCUMENTS
 from tests.service.harness import assert_all_blocks_free
@@ -139,3 +143,25 @@ def test_the_openapi_description_has_the_embedding_routes(http_url):
     with httpx.Client(base_url=http_url) as h:
         paths = h.get("/openapi.json").json()["paths"]
     assert {"/v1/embeddings", "/embed", "/v2/embed"} <= set(paths)
+
+
+def test_a_server_without_an_embedder_says_so_through_each_door(served, http_url, monkeypatch):
+    monkeypatch.setattr(served.core, "info", dataclasses.replace(served.core.info, embedder=""))
+    with httpx.Client(base_url=http_url) as h:
+        openai_ = h.post("/v1/embeddings", json={"input": "a"})
+        tei = h.post("/embed", json={"inputs": "a"})
+    assert openai_.status_code == 400 and "--embedder" in openai_.json()["error"]["message"]
+    assert tei.status_code == 400 and "--embedder" in tei.json()["error"]
+    with grpc.insecure_channel(served.address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.TandemStub(channel).Embed(pb.EmbedRequest(texts=["a"]))
+    assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_strict_model_names_refuse_another_model_for_embeddings(served, http_url, monkeypatch):
+    monkeypatch.setattr(served.core, "_strict", True)
+    with httpx.Client(base_url=http_url) as h:
+        other = h.post("/v1/embeddings", json={"input": "a", "model": "text-embedding-3-small"})
+        own = h.post("/v1/embeddings", json={"input": "a", "model": EMBEDDED_EMBEDDER})
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    assert own.status_code == 200
