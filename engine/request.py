@@ -116,7 +116,7 @@ class Sequence:
     logprob_start: int | None = None
     # Top alternatives wanted per scored prompt position (SamplingParams.prompt_logprobs); None: none.
     num_prompt_logprobs: int | None = None
-    index: int = 0  # which completion of its request (0..n-1)
+    index: int = 0  # which completion of its request (0..n-1); of an embedding row: which input
     # Completion 0 of the same request, for completions 1..n-1: they share its prompt's KV blocks.
     fork_of: "Sequence | None" = None
     grammar: Grammar | None = None  # structured output: masks the sampler, accepts each appended token
