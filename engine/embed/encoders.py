@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.models.bert import FAMILIES, EncoderArgs, EncoderModel, packed_positions
+from engine.models.bert import FAMILIES, EncoderArgs, EncoderModel, longest_first, packed_positions
 from engine.models.encoder_loader import read_state_dict
 from engine.models.modernbert import Body, ModernBertArgs, encode
 
@@ -56,10 +56,14 @@ def _bert(path: Path, cfg: dict, device, dtype) -> tuple[TokenStates, int, int]:
 
     def states(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         positions = packed_positions(input_ids, cu_seqlens, args)
+        # Longest rows first, as the cross-encoder runs them (the attention kernel batches runs of similar length);
+        # `where` brings every token's state back to its place.
+        where = torch.arange(input_ids.numel(), device=input_ids.device)
+        _, (input_ids, positions, where), cu_seqlens = longest_first(cu_seqlens, input_ids, positions, where)
         x = model.embeddings(input_ids, torch.zeros_like(input_ids), positions)
         for layer in model.encoder.layer:
             x = layer(x, cu_seqlens)
-        return x
+        return torch.empty_like(x).index_copy_(0, where, x)
     return states, args.hidden_size, args.max_tokens
 
 
