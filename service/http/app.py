@@ -325,8 +325,9 @@ async def _version(request: Request) -> Response:
 # ---- models, health, metrics ---------------------------------------------------------------------
 
 def _model_card(door: Door, name: str) -> dict:
+    info = door.core.info
     return {"id": name, "object": "model", "created": door.started, "owned_by": "tandem",
-            "max_model_len": door.core.info.max_model_len}
+            "max_model_len": info.embedder_max_tokens if name == info.embedder else info.max_model_len}
 
 
 async def _models(door: Door, request: Request) -> Response:

@@ -56,7 +56,8 @@ def test_openai_token_id_inputs_are_the_embedders_tokens(oa, offline, reference)
 def test_models_lists_the_embedder_as_its_own_model(oa, served):
     ids = [m.id for m in oa.models.list().data]
     assert EMBEDDED_EMBEDDER in ids and served.core.info.model in ids
-    assert oa.models.retrieve(EMBEDDED_EMBEDDER).id == EMBEDDED_EMBEDDER
+    card = oa.models.retrieve(EMBEDDED_EMBEDDER)
+    assert card.id == EMBEDDED_EMBEDDER and card.max_model_len == 256  # the embedder's own input limit
     assert served.core.info.embedding_dimensions == 384
 
 
