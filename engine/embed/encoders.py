@@ -83,6 +83,9 @@ def _decoder(path: Path, cfg: dict, device, dtype) -> tuple[TokenStates, int, in
     from engine.models.decoder import DecoderArgs, build_decoder
     from engine.models.loader import load_state_dict
 
+    if cfg.get("use_bidirectional_attention") or cfg.get("is_causal") is False:
+        raise ValueError(f"{str(path)!r} is a decoder with bidirectional attention (e.g. EmbeddingGemma); tandem runs "
+                         "decoder embedders causally (Qwen3-Embedding style), so its vectors would be wrong")
     # An embedder is saved as the bare body (Qwen3Model): read it as its causal LM, whose head it never uses.
     archs = [a[:-len("Model")] + "ForCausalLM" if a.endswith("Model") else a for a in cfg.get("architectures") or []]
     args = DecoderArgs.from_hf_config({**cfg, "architectures": archs} if archs else cfg)

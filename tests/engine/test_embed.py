@@ -190,3 +190,10 @@ def test_a_tiny_roberta_embedder_matches_transformers(tmp_path) -> None:
     with torch.inference_mode():
         ref = torch.stack([hf(input_ids=torch.tensor([r])).last_hidden_state[0].mean(0) for r in rows])
     assert (emb.embed(rows) - ref).abs().max().item() <= 1e-4
+
+
+def test_a_bidirectional_decoder_embedder_is_refused_by_name(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "use_bidirectional_attention": True,
+                                                      "architectures": ["Gemma3TextModel"]}))
+    with pytest.raises(ValueError, match="bidirectional attention"):
+        Embedder.load(str(tmp_path))
