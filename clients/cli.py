@@ -1,4 +1,4 @@
-"""Client commands of the `tandem` CLI: generate, chat, rerank, info. Never imports torch.
+"""Client commands of the `tandem` CLI: generate, chat, rerank, embed, info. Never imports torch.
 
 Exit codes (docs/cli.md): 0 done (finish reason stop or length); 1 refused or failed (the server's status code and
 message on stderr); 2 usage error; 3 incomplete: the server aborted the request ([abort]) or the stream was cut off
@@ -57,6 +57,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     rr.add_argument("--full", action="store_true",
                     help=f"print each document whole (default: its first {EXCERPT_CHARS} characters on one line)")
     rr.set_defaults(run=_rerank)
+
+    emb = sub.add_parser("embed", help="embed texts: one JSON vector per line",
+                         description="Embed texts with the server's embedding model; prints one JSON array per text "
+                                     "(input order), or with --json one JSON object.")
+    _connection(emb)
+    emb.add_argument("texts", nargs="+", metavar="TEXT")
+    emb.add_argument("--dimensions", type=int, default=None, help="keep the first N values (Matryoshka models)")
+    emb.add_argument("--no-normalize", action="store_true", help="the pooled vectors as they are, not unit length")
+    emb.add_argument("--truncate", choices=("end", "start", "none"), default="end",
+                     help="cut a text over the model's limit at its end or start, or refuse it")
+    emb.add_argument("--json", action="store_true", help='print {"embeddings": [...]} as one JSON object')
+    emb.set_defaults(run=_embed)
 
     info = sub.add_parser("info", help="what the server serves and its limits")
     _connection(info)
@@ -255,6 +267,17 @@ def _rerank(args: argparse.Namespace, out: TextIO) -> int:
         for r in results:
             mark = f"  [truncated to {r.document_tokens} tokens]" if r.truncated else ""
             out.write(f"{r.score:.4f}  [{r.index}]  {r.document if args.full else excerpt(r.document)}{mark}\n")
+    return 0
+
+
+def _embed(args: argparse.Namespace, out: TextIO) -> int:
+    with _client(args) as client:
+        vectors = client.embed(args.texts, normalize=not args.no_normalize, dimensions=args.dimensions,
+                               truncate=args.truncate, timeout=args.timeout)
+    if args.json:
+        out.write(json.dumps({"embeddings": vectors}) + "\n")
+    else:
+        out.writelines(json.dumps(v) + "\n" for v in vectors)
     return 0
 
 

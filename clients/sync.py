@@ -81,6 +81,10 @@ class Client:
         """Same arguments as AsyncClient.rerank: results sorted by score with .index, .score, .document."""
         return self._run(self._client.rerank(query, documents, **kwargs))
 
+    def embed(self, texts: str | Sequence[str], **kwargs: Any) -> list[list[float]]:
+        """Same arguments as AsyncClient.embed: one vector per text, input order."""
+        return self._run(self._client.embed(texts, **kwargs))
+
     def model_info(self) -> pb.ModelInfoResponse:
         return self._run(self._client.model_info())
 

@@ -1,8 +1,8 @@
 """The synchronous engine: scheduler, paged KV cache, model runner, sampling. No gRPC here."""
-from engine.config import EngineConfig, RerankParams, SamplingParams, StructuredOutputsParams
+from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams, StructuredOutputsParams
 from engine.engine import LLMEngine
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput, RerankResult, StepOutput, StepRecord
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RerankParams", "StructuredOutputsParams",
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RerankParams", "EmbedParams", "StructuredOutputsParams",
            "CompletionOutput", "RequestOutput", "RerankResult", "StepOutput", "StepRecord"]

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from engine.batch import Batch
 from engine.config import EngineConfig
+from engine.request import SeqKind
 from engine.step_time import OnlineStepTime, StepShape, TokenKind
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ class AdmissionQueues(Protocol):
 
     def admit_generation(self, max_tokens: int, max_seats: int | None) -> int: ...
 
-    def admit_rerank(self, max_tokens: int, max_seats: int | None) -> int: ...
+    def admit_rerank(self, max_tokens: int, max_seats: int | None, kind: TokenKind | None = None) -> int: ...
 
     def generation_head(self) -> "Sequence | None": ...
 
@@ -55,9 +56,12 @@ class AdmissionStep:
         self.budget -= used
         return used
 
-    def admit_rerank(self, max_tokens: int | None = None, max_seats: int | None = None) -> int:
+    def admit_rerank(self, max_tokens: int | None = None, max_seats: int | None = None,
+                     kind: TokenKind | None = None) -> int:
+        """Scoring work (rerank pairs, embedding rows) from the head of its queue; `kind`: only while the head's
+        tokens are of that kind (`scoring_kind`), so a policy that priced them gets no others."""
         limit = self.budget if max_tokens is None else min(max_tokens, self.budget)
-        used = self.queues.admit_rerank(limit, max_seats) if limit > 0 else 0
+        used = self.queues.admit_rerank(limit, max_seats, kind) if limit > 0 else 0
         self.budget -= used
         return used
 
@@ -211,7 +215,7 @@ class LatencyAdmission(AdmissionPolicy):
     def admit(self, step: AdmissionStep) -> None:
         waiting = step.rerank_head() is not None
         self._admit(step)
-        self._rerank_starved = self._rerank_starved + 1 if waiting and not step.batch.num_rerank_tokens else 0
+        self._rerank_starved = self._rerank_starved + 1 if waiting and not step.batch.num_scoring_tokens else 0
 
     def _admit(self, step: AdmissionStep) -> None:
         batch = step.batch
@@ -253,11 +257,16 @@ class LatencyAdmission(AdmissionPolicy):
         head = step.rerank_head()
         if head is None:
             return
-        kind = TokenKind.LLM_RERANK if head.uses_kv else TokenKind.CROSS_ENCODER
-        tokens = self._tokens(step, kind, limit, share)
-        if tokens:
-            step.admit_rerank(tokens, seats)
-        if step.batch.num_rerank_tokens:
+        # Each kind of scoring token (LLM-scored pair, cross-encoder pair, embedding row) is priced as itself: when
+        # the queue's head changes kind, what is left of the headroom is sized again for the new kind.
+        seen: set[TokenKind] = set()
+        while (nxt := step.rerank_head()) is not None and scoring_kind(nxt) not in seen:
+            kind = scoring_kind(nxt)
+            seen.add(kind)
+            tokens = self._tokens(step, kind, limit, share)
+            if not tokens or not step.admit_rerank(tokens, seats, kind):
+                break
+        if step.batch.num_scoring_tokens:
             return
         if head.uses_kv:  # the floor: a few tokens of the next pair's chunk
             step.admit_rerank(self.rerank_floor_tokens(step.batch), seats)
@@ -271,6 +280,14 @@ class LatencyAdmission(AdmissionPolicy):
         tokens = max(tokens, self.min_prefill_tokens - step.batch.num_prefill_tokens)  # the prefill floor
         if tokens > 0:
             step.admit_generation(tokens)
+
+
+def scoring_kind(seq: "Sequence") -> TokenKind:
+    """How the step-time model prices a scoring-queue sequence's tokens: an embedding row's, an LLM-scored pair's
+    or a cross-encoder pair's."""
+    if seq.kind is SeqKind.EMBED:
+        return TokenKind.EMBED
+    return TokenKind.LLM_RERANK if seq.uses_kv else TokenKind.CROSS_ENCODER
 
 
 def policy_for(config: EngineConfig, given: AdmissionPolicy | None = None, wide_rows: int | None = None

@@ -18,6 +18,8 @@ class Batch:
     num_rerank_pairs_scored: int = 0  # of those, pairs whose last chunk runs in this step (scored by it)
     num_rerank_tokens: int = 0
     num_cross_encoder_tokens: int = 0  # rerank tokens that run in the cross-encoder's forward, not the LLM's
+    num_embed_rows: int = 0  # embedding inputs in this step (each runs whole, in the embedder's forward)
+    num_embed_tokens: int = 0
     num_decode_context_tokens: int = 0  # context the decode rows attend to (their sequence lengths, summed)
     min_decode_priority: int | None = None  # the most urgent decode's priority (lower runs first)
     preempted: list[Sequence] = field(default_factory=list)
@@ -26,7 +28,10 @@ class Batch:
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
-        if seq.kind is SeqKind.RERANK:
+        if seq.kind is SeqKind.EMBED:
+            self.num_embed_rows += 1
+            self.num_embed_tokens += n
+        elif seq.kind is SeqKind.RERANK:
             self.num_rerank_pairs += 1
             if seq.num_computed_tokens + n == seq.num_tokens:
                 self.num_rerank_pairs_scored += 1
@@ -41,6 +46,11 @@ class Batch:
             self.decode_request_ids.append(seq.request_id)
         else:
             self.num_prefill_tokens += n
+
+    @property
+    def num_scoring_tokens(self) -> int:
+        """Tokens from the scoring queue (rerank pairs and embedding rows): what its admissions gave this step."""
+        return self.num_rerank_tokens + self.num_embed_tokens
 
     @property
     def num_tokens(self) -> int:

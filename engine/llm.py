@@ -1,11 +1,11 @@
-"""The offline facade: generate, chat and rerank in one call, stepping the engine to completion."""
+"""The offline facade: generate, chat, rerank and embed in one call, stepping the engine to completion."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
 
 from engine.admission import AdmissionPolicy
-from engine.config import EngineConfig, RerankParams, SamplingParams
+from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
 from engine.engine import LLMEngine
 from engine.outputs import CompletionOutput, Logprobs, RequestOutput, RerankResult, StepOutput, rank_scores
 from engine.request import FinishReason
@@ -54,6 +54,21 @@ class LLM:
         params = params or RerankParams()
         return rank_scores(final.scores, documents, params.top_n, params.return_documents, final.document_tokens,
                            final.truncated)
+
+    def embed(self, texts: str | list[str] | list[list[int]], params: EmbedParams | None = None
+              ) -> list[list[float]]:
+        """One vector per input (texts, or token ids in the embedder's vocabulary), input order; needs
+        EngineConfig(embedder=...)."""
+        request_id = f"embed-{next(self._ids)}"
+        self.engine.add_embed(request_id, [texts] if isinstance(texts, str) else texts, params)
+        final = None
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id == request_id and out.finished:
+                    if out.error:
+                        raise RuntimeError(out.error)
+                    final = out
+        return final.embeddings
 
     def _run(self, requests: list[dict], params) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):

@@ -32,6 +32,8 @@ class StepOutput:
     scores: list[float] | None = None  # rerank: one per document, input order, only when finished
     document_tokens: list[int] | None = None  # rerank, with scores: per document, its tokens the score saw
     truncated: list[bool] | None = None  # rerank, with scores: per document, whether it was cut to fit the limit
+    # embed: one vector per input, input order, only when finished (`truncated` then says which inputs were cut)
+    embeddings: list[list[float]] | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -112,6 +114,8 @@ class StepRecord:
     rerank_pairs_scored: int = 0  # of rerank_pairs, those whose last chunk ran in this step (scored)
     predicted_s: float | None = None  # the admission policy's step-time prediction (None: it has no model)
     target_s: float | None = None  # the step time the policy keeps decodes under (--tpot-target-ms)
+    embed_rows: int = 0  # embedding inputs this step ran (each whole, in the embedder's own forward)
+    embed_tokens: int = 0
     cpu_kernels: str = ""  # the CPU path of the quantized matmuls ("avx512", "avx2", "portable"; "" when none)
 
     @property
@@ -123,4 +127,4 @@ class StepRecord:
 
     @property
     def budget_used(self) -> int:
-        return self.decode_tokens + self.prefill_tokens + self.rerank_tokens
+        return self.decode_tokens + self.prefill_tokens + self.rerank_tokens + self.embed_tokens

@@ -5,7 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from engine.config import RerankParams, SamplingParams
+from engine.config import EmbedParams, RerankParams, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +70,7 @@ class SeqKind(str, enum.Enum):
     """What a sequence (and the request it belongs to) is; a str, so it reads as "generate" / "rerank"."""
     GENERATE = "generate"
     RERANK = "rerank"  # prefill-only: scored when computed, no tokens sampled
+    EMBED = "embed"  # one input text of an embedding request: an encoder row, prefill-only, no KV, run whole
 
     def __str__(self) -> str:
         return self.value
@@ -92,7 +93,7 @@ class Sequence:
     request_id: str
     token_ids: list[int]  # prompt followed by generated tokens
     num_prompt_tokens: int
-    params: SamplingParams | RerankParams
+    params: SamplingParams | RerankParams | EmbedParams
     arrival: int  # admission order, for FIFO within a priority class
     arrival_time: float
     kind: SeqKind = SeqKind.GENERATE
@@ -115,7 +116,7 @@ class Sequence:
     logprob_start: int | None = None
     # Top alternatives wanted per scored prompt position (SamplingParams.prompt_logprobs); None: none.
     num_prompt_logprobs: int | None = None
-    index: int = 0  # which completion of its request (0..n-1)
+    index: int = 0  # which completion of its request (0..n-1); of an embedding row: which input
     # Completion 0 of the same request, for completions 1..n-1: they share its prompt's KV blocks.
     fork_of: "Sequence | None" = None
     grammar: Grammar | None = None  # structured output: masks the sampler, accepts each appended token

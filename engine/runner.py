@@ -9,6 +9,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import Capture, DecodeGraphs, try_capture
+from engine.embed import Embedder
 from engine.models.decoder import DecoderForCausalLM
 from engine.rerank.scorer import PairScorer
 from engine.request import Sequence, SeqKind
@@ -34,13 +35,15 @@ class RunnerOutput:
     # What a pair's last position gives, for a pair whose last token was computed this step, in modes that score
     # there (judge, cross-encoder); the engine makes every pair's score of it and its span (PairScorer.pair_score).
     scores: list[float | None]
+    # An embedding row's pooled vector (float32, not normalised: the engine finishes it per request).
+    embeddings: list[torch.Tensor | None]
     forward_s: float = 0.0  # time inside model forwards (LLM and cross-encoder), the rest is engine overhead
 
     @classmethod
     def empty(cls, rows: int) -> "RunnerOutput":
         """Nothing computed yet for `rows` rows: every entry None."""
         return cls(sampled=[None] * rows, logprobs=[None] * rows, prompt_logprobs=[None] * rows,
-                   prompt_top_logprobs=[None] * rows, scores=[None] * rows)
+                   prompt_top_logprobs=[None] * rows, scores=[None] * rows, embeddings=[None] * rows)
 
 
 @dataclass(slots=True)
@@ -60,7 +63,8 @@ class ModelRunner:
     LOGPROB_CHUNK = 256
 
     def __init__(self, model: DecoderForCausalLM, num_blocks: int, block_size: int, device: str, dtype: str,
-                 scorer: PairScorer | None = None, eos_token_ids: Collection[int] = ()) -> None:
+                 scorer: PairScorer | None = None, eos_token_ids: Collection[int] = (),
+                 embedder: Embedder | None = None) -> None:
         a = model.args
         self.eos_token_ids = frozenset(eos_token_ids)  # masked while a sequence is short of its min_tokens
         self.model = model
@@ -70,6 +74,7 @@ class ModelRunner:
             (a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim),
             dtype=DTYPES[dtype], device=self.device)
         self.scorer = scorer  # the rerank mode: scores finished rerank pairs
+        self.embedder = embedder  # runs embedding rows (None: no embedder loaded, none are admitted)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
     def capture_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: Capture) -> bool:
@@ -133,7 +138,9 @@ class ModelRunner:
     def run(self, batch: Batch) -> RunnerOutput:
         out = RunnerOutput.empty(len(batch))
         llm_rows = [i for i, s in enumerate(batch.seqs) if s.uses_kv]
-        own_rows = [i for i, s in enumerate(batch.seqs) if not s.uses_kv]  # pairs the scorer's own model runs
+        # pairs the scorer's own model runs (a cross-encoder), rows the embedder runs
+        own_rows = [i for i, s in enumerate(batch.seqs) if not s.uses_kv and s.kind is SeqKind.RERANK]
+        embed_rows = [i for i, s in enumerate(batch.seqs) if s.kind is SeqKind.EMBED]
         clock = ForwardClock(self.device)
         if llm_rows:
             self._run_llm(batch, llm_rows, out, clock)
@@ -142,6 +149,11 @@ class ModelRunner:
                 own_scores = self.scorer.score([batch.seqs[i] for i in own_rows], None)
             for i, score in zip(own_rows, own_scores):
                 out.scores[i] = score
+        if embed_rows:
+            with clock:
+                vectors = self.embedder.embed([batch.seqs[i].token_ids for i in embed_rows]).cpu()
+            for i, vector in zip(embed_rows, vectors):
+                out.embeddings[i] = vector
         out.forward_s = clock.seconds()
         return out
 

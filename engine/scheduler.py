@@ -14,9 +14,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-from engine.admission import AdmissionPolicy, AdmissionStep
+from engine.admission import AdmissionPolicy, AdmissionStep, scoring_kind
 from engine.batch import Batch
 from engine.config import EngineConfig
+from engine.step_time import TokenKind
 from engine.kv_cache import NO_PREFIX, CachedPrefix, KVCacheManager
 from engine.request import Sequence, SequenceStatus, SeqKind
 
@@ -111,7 +112,9 @@ class Scheduler:
         return len(self.waiting) + len(self.waiting_rerank)
 
     def _queue_of(self, seq: Sequence) -> WaitQueue:
-        return self.waiting_rerank if seq.kind is SeqKind.RERANK else self.waiting
+        """Prompts wait in `waiting`; rerank pairs and embedding rows (prefill-only scoring work) in `waiting_rerank`,
+        one priority order for both."""
+        return self.waiting if seq.kind is SeqKind.GENERATE else self.waiting_rerank
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -142,7 +145,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_uncomputed_tokens != 1 or seq.kind is SeqKind.RERANK:
+            if seq.num_uncomputed_tokens != 1 or seq.kind is not SeqKind.GENERATE:
                 i += 1
                 continue
             while not self.kv.allocate(seq, 1):
@@ -178,14 +181,16 @@ class Scheduler:
                 break
         return waiting
 
-    def _admit_rerank(self, pairs: list[Sequence], batch: Batch, budget: int, seats: int | None) -> int:
+    def _admit_rerank(self, pairs: list[Sequence], batch: Batch, budget: int, seats: int | None,
+                      kind: TokenKind | None = None) -> int:
         """Rerank tokens, at most `budget` of them: the next chunk of each running pair, then new pairs, most urgent
         first (`_rerank_head`). An LLM-scored pair is chunked like a prompt; a cross-encoder pair runs whole or not
-        at all. `seats` bounds the pairs this call serves, running ones included (each holds a seat)."""
+        at all. `seats` bounds the pairs this call serves, running ones included (each holds a seat). `kind`: stop at
+        the first head whose tokens are of another kind (admission.scoring_kind); embedding rows run whole too."""
         used = 0
         while used < budget and (seats is None or seats > 0):
             seq = self._rerank_head(pairs, batch)
-            if seq is None:
+            if seq is None or (kind is not None and scoring_kind(seq) is not kind):
                 break
             if seq.status is not SequenceStatus.RUNNING:  # the queue's head: a new pair
                 took = self._admit_from(self.waiting_rerank, batch, budget - used, seats, one=True)
@@ -276,8 +281,8 @@ class _StepQueues:
     def admit_generation(self, max_tokens: int, max_seats: int | None) -> int:
         return self.scheduler._admit_from(self.scheduler.waiting, self.batch, max_tokens, max_seats)
 
-    def admit_rerank(self, max_tokens: int, max_seats: int | None) -> int:
-        return self.scheduler._admit_rerank(self.pairs, self.batch, max_tokens, max_seats)
+    def admit_rerank(self, max_tokens: int, max_seats: int | None, kind: TokenKind | None = None) -> int:
+        return self.scheduler._admit_rerank(self.pairs, self.batch, max_tokens, max_seats, kind)
 
     def generation_head(self) -> Sequence | None:
         return self.scheduler.waiting.peek(self.scheduler.num_steps)

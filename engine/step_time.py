@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 FEATURES = ("llm_forward", "decode_rows", "decode_context_tokens", "prefill_tokens", "llm_rerank_tokens",
-            "cross_encoder_forward", "cross_encoder_tokens", "wide_forward")
+            "cross_encoder_forward", "cross_encoder_tokens", "wide_forward", "embed_forward", "embed_tokens")
 
 
 class TokenKind(str, enum.Enum):
@@ -37,6 +37,7 @@ class TokenKind(str, enum.Enum):
     PREFILL = "prefill_tokens"
     LLM_RERANK = "llm_rerank_tokens"  # a rerank pair's token in the LLM forward (likelihood, judge)
     CROSS_ENCODER = "cross_encoder_tokens"  # a rerank pair's token in the cross-encoder's own forward
+    EMBED = "embed_tokens"  # an embedding input's token in the embedder's own forward
 
 
 @dataclass(slots=True)
@@ -47,20 +48,23 @@ class StepShape:
     prefill_tokens: int = 0
     llm_rerank_tokens: int = 0  # rerank pair tokens that run in the LLM forward (likelihood, judge)
     cross_encoder_tokens: int = 0  # rerank pair tokens that run in the cross-encoder's own forward
+    embed_tokens: int = 0  # embedding input tokens (the embedder's own forward)
 
     @classmethod
     def of_batch(cls, batch) -> "StepShape":
         return cls(batch.num_decode_tokens, batch.num_decode_context_tokens, batch.num_prefill_tokens,
-                   batch.num_rerank_tokens - batch.num_cross_encoder_tokens, batch.num_cross_encoder_tokens)
+                   batch.num_rerank_tokens - batch.num_cross_encoder_tokens, batch.num_cross_encoder_tokens,
+                   batch.num_embed_tokens)
 
     @classmethod
     def of_record(cls, r) -> "StepShape":
         return cls(r.decode_tokens, r.decode_context_tokens, r.prefill_tokens,
-                   r.rerank_tokens - r.cross_encoder_tokens, r.cross_encoder_tokens)
+                   r.rerank_tokens - r.cross_encoder_tokens, r.cross_encoder_tokens, r.embed_tokens)
 
     @property
     def empty(self) -> bool:
-        return not (self.decode_rows or self.prefill_tokens or self.llm_rerank_tokens or self.cross_encoder_tokens)
+        return not (self.decode_rows or self.prefill_tokens or self.llm_rerank_tokens or self.cross_encoder_tokens
+                    or self.embed_tokens)
 
     @property
     def llm_rows(self) -> int:
@@ -73,14 +77,17 @@ class StepShape:
         wide = wide_rows is not None and self.llm_rows > wide_rows
         return (1.0 if llm else 0.0, self.decode_rows, self.decode_context_tokens, self.prefill_tokens,
                 self.llm_rerank_tokens, 1.0 if self.cross_encoder_tokens else 0.0, self.cross_encoder_tokens,
-                1.0 if wide else 0.0)
+                1.0 if wide else 0.0, 1.0 if self.embed_tokens else 0.0, self.embed_tokens)
 
 
 # Seconds per unit of each feature: slow on purpose (conservative), replaced by the first real steps.
 PRIOR = dict(llm_forward=0.010, decode_rows=0.002, decode_context_tokens=2e-6, prefill_tokens=0.002,
-             llm_rerank_tokens=0.002, cross_encoder_forward=0.010, cross_encoder_tokens=0.001, wide_forward=0.0)
+             llm_rerank_tokens=0.002, cross_encoder_forward=0.010, cross_encoder_tokens=0.001, wide_forward=0.0,
+             embed_forward=0.010, embed_tokens=0.001)
 # The fixed cost a kind's first token brings.
-_FORWARD_OF = {TokenKind.PREFILL: 0, TokenKind.LLM_RERANK: 0, TokenKind.CROSS_ENCODER: 5}
+_FORWARD_OF = {TokenKind.PREFILL: 0, TokenKind.LLM_RERANK: 0, TokenKind.CROSS_ENCODER: 5, TokenKind.EMBED: 8}
+# The tokens already in a step that share a kind's forward (its fixed cost is paid once they are there).
+_OWN_FORWARD = {TokenKind.CROSS_ENCODER: "cross_encoder_tokens", TokenKind.EMBED: "embed_tokens"}
 
 
 class LinearStepTime:
@@ -119,7 +126,7 @@ class LinearStepTime:
         """The most tokens of `kind` that `shape` can take with its predicted time still <= limit_s (0 when it is
         over already)."""
         i = FEATURES.index(kind)
-        extra = shape.cross_encoder_tokens if kind is TokenKind.CROSS_ENCODER \
+        extra = getattr(shape, _OWN_FORWARD[kind]) if kind in _OWN_FORWARD \
             else (shape.llm_rerank_tokens or shape.prefill_tokens or shape.decode_rows)
         fixed = 0.0 if extra else self.coef[_FORWARD_OF[kind]]
         room = limit_s - self.predict(shape) - fixed
@@ -127,7 +134,7 @@ class LinearStepTime:
             return 0
         per_token = self.coef[i]
         n = int(room / per_token) if per_token > 0 else 1 << 30
-        if self.wide_rows is None or kind is TokenKind.CROSS_ENCODER or shape.llm_rows > self.wide_rows:
+        if self.wide_rows is None or kind in _OWN_FORWARD or shape.llm_rows > self.wide_rows:
             return n
         narrow = self.wide_rows - shape.llm_rows  # tokens that keep the step on the narrow path
         if n <= narrow:

@@ -278,12 +278,50 @@ class RerankStreamResponse(_message.Message):
     error: RequestError
     def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[RerankResponse, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
 
+class EmbedRequest(_message.Message):
+    __slots__ = ("texts", "token_ids", "model", "truncate", "truncate_start", "dimensions", "normalize", "priority")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_START_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    model: str
+    truncate: Truncate
+    truncate_start: bool
+    dimensions: int
+    normalize: bool
+    priority: int
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., model: _Optional[str] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., truncate_start: _Optional[bool] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values", "truncated")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    truncated: bool
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "model", "usage")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    model: str
+    usage: Usage
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., model: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "served_names", "architecture", "max_model_len", "block_size", "kv_blocks_total", "reranker", "device", "dtype", "replica", "limits", "rerank_mode", "weight_format", "weight_bytes", "vocab_size", "rerank_max_pair_tokens", "rerank_limit_by", "cpu_kernels")
+    __slots__ = ("model", "served_names", "architecture", "max_model_len", "block_size", "kv_blocks_total", "reranker", "device", "dtype", "replica", "limits", "rerank_mode", "weight_format", "weight_bytes", "vocab_size", "rerank_max_pair_tokens", "rerank_limit_by", "cpu_kernels", "embedder", "embedding_dimensions", "embedder_max_tokens", "embedder_matryoshka")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SERVED_NAMES_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +340,10 @@ class ModelInfoResponse(_message.Message):
     RERANK_MAX_PAIR_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RERANK_LIMIT_BY_FIELD_NUMBER: _ClassVar[int]
     CPU_KERNELS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDER_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDER_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDER_MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
     model: str
     served_names: _containers.RepeatedScalarFieldContainer[str]
     architecture: str
@@ -320,7 +362,11 @@ class ModelInfoResponse(_message.Message):
     rerank_max_pair_tokens: int
     rerank_limit_by: str
     cpu_kernels: str
-    def __init__(self, model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., reranker: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., replica: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., rerank_mode: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., rerank_max_pair_tokens: _Optional[int] = ..., rerank_limit_by: _Optional[str] = ..., cpu_kernels: _Optional[str] = ...) -> None: ...
+    embedder: str
+    embedding_dimensions: int
+    embedder_max_tokens: int
+    embedder_matryoshka: bool
+    def __init__(self, model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., reranker: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., replica: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., rerank_mode: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., rerank_max_pair_tokens: _Optional[int] = ..., rerank_limit_by: _Optional[str] = ..., cpu_kernels: _Optional[str] = ..., embedder: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., embedder_max_tokens: _Optional[int] = ..., embedder_matryoshka: _Optional[bool] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_waiting", "max_documents", "max_message_bytes", "max_n", "max_logprobs")

@@ -54,6 +54,11 @@ class TandemStub:
                 request_serializer=proto_dot_tandem__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=proto_dot_tandem__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.v1.Tandem/Embed',
+                request_serializer=proto_dot_tandem__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=proto_dot_tandem__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class TandemServicer:
@@ -89,6 +94,13 @@ class TandemServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Texts (or token ids) to vectors with the embedding model, one per input, input order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TandemServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +123,11 @@ def add_TandemServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=proto_dot_tandem__pb2.ModelInfoRequest.FromString,
                     response_serializer=proto_dot_tandem__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=proto_dot_tandem__pb2.EmbedRequest.FromString,
+                    response_serializer=proto_dot_tandem__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +238,33 @@ class Tandem:
             '/tandem.v1.Tandem/ModelInfo',
             proto_dot_tandem__pb2.ModelInfoRequest.SerializeToString,
             proto_dot_tandem__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Tandem/Embed',
+            proto_dot_tandem__pb2.EmbedRequest.SerializeToString,
+            proto_dot_tandem__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

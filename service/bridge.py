@@ -40,7 +40,7 @@ from service.errors import ServiceError, draining
 from service.lifecycle import LifecycleHooks, RequestLifecycle
 
 if TYPE_CHECKING:
-    from engine import LLMEngine, RerankParams, SamplingParams
+    from engine import EmbedParams, LLMEngine, RerankParams, SamplingParams
     from engine.outputs import StepOutput, StepRecord
 
 log = logging.getLogger("tandem.bridge")
@@ -82,6 +82,15 @@ class AddRerank:
 
 
 @dataclass(frozen=True, slots=True)
+class AddEmbed:
+    """Queue an embedding job: one encoder row per input (texts, or token ids in the embedder's vocabulary)."""
+    request_id: str
+    inputs: list[str] | list[list[int]]
+    params: "EmbedParams"
+    prepared: Any = None  # set by the intake thread: the engine's EmbedJob, or the ValueError that refused it
+
+
+@dataclass(frozen=True, slots=True)
 class Abort:
     request_id: str
 
@@ -98,7 +107,7 @@ class Stop:
     """End the engine thread after the commands taken with this one."""
 
 
-Command = AddGeneration | AddRerank | Abort | Query | Stop
+Command = AddGeneration | AddRerank | AddEmbed | Abort | Query | Stop
 
 
 class EngineBridge:
@@ -199,6 +208,16 @@ class EngineBridge:
                               metadata=dict(metadata or {}), documents=len(documents))
         return self._submit(command, lc, sink, timeout_ms)
 
+    def submit_embed(self, client_id: str, sink: Sink, *, inputs: list[str] | list[list[int]],
+                     params: "EmbedParams", timeout_ms: int = 0,
+                     metadata: dict[str, str] | None = None) -> RequestLifecycle:
+        """Admit an embedding job; one StepOutput with embeddings (or a ServiceError) goes to sink. Raises
+        ServiceError."""
+        command = AddEmbed(self._next_id(SeqKind.EMBED), inputs=inputs, params=params)
+        lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.EMBED.value,
+                              metadata=dict(metadata or {}), documents=len(inputs))
+        return self._submit(command, lc, sink, timeout_ms)
+
     def abort(self, engine_id: str) -> None:
         """Ask the engine to stop a request; its final output (finish reason "abort") still reaches its sink."""
         if engine_id in self._handles:
@@ -218,7 +237,7 @@ class EngineBridge:
                                f"(limit {self.max_waiting}, --max-waiting); retry with backoff or use another replica")
         return f"{kind.value[0]}{next(self._ids)}"
 
-    def _submit(self, command: AddGeneration | AddRerank, lc: RequestLifecycle, sink: Sink,
+    def _submit(self, command: AddGeneration | AddRerank | AddEmbed, lc: RequestLifecycle, sink: Sink,
                 timeout_ms: int) -> RequestLifecycle:
         engine_id = command.request_id
         handle = _Handle(lc, sink, timeout_ms=timeout_ms)
@@ -251,6 +270,9 @@ class EngineBridge:
                     case AddRerank():
                         command = replace(command, prepared=engine.prepare_rerank(
                             command.request_id, command.query, command.documents, command.params))
+                    case AddEmbed():
+                        command = replace(command, prepared=engine.prepare_embed(
+                            command.request_id, command.inputs, command.params))
             except Exception as exc:  # refused (ValueError) or a bug: the engine thread fails the request
                 command = replace(command, prepared=exc)
             self._commands.put(command)
@@ -303,6 +325,9 @@ class EngineBridge:
                 self._add(command.request_id, failures, lambda: engine.add_rerank(
                     command.request_id, command.query, command.documents, command.params,
                     prepared=_prepared(command)))
+            case AddEmbed():
+                self._add(command.request_id, failures, lambda: engine.add_embed(
+                    command.request_id, command.inputs, command.params, prepared=_prepared(command)))
             case Abort():
                 engine.abort(command.request_id)
             case Query():
@@ -428,8 +453,9 @@ class EngineBridge:
                 log.exception("lifecycle hook %s raised", name)
 
 
-def _prepared(command: AddGeneration | AddRerank) -> Any:
-    """What the intake thread made of the command (token ids, a RerankJob), or the refusal it met, raised."""
+def _prepared(command: AddGeneration | AddRerank | AddEmbed) -> Any:
+    """What the intake thread made of the command (token ids, a RerankJob, an EmbedJob), or the refusal it met,
+    raised."""
     if isinstance(command.prepared, Exception):
         raise command.prepared
     return command.prepared

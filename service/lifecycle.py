@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 class RequestLifecycle:
     engine_id: str  # unique in the process; what the engine and step records call the request
     client_id: str  # the id the client chose (unique per stream only)
-    kind: str  # "generate" | "rerank"
+    kind: str  # "generate" | "rerank" | "embed"
     arrival: float = field(default_factory=time.monotonic)  # time.monotonic() at admission
     scheduled: float | None = None  # first engine step that served it
     first_token: float | None = None
@@ -30,7 +30,7 @@ class RequestLifecycle:
     cached_tokens: int = 0
     completion_tokens: int = 0  # summed over the n completions of a generation
     completions: int = 1  # a generation's n (they decode side by side)
-    documents: int = 0  # rerank: pairs to score
+    documents: int = 0  # rerank: pairs to score; embed: inputs
     metadata: dict[str, str] = field(default_factory=dict)  # e.g. peer, traceparent, for exporters
 
     @property

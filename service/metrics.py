@@ -99,7 +99,7 @@ class Metrics(Hooks):
         if error is not None:
             self.prediction_error.observe(error)
         for part, n in (("decode", record.decode_tokens), ("prefill", record.prefill_tokens),
-                        ("rerank", record.rerank_tokens)):
+                        ("rerank", record.rerank_tokens), ("embed", getattr(record, "embed_tokens", 0))):
             if n:
                 self.step_tokens.labels(part).observe(n)
         self.rerank_pairs.inc(getattr(record, "rerank_pairs_scored", record.rerank_pairs))  # a chunked pair once

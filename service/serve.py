@@ -179,7 +179,9 @@ async def _serve_http(core: CoreAPI, config: ServerConfig, server: TandemServer,
     door = HttpServer(core, config, config.http_port, serving=lambda: server.serving, registry=metrics.registry)
     await door.start()
     log.info("HTTP (OpenAI /v1/chat/completions, /v1/completions; rerank /v1/rerank, /v2/rerank, /rerank; "
-             "/metrics, /health, /ready) on %s", door.url)
+             "embeddings %s; /metrics, /health, /ready) on %s",
+             f"/v1/embeddings, /v2/embed, /embed with {core.info.embedder}" if core.info.embedder
+             else "off", door.url)
     return door
 
 

@@ -2,7 +2,7 @@
 
 Generate and RerankStream multiplex many requests on one stream (a `StreamSession`: client id -> live request,
 and a bounded outbox of messages); each admitted request is pumped from the core API into the session by a task
-of its own. Rerank and ModelInfo are unary.
+of its own. Rerank, Embed and ModelInfo are unary.
 """
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from typing import Any, AsyncIterator, Callable
 
 import grpc
 
-from engine.config import RerankParams, SamplingParams, StructuredOutputsParams
+from engine.config import EmbedParams, RerankParams, SamplingParams, StructuredOutputsParams
 from engine.outputs import Logprobs, StepOutput
 from engine.request import FinishReason
 from proto import tandem_pb2 as pb
 from service.core import CoreAPI, GenerateEvent, GenerateInput, RerankInput, RerankOutcome, Usage, json_schema
+from service.core import EmbedInput, EmbedOutcome
 from service.errors import ServiceError, invalid
 from service.handlers import Unparseable
 from service.session import StreamSession
@@ -172,6 +173,13 @@ class TandemServicer:
         except Exception as exc:  # an unparseable message, a broken transport: the stream fails
             session.fail(exc)
 
+    # ---- Embed -----------------------------------------------------------------------------------
+
+    @_statuses
+    async def Embed(self, request: Any, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        req = _parsed(request)
+        return embed_response(await self.core.embed(embed_input(req), _metadata(context)))
+
     # ---- ModelInfo -------------------------------------------------------------------------------
 
     @_statuses
@@ -184,7 +192,9 @@ class TandemServicer:
             reranker=info.reranker, rerank_mode=info.rerank_mode, device=info.device, dtype=info.dtype,
             replica=self.replica, weight_format=info.weight_format, weight_bytes=info.weight_bytes,
             vocab_size=info.vocab_size, rerank_max_pair_tokens=info.rerank_max_pair_tokens,
-            rerank_limit_by=info.rerank_limit_by, cpu_kernels=info.cpu_kernels,
+            rerank_limit_by=info.rerank_limit_by, cpu_kernels=info.cpu_kernels, embedder=info.embedder,
+            embedding_dimensions=info.embedding_dimensions, embedder_max_tokens=info.embedder_max_tokens,
+            embedder_matryoshka=info.embedder_matryoshka,
             limits=pb.Limits(max_waiting=info.max_waiting, max_documents=info.max_documents,
                              max_message_bytes=info.max_message_bytes, max_n=info.max_n,
                              max_logprobs=info.max_logprobs))
@@ -258,6 +268,20 @@ def rerank_input(req: pb.RerankRequest) -> RerankInput:
     return RerankInput(req.request_id, req.query, list(req.documents), params, model=req.model)
 
 
+def embed_input(req: pb.EmbedRequest) -> EmbedInput:
+    if req.texts and req.token_ids:
+        raise invalid("give either texts or token_ids, not both")
+    try:
+        params = EmbedParams(normalize=req.normalize if req.HasField("normalize") else True,
+                             dimensions=req.dimensions if req.HasField("dimensions") else None,
+                             truncate=req.truncate != pb.TRUNCATE_NONE,
+                             truncation_direction="left" if req.truncate_start else "right", priority=req.priority)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+    inputs = list(req.texts) if req.texts else [list(t.ids) for t in req.token_ids]
+    return EmbedInput("", inputs, params, model=req.model)
+
+
 # ---- protobuf out ----------------------------------------------------------------------------------
 
 _FINISH = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -305,3 +329,9 @@ def rerank_response(outcome: RerankOutcome) -> pb.RerankResponse:
     results = [pb.RerankResult(index=r.index, score=r.score, document=r.document, document_tokens=r.document_tokens,
                                truncated=r.truncated) for r in outcome.results]
     return pb.RerankResponse(request_id=outcome.request_id, results=results, usage=_usage(outcome.usage))
+
+
+def embed_response(outcome: EmbedOutcome) -> pb.EmbedResponse:
+    return pb.EmbedResponse(embeddings=[pb.Embedding(values=v, truncated=t)
+                                        for v, t in zip(outcome.embeddings, outcome.truncated)],
+                            model=outcome.model, usage=_usage(outcome.usage))

@@ -86,6 +86,8 @@ class TracingHooks(Hooks):
             attrs["tandem.n"] = lc.completions
             if lc.first_token is not None:
                 attrs["tandem.ttft_s"] = lc.ttft_s
+        elif lc.kind == "embed":
+            attrs["tandem.embed.inputs"] = lc.documents
         else:
             attrs["tandem.rerank.pairs"] = lc.documents
         if lc.scheduled is not None:
@@ -113,7 +115,8 @@ class TracingHooks(Hooks):
                         "tandem.step.preempted": record.preempted,
                         "tandem.step.duration_s": record.duration_s,
                         "tandem.step.decode_context_tokens": record.decode_context_tokens,
-                        "tandem.step.cross_encoder_tokens": record.cross_encoder_tokens})
+                        "tandem.step.cross_encoder_tokens": record.cross_encoder_tokens,
+                        "tandem.step.embed_rows": record.embed_rows, "tandem.step.embed_tokens": record.embed_tokens})
         if record.cpu_kernels:
             span.set_attribute("tandem.step.cpu_kernels", record.cpu_kernels)
         if record.predicted_s is not None:  # a latency objective sized this step (--tpot-target-ms)

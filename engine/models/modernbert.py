@@ -128,36 +128,44 @@ class ModernBertForSequenceClassification(nn.Module):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """Packed tokens [T] and cu_seqlens [B + 1] -> logits [B, num_labels] (token types are not used)."""
         a = self.args
+        x = encode(self.model, a, input_ids, cu_seqlens)
         bounds = cu_seqlens.tolist()
-        x = self.model.embeddings.norm(self.model.embeddings.tok_embeddings(input_ids))
-        heads, dim = a.num_heads, a.hidden_size // a.num_heads
-        longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
-        pos = torch.arange(longest, dtype=torch.float32, device=x.device)
-        tables = {}
-        for theta in set(a.layer_thetas):
-            inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=x.device).float() / dim))
-            emb = torch.cat([torch.outer(pos, inv)] * 2, dim=-1)
-            tables[theta] = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
-        act, head_act = ACT2FN[a.hidden_activation], ACT2FN[a.classifier_activation]
-        for layer, window, theta in zip(self.model.layers, a.layer_windows, a.layer_thetas):
-            qkv = layer.attn.Wqkv(layer.attn_norm(x)).view(-1, 3, heads, dim)
-            cos, sin = tables[theta]
-            out = torch.empty(x.shape[0], heads, dim, dtype=x.dtype, device=x.device)
-            for s, e in zip(bounds[:-1], bounds[1:]):
-                n = e - s
-                q, k, v = (qkv[s:e, j].transpose(0, 1) for j in range(3))  # [heads, n, dim]
-                q, k = _rotate(q, cos[:n], sin[:n]), _rotate(k, cos[:n], sin[:n])
-                mask = None
-                if window:
-                    idx = torch.arange(n, device=x.device)
-                    mask = (idx[:, None] - idx[None, :]).abs() <= window
-                out[s:e] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1)
-            x = x + layer.attn.Wo(out.reshape(x.shape[0], -1))
-            inp, gate = layer.mlp.Wi(layer.mlp_norm(x)).chunk(2, dim=-1)
-            x = x + layer.mlp.Wo(act(inp) * gate)
-        x = self.model.final_norm(x)
+        head_act = ACT2FN[a.classifier_activation]
         if a.classifier_pooling == "cls":
             pooled = x[cu_seqlens[:-1].long()]
         else:
             pooled = torch.stack([x[s:e].mean(0) for s, e in zip(bounds[:-1], bounds[1:])])
         return self.classifier(self.head.norm(head_act(self.head.dense(pooled))))
+
+
+def encode(body: Body, a: ModernBertArgs, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The final-normed hidden state of every token [T, hidden] of a packed batch (a classifier pools it, an
+    embedder too: engine/embed/)."""
+    bounds = cu_seqlens.tolist()
+    x = body.embeddings.norm(body.embeddings.tok_embeddings(input_ids))
+    heads, dim = a.num_heads, a.hidden_size // a.num_heads
+    longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+    pos = torch.arange(longest, dtype=torch.float32, device=x.device)
+    tables = {}
+    for theta in set(a.layer_thetas):
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=x.device).float() / dim))
+        emb = torch.cat([torch.outer(pos, inv)] * 2, dim=-1)
+        tables[theta] = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+    act = ACT2FN[a.hidden_activation]
+    for layer, window, theta in zip(body.layers, a.layer_windows, a.layer_thetas):
+        qkv = layer.attn.Wqkv(layer.attn_norm(x)).view(-1, 3, heads, dim)
+        cos, sin = tables[theta]
+        out = torch.empty(x.shape[0], heads, dim, dtype=x.dtype, device=x.device)
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            n = e - s
+            q, k, v = (qkv[s:e, j].transpose(0, 1) for j in range(3))  # [heads, n, dim]
+            q, k = _rotate(q, cos[:n], sin[:n]), _rotate(k, cos[:n], sin[:n])
+            mask = None
+            if window:
+                idx = torch.arange(n, device=x.device)
+                mask = (idx[:, None] - idx[None, :]).abs() <= window
+            out[s:e] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1)
+        x = x + layer.attn.Wo(out.reshape(x.shape[0], -1))
+        inp, gate = layer.mlp.Wi(layer.mlp_norm(x)).chunk(2, dim=-1)
+        x = x + layer.mlp.Wo(act(inp) * gate)
+    return body.final_norm(x)

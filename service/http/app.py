@@ -8,6 +8,9 @@ API the gRPC door calls too); its outputs come back in each API's shape. No prot
 | GET  /v1/models[/{model}]    | OpenAI  | ModelInfo           |
 | POST /v1/rerank, /v2/rerank  | Cohere  | Rerank              |
 | POST /rerank                 | TEI     | Rerank              |
+| POST /v1/embeddings          | OpenAI  | Embed               |
+| POST /embed                  | TEI     | Embed               |
+| POST /v2/embed               | Cohere  | Embed               |
 | POST /tokenize, /detokenize  | vLLM    | ModelInfo           |
 | GET  /info                   | TEI     | ModelInfo           |
 | GET  /version, /openapi.json, /docs | plain | open         |
@@ -33,8 +36,9 @@ from starlette.routing import Route
 
 from service.auth import TokenTable
 from service.core import CoreAPI, GenerateEvent, GenerateInput, GenerationStream, RerankInput, RerankOutcome
+from service.core import EmbedInput, EmbedOutcome
 from service.errors import ServiceError
-from service.http import openai_schema, openapi, rerank_schema, tokens_schema
+from service.http import embed_schema, openai_schema, openapi, rerank_schema, tokens_schema
 from service.http.errors import HttpError, Shape
 from service.http.openai_output import Completion
 
@@ -128,6 +132,7 @@ def build_app(door: Door) -> Starlette:
               Route("/healthz", functools.partial(_ready, door), methods=["GET"]),
               Route("/ready", functools.partial(_ready, door), methods=["GET"]),
               Route("/metrics", functools.partial(_metrics, door), methods=["GET"])]
+    routes += [route(path, handler, shape, ["POST"]) for path, handler, shape in EMBED_ROUTES]
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         what = "no such route" if exc.status_code == 404 else exc.detail
@@ -322,13 +327,15 @@ async def _version(request: Request) -> Response:
 # ---- models, health, metrics ---------------------------------------------------------------------
 
 def _model_card(door: Door, name: str) -> dict:
+    info = door.core.info
     return {"id": name, "object": "model", "created": door.started, "owned_by": "tandem",
-            "max_model_len": door.core.info.max_model_len}
+            "max_model_len": info.embedder_max_tokens if name == info.embedder else info.max_model_len}
 
 
 async def _models(door: Door, request: Request) -> Response:
     door.authorize(request, "ModelInfo")
-    return JSONResponse({"object": "list", "data": [_model_card(door, n) for n in door.core.info.served_names]})
+    names = [*door.core.info.served_names, *([door.core.info.embedder] if door.core.info.embedder else [])]
+    return JSONResponse({"object": "list", "data": [_model_card(door, n) for n in names]})
 
 
 async def _model(door: Door, request: Request) -> Response:
@@ -336,7 +343,8 @@ async def _model(door: Door, request: Request) -> Response:
     name = request.path_params["model"]
     if not name:
         raise HttpError(404, "no model name given", code="model_not_found")
-    door.core.check_model(name)
+    if name != door.core.info.embedder:
+        door.core.check_model(name)
     return JSONResponse(_model_card(door, name))
 
 
@@ -394,3 +402,37 @@ class _BodyLimit:
             return message
 
         await self.app(scope, counted, send_named)
+
+
+# ---- embeddings ----------------------------------------------------------------------------------
+
+async def _embed(door: Door, request: Request, inp: EmbedInput) -> EmbedOutcome:
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        return await _until_gone(door.core.embed(dataclasses.replace(inp, timeout_ms=_timeout_ms(request)),
+                                                 door.meta(request)), watcher)
+    finally:
+        watcher.cancel()
+
+
+async def _openai_embeddings(door: Door, request: Request) -> Response:
+    door.authorize(request, "Embed")
+    body = openai_schema.parse(embed_schema.OpenAIEmbed, await request.body())
+    outcome = await _embed(door, request, body.to_input())
+    return JSONResponse(embed_schema.openai_response(outcome, body.encoding_format, body.model or outcome.model))
+
+
+async def _tei_embed(door: Door, request: Request) -> Response:
+    door.authorize(request, "Embed")
+    body = openai_schema.parse(embed_schema.TeiEmbed, await request.body())
+    return JSONResponse((await _embed(door, request, body.to_input())).embeddings)
+
+
+async def _cohere_embed(door: Door, request: Request) -> Response:
+    door.authorize(request, "Embed")
+    body = openai_schema.parse(embed_schema.CohereEmbed, await request.body())
+    return JSONResponse(embed_schema.cohere_response(await _embed(door, request, body.to_input()), body))
+
+
+EMBED_ROUTES = (("/v1/embeddings", _openai_embeddings, Shape.OPENAI), ("/embed", _tei_embed, Shape.TEI),
+                ("/v2/embed", _cohere_embed, Shape.COHERE))

@@ -28,7 +28,7 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 S = grpc.StatusCode
 _STATUS = {S.INVALID_ARGUMENT: 400, S.UNAUTHENTICATED: 401, S.PERMISSION_DENIED: 403, S.NOT_FOUND: 404,
            S.ALREADY_EXISTS: 409, S.RESOURCE_EXHAUSTED: 429, S.DEADLINE_EXCEEDED: 504, S.UNAVAILABLE: 503,
-           S.CANCELLED: 499}
+           S.CANCELLED: 499, S.FAILED_PRECONDITION: 400}
 _OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error",

@@ -14,7 +14,7 @@ import html
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from service.http import openai_schema, rerank_schema, tokens_schema
+from service.http import embed_schema, openai_schema, rerank_schema, tokens_schema
 
 _REF = "#/components/schemas/{model}"
 _OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -33,6 +33,9 @@ _POSTS: list[tuple[str, type[BaseModel], str, str]] = [
     ("/v1/rerank", rerank_schema.CohereRerank, "cohere", "Cohere v1 / Jina rerank"),
     ("/v2/rerank", rerank_schema.CohereRerank, "cohere", "Cohere v2 rerank"),
     ("/rerank", rerank_schema.TeiRerank, "tei", "TEI rerank"),
+    ("/v1/embeddings", embed_schema.OpenAIEmbed, "openai", "OpenAI embeddings"),
+    ("/embed", embed_schema.TeiEmbed, "tei", "TEI embed"),
+    ("/v2/embed", embed_schema.CohereEmbed, "cohere", "Cohere v2 embed"),
     ("/tokenize", tokens_schema.TokenizeRequest, "openai", "vLLM: a prompt's or chat's token ids"),
     ("/detokenize", tokens_schema.DetokenizeRequest, "openai", "vLLM: token ids to text"),
 ]

@@ -20,10 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.admission import AdmissionPolicy, AdmissionStep, policy_for
-from engine.config import EngineConfig, RerankParams, SamplingParams
+from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.request import RerankPair, Sequence, SequenceStatus, SeqKind
 from engine.scheduler import Batch, Scheduler
+from engine.step_time import TokenKind
 
 
 def fake_token(rid: str, index: int) -> int:
@@ -74,6 +75,15 @@ class Sim:
         self.sched.add(seq)
         return seq
 
+    def add_embed(self, rid: str, prompt: list[int], priority: int = 0) -> Sequence:
+        """An embedding row: KV-free, run whole, done in the step that computes it."""
+        seq = Sequence(request_id=rid, token_ids=list(prompt), num_prompt_tokens=len(prompt),
+                       params=EmbedParams(priority=priority), arrival=next(self._arrivals), arrival_time=0.0,
+                       kind=SeqKind.EMBED, priority=priority, uses_kv=False)
+        self.seqs[rid] = seq
+        self.sched.add(seq)
+        return seq
+
     def add_rerank_job(self, rid: str, prefix: list[int], docs: list[list[int]], priority: int = 0,
                        uses_kv: bool = True) -> list[Sequence]:
         first = None
@@ -109,8 +119,8 @@ class Sim:
                 self.shadow[(block, pos % self.bs)] = seq.token_ids[pos]
             if seq.num_computed_tokens + n < seq.num_tokens:
                 continue  # a prefill chunk: nothing sampled or scored yet
-            if seq.kind is SeqKind.RERANK:
-                finished[seq] = SequenceStatus.FINISHED_STOPPED  # scored
+            if seq.kind is not SeqKind.GENERATE:
+                finished[seq] = SequenceStatus.FINISHED_STOPPED  # scored, or embedded
             else:  # the engine's part: append the sampled token and decide there whether the sequence stops
                 seq.token_ids.append(fake_token(seq.request_id, seq.num_output_tokens))
                 if seq.num_output_tokens >= seq.params.max_tokens:
@@ -142,7 +152,8 @@ class Sim:
         assert len(batch) <= cfg.max_num_seqs
         assert len(sched.running) <= cfg.max_num_seqs
         assert len(set(map(id, batch.seqs))) == len(batch.seqs), "a sequence scheduled twice"
-        assert batch.num_decode_tokens + batch.num_prefill_tokens + batch.num_rerank_tokens == batch.num_tokens
+        assert (batch.num_decode_tokens + batch.num_prefill_tokens + batch.num_rerank_tokens
+                + batch.num_embed_tokens == batch.num_tokens)
         running = set(map(id, sched.running))
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             assert 1 <= n <= seq.num_uncomputed_tokens
@@ -151,6 +162,8 @@ class Sim:
                 assert len(seq.block_table) * self.bs >= seq.num_computed_tokens + n
             else:
                 assert seq.block_table == [], "a cross-encoder pair took KV blocks"
+            if seq.kind is SeqKind.EMBED:
+                assert n == seq.num_uncomputed_tokens, "an embedding row was split"
             if seq.kind is SeqKind.RERANK:
                 if not seq.uses_kv:
                     assert n == seq.num_uncomputed_tokens, "a cross-encoder pair was split"
@@ -699,3 +712,39 @@ def test_an_admission_that_is_not_a_policy_is_rejected():
     kv = KVCacheManager(BlockPool(16), 4, True)
     with pytest.raises(ValueError, match="admission must be an AdmissionPolicy"):
         Scheduler(EngineConfig(num_kv_blocks=16, block_size=4), kv, lambda step: None)
+
+
+def test_embedding_rows_run_whole_beside_generation_and_pairs_and_take_no_blocks():
+    sim = Sim(num_blocks=64, budget=16, block_size=4)
+    sim.add("gen", toks(3), max_tokens=10)
+    pairs = sim.add_rerank_job("job", toks(4, 500), [toks(5, 100 * i) for i in range(3)], uses_kv=False)
+    rows = [sim.add_embed(f"emb/{i}", toks(6, 700 + 10 * i)) for i in range(4)]
+    sim.run()  # checks every row and pair is scheduled whole, in one step
+    assert all(s.status is SequenceStatus.FINISHED_STOPPED and not s.block_table for s in pairs + rows)
+    with_rows = [b for b in sim.batches if b.num_embed_rows]
+    assert sum(b.num_embed_rows for b in with_rows) == 4 and sum(b.num_embed_tokens for b in with_rows) == 24
+    assert all(b.num_rerank_pairs == sum(s.kind is SeqKind.RERANK for s in b.seqs) for b in sim.batches)
+    assert any(b.num_embed_rows and b.num_decode_tokens for b in sim.batches)  # shared steps with the decodes
+    assert sim.finished_order.index("gen") > sim.finished_order.index("emb/0")
+
+
+class _OneKindFirst(AdmissionPolicy):
+    """Admits the scoring queue's cross-encoder pairs only, then asks again for embedding rows: the scheduler must
+    stop at the head that changes kind."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[TokenKind, int]] = []
+
+    def admit(self, step: AdmissionStep) -> None:
+        for kind in (TokenKind.CROSS_ENCODER, TokenKind.EMBED):
+            self.calls.append((kind, step.admit_rerank(100, None, kind)))
+
+
+def test_an_admission_sized_for_one_kind_stops_where_the_queue_changes_kind():
+    policy = _OneKindFirst()
+    sim = Sim(num_blocks=64, budget=64, block_size=4, admission=policy)
+    sim.add_rerank_job("job", toks(2, 500), [toks(3, 100 * i) for i in range(2)], uses_kv=False)
+    sim.add_embed("emb", toks(4, 700))
+    batch = sim.step()
+    assert [s.request_id for s in batch.seqs] == ["job/0", "job/1", "emb"]
+    assert policy.calls == [(TokenKind.CROSS_ENCODER, 10), (TokenKind.EMBED, 4)]

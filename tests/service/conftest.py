@@ -13,6 +13,7 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 
 from engine import LLM, EngineConfig, SamplingParams  # noqa: E402
+from engine.config import EMBEDDED_EMBEDDER  # noqa: E402
 from service.server import ServerConfig  # noqa: E402
 from tests.service.harness import ServerThread  # noqa: E402
 
@@ -53,7 +54,8 @@ class Offline:
 
 
 def _offline() -> Offline:
-    llm = LLM(EngineConfig(num_kv_blocks=NUM_KV_BLOCKS, max_rerank_documents=MAX_DOCUMENTS))
+    llm = LLM(EngineConfig(num_kv_blocks=NUM_KV_BLOCKS, max_rerank_documents=MAX_DOCUMENTS,
+                           embedder=EMBEDDED_EMBEDDER))
     return Offline(llm=llm, greedy=llm.generate(PROMPTS, GREEDY_8), long=llm.generate(PROMPTS[1], LONG_12)[0],
                    chat=llm.chat(CHAT, GREEDY_8)[0], scores=llm.rerank(QUERY, DOCUMENTS))
 

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from engine import EngineConfig
+from engine.config import EMBEDDED_EMBEDDER
 from service.cli import build_engine_config, build_parser, build_server_config, main
 from service.server import ServerConfig
 
@@ -111,7 +112,9 @@ def _engine_config(*argv: str) -> EngineConfig:
 
 
 def test_engine_flags_reach_the_engine_config_and_unset_ones_keep_its_defaults(monkeypatch):
-    assert _engine_config() == EngineConfig()
+    assert _engine_config("--embedder", "none") == EngineConfig()
+    assert _engine_config().embedder == EMBEDDED_EMBEDDER  # tandem serve embeds unless told --embedder none
+    assert _engine_config("--embedder", "/models/e5").embedder == "/models/e5"
     config = _engine_config("--max-num-seqs", "7", "--kv-cache-bytes", "64MiB", "--enforce-eager", "--max-documents",
                             "12")
     assert (config.max_num_seqs, config.kv_cache_bytes, config.enforce_eager) == (7, 64 * 2**20, True)

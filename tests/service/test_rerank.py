@@ -1,13 +1,17 @@
 """Rerank over real sockets: equal to the offline LLM.rerank, sorted, top_n/return_documents, streaming."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
 from clients import AsyncClient
+from engine.config import RerankParams
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
-from tests.service.conftest import DOCUMENTS, QUERY
+from service.core import RerankInput
+from tests.service.conftest import DOCUMENTS, MAX_DOCUMENTS, QUERY
 from tests.service.harness import assert_all_blocks_free
 
 
@@ -89,3 +93,20 @@ def test_the_cli_marks_truncated_documents(monkeypatch):
     assert cli._rerank(args, out) == 0
     lines = out.getvalue().splitlines()
     assert lines[0].endswith("short") and lines[1].endswith("long ...  [truncated to 300 tokens]")
+
+
+async def test_a_rerank_cancelled_mid_flight_is_aborted_and_frees_everything(served):
+    """Cancelled one loop turn after its submission: its 8 long pairs take many steps at a 512-token budget, and the
+    abort reaches the engine right behind the job (the intake thread keeps their order)."""
+    documents = [" ".join(DOCUMENTS * 10) + f" ({i})" for i in range(MAX_DOCUMENTS)]
+
+    async def cancel_after_submit() -> None:
+        task = asyncio.create_task(served.core.rerank(RerankInput("cancel-rerank", QUERY, documents, RerankParams()),
+                                                      {}))
+        await asyncio.sleep(0)  # the task runs up to its await: the job is submitted
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await served.acall(cancel_after_submit())
+    assert_all_blocks_free(await served.idle_stats())
+    assert [lc.finish_reason for lc in served.recorder.finished["cancel-rerank"]] == ["abort"]

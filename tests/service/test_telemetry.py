@@ -217,3 +217,17 @@ def test_a_step_sized_by_the_latency_objective_shows_predicted_vs_actual_in_its_
     assert count == 1  # only the predicted step
     assert metrics.registry.get_sample_value("tandem_step_time_prediction_error_ratio_bucket", {"le": "0.25"}) == 1
     assert metrics.registry.get_sample_value("tandem_step_time_prediction_error_ratio_bucket", {"le": "0.15"}) == 0
+
+
+def test_a_step_span_and_the_step_tokens_metric_count_embedding_rows_and_tokens():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing, metrics = TracingHooks(tracer_provider_from_env(exporter)), Metrics()
+    tracing.on_step(_record(embed_rows=3, embed_tokens=90))
+    metrics.on_step(_record(embed_rows=3, embed_tokens=90))
+    tracing.shutdown()
+    (span,) = exporter.get_finished_spans()
+    assert (span.attributes["tandem.step.embed_rows"], span.attributes["tandem.step.embed_tokens"]) == (3, 90)
+    assert span.attributes["tandem.step.budget_used"] == 4 + 60 + 90
+    assert metrics.registry.get_sample_value("tandem_step_tokens_sum", {"part": "embed"}) == 90

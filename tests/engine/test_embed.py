@@ -1,0 +1,200 @@
+"""Embeddings through the engine: vectors equal sentence-transformers' on the embedded all-MiniLM-L6-v2 (and a
+transformers reference on a tiny random ModernBERT and a tiny last-token Qwen3 decoder), truncation and token-id
+input, the three kinds of work in one scheduler (step records count embedding rows and tokens), aborts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench.models import copy_minilm_tokenizer
+from engine import LLM, EmbedParams, EngineConfig, SamplingParams
+from engine.config import EMBEDDED_EMBEDDER
+from engine.embed import Embedder, Pooling, embedded_embedder_dir
+from engine.request import SeqKind
+from engine.settings import Settings
+
+TEXTS = ["A lighthouse keeper trims the wick and winds the clockwork that turns the lens every night of the year.",
+         "Fog horns sound when the light cannot be seen.", "Bananas.",
+         "Ships read the light's pattern of flashes on their charts to know which lighthouse they are passing by."]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, max_num_batched_tokens=256))
+
+
+def _cos(a, b) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(torch.tensor(a), torch.as_tensor(b).float(), dim=-1)
+
+
+def test_the_embedded_model_matches_sentence_transformers(llm: LLM) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    ref = SentenceTransformer(str(embedded_embedder_dir()), device="cpu")
+    long_text = " ".join(TEXTS * 8)  # over max_seq_length (256): sentence-transformers cuts it at the right
+    ours = llm.embed(TEXTS + [long_text])
+    theirs = ref.encode(TEXTS + [long_text], convert_to_tensor=True)
+    assert _cos(ours, theirs).min().item() >= 0.9999
+    assert torch.tensor(ours).norm(dim=-1).sub(1).abs().max().item() < 1e-5
+    assert _cos(ours[0], ours[2]).item() < 0.9  # different texts, different vectors
+
+
+def test_token_ids_are_the_texts_tokens_in_the_embedders_vocabulary(llm: LLM) -> None:
+    tok = llm.engine.embedder.tokenizer
+    ids = [list(tok(t, add_special_tokens=False).input_ids) for t in TEXTS[:2]]
+    assert _cos(llm.embed(ids), llm.embed(TEXTS[:2])).min().item() > 0.999999
+
+
+def test_truncation_off_refuses_a_long_input_and_left_truncation_keeps_the_end(llm: LLM) -> None:
+    long_text = " ".join(TEXTS * 8)
+    with pytest.raises(ValueError, match="takes at most 256"):
+        llm.embed([long_text], EmbedParams(truncate=False))
+    left = llm.embed([long_text], EmbedParams(truncation_direction="left"))
+    right = llm.embed([long_text])
+    assert _cos(left, right).item() < 0.9999
+
+
+def test_dimensions_are_refused_for_a_model_not_trained_for_them(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="not trained for shortened vectors"):
+        llm.embed(["x"], EmbedParams(dimensions=128))
+    assert len(llm.embed(["x"], EmbedParams(dimensions=384))[0]) == 384
+
+
+def test_bad_inputs_name_the_field(llm: LLM) -> None:
+    for bad in ([], [""], ["a", [1, 2]], [[]], [[10 ** 9]]):
+        with pytest.raises(ValueError, match="input"):
+            llm.engine.prepare_embed("x", bad)
+
+
+def test_without_an_embedder_embed_says_how_to_load_one() -> None:
+    with pytest.raises(ValueError, match="no embedder"):
+        LLM().embed(["x"])
+
+
+def test_three_kinds_of_work_share_steps_and_records_count_embedding_rows(llm: LLM) -> None:
+    engine = llm.engine
+    records = []
+    engine.add_observer(records.append)
+    try:
+        engine.add_request("g", "Hello there", SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
+        engine.add_rerank("r", "lighthouse", TEXTS[:2])
+        engine.add_embed("e", TEXTS)
+        finished = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+    finally:
+        engine.remove_observer(records.append)
+    assert finished["e"].kind is SeqKind.EMBED and len(finished["e"].embeddings) == len(TEXTS)
+    assert finished["e"].prompt_tokens == sum(r.embed_tokens for r in records) > 0
+    assert sum(r.embed_rows for r in records) == len(TEXTS)
+    assert finished["r"].scores is not None and len(finished["g"].text) >= 0
+    assert any(r.embed_rows and (r.prefill_tokens or r.rerank_tokens or r.decode_tokens) for r in records)
+    assert all(r.budget_used <= r.budget for r in records)
+    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
+
+
+def test_an_aborted_embedding_frees_everything_and_ends_with_abort(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_embed("a", TEXTS * 40)  # more rows than one step takes
+    engine.step()
+    assert engine.abort("a")
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason, o.embeddings) for o in outs] == [("a", "abort", None)]
+    assert not engine.has_unfinished() and engine.scheduler.num_waiting == 0 and not engine.scheduler.running
+
+
+def _modernbert_dir(tmp_path):
+    from transformers import ModernBertConfig, ModernBertModel
+
+    torch.manual_seed(3)
+    config = ModernBertConfig(vocab_size=30522, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                              num_attention_heads=4, local_attention=8, global_attn_every_n_layers=3,
+                              max_position_embeddings=512, pad_token_id=0, cls_token_id=101, sep_token_id=102,
+                              bos_token_id=101, eos_token_id=102)
+    model = ModernBertModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.2) if "norm" in name else p.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path)
+    copy_minilm_tokenizer(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_a_tiny_modernbert_embedder_matches_transformers(tmp_path, pooling: str) -> None:
+    hf = _modernbert_dir(tmp_path)
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 32, "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean"}))
+    emb = Embedder.load(str(tmp_path))
+    assert emb.pooling is Pooling(pooling) and not emb.sentence.normalize
+    rows = [r.token_ids for r in emb.rows(TEXTS, None, EmbedParams())]
+    assert max(len(r) for r in rows) > 2 * 8  # longer than the local window
+    ours = emb.embed(rows)
+    with torch.inference_mode():
+        states = [hf(input_ids=torch.tensor([r])).last_hidden_state[0] for r in rows]
+    ref = torch.stack([s[0] if pooling == "cls" else s.mean(0) for s in states])
+    assert (ours - ref).abs().max().item() <= 1e-4
+    assert ref.std(0).mean().item() > 1e-3
+
+
+def test_a_tiny_last_token_decoder_embedder_matches_transformers(tmp_path) -> None:
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
+
+    from engine.models.loader import default_model_dir
+
+    torch.manual_seed(11)
+    config = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    config.architectures = ["Qwen3Model"]
+    hf = Qwen3Model(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(default_model_dir(Settings.from_env().cache_dir)).save_pretrained(tmp_path)
+    emb = Embedder.load(str(tmp_path))
+    assert emb.pooling is Pooling.LAST_TOKEN and emb.matryoshka and emb.dim == 64
+    rows = [r.token_ids for r in emb.rows(TEXTS, None, EmbedParams())]
+    ours = emb.embed(rows)
+    with torch.inference_mode():
+        ref = torch.stack([hf(input_ids=torch.tensor([r])).last_hidden_state[0, -1] for r in rows])
+    assert (ours - ref).abs().max().item() <= 1e-4
+    short = Embedder.finish(ours[0], EmbedParams(dimensions=16))  # Matryoshka: cut, then renormalised
+    assert len(short) == 16 and abs(torch.tensor(short).norm().item() - 1) < 1e-5
+    assert _cos(short, torch.nn.functional.normalize(ref[0, :16], dim=-1)).item() > 0.99999
+
+
+def test_a_tiny_roberta_embedder_matches_transformers(tmp_path) -> None:
+    """RoBERTa (and XLM-R, the same layout) counts positions from pad_token_id + 1; saved as a bare RobertaModel."""
+    from transformers import RobertaConfig, RobertaModel
+
+    torch.manual_seed(4)
+    config = RobertaConfig(vocab_size=30522, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=130, pad_token_id=1, type_vocab_size=1)
+    hf = RobertaModel(config, add_pooling_layer=False).eval()
+    hf.save_pretrained(tmp_path)
+    copy_minilm_tokenizer(tmp_path)
+    emb = Embedder.load(str(tmp_path))
+    assert emb.pooling is Pooling.MEAN and emb.max_length == 128  # no modules.json: mean; positions from 2
+    rows = [r.token_ids for r in emb.rows(TEXTS, None, EmbedParams())]
+    with torch.inference_mode():
+        ref = torch.stack([hf(input_ids=torch.tensor([r])).last_hidden_state[0].mean(0) for r in rows])
+    assert (emb.embed(rows) - ref).abs().max().item() <= 1e-4
+
+
+def test_a_bidirectional_decoder_embedder_is_refused_by_name(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "use_bidirectional_attention": True,
+                                                      "architectures": ["Gemma3TextModel"]}))
+    with pytest.raises(ValueError, match="bidirectional attention"):
+        Embedder.load(str(tmp_path))

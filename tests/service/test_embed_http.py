@@ -1,0 +1,168 @@
+"""Embeddings over the HTTP door against a real server: the `openai` SDK (base64 by default) and plain float, TEI's
+/embed, the `cohere` SDK's embed (float and int8); the same vectors as the offline engine; every bad input in each
+API's own error shape; /v1/models lists the embedder; a request cancelled or timed out mid-flight frees everything."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import cohere
+import grpc
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from engine.config import EMBEDDED_EMBEDDER, EmbedParams
+from proto import tandem_pb2 as pb
+from proto import tandem_pb2_grpc as pb_grpc
+from service.core import EmbedInput
+from tests.service.conftest import DOCUMENTS, MAX_DOCUMENTS
+from tests.service.harness import assert_all_blocks_free
+
+LONG = " ".join(DOCUMENTS * 12)  # over all-MiniLM-L6-v2's 256 tokens
+
+
+@pytest.fixture(scope="module")
+def reference(offline) -> np.ndarray:
+    return np.asarray(offline.llm.embed(DOCUMENTS + [LONG]), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def oa(http_url):
+    with openai.OpenAI(base_url=f"{http_url}/v1", api_key="unused") as c:
+        yield c
+
+
+def test_openai_sdk_base64_and_float_equal_the_offline_vectors(oa, reference):
+    default = oa.embeddings.create(model=EMBEDDED_EMBEDDER, input=DOCUMENTS + [LONG])  # the SDK asks for base64
+    floats = oa.embeddings.create(model="", input=DOCUMENTS, encoding_format="float")
+    got = np.asarray([d.embedding for d in default.data], dtype=np.float32)
+    assert np.abs(got - reference).max() < 1e-5
+    assert np.abs(np.asarray([d.embedding for d in floats.data]) - reference[:len(DOCUMENTS)]).max() < 1e-5
+    assert [d.index for d in default.data] == list(range(len(DOCUMENTS) + 1))
+    assert default.model == EMBEDDED_EMBEDDER and default.usage.prompt_tokens == default.usage.total_tokens > 256
+
+
+def test_openai_token_id_inputs_are_the_embedders_tokens(oa, offline, reference):
+    tok = offline.llm.engine.embedder.tokenizer
+    ids = [list(tok(d, add_special_tokens=False).input_ids) for d in DOCUMENTS[:2]]
+    many = oa.embeddings.create(model="", input=ids, encoding_format="float")
+    one = oa.embeddings.create(model="", input=ids[0], encoding_format="float")
+    assert np.abs(np.asarray([d.embedding for d in many.data]) - reference[:2]).max() < 1e-5
+    assert np.abs(np.asarray(one.data[0].embedding) - reference[0]).max() < 1e-5
+
+
+def test_models_lists_the_embedder_as_its_own_model(oa, served):
+    ids = [m.id for m in oa.models.list().data]
+    assert EMBEDDED_EMBEDDER in ids and served.core.info.model in ids
+    card = oa.models.retrieve(EMBEDDED_EMBEDDER)
+    assert card.id == EMBEDDED_EMBEDDER and card.max_model_len == 256  # the embedder's own input limit
+    assert served.core.info.embedding_dimensions == 384
+
+
+def test_tei_embed_and_cohere_embed(http_url, reference):
+    with httpx.Client(base_url=http_url) as h:
+        tei = h.post("/embed", json={"inputs": DOCUMENTS}).json()
+        single = h.post("/embed", json={"inputs": DOCUMENTS[0]}).json()
+        raw = h.post("/embed", json={"inputs": DOCUMENTS[:1], "normalize": False}).json()
+        left = h.post("/embed", json={"inputs": [LONG], "truncate": True, "truncation_direction": "Left"}).json()
+    assert np.abs(np.asarray(tei) - reference[:len(DOCUMENTS)]).max() < 1e-5
+    assert np.abs(np.asarray(single[0]) - reference[0]).max() < 1e-5
+    assert abs(np.linalg.norm(raw[0]) - 1) > 1e-3  # mean pooling is not unit length before normalisation
+    assert np.abs(np.asarray(raw[0]) / np.linalg.norm(raw[0]) - reference[0]).max() < 1e-5
+    assert np.abs(np.asarray(left[0]) - reference[-1]).max() > 1e-3  # the other end of the text
+    with cohere.ClientV2(base_url=http_url, api_key="unused") as co:
+        r = co.embed(texts=DOCUMENTS, model=EMBEDDED_EMBEDDER, input_type="search_document",
+                     embedding_types=["float", "int8"])
+    assert np.abs(np.asarray(r.embeddings.float_) - reference[:len(DOCUMENTS)]).max() < 1e-5
+    assert np.array_equal(np.asarray(r.embeddings.int8), np.rint(reference[:len(DOCUMENTS)] * 127))
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"input": []}, "input must not be empty"),
+    ({"input": ""}, "empty strings"),
+    ({"input": ["a"] * (MAX_DOCUMENTS + 1)}, "--max-documents"),
+    ({"input": "a", "dimensions": 8}, "not trained for shortened vectors"),
+    ({"input": [[10 ** 9]]}, "token ids in"),
+    ({"input": LONG, "truncate": False}, "takes at most 256"),
+    ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+])
+def test_openai_bad_inputs_get_openai_errors(http_url, body, message):
+    with httpx.Client(base_url=http_url) as h:
+        r = h.post("/v1/embeddings", json=body)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"] and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_tei_and_cohere_bad_inputs_get_their_own_error_shapes(http_url):
+    with httpx.Client(base_url=http_url) as h:
+        too_long = h.post("/embed", json={"inputs": [LONG]})  # TEI's default: no truncation
+        prompt = h.post("/embed", json={"inputs": ["a"], "prompt_name": "query"})
+        empty = h.post("/embed", json={"inputs": []})
+        cohere_type = h.post("/v2/embed", json={"texts": ["a"], "embedding_types": ["binary"]})
+        cohere_many = h.post("/v2/embed", json={"texts": ["a"] * (MAX_DOCUMENTS + 1)})
+        cohere_none = h.post("/v2/embed", json={"texts": [LONG], "truncate": "NONE"})
+    for r, message in ((too_long, "takes at most 256"), (prompt, "prompt_name"), (empty, "must not be empty")):
+        assert r.status_code == 400 and message in r.json()["error"], r.text
+        assert r.json()["error_type"] == "Validation"
+    for r, message in ((cohere_type, "binary"), (cohere_many, "--max-documents"), (cohere_none, "at most 256")):
+        assert r.status_code == 400 and message in r.json()["message"], r.text
+
+
+def test_an_unknown_model_is_embedded_by_the_one_embedder_unless_names_are_strict(http_url, served):
+    with httpx.Client(base_url=http_url) as h:
+        r = h.post("/v1/embeddings", json={"input": "a", "model": "text-embedding-3-small"})
+    assert r.status_code == 200 and r.json()["model"] == "text-embedding-3-small"
+
+
+async def test_an_embed_timed_out_mid_flight_frees_everything(served, http_url):
+    async with httpx.AsyncClient(base_url=http_url, timeout=None) as client:
+        r = await client.post("/v1/embeddings", json={"input": [LONG] * MAX_DOCUMENTS},
+                              headers={"x-tandem-timeout-ms": "1"})
+    assert r.status_code == 504 and "timeout_ms" in r.json()["error"]["message"], r.text
+    assert_all_blocks_free(await served.idle_stats())
+
+
+async def test_an_embed_cancelled_mid_flight_is_aborted_and_frees_everything(served):
+    """Cancelled one loop turn after its submission: its rows (8 x 256 tokens) need several steps at a 512-token
+    budget, and the abort reaches the engine right behind the job (the intake thread keeps their order), so the job
+    is always still running when the abort lands."""
+    async def cancel_after_submit() -> None:
+        task = asyncio.create_task(served.core.embed(EmbedInput("cancel-me", [LONG] * MAX_DOCUMENTS, EmbedParams()),
+                                                     {}))
+        await asyncio.sleep(0)  # the task runs up to its await: the job is submitted
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await served.acall(cancel_after_submit())
+    assert_all_blocks_free(await served.idle_stats())
+    assert [lc.finish_reason for lc in served.recorder.finished["cancel-me"]] == ["abort"]
+
+
+def test_the_openapi_description_has_the_embedding_routes(http_url):
+    with httpx.Client(base_url=http_url) as h:
+        paths = h.get("/openapi.json").json()["paths"]
+    assert {"/v1/embeddings", "/embed", "/v2/embed"} <= set(paths)
+
+
+def test_a_server_without_an_embedder_says_so_through_each_door(served, http_url, monkeypatch):
+    monkeypatch.setattr(served.core, "info", dataclasses.replace(served.core.info, embedder=""))
+    with httpx.Client(base_url=http_url) as h:
+        openai_ = h.post("/v1/embeddings", json={"input": "a"})
+        tei = h.post("/embed", json={"inputs": "a"})
+    assert openai_.status_code == 400 and "--embedder" in openai_.json()["error"]["message"]
+    assert tei.status_code == 400 and "--embedder" in tei.json()["error"]
+    with grpc.insecure_channel(served.address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.TandemStub(channel).Embed(pb.EmbedRequest(texts=["a"]))
+    assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_strict_model_names_refuse_another_model_for_embeddings(served, http_url, monkeypatch):
+    monkeypatch.setattr(served.core, "_strict", True)
+    with httpx.Client(base_url=http_url) as h:
+        other = h.post("/v1/embeddings", json={"input": "a", "model": "text-embedding-3-small"})
+        own = h.post("/v1/embeddings", json={"input": "a", "model": EMBEDDED_EMBEDDER})
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    assert own.status_code == 200
