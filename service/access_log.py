@@ -6,9 +6,10 @@
         peer=127.0.0.1:33738
 
 The route is the HTTP path the door names in the request's metadata ("route"), or for gRPC the method its kind and
-stream say. The status is what the door answered: gRPC's code name, HTTP's status for it. Only requests the engine
-admitted have a lifecycle: one refused before admission (bad JSON, unknown model, a full queue, draining) is
-answered by its door and logged here not at all. `tandem serve --no-access-log` leaves this observer out.
+stream say. The status is what the door answered: gRPC's code name, HTTP's status for it. A request refused before
+the engine admitted it (an unknown model, too many documents, a full queue, draining; on HTTP also a body that does
+not parse, a wrong Content-Type, a missing token) gets its line too, `finish=rejected`, from `on_refused`.
+`tandem serve --no-access-log` leaves this observer out.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from service.lifecycle import Hooks, RequestLifecycle
 
 log = logging.getLogger("tandem.access")
 
-_GRPC_METHODS = {"generate": "Generate", "rerank": "Rerank"}
+_GRPC_METHODS = {"generate": "Generate", "rerank": "Rerank", "embed": "Embed"}
 
 
 def route(lc: RequestLifecycle) -> str:
@@ -35,7 +36,10 @@ def route(lc: RequestLifecycle) -> str:
 
 
 def status(lc: RequestLifecycle) -> str:
-    """gRPC: "OK" or the code name; HTTP: 200 or the status the door maps the code to (service/http/errors.py)."""
+    """gRPC: "OK" or the code name; HTTP: 200 or the status the door maps the code to (service/http/errors.py), or
+    the one the door answered on its own (metadata "status")."""
+    if "status" in lc.metadata:
+        return lc.metadata["status"]
     if lc.metadata.get("door") != "http":
         return lc.error or "OK"
     if lc.error is None:
@@ -59,3 +63,7 @@ class AccessLog(Hooks):
         self.log.info("%s %s model=%s status=%s finish=%s %s latency=%.3fs peer=%s", lc.metadata.get("door", "-"),
                       route(lc), self.model_name, status(lc), lc.finish_reason, counts, lc.duration_s,
                       lc.metadata.get("peer") or "-")
+
+    def on_refused(self, lc: RequestLifecycle) -> None:
+        self.log.info("%s %s model=%s status=%s finish=rejected peer=%s", lc.metadata.get("door", "-"), route(lc),
+                      self.model_name, status(lc), lc.metadata.get("peer") or "-")

@@ -218,6 +218,14 @@ class EngineBridge:
                               metadata=dict(metadata or {}), documents=len(inputs))
         return self._submit(command, lc, sink, timeout_ms)
 
+    def refused(self, client_id: str, kind: str, metadata: dict[str, str], error: str | None) -> None:
+        """Tell the hooks of a request answered with an error before admission (`error`: its status code name;
+        None when the door's own status is in metadata["status"])."""
+        now = time.monotonic()
+        lc = RequestLifecycle(engine_id="", client_id=client_id, kind=kind, arrival=now, finished=now,
+                              finish_reason="rejected", error=error, metadata=dict(metadata))
+        self._emit("on_refused", lc)
+
     def abort(self, engine_id: str) -> None:
         """Ask the engine to stop a request; its final output (finish reason "abort") still reaches its sink."""
         if engine_id in self._handles:

@@ -15,17 +15,18 @@ thread tokenizes prompts, chats and rerank pairs; `tokenize` and `max_tokens_per
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import grpc
 
 from engine.config import MAX_LOGPROBS, MAX_N, EmbedParams, RerankParams, SamplingParams
 from engine.outputs import RerankResult, StepOutput, rank_scores
-from engine.request import FinishReason
+from engine.request import FinishReason, SeqKind
 from service.errors import ServiceError, invalid
 from service.lifecycle import RequestLifecycle
 from service.tokens import TokenTexts, build_token_texts
@@ -305,6 +306,24 @@ class CoreAPI:
 
     # ---- generation ------------------------------------------------------------------------------
 
+    def refused(self, kind: SeqKind | str, request_id: str, metadata: dict[str, str], error: ServiceError) -> None:
+        """A request refused before the engine admitted it (by these checks, or by a door's own): the lifecycle
+        hooks hear of it (the access log writes its line)."""
+        self.bridge.refused(request_id, str(kind), metadata, error.code.name)
+
+    def refused_at_door(self, kind: str, metadata: dict[str, str], status: str) -> None:
+        """A request a door refused on its own terms (an HTTP body that does not parse, a wrong Content-Type, a
+        missing token), with the status the door answered."""
+        self.bridge.refused("", kind, {**metadata, "status": status}, None)
+
+    @contextlib.contextmanager
+    def _admitting(self, kind: SeqKind, request_id: str, metadata: dict[str, str]) -> Iterator[None]:
+        try:
+            yield
+        except ServiceError as exc:
+            self.refused(kind, request_id, metadata, exc)
+            raise
+
     def generate(self, inputs: Sequence[GenerateInput], metadata: dict[str, str]) -> GenerationStream:
         """Admit every input (all or none: a refusal aborts those admitted before it and raises ServiceError);
         their outputs arrive through the returned stream."""
@@ -316,8 +335,9 @@ class CoreAPI:
                                                  params=inp.params, prompt=inp.prompt, messages=inp.messages,
                                                  timeout_ms=inp.timeout_ms, metadata=metadata)
                 stream._admitted(inp.request_id, lc)
-        except ServiceError:
+        except ServiceError as exc:
             stream.abort()
+            self.refused(SeqKind.GENERATE, inputs[0].request_id if inputs else "", metadata, exc)
             raise
         return stream
 
@@ -341,19 +361,21 @@ class CoreAPI:
 
     async def rerank(self, inp: RerankInput, metadata: dict[str, str]) -> RerankOutcome:
         """Score inp's documents; raises ServiceError. Cancelling the await aborts the engine job."""
-        self._check_reranker(inp.model)
-        if len(inp.documents) > self.limits.max_documents:
-            raise invalid(f"documents has {len(inp.documents)} items; this server takes at most "
-                          f"{self.limits.max_documents} per request (--max-documents); split the request")
+        with self._admitting(SeqKind.RERANK, inp.request_id, metadata):
+            self._check_reranker(inp.model)
+            if len(inp.documents) > self.limits.max_documents:
+                raise invalid(f"documents has {len(inp.documents)} items; this server takes at most "
+                              f"{self.limits.max_documents} per request (--max-documents); split the request")
+            if inp.max_tokens_per_doc is not None and inp.max_tokens_per_doc < 1:
+                raise invalid(f"max_tokens_per_doc must be >= 1, got {inp.max_tokens_per_doc}")
         documents = inp.documents
         if inp.max_tokens_per_doc is not None:
-            if inp.max_tokens_per_doc < 1:
-                raise invalid(f"max_tokens_per_doc must be >= 1, got {inp.max_tokens_per_doc}")
             documents = await asyncio.to_thread(_first_tokens, self._tokenizer, documents, inp.max_tokens_per_doc)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        lc = self.bridge.submit_rerank(inp.request_id, lambda event: future.done() or future.set_result(event),
-                                       query=inp.query, documents=documents, params=inp.params,
-                                       timeout_ms=inp.timeout_ms, metadata=metadata)
+        with self._admitting(SeqKind.RERANK, inp.request_id, metadata):
+            lc = self.bridge.submit_rerank(inp.request_id, lambda event: future.done() or future.set_result(event),
+                                           query=inp.query, documents=documents, params=inp.params,
+                                           timeout_ms=inp.timeout_ms, metadata=metadata)
         try:
             event = await future
         finally:
@@ -373,23 +395,24 @@ class CoreAPI:
     async def embed(self, inp: EmbedInput, metadata: dict[str, str]) -> EmbedOutcome:
         """One vector per input; raises ServiceError. Cancelling the await aborts the engine job. A request naming
         another model is embedded by the one embedder anyway (as a rerank is scored), unless names are strict."""
-        if not self.info.embedder:
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
-                               "this server has no embedding model (tandem serve --embedder DIR, or leave the "
-                               "default: the embedded all-MiniLM-L6-v2)")
-        if self._strict and inp.model not in ("", self.info.embedder):
-            raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                               f"model {inp.model!r} is not an embedding model of this replica; it embeds with "
-                               f"{self.info.embedder!r} (leave model empty for it)")
-        if not inp.inputs:
-            raise invalid("input must not be empty: give one or more texts (or token id lists)")
-        if len(inp.inputs) > self.limits.max_documents:
-            raise invalid(f"input has {len(inp.inputs)} items; this server takes at most "
-                          f"{self.limits.max_documents} per request (--max-documents); split the request")
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        lc = self.bridge.submit_embed(inp.request_id, lambda event: future.done() or future.set_result(event),
-                                      inputs=inp.inputs, params=inp.params, timeout_ms=inp.timeout_ms,
-                                      metadata=metadata)
+        with self._admitting(SeqKind.EMBED, inp.request_id, metadata):
+            if not self.info.embedder:
+                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   "this server has no embedding model (tandem serve --embedder DIR, or leave the "
+                                   "default: the embedded all-MiniLM-L6-v2)")
+            if self._strict and inp.model not in ("", self.info.embedder):
+                raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                                   f"model {inp.model!r} is not an embedding model of this replica; it embeds with "
+                                   f"{self.info.embedder!r} (leave model empty for it)")
+            if not inp.inputs:
+                raise invalid("input must not be empty: give one or more texts (or token id lists)")
+            if len(inp.inputs) > self.limits.max_documents:
+                raise invalid(f"input has {len(inp.inputs)} items; this server takes at most "
+                              f"{self.limits.max_documents} per request (--max-documents); split the request")
+            future: asyncio.Future = asyncio.get_running_loop().create_future()
+            lc = self.bridge.submit_embed(inp.request_id, lambda event: future.done() or future.set_result(event),
+                                          inputs=inp.inputs, params=inp.params, timeout_ms=inp.timeout_ms,
+                                          metadata=metadata)
         try:
             event = await future
         finally:

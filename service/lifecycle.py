@@ -48,6 +48,7 @@ class LifecycleHooks(Protocol):
     def on_arrival(self, lc: RequestLifecycle) -> None: ...
     def on_first_token(self, lc: RequestLifecycle) -> None: ...
     def on_finish(self, lc: RequestLifecycle) -> None: ...
+    def on_refused(self, lc: RequestLifecycle) -> None: ...
     def on_step(self, record: "StepRecord") -> None: ...
 
 
@@ -62,6 +63,9 @@ class Hooks:
 
     def on_finish(self, lc: RequestLifecycle) -> None:
         pass
+
+    def on_refused(self, lc: RequestLifecycle) -> None:
+        """A request answered with an error before the engine admitted it (no on_arrival came first)."""
 
     def on_step(self, record: "StepRecord") -> None:
         pass

@@ -15,7 +15,7 @@ import grpc
 
 from engine.config import EmbedParams, RerankParams, SamplingParams, StructuredOutputsParams
 from engine.outputs import Logprobs, StepOutput
-from engine.request import FinishReason
+from engine.request import FinishReason, SeqKind
 from proto import tandem_pb2 as pb
 from service.core import CoreAPI, GenerateEvent, GenerateInput, RerankInput, RerankOutcome, Usage, json_schema
 from service.core import EmbedInput, EmbedOutcome
@@ -79,7 +79,7 @@ class TandemServicer:
     def _start_generate(self, session: StreamSession, req: pb.GenerateRequest, meta: dict) -> None:
         client_id = req.request_id
         try:
-            _check_new_id(session, client_id)
+            self._check_new_id(session, client_id, SeqKind.GENERATE, meta)
             stream = self.core.generate([generate_input(req)], meta)
         except ServiceError as exc:
             session.send(_generate_error(client_id, exc))
@@ -120,7 +120,7 @@ class TandemServicer:
     def _start_rerank(self, session: StreamSession, req: pb.RerankRequest, meta: dict) -> None:
         client_id = req.request_id
         try:
-            _check_new_id(session, client_id)
+            self._check_new_id(session, client_id, SeqKind.RERANK, meta)
             inp = rerank_input(req)
         except ServiceError as exc:
             session.send(pb.RerankStreamResponse(request_id=client_id, error=_request_error(exc)))
@@ -138,6 +138,20 @@ class TandemServicer:
             session.finished(inp.request_id)
 
     # ---- streams (Generate, RerankStream) --------------------------------------------------------
+
+    def _check_new_id(self, session: StreamSession, client_id: str, kind: SeqKind, meta: dict) -> None:
+        """Ids are given and unique among a stream's unfinished requests (a stream is this door's own idea); a
+        refusal here is told to the core API's hooks, as its own refusals are."""
+        error = None
+        if not client_id:
+            error = invalid("request_id must be a non-empty string")
+        elif client_id in session.live:
+            error = ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                                 f"request_id {client_id!r} is already live on this stream; ids must be unique "
+                                 "among a stream's unfinished requests (the earlier request goes on)")
+        if error is not None:
+            self.core.refused(kind, client_id, meta, error)
+            raise error
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -200,14 +214,6 @@ class TandemServicer:
                              max_logprobs=info.max_logprobs))
 
 
-def _check_new_id(session: StreamSession, client_id: str) -> None:
-    """Ids are given and unique among a stream's unfinished requests (a stream is this door's own idea)."""
-    if not client_id:
-        raise invalid("request_id must be a non-empty string")
-    if client_id in session.live:
-        raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
-                           f"request_id {client_id!r} is already live on this stream; ids must be unique "
-                           "among a stream's unfinished requests (the earlier request goes on)")
 
 
 # ---- protobuf in -----------------------------------------------------------------------------------

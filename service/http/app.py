@@ -101,10 +101,13 @@ def build_app(door: Door) -> Starlette:
                     _check_json(request)
                 return await handler(door, request)
             except HttpError as exc:
+                if not exc.from_core:  # refused by this door itself: the access log hears of it here
+                    door.core.refused_at_door(_kind(path), door.meta(request), str(exc.status))
                 return _error(exc, shape)
             except ServiceError as exc:
                 return _error(HttpError.from_service(exc), shape)
             except BodyTooLarge:
+                door.core.refused_at_door(_kind(path), door.meta(request), "413")
                 return _error(HttpError(413, f"request body over {door.max_body_bytes} bytes (--max-message-bytes)",
                                         code="request_too_large"), shape)
             except (ClientDisconnect, _Gone):
@@ -141,6 +144,15 @@ def build_app(door: Door) -> Starlette:
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     return _BodyLimit(app, door.max_body_bytes, door.replica)
+
+
+def _kind(path: str) -> str:
+    """What a route's requests are, for the lifecycle hooks: generate, rerank, embed, or the route itself."""
+    if path in ("/v1/chat/completions", "/v1/completions"):
+        return "generate"
+    if path.endswith("rerank"):
+        return "rerank"
+    return "embed" if path.endswith(("embed", "embeddings")) else path
 
 
 def _check_json(request: Request) -> None:

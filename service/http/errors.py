@@ -45,12 +45,14 @@ class Shape(enum.Enum):
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 from_core: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.from_core = from_core  # a ServiceError of the core API's (its lifecycle hooks heard of it already)
 
     @classmethod
     def from_service(cls, error: ServiceError) -> "HttpError":
@@ -58,7 +60,7 @@ class HttpError(Exception):
         code = "model_not_found" if error.code is S.NOT_FOUND and error.message.startswith("model ") else None
         if error.code is S.RESOURCE_EXHAUSTED:
             code = "rate_limit_exceeded"
-        return cls(status, error.message, code=code)
+        return cls(status, error.message, code=code, from_core=True)
 
     @classmethod
     def from_code(cls, code_number: int, message: str) -> "HttpError":

@@ -19,10 +19,14 @@ class Recorder(Hooks):
 
     def __init__(self) -> None:
         self.finished: dict[str, list[RequestLifecycle]] = defaultdict(list)
+        self.refused: list[RequestLifecycle] = []  # answered with an error before the engine admitted them
         self.steps = 0
 
     def on_finish(self, lc: RequestLifecycle) -> None:
         self.finished[lc.client_id].append(lc)
+
+    def on_refused(self, lc: RequestLifecycle) -> None:
+        self.refused.append(lc)
 
     def on_step(self, record) -> None:
         self.steps += 1

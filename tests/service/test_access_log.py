@@ -40,6 +40,19 @@ def test_one_line_per_finished_request(caplog):
                                           "completion_tokens=3 cached_tokens=0 ttft=0.000s latency=0.250s")
 
 
+def test_a_refused_request_gets_its_line_with_the_status_its_door_answered(caplog):
+    caplog.set_level(logging.INFO, logger="tandem.access")
+    log = AccessLog("smol")
+    log.on_refused(lifecycle(door="grpc", error="NOT_FOUND", reason="rejected", peer="p"))
+    log.on_refused(lifecycle(door="http", route="/v2/rerank", error="INVALID_ARGUMENT", reason="rejected"))
+    log.on_refused(lifecycle("/v1/chat/completions", door="http", route="/v1/chat/completions", status="415",
+                             reason="rejected"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "grpc Generate model=smol status=NOT_FOUND finish=rejected peer=p",
+        "http /v2/rerank model=smol status=400 finish=rejected peer=-",
+        "http /v1/chat/completions model=smol status=415 finish=rejected peer=-"]
+
+
 def test_the_tally_counts_only_after_the_stop_signal():
     tally = ShutdownTally()
     tally.on_finish(lifecycle())  # before the signal: not counted

@@ -19,7 +19,7 @@ async def http(http_url):
 
 async def test_the_embedded_model_has_one_short_id_and_answers_to_it(http, served):
     models = (await http.get("/v1/models")).json()
-    assert [m["id"] for m in models["data"]] == [NAME]
+    assert [m["id"] for m in models["data"]] == [NAME, "all-MiniLM-L6-v2"]  # the LLM (and reranker), the embedder
     client = openai.AsyncOpenAI(base_url=str(http.base_url).rstrip("/") + "/v1", api_key="x")
     out = await client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=2, temperature=0)
     assert out.model == NAME
@@ -99,3 +99,29 @@ async def test_special_tokens_stay_out_of_the_text_unless_asked_for(http, offlin
     assert plain["finish_reason"] == raw["finish_reason"] == "stop"  # ended by EOS
     assert eos not in plain["message"]["content"]
     assert raw["message"]["content"] == plain["message"]["content"] + eos
+
+
+async def test_each_refused_request_reaches_the_lifecycle_hooks_once_whichever_door(http, served):
+    """What the access log writes a line from: refusals before admission, by the core API or by a door itself."""
+    import grpc
+
+    from proto import tandem_pb2 as pb
+    from proto import tandem_pb2_grpc as pb_grpc
+
+    refused = served.recorder.refused
+    before = len(refused)
+    r = await http.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": CHAT})  # core: unknown model
+    assert r.status_code == 404
+    r = await http.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})  # door
+    assert r.status_code == 400
+    r = await http.post("/v2/rerank", content=b"{}", headers={"content-type": "text/plain"})  # door: 415
+    assert r.status_code == 415
+    async with grpc.aio.insecure_channel(served.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError):
+            await pb_grpc.TandemStub(channel).Rerank(pb.RerankRequest(query="q", documents=["d"] * 100))
+    new = refused[before:]
+    got = [(lc.metadata.get("door"), lc.metadata.get("route", lc.kind), lc.metadata.get("status", lc.error))
+           for lc in new]
+    assert got == [("http", "/v1/chat/completions", "NOT_FOUND"), ("http", "/v1/chat/completions", "400"),
+                   ("http", "/v2/rerank", "415"), ("grpc", "rerank", "INVALID_ARGUMENT")]
+    assert all(lc.finish_reason == "rejected" for lc in new)
