@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger("tandem.kernels")
@@ -25,8 +26,9 @@ def build_directory(name: str) -> Path:
     return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
 
 
-def load_extension(name: str, source: Path, extra_cflags: list[str], extra_ldflags: list[str]):
-    """cpp_extension.load of one source file, under an flock that makes a leftover torch lock file harmless."""
+def load_extension(name: str, sources: Sequence[Path], extra_cflags: list[str], extra_ldflags: list[str]):
+    """cpp_extension.load of the source files into one module, under an flock that makes a leftover torch lock file
+    harmless."""
     from torch.utils import cpp_extension
 
     # pip's ninja lives next to the interpreter, which is not on PATH when the venv is not activated.
@@ -39,5 +41,5 @@ def load_extension(name: str, source: Path, extra_cflags: list[str], extra_ldfla
     with open(directory / "tandem.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # waits for a live build by another process; released if it dies
         (directory / "lock").unlink(missing_ok=True)  # held by no live tandem build: a dead process's leftover
-        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=extra_cflags,
+        return cpp_extension.load(name=name, sources=[str(source) for source in sources], extra_cflags=extra_cflags,
                                   extra_ldflags=extra_ldflags, build_directory=str(directory), verbose=False)

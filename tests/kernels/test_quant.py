@@ -1,4 +1,4 @@
-"""The quantized matmul (kernels/quant.py, cpu/quant_matmul.cpp) against dequantize-then-torch.matmul, with GGUF's
+"""The quantized matmul (kernels/quant.py, cpu/quant/) against dequantize-then-torch.matmul, with GGUF's
 own quantizer and dequantizer (gguf-py, the code transformers loads GGUF files with) as the reference."""
 from __future__ import annotations
 
@@ -273,7 +273,7 @@ def test_int8_activations_leave_other_formats_on_float32() -> None:
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda isa: isa.label)
 def test_a_walker_projection_is_its_parts_side_by_side_plus_the_bias(isa) -> None:
-    """The layer walker's projection (cpu/quant_matmul.cpp `Projection`): parts stored in different formats (a q/k/v
+    """The layer walker's projection (cpu/quant/layer_walker.h `Projection`): parts stored in different formats (a q/k/v
     whose parts could not be fused, as in Gemma 3's file) fill their own columns of one output, bit for bit what
     `matmul` gives each part, then the bias is added."""
     parts = [make("Q4_K", 40, 256, seed=1), make("Q5_0", 24, 256, seed=2), make("Q8_0", 24, 256, seed=3)]
