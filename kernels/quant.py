@@ -4,11 +4,11 @@ BF16) and per-channel int8.
 A `QuantWeight` keeps the weights as stored (GGUF blocks exactly as in the file, or int8 rows plus one float scale
 per output channel) and `matmul(x, w)` computes `x @ dequantize(w).T` in float32 with them:
 
-* small M (decode steps, up to `small_m(isa)` rows): the C++ kernels of `cpu/quant/`, which streams each output
-  row's blocks once and dequantizes them in registers (OpenMP over output rows): on the AVX-512 path every GGUF
-  format, on the AVX2 path Q4_0 / Q4_1 / Q8_0 / I8 (the others a row at a time through a buffer). The dequantized
-  values are bit-identical to GGUF's own numpy dequantizer (the one transformers uses) on every path, so the result
-  differs from dequantize-then-matmul only in summation order;
+* small M (decode steps, up to `small_m(isa)` rows): the C++ kernels of `cpu/quant/`, which stream each output
+  row's blocks once and dequantize them in registers (OpenMP over output rows), every format on the AVX-512 and
+  AVX2 paths (the portable path dequantizes a row at a time into a buffer). The dequantized values are
+  bit-identical to GGUF's own numpy dequantizer (the one transformers uses) on every path, so the result differs
+  from dequantize-then-matmul only in summation order;
 * wide M: tiles of rows dequantized into float32 and multiplied by BLAS (`torch.mm`), so a wide step costs one
   pass of dequantization (cheap against M rows of FLOPs) and runs at GEMM speed.
 
@@ -37,7 +37,7 @@ _SOURCE_DIR = Path(__file__).parent / "cpu" / "quant"
 _SOURCES = sorted(_SOURCE_DIR.glob("*.cpp"))
 _HEADERS = sorted(_SOURCE_DIR.glob("*.h"))
 
-# the C++ `fmt` codes (Q4_0 / Q4_1 / Q8_0 / I8 have the register kernel, the others a dequantize-a-row kernel)
+# the C++ `fmt` codes (cpu/quant/formats.h)
 CPP_FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "I8": 3, "Q5_0": 4, "Q5_1": 5, "Q4_K": 6, "Q5_K": 7, "Q6_K": 8}
 BLOCK = 32  # weights per block of the 32-wide GGUF formats, along K
 QK_K = 256  # weights per super-block of the K-quants

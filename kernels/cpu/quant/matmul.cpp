@@ -34,12 +34,10 @@ inline float scale_of(const torch::Tensor& scales, int64_t fmt, int64_t n) {
 constexpr int64_t THREAD_BYTES = 32 * 1024;
 int threads_for_bytes(int64_t bytes) { return num_threads_for(bytes / THREAD_BYTES); }
 
-// Whether `isa` computes `fmt` with a kernel that keeps the weights in registers (else: a row dequantized into a
-// buffer by the scalar code, then dot products).
-bool in_registers(int64_t isa, int64_t fmt) {
-  if (isa == AVX512) return true;  // every GGUF format; I8 takes the AVX2 kernel
-  return isa == AVX2 && fmt <= I8;
-}
+// Whether `isa` computes `fmt` with a kernel that keeps the weights in registers (else, on the portable path: a row
+// dequantized into a buffer by the scalar code, then dot products). AVX2 and AVX-512 have every format (AVX-512's
+// I8 is the AVX2 kernel).
+bool in_registers(int64_t isa, int64_t) { return isa != PORTABLE; }
 
 // One output row of weights times the M rows of x, in registers (in_registers(isa, fmt) holds).
 void row_isa(int64_t isa, int64_t fmt, const uint8_t* row, float s, const float* x, int64_t M, int64_t K, float* y,

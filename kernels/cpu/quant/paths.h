@@ -26,8 +26,8 @@ inline void for_row_tiles(int64_t M, F&& f) {
 }
 
 #ifdef TANDEM_AVX2
-// y[m * ldy] = x[m] . dequantize(row) for the M rows of x (K floats apart), weights dequantized in registers; `s` is
-// I8's per-channel scale. Formats without an AVX2 register kernel are refused by in_registers (matmul.cpp).
+// y[m * ldy] = x[m] . dequantize(row) for the M rows of x (K floats apart), any format, weights dequantized in
+// registers; `s` is I8's per-channel scale.
 void row_avx2(int64_t fmt, const uint8_t* row, float s, const float* x, int64_t M, int64_t K, float* y, int64_t ldy);
 // One row of weights as float32, bit-identical to dequant_row_scalar.
 void dequant_row_avx2(int64_t fmt, const uint8_t* row, float s, int64_t K, float* out);
