@@ -17,6 +17,10 @@ Quality beside speed: each system's batch-1 tokens against transformers' greedy 
 (transformers dequantizes it; float32): identical share and the first differing position.
 The peer: bench.llama_server (built once from the llama-cpp-python sdist's vendored source, cached). When it cannot
 be built, its rows are skipped with the reason in the JSON.
+
+`--isa avx2` compares like with like on a CPU with more than AVX2: tandem runs with TANDEM_CPU_ISA=avx2 and the peer
+is the llama-server built with AVX-512 off (bench.llama_server's `avx2` build); the result goes to
+cpu_peer_avx2.json. Every result records the CPU's model and vector flags and the path each system took.
 """
 from __future__ import annotations
 
@@ -28,12 +32,30 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.llama_server import LlamaServer, PeerUnavailable
-from bench.report import parse_bench_args, rotated, write_result
+from bench.llama_server import BUILDS, LlamaServer, PeerUnavailable
+from bench.report import RESULTS, parse_bench_args, rotated, write_result
 from bench.serve import Spawned
 from clients import AsyncClient
 
 QUICK = dict(new_tokens=8, batch1_prompt_tokens=32, prefill_tokens=64, concurrency=[4])
+
+
+_VECTOR_FLAG_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "amx", "bmi", "neon", "asimd", "sve")
+
+
+def cpu_identity() -> dict:
+    """The CPU's model name and the vector-unit flags the kernels of either system may use (/proc/cpuinfo, Linux)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return {}
+    flags = (fields.get("flags") or fields.get("Features") or "").split()
+    return {"model": fields.get("model name", ""), "vector_flags": sorted(f for f in flags
+                                                                           if f.startswith(_VECTOR_FLAG_PREFIXES))}
 
 
 def token_pool(tokenizer, need: int) -> list[int]:
@@ -134,7 +156,12 @@ async def measure(args, model_path: Path, tokenizer, llama: LlamaServer | None, 
     tandem = Spawned(serve_args)
     try:
         peers = [TandemPeer(tandem.address)] + ([LlamaPeer(llama)] if llama else [])
-        out: dict = {}
+        async with AsyncClient(tandem.address) as client:
+            info = await client.model_info()
+        paths = {"tandem": f"cpu_kernels={info.cpu_kernels or 'none'}"}
+        if llama is not None:
+            paths["llama_cpp"] = f"{args.isa} build: {' '.join(BUILDS[args.isa][1])}"
+        out: dict = {"paths": paths}
         # batch 1
         b1_prompts = windows(pool, [args.batch1_prompt_tokens] * 3, rng)
         per_prompt: dict[str, list[dict]] = {p.name: [] for p in peers}
@@ -167,7 +194,8 @@ async def measure(args, model_path: Path, tokenizer, llama: LlamaServer | None, 
             here = [peers[0]]
             if llama is not None:
                 try:
-                    with LlamaServer(model_path, threads=args.threads, slots=n, ctx_per_slot=256 + 256 + 16) as srv:
+                    with LlamaServer(model_path, threads=args.threads, slots=n, ctx_per_slot=256 + 256 + 16,
+                                     isa=args.isa) as srv:
                         here.append(LlamaPeer(srv))
                         runs = await phase(here, prompts, news, 1)
                 except PeerUnavailable as exc:
@@ -190,7 +218,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--concurrency", type=int, nargs="*", default=[32, 128])
     ap.add_argument("--no-llama", action="store_true", help="tandem alone (the peer's rows are skipped)")
+    ap.add_argument("--isa", choices=list(BUILDS), default="native",
+                    help="avx2: tandem with TANDEM_CPU_ISA=avx2 against llama-server built with AVX-512 off")
     args = parse_bench_args(ap, argv, "cpu_peer", QUICK)  # another --model: give --out too
+    if args.isa != "native":
+        os.environ["TANDEM_CPU_ISA"] = args.isa  # the spawned `tandem serve` inherits it
+        if args.out == RESULTS / "cpu_peer.json":
+            args.out = RESULTS / f"cpu_peer_{args.isa}.json"
     from transformers import AutoTokenizer
 
     from engine.models.loader import embedded_gguf_path
@@ -204,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         try:
             llama = LlamaServer(model_path, threads=args.threads, slots=1,
-                                ctx_per_slot=max(args.batch1_prompt_tokens + args.new_tokens, args.prefill_tokens) + 16)
+                                ctx_per_slot=max(args.batch1_prompt_tokens + args.new_tokens, args.prefill_tokens) + 16,
+                                isa=args.isa)
             llama.__enter__()
         except PeerUnavailable as exc:
             skipped["llama_cpp"] = str(exc)
@@ -226,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
             if "llama_cpp" in rows:
                 ratios[f"concurrent{n}_vs_llama_cpp"] = (rows["tandem"]["useful_tok_s"]
                                                          / rows["llama_cpp"]["useful_tok_s"])
-    result = {"benchmark": "cpu_peer", "model": str(model_path.name), "threads": args.threads,
+    result = {"benchmark": "cpu_peer", "model": str(model_path.name), "threads": args.threads, "isa": args.isa,
+              "cpu": cpu_identity(),
               "new_tokens": args.new_tokens, "loadavg": os.getloadavg(),
               "contended": os.getloadavg()[0] > args.threads + 0.5, **figures,
               "vs_transformers": quality, "ratios": ratios, "skipped": skipped}

@@ -4,6 +4,9 @@ Build (`ensure_llama_server()`, which `make bench` runs through `python -m bench
 vendored in the llama-cpp-python sdist (pinned below, from PyPI like every other package here), configured with
 `GGML_NATIVE=ON` (this CPU's vector units: AVX-512 VNNI where it has them), static libraries, target `llama-server`
 only. Several minutes on 2 cores; the binary is cached under ~/.cache/tandem/llama.cpp/<version>/ and reused. A
+second build, `isa="avx2"` (`python -m bench.llama_server --isa avx2`), turns the native detection off and AVX-512 off
+(`GGML_NATIVE=OFF GGML_AVX2=ON GGML_AVX512=OFF GGML_FMA=ON GGML_F16C=ON`), cached beside the native one in `avx2/`,
+so an AVX-512 host can compare tandem's AVX2 path (`TANDEM_CPU_ISA=avx2`) with llama.cpp's AVX2 code. A
 failed build raises `PeerUnavailable` with the reason, which the benchmarks write into their JSON and go on without
 the peer. `make test` never needs any of this.
 
@@ -29,7 +32,12 @@ from service.cluster import free_port
 
 SDIST = "llama-cpp-python==0.3.36"
 CACHE = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "llama.cpp" / "0.3.36"
-BINARY = CACHE / "llama-server"
+# The builds: where each is cached, and the CMake switches that pick its CPU code.
+BUILDS = {
+    "native": (CACHE / "llama-server", ["-DGGML_NATIVE=ON"]),
+    "avx2": (CACHE / "avx2" / "llama-server", ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+                                              "-DGGML_AVX512=OFF", "-DGGML_FMA=ON", "-DGGML_F16C=ON"]),
+}
 
 
 class PeerUnavailable(RuntimeError):
@@ -43,13 +51,17 @@ def _run(cmd: list[str], cwd: Path | None = None) -> None:
         raise PeerUnavailable(f"`{' '.join(cmd[:4])} ...` failed (exit {proc.returncode}):\n{tail}")
 
 
-def ensure_llama_server(jobs: int | None = None) -> Path:
-    """The cached llama-server binary, built from the sdist's vendored llama.cpp on first use."""
-    if BINARY.is_file() and os.access(BINARY, os.X_OK):
-        return BINARY
+def ensure_llama_server(jobs: int | None = None, isa: str = "native") -> Path:
+    """The cached llama-server binary of build `isa` (a key of BUILDS), built from the sdist's vendored llama.cpp on
+    first use."""
+    if isa not in BUILDS:
+        raise ValueError(f"unknown llama-server build {isa!r}; expected one of {', '.join(BUILDS)}")
+    binary, switches = BUILDS[isa]
+    if binary.is_file() and os.access(binary, os.X_OK):
+        return binary
     if shutil.which("cmake") is None:
         raise PeerUnavailable("cmake is not installed (apt-get install cmake): llama-server cannot be built")
-    print(f"llama_server: building llama-server from the {SDIST} sdist into {CACHE} "
+    print(f"llama_server: building the {isa} llama-server from the {SDIST} sdist into {binary.parent} "
           "(once; several minutes on 2 cores)", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="tandem-llamacpp-") as tmp:
         work = Path(tmp)
@@ -60,13 +72,13 @@ def ensure_llama_server(jobs: int | None = None) -> Path:
             tar.extractall(work, filter="data")
         src = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
         build = work / "build"
-        _run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+        _run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *switches,
               "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
               "-DLLAMA_BUILD_EXAMPLES=OFF"])
         _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 2)])
-        CACHE.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(build / "bin" / "llama-server", BINARY)
-    return BINARY
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(build / "bin" / "llama-server", binary)
+    return binary
 
 
 @dataclass(slots=True)
@@ -79,8 +91,8 @@ class Completion:
 class LlamaServer:
     """A running llama-server on loopback; a context manager that stops it on exit."""
 
-    def __init__(self, model: Path, *, threads: int, slots: int, ctx_per_slot: int) -> None:
-        self.binary = ensure_llama_server()
+    def __init__(self, model: Path, *, threads: int, slots: int, ctx_per_slot: int, isa: str = "native") -> None:
+        self.binary = ensure_llama_server(isa=isa)
         self.port = free_port()
         self.slots = slots
         # -c is the whole context, split evenly over the -np slots; --no-cont-batching is NOT set: its default
@@ -145,7 +157,11 @@ class LlamaServer:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="build (once) and print the cached llama-server")
+    ap.add_argument("--isa", choices=list(BUILDS), default="native")
     try:
-        print(ensure_llama_server())
+        print(ensure_llama_server(isa=ap.parse_args().isa))
     except PeerUnavailable as exc:  # `make bench` goes on: the benchmarks say the peer is missing and why
         print(f"llama-server not available: {exc}", file=sys.stderr)

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger("tandem.kernels")
@@ -26,8 +27,9 @@ def build_directory(name: str) -> Path:
     return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
 
 
-def load_extension(name: str, source: Path, extra_cflags: list[str], extra_ldflags: list[str]):
-    """cpp_extension.load of one source file, under an flock that makes a leftover torch lock file harmless."""
+def load_extension(name: str, sources: Sequence[Path], extra_cflags: list[str], extra_ldflags: list[str]):
+    """cpp_extension.load of the source files into one module, under an flock that makes a leftover torch lock file
+    harmless."""
     from torch.utils import cpp_extension
 
     # pip's ninja lives next to the interpreter, which is not on PATH when the venv is not activated.
@@ -37,12 +39,12 @@ def load_extension(name: str, source: Path, extra_cflags: list[str], extra_ldfla
     building = not (directory / f"{name}.so").exists()
     if building:
         log.info("compiling the CPU kernel %s (%.0f kB of C++) into %s: once per CPU and torch version, about a "
-                 "minute", name, source.stat().st_size / 1e3, directory)
+                 "minute", name, sum(source.stat().st_size for source in sources) / 1e3, directory)
     started = time.monotonic()
     with open(directory / "tandem.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # waits for a live build by another process; released if it dies
         (directory / "lock").unlink(missing_ok=True)  # held by no live tandem build: a dead process's leftover
-        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=extra_cflags,
+        module = cpp_extension.load(name=name, sources=[str(source) for source in sources], extra_cflags=extra_cflags,
                                     extra_ldflags=extra_ldflags, build_directory=str(directory), verbose=False)
     if building:
         log.info("compiled the CPU kernel %s in %.0f s", name, time.monotonic() - started)

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -22,8 +23,9 @@ _CPUINFO = Path("/proc/cpuinfo")
 _CPUINFO_KEYS = ("model name", "flags", "Features", "CPU implementer", "CPU part")  # x86, then Arm
 
 
-def extension_name(prefix: str = "tandem_paged_decode", source: Path = _SOURCE) -> str:
-    """`<prefix>_<hash of this CPU and the source>`: -march=native code is only valid on the CPU it was built for,
+def extension_name(prefix: str = "tandem_paged_decode", sources: Sequence[Path] = (_SOURCE,)) -> str:
+    """`<prefix>_<hash of this CPU and the sources>` (every file the build reads, headers included, so a change to a
+    header alone names a new build): -march=native code is only valid on the CPU it was built for,
     and checkouts must not rebuild each other's module in one shared directory: not when their sources differ, nor
     when the same source sits at another path (torch's build file names the source's path, so two checkouts of one
     commit rebuilt the module in turn, each waiting a minute on the other's build lock). The CPU is
@@ -39,8 +41,10 @@ def extension_name(prefix: str = "tandem_paged_decode", source: Path = _SOURCE) 
         pass
     identity = "\n".join(f"{k}: {fields[k]}" for k in _CPUINFO_KEYS if k in fields)
     identity = identity or f"{platform.machine()} {platform.processor()}"
-    where = str(source.resolve()).encode()
-    return f"{prefix}_" + hashlib.sha256(identity.encode() + where + source.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(identity.encode())
+    for source in sources:
+        digest.update(str(source.resolve()).encode() + b"\0" + source.read_bytes())
+    return f"{prefix}_" + digest.hexdigest()[:12]
 
 
 @functools.cache
@@ -50,7 +54,7 @@ def _module():
 
     try:
         # fast-math lets the dot products and exp vectorize (reassociated sums: ~1e-7 relative, scores are finite)
-        return load_extension(extension_name(), _SOURCE, ["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+        return load_extension(extension_name(), [_SOURCE], ["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                               ["-fopenmp"])
     except Exception as exc:  # no compiler, no ninja, unsupported platform: the reference still works
         log.warning("C++ decode attention unavailable, using the torch reference: %s", exc)

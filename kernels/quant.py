@@ -4,11 +4,11 @@ BF16) and per-channel int8.
 A `QuantWeight` keeps the weights as stored (GGUF blocks exactly as in the file, or int8 rows plus one float scale
 per output channel) and `matmul(x, w)` computes `x @ dequantize(w).T` in float32 with them:
 
-* small M (decode steps, up to `small_m(isa)` rows): the C++ kernel `cpu/quant_matmul.cpp`, which streams each output
-  row's blocks once and dequantizes them in registers (OpenMP over output rows): on the AVX-512 path every GGUF
-  format, on the AVX2 path Q4_0 / Q4_1 / Q8_0 / I8 (the others a row at a time through a buffer). The dequantized
-  values are bit-identical to GGUF's own numpy dequantizer (the one transformers uses) on every path, so the result
-  differs from dequantize-then-matmul only in summation order;
+* small M (decode steps, up to `small_m(isa)` rows): the C++ kernels of `cpu/quant/`, which stream each output
+  row's blocks once and dequantize them in registers (OpenMP over output rows), every format on the AVX-512 and
+  AVX2 paths (the portable path dequantizes a row at a time into a buffer). The dequantized values are
+  bit-identical to GGUF's own numpy dequantizer (the one transformers uses) on every path, so the result differs
+  from dequantize-then-matmul only in summation order;
 * wide M: tiles of rows dequantized into float32 and multiplied by BLAS (`torch.mm`), so a wide step costs one
   pass of dequantization (cheap against M rows of FLOPs) and runs at GEMM speed.
 
@@ -32,9 +32,12 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("tandem.kernels")
-_SOURCE = Path(__file__).parent / "cpu" / "quant_matmul.cpp"
+# cpu/quant/: block formats, one file per CPU path, the matmul entry points, fused ops, the layer walker, the binding
+_SOURCE_DIR = Path(__file__).parent / "cpu" / "quant"
+_SOURCES = sorted(_SOURCE_DIR.glob("*.cpp"))
+_HEADERS = sorted(_SOURCE_DIR.glob("*.h"))
 
-# the C++ `fmt` codes (Q4_0 / Q4_1 / Q8_0 / I8 have the register kernel, the others a dequantize-a-row kernel)
+# the C++ `fmt` codes (cpu/quant/formats.h)
 CPP_FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "I8": 3, "Q5_0": 4, "Q5_1": 5, "Q4_K": 6, "Q5_K": 7, "Q6_K": 8}
 BLOCK = 32  # weights per block of the 32-wide GGUF formats, along K
 QK_K = 256  # weights per super-block of the K-quants
@@ -116,7 +119,7 @@ _NO_SCALES = torch.empty(0, dtype=torch.float32)
 
 
 class CpuIsa(enum.IntEnum):
-    """The vector instructions the C++ kernels compute with (the `isa` codes of cpu/quant_matmul.cpp)."""
+    """The vector instructions the C++ kernels compute with (the `isa` codes of cpu/quant/formats.h)."""
     PORTABLE = 0
     AVX2 = 1
     AVX512 = 2
@@ -204,7 +207,7 @@ def kernel_path() -> str:
 def extension_name() -> str:
     from kernels.cpu_decode import extension_name as keyed
 
-    return keyed("tandem_quant_matmul", _SOURCE)
+    return keyed("tandem_quant_matmul", [*_SOURCES, *_HEADERS])
 
 
 @functools.cache
@@ -213,7 +216,7 @@ def _module():
     from kernels.cpu_build import load_extension
 
     try:
-        return load_extension(extension_name(), _SOURCE, ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+        return load_extension(extension_name(), _SOURCES, ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                               ["-fopenmp"])
     except Exception as exc:  # no compiler, no ninja, unsupported platform
         log.warning("C++ quantized matmul unavailable (%s: %s); quantized weights fall back to dense float32",
@@ -226,7 +229,7 @@ def available() -> bool:
 
 
 def decode_layers(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, gelu: bool):
-    """An empty C++ layer walker (cpu/quant_matmul.cpp `DecodeLayers`: every layer of a small decode-only step in one
+    """An empty C++ layer walker (cpu/quant/layer_walker.h `DecodeLayers`: every layer of a small decode-only step in one
     call, GIL released), or None when either C++ module is not built. Its attention is cpu/paged_decode.cpp's
     `paged_decode_qkv`, handed over by address."""
     from kernels import cpu_decode

@@ -21,8 +21,8 @@ def test_the_name_changes_with_the_source(tmp_path) -> None:
     """Two checkouts with different kernel sources build into different directories instead of rebuilding one."""
     other = tmp_path / "paged_decode.cpp"
     other.write_text(cpu_decode._SOURCE.read_text() + "\n// another version\n")
-    assert cpu_decode.extension_name(source=other) != cpu_decode.extension_name()
-    assert cpu_decode.extension_name(source=cpu_decode._SOURCE) == cpu_decode.extension_name()
+    assert cpu_decode.extension_name(sources=[other]) != cpu_decode.extension_name()
+    assert cpu_decode.extension_name(sources=[cpu_decode._SOURCE]) == cpu_decode.extension_name()
 
 
 def test_the_name_changes_with_the_sources_path(tmp_path) -> None:
@@ -30,4 +30,4 @@ def test_the_name_changes_with_the_sources_path(tmp_path) -> None:
     directory made two checkouts of one commit rebuild the module in turn."""
     copy = tmp_path / "paged_decode.cpp"
     copy.write_bytes(cpu_decode._SOURCE.read_bytes())
-    assert cpu_decode.extension_name(source=copy) != cpu_decode.extension_name()
+    assert cpu_decode.extension_name(sources=[copy]) != cpu_decode.extension_name()

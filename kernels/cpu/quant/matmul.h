@@ -1,0 +1,34 @@
+// The quantized matmul's torch entry points (matmul.cpp) and what the layer walker shares with them.
+#pragma once
+
+#include <torch/extension.h>
+
+#include "formats.h"
+
+namespace tandem {
+
+// The widest path this build has: it is built with -march=native for this CPU, so what it was compiled with is what
+// the CPU runs.
+int64_t best_isa();
+void check_isa(int64_t isa, const char* who);
+// Refuses weights that do not match fmt and K (and I8 without one float32 scale per output channel), or an isa
+// this build lacks.
+void check(const torch::Tensor& w, int64_t fmt, int64_t K, const torch::Tensor& scales, int64_t isa);
+// Threads for `work` independent pieces: at most torch's thread count, at least one.
+int num_threads_for(int64_t work);
+
+// y[m, ldy-strided row][0, N) = x[M, K] @ dequantize(w).T: the small-M kernel writing into a slice of a wider output
+// (the parts of a projection whose weights are stored in different formats fill their own columns).
+void matmul_into(const float* xp, int64_t M, int64_t K, const torch::Tensor& w, int64_t fmt,
+                 const torch::Tensor& scales, int64_t isa, float* yp, int64_t ldy);
+
+torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales,
+                           int64_t isa);
+torch::Tensor quant_matmul_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K);
+bool has_int8_activations();
+torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, int64_t start, int64_t count,
+                         int64_t isa);
+torch::Tensor dequantize_rows(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, torch::Tensor ids,
+                              int64_t isa);
+
+}  // namespace tandem

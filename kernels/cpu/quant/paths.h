@@ -1,0 +1,55 @@
+// The entry points of each CPU path's kernels (avx2.cpp, avx512.cpp, vnni.cpp), each present when the build has its
+// instructions (formats.h), and the tiling of M rows of x that every small-M kernel shares.
+#pragma once
+
+#include <type_traits>
+#include <vector>
+
+#include "formats.h"
+
+namespace tandem {
+
+// Calls f(std::integral_constant<int, MT>{}, m) over rows m of x in tiles of MT rows: of 8 (when MAX allows), then
+// 4, then the 3, 2 or 1 left over. A kernel takes several rows per pass so each weight it dequantizes serves them all.
+template <int MAX, class F>
+inline void for_row_tiles(int64_t M, F&& f) {
+  int64_t m = 0;
+  if constexpr (MAX >= 8)
+    for (; m + 8 <= M; m += 8) f(std::integral_constant<int, 8>{}, m);
+  for (; m + 4 <= M; m += 4) f(std::integral_constant<int, 4>{}, m);
+  switch (M - m) {
+    case 3: return f(std::integral_constant<int, 3>{}, m);
+    case 2: return f(std::integral_constant<int, 2>{}, m);
+    case 1: return f(std::integral_constant<int, 1>{}, m);
+    default: return;
+  }
+}
+
+#ifdef TANDEM_AVX2
+// y[m * ldy] = x[m] . dequantize(row) for the M rows of x (K floats apart), any format, weights dequantized in
+// registers; `s` is I8's per-channel scale.
+void row_avx2(int64_t fmt, const uint8_t* row, float s, const float* x, int64_t M, int64_t K, float* y, int64_t ldy);
+// One row of weights as float32, bit-identical to dequant_row_scalar.
+void dequant_row_avx2(int64_t fmt, const uint8_t* row, float s, int64_t K, float* out);
+#endif
+
+#ifdef TANDEM_AVX512
+// As row_avx2 / dequant_row_avx2 for every GGUF format (not I8), 16 lanes.
+void row_avx512(int64_t fmt, const uint8_t* row, const float* x, int64_t M, int64_t K, float* y, int64_t ldy);
+void dequant_row_avx512(int64_t fmt, const uint8_t* row, int64_t K, float* out);
+#endif
+
+#ifdef TANDEM_VNNI
+struct QuantizedRows {  // x [M, K] per block of 32: int8 values, per-lane scales (16 lanes a pair), dx * sum(qx)
+  std::vector<int8_t> q;
+  std::vector<float> lane_dx;  // [M, K / 64 pairs (rounded up), 16]: block 2p's dx in lanes 0-7, 2p + 1's in 8-15
+  std::vector<float> lane_sum;  // [M, pairs, 16]: dx * sum(qx) of block 2p in lane 0, of 2p + 1 in lane 8, else 0
+  int64_t pairs;
+};
+// Each row of x [M, K] quantized per block of 32 as llama.cpp does.
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K);
+// y[m * ldy] for every row of xq, integer dot products with one row of a 32-wide format's blocks.
+void row_int8(int64_t fmt, const uint8_t* row, const QuantizedRows& xq, int64_t M, int64_t K, float* y, int64_t ldy);
+#endif
+
+}  // namespace tandem

@@ -1,0 +1,44 @@
+"""Every CPU path of the quantized matmul compiles on any x86-64 host, also the ones this CPU cannot run.
+
+The module itself is built with -march=native, so a host without AVX-512 never compiles avx512.cpp or vnni.cpp and
+its test run says nothing about them (test_quant.py skips those paths there, saying why). The path files include no
+torch header, so each compiles here alone, with its own instruction set switched on, into an object that must define
+the path's entry point (a file whose guard is off compiles to nothing, which this catches).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+
+import pytest
+
+from kernels import quant
+
+_BASE = ["-std=c++17", "-O1", "-ffp-contract=off", "-march=x86-64"]
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl"]
+# (file, instruction-set flags, a symbol the object must define)
+PATHS = {
+    "portable": ("formats.cpp", [], "tandem::dequant_row_scalar("),
+    "avx2": ("avx2.cpp", _AVX2, "tandem::row_avx2("),
+    "avx512": ("avx512.cpp", _AVX512, "tandem::row_avx512("),
+    "avx512-vnni": ("vnni.cpp", [*_AVX512, "-mavx512vnni"], "tandem::row_int8("),
+}
+_CXX = shutil.which(os.environ.get("CXX", "c++"))
+_NM = shutil.which("nm")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the vector paths are x86-64 code")
+@pytest.mark.skipif(_CXX is None or _NM is None, reason="needs a C++ compiler and nm")
+@pytest.mark.parametrize("path", list(PATHS))
+def test_the_path_compiles_for_its_instruction_set(path: str, tmp_path) -> None:
+    source, flags, symbol = PATHS[path]
+    obj = tmp_path / "path.o"
+    done = subprocess.run([_CXX, *_BASE, *flags, "-c", str(quant._SOURCE_DIR / source), "-o", str(obj)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    defined = subprocess.run([_NM, "-C", "--defined-only", str(obj)], capture_output=True, text=True,
+                             check=True).stdout
+    assert symbol in defined, f"{source} compiled without its kernels: {symbol} missing"
