@@ -95,11 +95,11 @@ class Metrics(Hooks):
             self._last_step_end = record.start_time + record.duration_s
         else:
             self._last_step_end = None
-        error = getattr(record, "prediction_error", None)
+        error = record.prediction_error
         if error is not None:
             self.prediction_error.observe(error)
         for part, n in (("decode", record.decode_tokens), ("prefill", record.prefill_tokens),
-                        ("rerank", record.rerank_tokens), ("embed", getattr(record, "embed_tokens", 0))):
+                        ("rerank", record.rerank_tokens), ("embed", record.embed_tokens)):
             if n:
                 self.step_tokens.labels(part).observe(n)
         self.rerank_pairs.inc(getattr(record, "rerank_pairs_scored", record.rerank_pairs))  # a chunked pair once

@@ -50,7 +50,7 @@ class StreamSession:
 
     def send(self, message: Any) -> None:
         if self.overflowed:  # the stream is failing: nobody will read this; stop what produced it
-            self._abort_request(getattr(message, "request_id", None))
+            self._abort_request(message.request_id)
             return
         size = message.ByteSize() + _MESSAGE_OVERHEAD
         if self._outbox and self.buffered_bytes + size > self.max_buffer_bytes:
