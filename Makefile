@@ -37,7 +37,7 @@ test-gpu: $(STAMP)
 soak: $(STAMP)
 	TANDEM_SOAK_ROUNDS=$${TANDEM_SOAK_ROUNDS:-15} $(PY) -m pytest -q -s tests/reliability/test_soak.py
 	TANDEM_SCHEMA_FUZZ_EXAMPLES=$${TANDEM_SCHEMA_FUZZ_EXAMPLES:-300} $(PY) -m pytest -q \
-	  tests/reliability/test_http_schema_fuzz.py
+	  tests/service/test_http_schema_fuzz.py
 
 serve: $(STAMP)
 	$(VENV)/bin/tandem serve --port $(PORT)

@@ -34,6 +34,7 @@ refuses). Tests: tests/service/test_errors.py walks this table.
 | a schema or regex the grammar library cannot compile, an empty choice | INVALID_ARGUMENT | `structured_outputs.json is not a usable JSON schema: ...` / `structured_outputs.regex is not a usable regular expression: ...` / `structured_outputs.choice must be ...` (at submission, never a failed step) |
 | model names something this replica does not serve (a rerank: only with --strict-model-names; else the one reranker scores it) | NOT_FOUND | `model 'X' is not served by this replica; it serves [...]` |
 | chat message whose role is not system, user, assistant, tool or developer | INVALID_ARGUMENT | `messages[i].role must be one of system, user, assistant, tool, developer; got 'X'` |
+| Embed on a server without an embedding model (`--embedder none`) | FAILED_PRECONDITION | `this server has no embedding model ...` |
 | empty rerank query                                     | INVALID_ARGUMENT   | `query must be a non-empty string`                               |
 | zero documents                                         | INVALID_ARGUMENT   | `documents must be a non-empty list of strings`                  |
 | more documents than --max-documents                    | INVALID_ARGUMENT   | `documents has N items; this server takes at most M per request` |

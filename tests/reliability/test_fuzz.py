@@ -37,7 +37,7 @@ MAX_MESSAGE_BYTES = 1 * 2**20
 S = grpc.StatusCode
 # service/errors.py: what a well-formed message may get back (CANCELLED only for calls the fuzzer cancels).
 DOCUMENTED = {S.OK, S.INVALID_ARGUMENT, S.NOT_FOUND, S.ALREADY_EXISTS, S.RESOURCE_EXHAUSTED,
-              S.DEADLINE_EXCEEDED, S.UNAVAILABLE}
+              S.DEADLINE_EXCEEDED, S.UNAVAILABLE, S.FAILED_PRECONDITION}
 CODES = {c.value[0]: c for c in S}
 # Known-good starting points, so mutations also reach the engine instead of failing the first check.
 TEMPLATES = {

@@ -77,13 +77,13 @@ async def test_greedy_through_grpc_matches_transformers(gemma_server, gemma_prom
 
 
 async def test_aliases_from_the_openai_and_cohere_sdks(gemma_server) -> None:
-    """--served-model-name: /v1/models lists the aliases (nothing else); each works and is echoed; the file's path
+    """--served-model-name: /v1/models lists the aliases (and the embedder); each works and is echoed; the file's path
     is not a name any more; the cohere SDK's required model gets the one reranker whatever it names."""
     import cohere
     import openai
 
     client = openai.OpenAI(base_url=gemma_server.http + "/v1", api_key="x")
-    assert [m.id for m in client.models.list().data] == ["gemma", "gemma3"]
+    assert [m.id for m in client.models.list().data] == ["gemma", "gemma3", "all-MiniLM-L6-v2"]  # and the embedder
     for name in ("gemma", "gemma3"):
         out = client.completions.create(model=name, prompt="The capital of France is", max_tokens=4, temperature=0)
         assert out.model == name and out.choices[0].text
