@@ -42,13 +42,7 @@ class LLM:
             raise ValueError("top_n and return_documents shape a ranked answer: call rerank(..., ranked=True)")
         request_id = f"rerank-{next(self._ids)}"
         self.engine.add_rerank(request_id, query, documents, params)
-        final = None
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.request_id == request_id and out.finished:
-                    if out.error:
-                        raise RuntimeError(out.error)
-                    final = out
+        final = self._run_to_final(request_id)
         if not ranked:
             return final.scores
         params = params or RerankParams()
@@ -61,6 +55,10 @@ class LLM:
         EngineConfig(embedder=...)."""
         request_id = f"embed-{next(self._ids)}"
         self.engine.add_embed(request_id, [texts] if isinstance(texts, str) else texts, params)
+        return self._run_to_final(request_id).embeddings
+
+    def _run_to_final(self, request_id: str) -> StepOutput:
+        """Step until nothing is left; the final output of `request_id` (RuntimeError if the engine failed it)."""
         final = None
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -68,7 +66,7 @@ class LLM:
                     if out.error:
                         raise RuntimeError(out.error)
                     final = out
-        return final.embeddings
+        return final
 
     def _run(self, requests: list[dict], params) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):

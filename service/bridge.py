@@ -344,7 +344,7 @@ class EngineBridge:
                     error = None
                 except Exception as exc:
                     result, error = None, exc
-                self._post(_resolve, command.future, result, error)
+                self._post(settle, command.future, result, error)
             case Stop():
                 return True
             case _:
@@ -474,7 +474,8 @@ class QueryKind(Enum):
     MODEL_INFO = "model_info"
 
 
-def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Resolve `future` (on its loop) with a result or an error, unless it was cancelled meanwhile."""
     if future.cancelled():
         return
     if error is not None:

@@ -376,19 +376,25 @@ class CoreAPI:
             lc = self.bridge.submit_rerank(inp.request_id, lambda event: future.done() or future.set_result(event),
                                            query=inp.query, documents=documents, params=inp.params,
                                            timeout_ms=inp.timeout_ms, metadata=metadata)
-        try:
-            event = await future
-        finally:
-            if not future.done() or future.cancelled():  # cancelled: the client left or its deadline passed
-                self.bridge.abort(lc.engine_id)
-        if isinstance(event, ServiceError):
-            raise event
-        if event.finish_reason is FinishReason.ABORT:  # aborted by the server (drain timeout)
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "rerank aborted: the server is shutting down; retry")
+        event = await self._final(future, lc, "rerank")
         params = inp.params
         results = rank_scores(event.scores, inp.documents, params.top_n, params.return_documents,
                               event.document_tokens, event.truncated)
         return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode)
+
+    async def _final(self, future: asyncio.Future, lc: RequestLifecycle, what: str) -> StepOutput:
+        """The one final output of an admitted rerank or embed job; cancelling the await (the client left, its
+        deadline passed) aborts the job. Raises its ServiceError, or UNAVAILABLE if the server aborted it."""
+        try:
+            event = await future
+        finally:
+            if not future.done() or future.cancelled():
+                self.bridge.abort(lc.engine_id)
+        if isinstance(event, ServiceError):
+            raise event
+        if event.finish_reason is FinishReason.ABORT:  # aborted by the server (drain timeout)
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{what} aborted: the server is shutting down; retry")
+        return event
 
     # ---- embeddings ------------------------------------------------------------------------------
 
@@ -413,15 +419,7 @@ class CoreAPI:
             lc = self.bridge.submit_embed(inp.request_id, lambda event: future.done() or future.set_result(event),
                                           inputs=inp.inputs, params=inp.params, timeout_ms=inp.timeout_ms,
                                           metadata=metadata)
-        try:
-            event = await future
-        finally:
-            if not future.done() or future.cancelled():  # cancelled: the client left or its deadline passed
-                self.bridge.abort(lc.engine_id)
-        if isinstance(event, ServiceError):
-            raise event
-        if event.finish_reason is FinishReason.ABORT:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "embed aborted: the server is shutting down; retry")
+        event = await self._final(future, lc, "embed")
         return EmbedOutcome(inp.request_id, event.embeddings, event.truncated, Usage.of(lc), self.info.embedder)
 
     # ---- tokens ----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Callable
 
 from service import ports
 from service.access_log import AccessLog
-from service.bridge import EngineBridge
+from service.bridge import EngineBridge, settle
 from service.core import CoreAPI, short_name
 from service.lifecycle import LifecycleHooks
 from service.metrics import Metrics
@@ -140,7 +140,7 @@ async def _in_own_thread(fn: Callable, *args):
         except BaseException as exc:  # noqa: BLE001 (re-raised on the loop)
             outcome = (None, exc)
         try:
-            loop.call_soon_threadsafe(_settle, done, *outcome)
+            loop.call_soon_threadsafe(settle, done, *outcome)
         except RuntimeError:  # the loop is closed: start-up was interrupted, nobody waits for the result
             pass
 
@@ -151,15 +151,6 @@ async def _in_own_thread(fn: Callable, *args):
     finally:
         if not done.cancelled():  # it handed over its result or error: only its exit (and its OpenMP pool's) is left
             thread.join()
-
-
-def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
 
 
 class StartupError(Exception):

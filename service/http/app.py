@@ -279,13 +279,19 @@ async def _until_gone(awaitable: Awaitable, watcher: asyncio.Future) -> Any:
 
 # ---- rerank --------------------------------------------------------------------------------------
 
-async def _rerank(door: Door, request: Request, inp: RerankInput) -> RerankOutcome:
+async def _unary(door: Door, request: Request, call, inp):
+    """`call(inp, metadata)` of the core API (rerank, embed) with the request's timeout; a client that disconnects
+    first cancels it (the core then aborts the engine job)."""
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
-        return await _until_gone(door.core.rerank(dataclasses.replace(inp, timeout_ms=_timeout_ms(request)),
-                                                  door.meta(request)), watcher)
+        return await _until_gone(call(dataclasses.replace(inp, timeout_ms=_timeout_ms(request)), door.meta(request)),
+                                 watcher)
     finally:
         watcher.cancel()
+
+
+async def _rerank(door: Door, request: Request, inp: RerankInput) -> RerankOutcome:
+    return await _unary(door, request, door.core.rerank, inp)
 
 
 async def _cohere(door: Door, request: Request, default_return_documents: bool) -> Response:
@@ -419,12 +425,7 @@ class _BodyLimit:
 # ---- embeddings ----------------------------------------------------------------------------------
 
 async def _embed(door: Door, request: Request, inp: EmbedInput) -> EmbedOutcome:
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        return await _until_gone(door.core.embed(dataclasses.replace(inp, timeout_ms=_timeout_ms(request)),
-                                                 door.meta(request)), watcher)
-    finally:
-        watcher.cancel()
+    return await _unary(door, request, door.core.embed, inp)
 
 
 async def _openai_embeddings(door: Door, request: Request) -> Response:
