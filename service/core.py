@@ -348,11 +348,7 @@ class CoreAPI:
         if (inp.prompt is None) == (inp.messages is None):
             raise invalid("request has no input: set prompt, messages or token_ids" if inp.prompt is None
                           else "give either prompt or messages, not both")
-        for i, m in enumerate(inp.messages or ()):
-            if not m.get("role"):
-                raise invalid(f"messages[{i}].role must not be empty (e.g. 'system', 'user', 'assistant')")
-            if m["role"] not in CHAT_ROLES:
-                raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m['role']!r}")
+        _check_roles(inp.messages)
 
     def abort(self, engine_id: str) -> None:
         self.bridge.abort(engine_id)
@@ -429,9 +425,7 @@ class CoreAPI:
         """A prompt's token ids (as a generation would have them), or a chat's as the chat template renders it for
         a reply; on a worker thread. Raises ServiceError."""
         self.check_model(model)
-        for i, m in enumerate(messages or ()):
-            if m.get("role") not in CHAT_ROLES:
-                raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m.get('role')!r}")
+        _check_roles(messages)
         try:
             if prompt is not None and not add_special_tokens:
                 if not prompt:
@@ -492,6 +486,15 @@ def json_schema(text: str, where: str) -> dict:
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be a JSON object (a schema), got {type(schema).__name__}")
     return schema
+
+
+def _check_roles(messages: list[dict[str, str]] | None) -> None:
+    """A chat's roles, the same for a generation and for /tokenize."""
+    for i, m in enumerate(messages or ()):
+        if not m.get("role"):
+            raise invalid(f"messages[{i}].role must not be empty (e.g. 'system', 'user', 'assistant')")
+        if m["role"] not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m['role']!r}")
 
 
 def _plain_ids(tokenizer, text: str) -> list[int]:
