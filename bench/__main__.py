@@ -66,13 +66,13 @@ TARGETS = (
            ("efficiency", "overhead_share"), 0.05, higher_is_better=False, unit=""),
     Target("Large-batch decode FLOP utilisation vs fp32 matmul peak (same run)", "throughput", ("efficiency", "mfu"),
            0.6, unit=""),
-    # Issue #16: on every corpus and first-stage depth K of bench/rerank_quality.py (worst case of each), the default
-    # reranker on the embedded model beats BM25's own order by more than two standard errors of the paired
-    # per-query nDCG@10 difference, and comes within 0.02 nDCG@10 of the dense MiniLM bi-encoder or beats it.
-    Target("Rerank quality: default LLM reranker nDCG@10 over first-stage BM25, in standard errors (worst corpus, K)",
-           "rerank_quality", ("targets", "vs_bm25_min_stderrs"), 2.0, unit=""),
-    Target("Rerank quality: default LLM reranker nDCG@10 minus the dense MiniLM bi-encoder (worst corpus, K)",
-           "rerank_quality", ("targets", "minus_dense_min"), -0.02, unit=""),
+    # Issue #37: on every corpus and first-stage depth K of bench/rerank_quality.py at RAG lengths (worst case of
+    # each), the default rerank mode (fusion, with the embedded embedder as tandem serve loads it) ranks at least
+    # 0.03 nDCG@10 above BM25's own order and 0.01 above the dense MiniLM bi-encoder (paired, same queries).
+    Target("Rerank quality: default reranker nDCG@10 minus first-stage BM25 (worst corpus, K)",
+           "rerank_quality", ("targets", "vs_bm25_min"), 0.03, unit=""),
+    Target("Rerank quality: default reranker nDCG@10 minus the dense MiniLM bi-encoder (worst corpus, K)",
+           "rerank_quality", ("targets", "minus_dense_min"), 0.01, unit=""),
     # issue #19: one chat at a time, on the embedded model's own 4-bit blocks, against llama.cpp on the same file.
     Target("Batch-1 decode tok/s, tandem (GGUF 4-bit) vs llama.cpp on the same file and threads", "single",
            ("ratios", "gguf_vs_llama_cpp"), 1.0),

@@ -13,6 +13,9 @@ class RerankMode(str, enum.Enum):
     LIKELIHOOD = "likelihood"  # query likelihood: the default for a causal LM
     JUDGE = "judge"  # yes/no prompt, for Qwen3-Reranker-style checkpoints
     CROSS_ENCODER = "cross-encoder"  # a sequence classifier (reranker=DIR)
+    # query likelihood and the embedder's cosine, each min-max scaled over the request's documents, then averaged
+    # (engine/rerank/fusion.py): the default when an embedder is loaded and no cross-encoder is given
+    FUSION = "fusion"
 
     def __str__(self) -> str:
         return self.value
@@ -32,9 +35,10 @@ class EngineConfig:
     # decoder.py: Llama, Mistral, Qwen2/3, Gemma 2/3); None: the embedded SmolLM2
     model: str | None = None
     reranker: str | None = None  # cross-encoder directory; None: the causal LM scores pairs (rerank_mode)
-    # How pairs are scored: "likelihood" (query likelihood, the default for a causal LM), "judge" (yes/no prompt,
-    # for Qwen3-Reranker-style checkpoints) or "cross-encoder" (needs reranker=DIR); None: the default for what is
-    # loaded (cross-encoder when reranker is set, else likelihood).
+    # How pairs are scored: "likelihood" (query likelihood), "fusion" (query likelihood fused with the embedder's
+    # cosine; needs an embedder), "judge" (yes/no prompt, for Qwen3-Reranker-style checkpoints) or "cross-encoder"
+    # (needs reranker=DIR); None: the default for what is loaded (cross-encoder when reranker is set, else fusion
+    # when an embedder is, else likelihood).
     rerank_mode: RerankMode | None = None  # a RerankMode's value (a plain string) is taken too
     # A Jinja chat template (a file's path or the template itself) replacing the tokenizer's own, or giving a base
     # model (a GGUF without one) a template at all; None: the tokenizer's.
@@ -101,6 +105,9 @@ class EngineConfig:
         if self.reranker and self.rerank_mode not in (None, RerankMode.CROSS_ENCODER):
             raise ValueError(f"reranker={self.reranker!r} is a cross-encoder; rerank_mode {self.rerank_mode.value!r} "
                              "scores with the LLM: leave one of them unset")
+        if self.rerank_mode is RerankMode.FUSION and not self.embedder:
+            raise ValueError("rerank_mode 'fusion' fuses query likelihood with the embedder's cosine: it needs "
+                             "embedder=... (tandem serve --embedder)")
         if self.cpu_activations not in ("float32", "int8"):
             raise ValueError(f"cpu_activations must be 'float32' or 'int8', got {self.cpu_activations!r}")
         if self.quantization not in (None, "gguf", "int8", "none"):

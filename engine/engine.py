@@ -87,8 +87,8 @@ class LLMEngine:
         if job.request_id != request_id:
             raise ValueError(f"prepared job is {job.request_id!r}, not {request_id!r}")
         self._requests[request_id] = job
-        for pair in job.pairs:
-            self.scheduler.add(pair)
+        for seq in job.sequences:
+            self.scheduler.add(seq)
 
     def prepare_embed(self, request_id: str, inputs: list[str] | list[list[int]],
                       params: EmbedParams | None = None) -> EmbedJob:
@@ -240,11 +240,13 @@ class LLMEngine:
             if seq.kind is SeqKind.EMBED:  # a row runs whole: its vector is done
                 finished[seq] = SequenceStatus.FINISHED_STOPPED
                 job = requests[seq.request_id]
-                job.vectors[seq.index] = self.embedder.finish(vector, job.params)
+                if isinstance(job, RerankJob):  # a fusing rerank's query or document
+                    job.vectors[seq.index] = vector
+                else:
+                    job.vectors[seq.index] = self.embedder.finish(vector, job.params)
                 job.remaining -= 1
                 if not job.remaining:
-                    del requests[job.request_id]
-                    outputs.append(_final_output(job, FinishReason.STOP))
+                    outputs.append(self._done(job))
                 continue
             if seq.kind is SeqKind.RERANK:
                 job = requests[seq.request_id]
@@ -257,8 +259,7 @@ class LLMEngine:
                 job.scores[index] = self.scorer.pair_score(score, job.span_logprobs[index])
                 job.remaining -= 1
                 if not job.remaining:
-                    del requests[job.request_id]
-                    outputs.append(_final_output(job, FinishReason.STOP))
+                    outputs.append(self._done(job))
                 continue
             if seq.status is not SequenceStatus.RUNNING or seq in finished:
                 continue  # its request failed earlier in this step
@@ -270,6 +271,13 @@ class LLMEngine:
             if token is not None:
                 outputs.append(self._append(gen, seq, token, lp, now, finished))
         return outputs
+
+    def _done(self, job: RerankJob | EmbedJob) -> StepOutput:
+        """The final output of a rerank or embedding job whose last pair or row has run."""
+        del self._requests[job.request_id]
+        if isinstance(job, RerankJob):
+            job.scores = self.scorer.request_scores(job.scores, job.vectors if job.rows else None)
+        return _final_output(job, FinishReason.STOP)
 
     def _append(self, gen: Generation, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float,
                 finished: dict[Sequence, SequenceStatus]) -> StepOutput:
@@ -370,7 +378,7 @@ class LLMEngine:
 # ---- outputs: built here and nowhere else ----------------------------------------------------------------
 
 def _seqs_of(req: Request) -> list[Sequence]:
-    return req.pairs if isinstance(req, RerankJob) else req.rows if isinstance(req, EmbedJob) else req.seqs
+    return req.sequences if isinstance(req, RerankJob) else req.rows if isinstance(req, EmbedJob) else req.seqs
 
 
 def _delta_output(gen: Generation, seq: Sequence, token: int, text: str) -> StepOutput:
@@ -440,7 +448,7 @@ def _final_output(req: Request, reason: FinishReason, error: str | None = None) 
                           arrival_time=req.arrival_time,
                           queue_time_s=min(started) - req.arrival_time if started else None)
     if isinstance(req, RerankJob):
-        started = [p.first_scheduled_time for p in req.pairs if p.first_scheduled_time is not None]
+        started = [p.first_scheduled_time for p in req.sequences if p.first_scheduled_time is not None]
         return StepOutput(request_id=req.request_id, kind=SeqKind.RERANK, finished=True, finish_reason=reason,
                           error=error, scores=list(req.scores) if reason is FinishReason.STOP else None,
                           document_tokens=list(req.document_tokens) if reason is FinishReason.STOP else None,

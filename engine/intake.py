@@ -141,7 +141,28 @@ class RequestIntake:
                 params=params, arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.RERANK,
                 priority=params.priority, uses_kv=scorer.runs_on_llm, logprob_start=pair.logprob_start,
                 pair=RerankPair(i, wait_for=first, token_type_ids=pair.token_type_ids)))
+        if scorer.embeds:
+            self._rerank_rows(job)
         return job
+
+    def _rerank_rows(self, job: RerankJob) -> None:
+        """A fusing mode's embedder rows: the query's, then each document's (cut to the embedder's limit as an
+        embedding request's are), in the same steps as the pairs."""
+        embedder = self.embedder
+        if embedder is None:
+            raise ValueError(f"the {self.scorer.mode} rerank mode needs an embedder, and this engine has none")
+        params = EmbedParams(priority=job.params.priority)
+        rows = embedder.rows([job.query, *job.documents], None, params)
+        if any(len(r.token_ids) > self.budget for r in rows):
+            raise ValueError(f"a document has more embedder tokens than one step takes ({self.budget}, "
+                             "--max-num-batched-tokens): its embedder row runs whole in one step")
+        job.vectors = [None] * len(rows)
+        job.remaining += len(rows)
+        for i, row in enumerate(rows):
+            job.rows.append(Sequence(
+                request_id=job.request_id, token_ids=row.token_ids, num_prompt_tokens=len(row.token_ids),
+                params=params, arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.EMBED,
+                priority=params.priority, uses_kv=False, index=i))
 
     def embed(self, request_id: str, inputs: list[str] | list[list[int]], params: EmbedParams | None) -> EmbedJob:
         """A job with one prefill-only, KV-free row per input (texts, or token ids in the embedder's vocabulary)."""

@@ -8,17 +8,30 @@ from engine.rerank.pairs import PairTemplate, PairTokens
 from engine.rerank.scorer import PairScorer
 from engine.settings import Settings
 
-# The default mode for a causal LM: query likelihood measured best on the retrieval-quality benchmark
-# (bench/rerank_quality.py; figures in docs/benchmarks.md "Rerank quality").
+# The default mode for a causal LM: query likelihood measured best of the LLM-only modes on the retrieval-quality
+# benchmark, and its fusion with the embedder's cosine best of all when an embedder is loaded (bench/rerank_quality.py;
+# figures in docs/benchmarks.md "Rerank quality").
 DEFAULT_LLM_MODE = RerankMode.LIKELIHOOD
+DEFAULT_WITH_EMBEDDER = RerankMode.FUSION
 
-__all__ = ["PairScorer", "PairTemplate", "PairTokens", "RerankJob", "build_scorer", "DEFAULT_LLM_MODE"]
+__all__ = ["PairScorer", "PairTemplate", "PairTokens", "RerankJob", "build_scorer", "default_mode",
+           "DEFAULT_LLM_MODE", "DEFAULT_WITH_EMBEDDER"]
+
+
+def default_mode(config: EngineConfig) -> RerankMode:
+    """The mode `config` runs: rerank_mode when set, else a cross-encoder when one is given, else fusion when an
+    embedder is loaded, else query likelihood."""
+    if config.rerank_mode is not None:
+        return config.rerank_mode
+    if config.reranker:
+        return RerankMode.CROSS_ENCODER
+    return DEFAULT_WITH_EMBEDDER if config.embedder else DEFAULT_LLM_MODE
 
 
 def build_scorer(config: EngineConfig, tokenizer, model, settings: Settings) -> PairScorer:
     """The rerank mode `config` asks for (rerank_mode, or the default for what is loaded); `settings`: where the
     embedded model is cached, which attention backend a cross-encoder runs."""
-    mode = config.rerank_mode or (RerankMode.CROSS_ENCODER if config.reranker else DEFAULT_LLM_MODE)
+    mode = default_mode(config)
     if mode is RerankMode.CROSS_ENCODER:
         from engine.models.encoder_loader import CrossEncoder
         from engine.models.loader import resolve_model_dir
@@ -31,6 +44,10 @@ def build_scorer(config: EngineConfig, tokenizer, model, settings: Settings) -> 
         from engine.rerank.judge import JudgeScorer
 
         return JudgeScorer(tokenizer, model)
+    if mode is RerankMode.FUSION:
+        from engine.rerank.fusion import FusionScorer
+
+        return FusionScorer(tokenizer)
     from engine.rerank.likelihood import LikelihoodScorer
 
     return LikelihoodScorer(tokenizer)

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import RerankParams
 from engine.request import Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True, eq=False)
@@ -21,10 +25,19 @@ class RerankJob:
     remaining: int = 0
     document_tokens: list[int] = field(default_factory=list)  # per document: its tokens the pair scores
     truncated: list[bool] = field(default_factory=list)  # per document: cut at its end to fit the pair limit
+    # A mode that embeds (fusion): one embedder row for the query, then one per document, and their pooled vectors
+    # as the rows run (engine.py fills them); empty otherwise.
+    rows: list[Sequence] = field(default_factory=list)
+    vectors: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(p.num_prompt_tokens for p in self.pairs)
+        """Every token the request computes: its pairs' and its embedder rows'."""
+        return sum(p.num_prompt_tokens for p in self.pairs) + sum(r.num_prompt_tokens for r in self.rows)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.pairs + self.rows
 
     @property
     def cached_tokens(self) -> int:

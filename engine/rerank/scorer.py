@@ -24,6 +24,9 @@ class PairScorer(ABC):
     # which a pair prefilled in chunks gets over several steps. Either way pair_score() makes the pair's score.
     scores_last_position: ClassVar[bool] = True
     max_length: int | None = None  # the scorer's own cap on a pair's tokens, if it has one
+    # True: the request's query and documents also run through the embedder (KV-free rows in the same steps as the
+    # pairs) and request_scores() combines both signals (the fusion mode).
+    embeds: ClassVar[bool] = False
 
     @abstractmethod
     def template(self, query: str, params: RerankParams) -> PairTemplate:
@@ -45,6 +48,11 @@ class PairScorer(ABC):
         if last is None:
             raise ValueError(f"the {self.mode} mode scores at a pair's last position, and none was scored")
         return last
+
+    def request_scores(self, pair_scores: list[float], vectors: list[torch.Tensor] | None) -> list[float]:
+        """The request's scores once every pair (and, when `embeds`, every embedder row: the query's vector first,
+        then each document's) has run; the pairs' own scores in every mode but fusion."""
+        return pair_scores
 
     def pairs(self, query: str, documents: list[str], params: RerankParams, limit: int, limit_by: str = ""
               ) -> tuple[list[PairTokens], int]:

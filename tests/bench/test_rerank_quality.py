@@ -159,7 +159,7 @@ def test_quick_run_writes_every_ranker_and_corpus(tmp_path):
     assert result["quick"] is True and not result["unavailable_modes"]
     assert set(result["rankers"]) == set(rq.RANKERS)
     assert set(result["corpora"]) == set(CORPORA)
-    assert result["default_mode"] in rq.LLM_MODES
+    assert result["default_mode"] == "fusion"  # the embedded models with the embedded embedder, as tandem serve
     for name, c in result["corpora"].items():
         for k in result["ks"]:
             row = c[f"k{k}"]
@@ -170,7 +170,9 @@ def test_quick_run_writes_every_ranker_and_corpus(tmp_path):
                 for metric in rq.METRICS:
                     assert 0 <= m[metric] <= 1 and m[f"{metric}_stderr"] >= 0
                 assert m["recall@1"] <= m["mrr@10"] + 1e-9 and m["mrr@10"] <= m["ndcg@10"] + 1e-9  # one relevant
-        for ranker in rq.RANKERS[1:]:
+        check = result["fusion_check"][name]  # the engine's fusion mode = the fusion computed from its parts
+        assert check["queries"] == 1 and check["same_order"] == 1 and check["max_abs_diff"] < 1e-4
+        for ranker in [r for r in rq.RANKERS[1:] if r not in rq.FUSIONS]:
             sp = c["speed"][ranker]
             assert sp["pairs"] == c["queries"] * max(result["ks"]) and sp["pairs_s"] > 0
         for mode in rq.LLM_MODES:
