@@ -280,6 +280,7 @@ class AsyncClient:
                                 for r in response.results)
         results.usage = Usage.from_proto(response.usage)
         results.replica = replica
+        results.mode = response.mode
         return results
 
     async def embed(self, texts: str | Sequence[str], *, normalize: bool = True, dimensions: int | None = None,

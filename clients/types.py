@@ -90,6 +90,7 @@ class RerankResults(list):
     """RerankResult items sorted by score (highest first), plus the request's usage and serving replica."""
     usage: Usage | None = None
     replica: str | None = None  # x-tandem-replica of the replica that answered
+    mode: str = ""  # the rerank mode that scored them (likelihood, fusion, judge, cross-encoder)
 
 
 class TandemError(Exception):

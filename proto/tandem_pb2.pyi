@@ -259,14 +259,16 @@ class RerankResult(_message.Message):
     def __init__(self, index: _Optional[int] = ..., score: _Optional[float] = ..., document: _Optional[str] = ..., document_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class RerankResponse(_message.Message):
-    __slots__ = ("request_id", "results", "usage")
+    __slots__ = ("request_id", "results", "usage", "mode")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     results: _containers.RepeatedCompositeFieldContainer[RerankResult]
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    mode: str
+    def __init__(self, request_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class RerankStreamResponse(_message.Message):
     __slots__ = ("request_id", "response", "error")

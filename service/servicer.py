@@ -334,7 +334,8 @@ def _generate_error(client_id: str, error: ServiceError) -> pb.GenerateServerMes
 def rerank_response(outcome: RerankOutcome) -> pb.RerankResponse:
     results = [pb.RerankResult(index=r.index, score=r.score, document=r.document, document_tokens=r.document_tokens,
                                truncated=r.truncated) for r in outcome.results]
-    return pb.RerankResponse(request_id=outcome.request_id, results=results, usage=_usage(outcome.usage))
+    return pb.RerankResponse(request_id=outcome.request_id, results=results, usage=_usage(outcome.usage),
+                             mode=str(outcome.mode))
 
 
 def embed_response(outcome: EmbedOutcome) -> pb.EmbedResponse:

@@ -298,7 +298,8 @@ async def _cohere(door: Door, request: Request, default_return_documents: bool) 
     door.authorize(request, "Rerank")
     body = openai_schema.parse(rerank_schema.CohereRerank, await request.body())
     outcome = await _rerank(door, request, body.to_input(default_return_documents))
-    return JSONResponse(rerank_schema.cohere_response(outcome, model=door.core.model_name(body.model)))
+    return JSONResponse(rerank_schema.cohere_response(outcome, model=door.core.model_name(body.model)),
+                        headers=rerank_schema.mode_header(outcome))
 
 
 async def _cohere_v1(door: Door, request: Request) -> Response:
@@ -312,7 +313,8 @@ async def _cohere_v2(door: Door, request: Request) -> Response:
 async def _tei(door: Door, request: Request) -> Response:
     door.authorize(request, "Rerank")
     body = openai_schema.parse(rerank_schema.TeiRerank, await request.body())
-    return JSONResponse(rerank_schema.tei_response(await _rerank(door, request, body.to_input())))
+    outcome = await _rerank(door, request, body.to_input())
+    return JSONResponse(rerank_schema.tei_response(outcome), headers=rerank_schema.mode_header(outcome))
 
 
 # ---- tokens, version, info -----------------------------------------------------------------------

@@ -96,6 +96,13 @@ def _int32(value: int, name: str) -> int:
     return value
 
 
+MODE_HEADER = "x-tandem-rerank-mode"  # which rerank mode scored a response (its body keeps each API's own shape)
+
+
+def mode_header(outcome: RerankOutcome) -> dict[str, str]:
+    return {MODE_HEADER: str(outcome.mode)}
+
+
 def cohere_response(outcome: RerankOutcome, *, model: str) -> dict:
     """Cohere's fields (id, results, meta) plus Jina's (model, usage, document as {text})."""
     results = []

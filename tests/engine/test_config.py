@@ -118,7 +118,7 @@ def test_engine_config_rejects(field, value):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(rerank_mode="bm25"), "rerank_mode must be one of likelihood, judge, cross-encoder, got 'bm25'"),
+    (dict(rerank_mode="bm25"), "rerank_mode must be one of likelihood, judge, cross-encoder, fusion, got 'bm25'"),
     (dict(rerank_mode="cross-encoder"), "needs reranker=DIR"),
     (dict(rerank_mode="judge", reranker="/some/dir"), "leave one of them unset"),
 ])

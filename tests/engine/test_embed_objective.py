@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine import EmbedParams
 from engine.admission import LatencyAdmission
 from engine.config import EMBEDDED_EMBEDDER
 from engine.step_time import LinearStepTime, StepShape
@@ -53,4 +54,7 @@ def test_chats_pairs_and_embeddings_share_steps_under_the_target():
     # Embedding tokens reach the model as their own feature, with the record's own shape.
     computed = [r for r in records if r.num_seqs]
     assert model.observed == [(StepShape.of_record(r), r.duration_s) for r in computed]
-    assert sum(s.embed_tokens for s, _ in model.observed) == finished["emb"].prompt_tokens
+    # ... the embedding request's rows and the fused rerank's (the default with an embedder: query and documents)
+    fused_rows = engine.embedder.rows(["how do bees make honey", *DOCS], None, EmbedParams())
+    assert sum(s.embed_tokens for s, _ in model.observed) == finished["emb"].prompt_tokens + sum(
+        len(r.token_ids) for r in fused_rows)

@@ -18,19 +18,23 @@ def co(http_url):
 
 def _grpc_scores(address: str, documents: list[str]) -> dict[int, float]:
     with Client(address) as c:
-        return {r.index: r.score for r in c.rerank(QUERY, documents)}
+        results = c.rerank(QUERY, documents)
+    assert results.mode == "fusion"  # the default with the embedder loaded, and the response says so
+    return {r.index: r.score for r in results}
 
 
 def test_http_scores_equal_grpc_rerank(served, http_url, co, offline):
     _grpc_scores(served.address, DOCUMENTS)  # both doors then find the query's prefix cached
     grpc_scores = _grpc_scores(served.address, DOCUMENTS)
     r = co.rerank(model=str(served.core.info.model), query=QUERY, documents=DOCUMENTS)
-    assert {x.index: x.relevance_score for x in r.results} == grpc_scores
+    assert {x.index: x.relevance_score for x in r.results} == pytest.approx(grpc_scores, abs=1e-6)
     with httpx.Client(base_url=http_url) as h:
-        tei = h.post("/rerank", json={"query": QUERY, "texts": DOCUMENTS}).json()
-        v1 = h.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS}).json()
-    assert {x["index"]: x["score"] for x in tei} == grpc_scores
-    assert {x["index"]: x["relevance_score"] for x in v1["results"]} == grpc_scores
+        tei_r = h.post("/rerank", json={"query": QUERY, "texts": DOCUMENTS})
+        v1_r = h.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS})
+    assert tei_r.headers["x-tandem-rerank-mode"] == v1_r.headers["x-tandem-rerank-mode"] == "fusion"
+    tei, v1 = tei_r.json(), v1_r.json()
+    assert {x["index"]: x["score"] for x in tei} == pytest.approx(grpc_scores, abs=1e-6)
+    assert {x["index"]: x["relevance_score"] for x in v1["results"]} == pytest.approx(grpc_scores, abs=1e-6)
     assert [grpc_scores[i] for i in range(len(DOCUMENTS))] == pytest.approx(offline.scores, rel=1e-4)
 
 
