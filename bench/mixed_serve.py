@@ -1,22 +1,27 @@
-"""Chats keep their pace under a rerank flood, measured through `tandem serve` (issue #25).
+"""Chats keep their pace under a rerank and embedding flood, measured through `tandem serve` (issues #25, #37).
 
 Each setting runs on its own `tandem serve` subprocess (this checkout's code), fed by this process over gRPC:
 
 * solo: --chats chats (greedy, EOS ignored, --max-tokens each) stream at once, nothing else; the client stamps every
   token (time.perf_counter at arrival), TPOT = the gap between consecutive tokens of one chat. T = --factor x the
   solo p50 (the issue's target: 1.5x solo).
-* flood: --flood-clients clients each send Rerank requests of --docs documents (~--doc-tokens tokens each, default
-  likelihood mode) back to back; once every flood client has a request in flight, the same chats start. TPOT
+* flood: --flood-clients clients each send Rerank requests of --docs documents (~--doc-tokens tokens each, the
+  server's default mode unless --reranker names one) back to back, and --embed-clients clients Embed requests of
+  --docs such texts; once every flood client has a request in flight, the same chats start. TPOT
   during the flood = the chats' gaps; rerank pairs/s = documents of the Rerank responses that completed while the
   chats ran / that window. Once per fixed --shares value (`--rerank-share`) and once with the objective
-  (`--tpot-target-ms T`), and, with --cross-encoder DIR, once more with the objective and that cross-encoder as
+  (`--tpot-target-ms T`, --runs times, each on a fresh server), and, with --cross-encoder DIR, once more with the objective and that cross-encoder as
   `--reranker` (its pairs cannot be chunked).
 * The service's own delay: each phase also scrapes the server's /metrics before and after, so the engine's mean
   step time (`tandem_step_duration_seconds`), the engine thread's time between busy steps
   (`tandem_step_gap_seconds`: applying commands such as tokenizing a new rerank request) and the engine-side TPOT
   (`tandem_time_per_output_token_seconds`) stand beside the client-side TPOT of the same run.
+* The engine's own record of each step (`tandem serve --step-log`) beside the chats' token gaps, same clock: the
+  decode steps' times and the objective's prediction errors, the time between steps, the longest wait between two
+  steps that embedded something, and for every chat gap over T whether a step inside it ran over T
+  ("step_over_T": the step-time model or the admission let it) or not ("between_steps": time outside the steps).
 
-Figures: p99 TPOT during the flood / T (target <= 1.25, stretch 1.1) and the objective's rerank pairs/s / the best
+Figures: p99 TPOT during the flood / T (target <= 1.25 in every run, stretch 1.1) and the objective's rerank pairs/s / the best
 fixed share whose p99 stayed under T (target >= 0.8). Writes bench/results/mixed_serve.json (one JSON line) and
 bench/results/mixed_serve.png (p99 TPOT / T against rerank pairs/s, one point per share, the objective's marked).
 The JSON records the 1-minute load average: on a shared host the figures are indicative only.
@@ -35,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -49,14 +55,15 @@ _METRICS = ("tandem_step_duration_seconds", "tandem_step_gap_seconds", "tandem_t
 
 
 class Server:
-    """`python -m service.cli serve --port 0` from this checkout, with its own metrics port."""
+    """`python -m service.cli serve --port 0` from this checkout, with its own metrics port and a step log."""
 
     def __init__(self, flags: list[str]) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.metrics_port = s.getsockname()[1]
+        self.step_log = Path(tempfile.mkdtemp()) / "steps.jsonl"
         cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--http-port", "off", "--metrics-port",
-               str(self.metrics_port), "--log-level", "WARNING", *flags]
+               str(self.metrics_port), "--log-level", "WARNING", "--step-log", str(self.step_log), *flags]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env=os.environ.copy())
         for line in self.proc.stdout:
@@ -111,17 +118,33 @@ async def _flood(client: AsyncClient, query: str, docs: list[str], started: asyn
         done.append((time.perf_counter(), len(results)))
 
 
-async def run_phase(server: Server, prompts: list[str], max_tokens: int, flood: list[tuple[str, list[str]]] | None
-                    ) -> dict:
+async def _embed_flood(client: AsyncClient, texts: list[str], started: asyncio.Event, stop: asyncio.Event,
+                       done: list[tuple[float, int]], in_flight: list[int]) -> None:
+    while not stop.is_set():
+        in_flight[0] += 1
+        if in_flight[0] >= in_flight[1]:
+            started.set()
+        vectors = await client.embed(texts, timeout=600)
+        in_flight[0] -= 1
+        done.append((time.perf_counter(), len(vectors)))
+
+
+async def run_phase(server: Server, prompts: list[str], max_tokens: int, flood: list[tuple[str, list[str]]] | None,
+                    embed_flood: list[list[str]] | None = None) -> dict:
     async with AsyncClient(server.address) as client:
         await client.rerank("warm up", ["a short document"], timeout=600)
+        if embed_flood:
+            await client.embed(["warm up"], timeout=600)
         await _chat(client, "Warm up.", 4)
         stop, started = asyncio.Event(), asyncio.Event()
         done: list[tuple[float, int]] = []
+        embedded: list[tuple[float, int]] = []
         tasks = []
-        if flood:
-            in_flight = [0, len(flood)]
-            tasks = [asyncio.create_task(_flood(client, q, d, started, stop, done, in_flight)) for q, d in flood]
+        if flood or embed_flood:
+            in_flight = [0, len(flood or ()) + len(embed_flood or ())]
+            tasks = [asyncio.create_task(_flood(client, q, d, started, stop, done, in_flight)) for q, d in flood or ()]
+            tasks += [asyncio.create_task(_embed_flood(client, texts, started, stop, embedded, in_flight))
+                      for texts in embed_flood or ()]
             await started.wait()
         before = server.metrics()
         t0 = time.perf_counter()
@@ -137,18 +160,70 @@ async def run_phase(server: Server, prompts: list[str], max_tokens: int, flood: 
     # Pairs the engine scored while the chats ran (a pair is counted when its last chunk runs), not the responses
     # that happened to complete in that window: a 40-document request outlasts a short window.
     pairs = after["rerank_pairs"] - before["rerank_pairs"]
+    texts = sum(n for t, n in embedded if t0 <= t <= t1)
     return {"tpot_p50_ms": 1000 * percentile(gaps, 50), "tpot_p99_ms": 1000 * percentile(gaps, 99),
             "tpot_mean_ms": 1000 * sum(gaps) / len(gaps), "gaps": len(gaps), "window_s": t1 - t0,
             "request_tpot_mean_ms": 1000 * sum(per_request) / len(per_request),
-            "rerank_pairs_per_s": pairs / (t1 - t0) if flood else None, **_means(before, after)}
+            "rerank_pairs_per_s": pairs / (t1 - t0) if flood else None,
+            "embed_texts_per_s": texts / (t1 - t0) if embed_flood else None,
+            **_means(before, after), "_window": (t0, t1), "_stamps": stamps}
 
 
-async def measure(flags: list[str], prompts, max_tokens, flood) -> dict:
+def analyse_steps(records: list[dict], stamps: list[list[float]], window: tuple[float, float],
+                  target_ms: float | None) -> dict:
+    """The engine's step records beside the chats' token gaps of the same run (both on the monotonic clock):
+    whether the gaps over T come from steps that ran over T (mispredicted or admitted over it) or from time between
+    steps (the engine thread busy elsewhere, the loop late), and how often embeddings progressed."""
+    t0, t1 = window
+    steps = sorted((r for r in records if t0 <= r["start_time"] <= t1), key=lambda r: r["start_time"])
+    out: dict = {"steps": len(steps)}
+    if not steps:
+        return out
+    decode = [r for r in steps if r["decode_tokens"]]
+    idle = [b["start_time"] - (a["start_time"] + a["duration_s"]) for a, b in zip(steps, steps[1:])]
+    out |= {"decode_steps": len(decode),
+            "decode_step_p50_ms": 1000 * percentile([r["duration_s"] for r in decode], 50) if decode else None,
+            "decode_step_p99_ms": 1000 * percentile([r["duration_s"] for r in decode], 99) if decode else None,
+            "between_steps_p99_ms": 1000 * percentile(idle, 99) if idle else None,
+            "between_steps_max_ms": 1000 * max(idle) if idle else None}
+    errors = [(r["duration_s"] - r["predicted_s"]) for r in decode if r.get("predicted_s") is not None]
+    if errors:
+        out["decode_step_prediction_error_ms_p50"] = 1000 * percentile(errors, 50)
+        out["decode_step_prediction_error_ms_p99"] = 1000 * percentile(errors, 99)
+    embeds = [r["start_time"] + r["duration_s"] for r in steps if r["embed_rows"]]
+    if embeds:
+        marks = [t0, *embeds, t1]
+        out["embed_longest_wait_s"] = max(b - a for a, b in zip(marks, marks[1:]))
+    if target_ms is None:
+        return out
+    target = target_ms / 1000
+    over_steps = [r for r in decode if r["duration_s"] > target]
+    out["decode_steps_over_T"] = len(over_steps)
+    out["decode_steps_over_T_shapes"] = [
+        {k: r[k] for k in ("duration_s", "predicted_s", "decode_tokens", "prefill_tokens", "rerank_tokens",
+                           "rerank_pairs", "embed_rows", "embed_tokens", "cross_encoder_tokens")}
+        for r in sorted(over_steps, key=lambda r: -r["duration_s"])[:8]]
+    # Each chat gap over T: the steps that ended inside it; "step" if one of them ran over T, else "between".
+    ends = [(r["start_time"] + r["duration_s"], r) for r in steps]
+    causes = {"step_over_T": 0, "between_steps": 0}
+    for chat in stamps:
+        for a, b in zip(chat, chat[1:]):
+            if b - a <= target:
+                continue
+            inside = [r for e, r in ends if a < e <= b]
+            causes["step_over_T" if any(r["duration_s"] > target for r in inside) else "between_steps"] += 1
+    out["gaps_over_T"] = causes
+    return out
+
+
+async def measure(flags: list[str], prompts, max_tokens, flood, embed_flood=None, target_ms=None) -> dict:
     server = Server(flags)
     try:
-        result = await run_phase(server, prompts, max_tokens, flood)
+        result = await run_phase(server, prompts, max_tokens, flood, embed_flood)
     finally:
         server.stop()
+    records = [json.loads(line) for line in server.step_log.read_text().splitlines() if line.strip()]
+    result["engine_steps"] = analyse_steps(records, result.pop("_stamps"), result.pop("_window"), target_ms)
     if result["engine_time_per_output_token_mean_ms"] is not None:
         # The same chats' mean time per token seen by the client and by the server's lifecycle (first token to
         # finish): what delivering tokens through the service adds.
@@ -156,7 +231,8 @@ async def measure(flags: list[str], prompts, max_tokens, flood) -> dict:
                                                  - result["engine_time_per_output_token_mean_ms"])
     result["flags"] = flags
     result["loadavg_1m"] = os.getloadavg()[0]
-    print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in result.items()}), flush=True)
+    print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in result.items()
+                      if k != "engine_steps"}), flush=True)
     return result
 
 
@@ -208,12 +284,15 @@ async def _main(argv: list[str] | None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chats", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--flood-clients", type=int, default=4)
+    ap.add_argument("--flood-clients", type=int, default=2, help="clients flooding Rerank")
+    ap.add_argument("--embed-clients", type=int, default=2, help="clients flooding Embed (--docs texts a request)")
+    ap.add_argument("--runs", type=int, default=3, help="objective phases, each on a fresh server")
     ap.add_argument("--docs", type=int, default=40)
     ap.add_argument("--doc-tokens", type=int, default=150)
     ap.add_argument("--factor", type=float, default=1.5, help="T = factor x solo TPOT p50")
     ap.add_argument("--shares", type=float, nargs="*", default=SHARES)
-    ap.add_argument("--reranker", default="likelihood", choices=["likelihood", "judge"])
+    ap.add_argument("--reranker", default="default", choices=["default", "likelihood", "fusion", "judge"],
+                    help="the rerank mode (default: the server's own, fusion with the embedded embedder)")
     ap.add_argument("--cross-encoder", default=None, help="a cross-encoder directory (or 'minilm': the MiniLM-L6 "
                     "checkpoint of bench/models.py): one more objective phase with it as --reranker")
     ap.add_argument("--quick", action="store_true")
@@ -222,17 +301,21 @@ async def _main(argv: list[str] | None) -> dict:
     ap.add_argument("--out", type=Path, default=RESULTS / "mixed_serve.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.chats, args.max_tokens, args.docs, args.shares = 2, 8, 4, [0.5]
+        args.chats, args.max_tokens, args.docs, args.shares, args.runs = 2, 8, 4, [0.5], 1
     prompts = [f"Tell me a long story about {w}, chapter {i}." for i, w in
                zip(range(args.chats), ["bees", "ships", "trains", "rivers", "stars", "owls", "bread", "glass"] * 4)]
-    flood = _documents(args.flood_clients, args.docs, args.doc_tokens, args.seed)
+    sets = _documents(args.flood_clients + args.embed_clients, args.docs, args.doc_tokens, args.seed)
+    flood = sets[:args.flood_clients]
+    embed_flood = [docs for _, docs in sets[args.flood_clients:]]
     threads = ["--num-threads", str(args.threads)] if args.threads else []
-    base = ["--rerank-mode", args.reranker, *threads]
+    base = [*(["--rerank-mode", args.reranker] if args.reranker != "default" else []), *threads]
     load_start = os.getloadavg()[0]
     solo = await measure(base, prompts, args.max_tokens, None)
     target_ms = args.factor * solo["tpot_p50_ms"]
     print(json.dumps({"target_ms": target_ms}), flush=True)
-    objective = await measure(base + ["--tpot-target-ms", f"{target_ms:.3f}"], prompts, args.max_tokens, flood)
+    runs = [await measure(base + ["--tpot-target-ms", f"{target_ms:.3f}"], prompts, args.max_tokens, flood,
+                          embed_flood, target_ms) for _ in range(args.runs)]
+    objective = runs[0]
     xenc = None
     if args.cross_encoder:  # before the shares: the sweep is the longest part
         directory = args.cross_encoder
@@ -243,16 +326,23 @@ async def _main(argv: list[str] | None) -> dict:
 
             directory = str(minilm_cross_encoder_dir(Path(tempfile.mkdtemp())))
         xenc = await measure([*threads, "--reranker", directory, "--tpot-target-ms", f"{target_ms:.3f}"], prompts,
-                             args.max_tokens, flood)
-    shares = {str(s): await measure(base + ["--rerank-share", str(s)], prompts, args.max_tokens, flood)
+                             args.max_tokens, flood, embed_flood, target_ms)
+    shares = {str(s): await measure(base + ["--rerank-share", str(s)], prompts, args.max_tokens, flood, embed_flood,
+                                    target_ms)
               for s in args.shares}
-    under = [p["rerank_pairs_per_s"] for p in shares.values() if p["tpot_p99_ms"] <= target_ms]
+    under = [p["rerank_pairs_per_s"] for p in shares.values() if p["tpot_p99_ms"] <= target_ms] if shares else []
     best = max(under) if under else None
+    p99s = [r["tpot_p99_ms"] / target_ms for r in runs]
+    waits = [r["engine_steps"].get("embed_longest_wait_s") for r in runs]
     result = {
-        "chats": args.chats, "max_tokens": args.max_tokens, "flood_clients": args.flood_clients, "docs": args.docs,
+        "chats": args.chats, "max_tokens": args.max_tokens, "flood_clients": args.flood_clients,
+        "embed_clients": args.embed_clients, "docs": args.docs,
         "doc_tokens": args.doc_tokens, "reranker": args.reranker, "solo": solo, "target_ms": target_ms,
-        "shares": shares, "objective": objective,
+        "shares": shares, "objective": objective, "objective_runs": runs,
         "objective_p99_over_target": objective["tpot_p99_ms"] / target_ms,
+        "objective_runs_p99_over_target": p99s,
+        "objective_runs_met": sum(p <= 1.25 for p in p99s),
+        "objective_runs_embed_longest_wait_s": waits,
         "best_share_under_target_pairs_per_s": best,
         "shares_p99_over_target": {k: p["tpot_p99_ms"] / target_ms for k, p in shares.items()},
         "objective_pairs_vs_best_share": objective["rerank_pairs_per_s"] / best if best else None,

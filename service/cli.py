@@ -89,6 +89,8 @@ _SERVER_FLAGS = [
     ("--metrics-port", "port", 9464, "Prometheus /metrics and /health, /ready, /healthz port on --host (off or -1: "
                                      "off, 0: any free port)"),
     ("--no-access-log", "switch", False, "no access-log line per finished request (logger tandem.access)"),
+    ("--step-log", str, None, "append one JSON line per engine step (what it served, its time, the objective's "
+                              "prediction) to this file, for offline analysis (default: off)"),
     ("--replica", str, None, "name sent as x-tandem-replica (default host:port)"),
     ("--served-model-name", "names", None, "the model's names in requests and /v1/models (the first is echoed "
                                            "when a request names none; default: the GGUF file's stem or the "
@@ -302,7 +304,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(serve(engine_config, server_config, max_waiting=args.max_waiting, ready=ready,
-                                    metrics_port=args.metrics_port, access_log=not args.no_access_log))
+                                    metrics_port=args.metrics_port, access_log=not args.no_access_log,
+                                    step_log=args.step_log))
     except KeyboardInterrupt:  # Ctrl-C before the server's own signal handlers are in place (while loading)
         print("tandem serve: interrupted while starting", file=sys.stderr)
         return 130

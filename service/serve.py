@@ -16,6 +16,7 @@ from service.metrics import Metrics
 from service.phases import phase, weights_size
 from service.server import ServerConfig, TandemServer
 from service.shutdown import ShutdownTally
+from service.step_log import StepLog
 from service.tracing import TracingHooks, describe_tracing, tracer_provider_from_env
 from service.vllm_metrics import VllmMetrics
 
@@ -24,7 +25,7 @@ log = logging.getLogger("tandem.serve")
 
 async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
                 ready: Callable[[str], None] = print, hooks: tuple[LifecycleHooks, ...] = (),
-                metrics_port: int | None = None, access_log: bool = True) -> int:
+                metrics_port: int | None = None, access_log: bool = True, step_log: str | None = None) -> int:
     """Serve until SIGTERM or SIGINT; the first drains, a second one aborts what is still running and stops now.
 
     Every port is checked before the model loads, and a port that cannot be bound (gRPC, HTTP, metrics) raises
@@ -50,8 +51,10 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     log.info("%s", describe_tracing(provider))
     tracing = TracingHooks(provider) if provider is not None else None
     tally = ShutdownTally()
+    steps = StepLog(step_log) if step_log else None
     hooks = (*hooks, metrics, VllmMetrics(metrics.registry, model_name), tally,
-             *((AccessLog(model_name),) if access_log else ()), *((tracing,) if tracing else ()))
+             *((AccessLog(model_name),) if access_log else ()), *((tracing,) if tracing else ()),
+             *((steps,) if steps else ()))
     if not access_log:
         log.info("access log off (--no-access-log)")
     bridge = EngineBridge(engine, max_waiting=max_waiting, hooks=hooks)
@@ -79,6 +82,8 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
         await door.stop()
     await bridge.stop()
     await _stop_telemetry(http, tracing)
+    if steps is not None:
+        steps.close()
     log.info("%s", tally.summary(signals.how))
     return 0
 

@@ -1,0 +1,32 @@
+"""`tandem serve --step-log FILE`: one JSON line per engine step (its StepRecord: when it started on the monotonic
+clock, how long it took, what it served, what the latency objective predicted), for offline analysis beside
+client-side timings (bench/mixed_serve.py compares a chat's token gaps with the steps between them)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from service.lifecycle import Hooks
+
+if TYPE_CHECKING:
+    from engine.outputs import StepRecord
+
+
+class StepLog(Hooks):
+    """Appends each step record to a file as a JSON line; lines are flushed in blocks by the file's buffer and at
+    close."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+
+    def on_step(self, record: "StepRecord") -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(dataclasses.asdict(record), separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
