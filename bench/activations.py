@@ -13,6 +13,10 @@ file's float32 expansion as the reference nobody here wrote:
   path lives in the small-M kernel that decode steps use; a prompt is wide, so this pass raises the CPU path's
   small M (what TANDEM_QUANT_SMALL_M sets) above the chunk length, putting every matmul of the text through the
   small-M kernel (the arithmetic a decode step does, position by position).
+
+`--isa avx2` forces the AVX2 path (TANDEM_CPU_ISA=avx2: its float32 kernels and its maddubs int8 kernel) on a CPU
+with more; the JSON records the CPU path, the int8 kernel, the CPU's vector flags and the load average before and
+after (other work on a shared host makes absolute rates noisy: compare the two settings of one run).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.cpu_peer import agreement, hf_greedy, token_pool, windows
+from bench.cpu_peer import agreement, cpu_identity, hf_greedy, token_pool, windows
 from bench.report import parse_bench_args, write_result
 
 QUICK = dict(text_tokens=64, chunk=32, new_tokens=8, prompts=1)
@@ -86,7 +90,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--chunk", type=int, default=250, help="tokens per prompt of the logprob pass")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--isa", choices=("auto", "avx512", "avx2"), default="auto",
+                    help="the CPU path tandem computes with (TANDEM_CPU_ISA), both settings")
     args = parse_bench_args(ap, argv, "activations", QUICK)
+    if args.isa != "auto":
+        os.environ["TANDEM_CPU_ISA"] = args.isa  # read once by the engine's builder (engine/settings.py)
     from transformers import AutoTokenizer
 
     from engine.models.loader import embedded_gguf_path, resolve_model
@@ -103,13 +111,15 @@ def main(argv: list[str] | None = None) -> dict:
     ref_lp = hf_logprobs(Path(path), chunks)
     result: dict = {"benchmark": "activations", "model": Path(path).name, "threads": args.threads,
                     "new_tokens": args.new_tokens, "text_tokens": len(ref_lp), "chunk": args.chunk,
-                    "loadavg": list(os.getloadavg()),
+                    "loadavg": list(os.getloadavg()), "cpu": cpu_identity(),
                     "transformers": {"perplexity": round(math.exp(-statistics.fmean(ref_lp)), 4)}, "settings": {}}
     from kernels import quant
 
+    quant.select_cpu_path(args.isa)
+    result["int8_kernel"] = quant.int8_kernel()
     settings = SETTINGS if quant.int8_activations_available() else ("float32",)
     if len(settings) < len(SETTINGS):
-        result["skipped"] = {"int8": f"this CPU's kernel path ({quant.kernel_path()}) has no AVX-512 VNNI"}
+        result["skipped"] = {"int8": f"this process's CPU path ({quant.kernel_path()}) has no int8 kernel"}
     for setting in settings:
         run = tandem_pass(args.model, setting, args.threads, prompts, args.new_tokens, chunks)
         lp = run.pop("logprobs")
@@ -118,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         run["max_abs_logprob_diff"] = round(max(abs(a - b) for a, b in zip(lp, ref_lp)), 6)
         run["perplexity"] = round(math.exp(-statistics.fmean(lp)), 4)
         result["settings"][setting] = run
+    result["loadavg_after"] = list(os.getloadavg())
     if "int8" in result["settings"]:
         f32, i8 = result["settings"]["float32"], result["settings"]["int8"]
         result["int8_vs_float32_decode"] = round(i8["decode_tok_s"] / f32["decode_tok_s"], 3)

@@ -87,7 +87,7 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     cpu_kernels = quant.kernel_path() if quantization in ("gguf", "int8") else ""
     if cpu_kernels and config.cpu_activations == "int8":
         if not quant.int8_activations_available():
-            raise ValueError(f"cpu_activations='int8' needs AVX-512 VNNI; this process's CPU path is {cpu_kernels}")
+            raise ValueError(f"cpu_activations='int8' needs the avx2 or avx512 CPU path; this process's is {cpu_kernels}")
         cpu_kernels += " int8-activations"
     log.info("weights: %s, %.1f MB%s", weight_format(model), weight_bytes(model) / 1e6,
              f", CPU kernels: {cpu_kernels}" if cpu_kernels else "")

@@ -179,7 +179,8 @@ def cpu_isa() -> CpuIsa:
 class Activations(enum.Enum):
     """What the small-M kernels multiply the weights with: float32 activations (the default: results differ from
     dequantize-then-matmul by summation order only), or each activation row quantized to int8 per block of 32 as
-    llama.cpp does, with integer dot products (AVX-512 VNNI; the 32-wide formats, others stay float32)."""
+    llama.cpp does, with integer dot products (the 32-wide formats, others stay float32): AVX-512 VNNI on the avx512
+    path, AVX2's maddubs on the avx2 path (and on avx512 without VNNI)."""
     FLOAT32 = "float32"
     INT8 = "int8"
 
@@ -187,10 +188,16 @@ class Activations(enum.Enum):
 INT8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
-def int8_activations_available() -> bool:
-    """Whether this process's CPU path has the int8-activation kernels (AVX-512 VNNI, not forced narrower)."""
+def int8_kernel(isa: CpuIsa | None = None) -> str:
+    """The kernel that multiplies int8 activations on CPU path `isa` (default: this process's): "vnni", "avx2", or
+    "" where there is none (the portable path, no C++ build)."""
     module = _module()
-    return module is not None and module.has_int8_activations() and cpu_isa() == CpuIsa.AVX512
+    return module.int8_kernel(int(cpu_isa() if isa is None else isa)) if module is not None else ""
+
+
+def int8_activations_available() -> bool:
+    """Whether this process's CPU path has int8-activation kernels (avx512 or avx2, not portable)."""
+    return bool(int8_kernel())
 
 
 def small_m(isa: CpuIsa) -> int:
@@ -254,9 +261,8 @@ def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
     module = _module() if w.fmt in CPP_FORMATS else None
     isa = cpu_isa() if isa is None and module is not None else isa
     if module is not None and x.shape[0] <= small_m(isa):
-        if (activations is Activations.INT8 and w.fmt in INT8_FORMATS and isa == CpuIsa.AVX512
-                and module.has_int8_activations()):
-            return module.quant_matmul_int8(x, w.data, CPP_FORMATS[w.fmt], w.shape[1])
+        if activations is Activations.INT8 and w.fmt in INT8_FORMATS and module.int8_kernel(int(isa)):
+            return module.quant_matmul_int8(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], int(isa))
         return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(), isa)
     return _dequantize_gemm(x, w)
 

@@ -126,7 +126,8 @@ def test_quantization_config_is_validated() -> None:
         EngineConfig(model="/some/dir", quantization="gguf")
 
 
-@pytest.mark.skipif(not quant.int8_activations_available(), reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.skipif(not quant.int8_activations_available(),
+                    reason="this process's CPU path (portable) has no int8-activation kernel")
 def test_int8_activations_are_one_setting_away_and_stay_close_to_float32(llm, prompts) -> None:
     """cpu_activations='int8': the Q4_1 / Q8_0 projections of the embedded model multiply int8-rounded rows in
     steps of up to small_m rows (decode steps; these short prompts too). Logprobs move (the rounding is real) and

@@ -23,6 +23,7 @@ _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl"]
 PATHS = {
     "portable": ("formats.cpp", [], "tandem::dequant_row_scalar("),
     "avx2": ("avx2.cpp", _AVX2, "tandem::row_avx2("),
+    "avx2-int8": ("avx2_int8.cpp", _AVX2, "tandem::row_int8_avx2("),
     "avx512": ("avx512.cpp", _AVX512, "tandem::row_avx512("),
     "avx512-vnni": ("vnni.cpp", [*_AVX512, "-mavx512vnni"], "tandem::row_int8("),
 }

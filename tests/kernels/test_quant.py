@@ -248,20 +248,103 @@ def int8_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return rounding + roundoff + 1e-30
 
 
-@pytest.mark.skipif(not quant.int8_activations_available(), reason="this CPU has no AVX-512 VNNI")
+# The int8 kernels: AVX2's maddubs (avx2_int8.cpp) on the avx2 path, AVX-512 VNNI (vnni.cpp) on the avx512 path.
+INT8_ISAS = [
+    pytest.param(quant.CpuIsa.AVX2, id="avx2-maddubs", marks=pytest.mark.skipif(
+        quant.best_isa() < quant.CpuIsa.AVX2, reason="this CPU has no AVX2 + FMA + F16C")),
+    pytest.param(quant.CpuIsa.AVX512, id="avx512-vnni", marks=pytest.mark.skipif(
+        quant.int8_kernel(quant.CpuIsa.AVX512) != "vnni",
+        reason="this CPU has no AVX-512 VNNI (an avx512 path without it takes the AVX2 kernel, tested as avx2)")),
+]
+
+
+def quantize_x_like_the_kernels(x: torch.Tensor) -> torch.Tensor:
+    """x rounded per block of 32 as formats.h quantize_block32 does, in float32: dx = max|x| / 127, q = round(x *
+    (127 / max|x|)) to nearest even, x^ = dx * q."""
+    m, k = x.shape
+    blocks = x.view(m, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (amax / 127 * torch.round(blocks * inv)).view(m, k)
+
+
+# Per format: the byte offsets of the fp16 d and min of a block, and the offset c the VNNI kernel adds to make the
+# weights unsigned bytes u (w = d * (u - c) + m).
+_INT8_LAYOUT = {"Q4_0": (0, None, 8), "Q4_1": (0, 2, 0), "Q5_0": (0, None, 16), "Q5_1": (0, 2, 0), "Q8_0": (0, None, 128)}
+
+
+def int8_magnitudes(w: quant.QuantWeight) -> torch.Tensor:
+    """A_k = |d| (u_k + c) + |m| per weight: what bounds the terms either int8 kernel sums in float32 (AVX2's
+    d (q - c) or d q and m, VNNI's d u and (m - c d)), even where w_k = d (u - c) + m cancels to ~0. u comes from
+    the blocks with d set to 1 and the min to 0, dequantized by the reference (u - c, exactly)."""
+    d_off, m_off, c = _INT8_LAYOUT[w.fmt]
+    n, k = w.shape
+    blocks = w.data.view(n, k // 32, quant.BLOCK_BYTES[w.fmt]).clone()
+    d = blocks[..., d_off:d_off + 2].contiguous().view(torch.float16).float()  # [n, nb, 1]
+    mn = blocks[..., m_off:m_off + 2].contiguous().view(torch.float16).float() if m_off is not None else 0 * d
+    blocks[..., d_off:d_off + 2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    if m_off is not None:
+        blocks[..., m_off:m_off + 2] = 0
+    u = quant.reference_dequantize(blocks.view(n, -1), w.fmt, k).view(n, k // 32, 32) + c
+    return (d.abs() * (u + c) + mn.abs()).view(n, k)
+
+
+def int8_roundoff_bound(xq: torch.Tensor, w: quant.QuantWeight) -> torch.Tensor:
+    """|kernel - x^ @ dense^T| where x^ is x rounded as the kernels round it (so the integer sums are exact): the
+    kernel rounds d * dx, its product with the block's integer sum and the min term (a few roundings per block),
+    then sums K / 32 blocks in lanes; the reference rounds x^ = dx * q, w = d * q + m and K products and sums. Each
+    side is within gamma_{K + 8} (|x^| @ A^T) (int8_magnitudes), so their difference within twice that."""
+    k = xq.shape[1] + 8
+    return 2 * (k * 2.0**-24) / (1 - k * 2.0**-24) * (xq.abs() @ int8_magnitudes(w).T) + 1e-30
+
+
+@pytest.mark.parametrize("isa", INT8_ISAS)
 @pytest.mark.parametrize("fmt", quant.INT8_FORMATS)
-def test_int8_activations_stay_within_the_bound_of_rounding_x_to_8_bits(fmt: str) -> None:
-    for k in (96, 64):  # an odd number of blocks (a half pair) and an even one
+def test_int8_activations_stay_within_the_bound_of_rounding_x_to_8_bits(fmt: str, isa) -> None:
+    assert quant.int8_kernel(isa) == {quant.CpuIsa.AVX2: "avx2", quant.CpuIsa.AVX512: "vnni"}[isa]
+    for k in (96, 64):  # an odd number of blocks (a half pair for VNNI) and an even one
         w = make(fmt, 37, k, seed=k)
         dense = reference_dense(w)
         for m in (1, 3, 4, 6, 10):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
             x[0, :32] = 0.0  # an all-zero block (dx = 0)
-            got = quant.matmul(x, w, activations=quant.Activations.INT8)
-            err = (got - x @ dense.T).abs()
-            assert bool((err <= int8_bound(x, dense)).all())
+            got = quant.matmul(x, w, isa=isa, activations=quant.Activations.INT8)
+            # against float32 x: the rounding of x to 8 bits plus round-off
+            assert bool(((got - x @ dense.T).abs() <= int8_bound(x, dense)).all())
+            # against gguf-py's weights times x rounded as the kernel rounds it: float32 round-off only
+            xq = quantize_x_like_the_kernels(x)
+            err = (got - xq @ dense.T).abs()
+            bound = int8_roundoff_bound(xq, w)
+            assert bool((err <= bound).all()), float((err / bound).max())
             # and it is the int8 path, not the float32 one: the results differ where x is not on the 8-bit grid
-            assert not torch.equal(got, quant.matmul(x, w))
+            assert not torch.equal(got, quant.matmul(x, w, isa=isa))
+
+
+@pytest.mark.parametrize("isa", INT8_ISAS)
+@pytest.mark.parametrize("fmt", quant.INT8_FORMATS)
+def test_int8_one_row_of_x_gets_the_same_bits_as_that_row_among_others(fmt: str, isa) -> None:
+    w = make(fmt, 37, 256, seed=5)
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(6))
+    many = quant.matmul(x, w, isa=isa, activations=quant.Activations.INT8)
+    for r in (0, 5):
+        assert torch.equal(quant.matmul(x[r:r + 1], w, isa=isa, activations=quant.Activations.INT8), many[r:r + 1])
+
+
+@pytest.mark.skipif(quant.int8_kernel(quant.CpuIsa.AVX512) != "vnni",
+                    reason="needs both int8 kernels: this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("fmt", quant.INT8_FORMATS)
+def test_the_avx2_int8_kernel_equals_the_vnni_one_up_to_roundoff(fmt: str) -> None:
+    """Both kernels multiply the same integers (one quantizer, formats.h quantize_block32) and sum them exactly;
+    they differ in how the float32 scale and offset terms are added, so by round-off only, never by a rounding of
+    x (which would be some dx / 2 * |w| away)."""
+    w = make(fmt, 64, 2048, seed=7)  # Gemma 3's widest K
+    x = torch.randn(5, 2048, generator=torch.Generator().manual_seed(7))
+    int8 = quant.Activations.INT8
+    avx2 = quant.matmul(x, w, isa=quant.CpuIsa.AVX2, activations=int8)
+    vnni = quant.matmul(x, w, isa=quant.CpuIsa.AVX512, activations=int8)
+    xq = quantize_x_like_the_kernels(x)
+    assert bool(((avx2 - vnni).abs() <= int8_roundoff_bound(xq, w)).all())
+    assert not torch.equal(avx2, quant.matmul(x, w, isa=quant.CpuIsa.AVX2))  # neither is the float32 result
 
 
 def test_int8_activations_leave_other_formats_on_float32() -> None:

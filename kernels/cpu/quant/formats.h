@@ -14,6 +14,7 @@
 // allowed its instructions: TANDEM_AVX2, TANDEM_AVX512 and TANDEM_VNNI below.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -102,6 +103,23 @@ inline void k_scale_min(const uint8_t* s, int j, float& sc, float& mn) {
     sc = static_cast<float>((s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30));
     mn = static_cast<float>((s[j + 4] >> 4) | ((s[j] >> 2) & 0x30));
   }
+}
+
+// One block of 32 activations rounded to 8 bits as llama.cpp does (its Q8_0): dx = max|x| / 127, qb[i] =
+// round(x[i] / dx) to nearest even (within [-127, 127]; all 0 where the block is). Returns dx and the sum of qb. Both
+// int8 paths (vnni.cpp, avx2_int8.cpp) quantize with this one function, so they multiply the same integers.
+inline int quantize_block32(const float* xb, int8_t* qb, float& dx) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+  dx = amax / 127.f;
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int s = 0;
+  for (int i = 0; i < 32; ++i) {
+    const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+    qb[i] = static_cast<int8_t>(v);
+    s += v;
+  }
+  return s;
 }
 
 // Scalar dequantization of one row of any format (`scale`: I8's per-channel scale, else unused), exactly as gguf-py

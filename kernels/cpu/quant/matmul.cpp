@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "paths.h"
@@ -138,10 +139,25 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_
   return y;
 }
 
-// x [M, K] float32 with its rows quantized to int8 per block of 32, w: blocks of a 32-wide format (Q4_0, Q4_1,
-// Q5_0, Q5_1, Q8_0). Needs AVX-512 VNNI (`has_int8_activations()`).
-torch::Tensor quant_matmul_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K) {
+// Which kernel multiplies int8 activations on CPU path `isa`: "vnni" (AVX-512 VNNI, vnni.cpp) on the AVX-512 path
+// where the build has it, "avx2" (maddubs, avx2_int8.cpp) on the AVX2 path and on an AVX-512 path without VNNI,
+// "" where there is none (the portable path, or a path this build lacks).
+std::string int8_kernel(int64_t isa) {
+  if (isa < PORTABLE || isa > best_isa()) return "";
 #if defined(TANDEM_VNNI)
+  if (isa == AVX512) return "vnni";
+#endif
+#if defined(TANDEM_AVX2)
+  if (isa != PORTABLE) return "avx2";
+#endif
+  return "";
+}
+
+// x [M, K] float32 with its rows quantized to int8 per block of 32, w: blocks of a 32-wide format (Q4_0, Q4_1,
+// Q5_0, Q5_1, Q8_0), computed by int8_kernel(isa).
+torch::Tensor quant_matmul_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, int64_t isa) {
+  const std::string kernel = int8_kernel(isa);
+  TORCH_CHECK(!kernel.empty(), "quant_matmul_int8: CPU path ", isa, " has no int8-activation kernel in this build");
   TORCH_CHECK(fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == Q8_0,
               "quant_matmul_int8: int8 activations cover Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, not format ", fmt);
   check(w, fmt, K, torch::Tensor(), PORTABLE);
@@ -150,23 +166,23 @@ torch::Tensor quant_matmul_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, i
   x = x.contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
-  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
   float* yp = y.data_ptr<float>();
-#pragma omp parallel for num_threads(threads_for_bytes(w.numel() * w.element_size() * M)) schedule(static)
-  for (int64_t n = 0; n < N; ++n) row_int8(fmt, row_ptr(w, n), xq, M, K, yp + n, N);
-  return y;
-#else
-  TORCH_CHECK(false, "quant_matmul_int8: this build has no AVX-512 VNNI path");
-  return x;
-#endif
-}
-
-bool has_int8_activations() {
+  const int threads = threads_for_bytes(w.numel() * w.element_size() * M);
 #if defined(TANDEM_VNNI)
-  return true;
-#else
-  return false;
+  if (kernel == "vnni") {
+    const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; ++n) row_int8(fmt, row_ptr(w, n), xq, M, K, yp + n, N);
+    return y;
+  }
 #endif
+#if defined(TANDEM_AVX2)
+  const Int8Rows xq = quantize_rows_avx2(x.data_ptr<float>(), M, K);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t n = 0; n < N; ++n) row_int8_avx2(fmt, row_ptr(w, n), xq, M, K, yp + n, N);
+#endif
+  (void)threads;
+  return y;
 }
 
 // Rows [start, start + count) of the weights as float32 [count, K].

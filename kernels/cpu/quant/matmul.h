@@ -3,6 +3,8 @@
 
 #include <torch/extension.h>
 
+#include <string>
+
 #include "formats.h"
 
 namespace tandem {
@@ -24,8 +26,8 @@ void matmul_into(const float* xp, int64_t M, int64_t K, const torch::Tensor& w, 
 
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales,
                            int64_t isa);
-torch::Tensor quant_matmul_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K);
-bool has_int8_activations();
+torch::Tensor quant_matmul_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, int64_t isa);
+std::string int8_kernel(int64_t isa);
 torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, int64_t start, int64_t count,
                          int64_t isa);
 torch::Tensor dequantize_rows(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, torch::Tensor ids,

@@ -1,4 +1,4 @@
-// The entry points of each CPU path's kernels (avx2.cpp, avx512.cpp, vnni.cpp), each present when the build has its
+// The entry points of each CPU path's kernels (avx2.cpp, avx2_int8.cpp, avx512.cpp, vnni.cpp), each present when the build has its
 // instructions (formats.h), and the tiling of M rows of x that every small-M kernel shares.
 #pragma once
 
@@ -31,6 +31,17 @@ inline void for_row_tiles(int64_t M, F&& f) {
 void row_avx2(int64_t fmt, const uint8_t* row, float s, const float* x, int64_t M, int64_t K, float* y, int64_t ldy);
 // One row of weights as float32, bit-identical to dequant_row_scalar.
 void dequant_row_avx2(int64_t fmt, const uint8_t* row, float s, int64_t K, float* out);
+
+struct Int8Rows {  // x [M, K] per block of 32 (quantize_block32): int8 values, dx, dx * sum(qx)
+  std::vector<int8_t> q;  // [M, K / 32, 32]
+  std::vector<float> dx;  // [M, K / 32]
+  std::vector<float> sum;  // [M, K / 32]
+  int64_t nb;
+};
+// Each row of x [M, K] quantized per block of 32 (the same integers and dx as quantize_rows of the VNNI path).
+Int8Rows quantize_rows_avx2(const float* x, int64_t M, int64_t K);
+// y[m * ldy] for every row of xq, integer dot products (maddubs + madd) with one row of a 32-wide format's blocks.
+void row_int8_avx2(int64_t fmt, const uint8_t* row, const Int8Rows& xq, int64_t M, int64_t K, float* y, int64_t ldy);
 #endif
 
 #ifdef TANDEM_AVX512

@@ -9,9 +9,6 @@
 
 #ifdef TANDEM_VNNI
 
-#include <algorithm>
-#include <cmath>
-
 namespace tandem {
 
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
@@ -23,17 +20,8 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   r.lane_sum.assign(M * r.pairs * 16, 0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * 32;
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* qb = r.q.data() + m * r.pairs * 64 + b * 32;
-      int s = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
-        qb[i] = static_cast<int8_t>(v);
-        s += v;
-      }
+      float dx;
+      const int s = quantize_block32(x + m * K + b * 32, r.q.data() + m * r.pairs * 64 + b * 32, dx);
       float* lanes = r.lane_dx.data() + (m * r.pairs + b / 2) * 16 + (b % 2) * 8;
       for (int i = 0; i < 8; ++i) lanes[i] = dx;
       r.lane_sum[(m * r.pairs + b / 2) * 16 + (b % 2) * 8] = dx * static_cast<float>(s);
