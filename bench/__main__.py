@@ -18,7 +18,7 @@ from typing import Callable
 from bench.report import RESULTS, write_result
 
 BENCHMARKS = ("throughput", "rerank", "mixed", "latency", "prefill", "sampling", "rerank_quality", "single", "structured",
-              "http", "cpu_peer", "mixed_serve", "activations")
+              "http", "cpu_peer", "mixed_serve", "activations", "embed_speed")
 # Results loaded beside them, written by a benchmark run with other options (see each Target's comment).
 EXTRA_RESULTS = ("mixed_serve_xenc",)
 
@@ -107,6 +107,17 @@ TARGETS = (
            ("ratios", "ttft_p50_http_vs_grpc"), 1.1, higher_is_better=False),
     Target("HTTP door: rerank pairs/s, Cohere /v2/rerank vs gRPC Rerank", "http",
            ("ratios", "rerank_pairs_s_http_vs_grpc"), 0.9),
+    # Issue #37: embeddings on CPU, tandem serve over /v1/embeddings (32 requests x 32 texts at once) vs the peers.
+    Target("Embeddings texts/s, tandem serve vs sentence-transformers encode (torch, batch 32)", "embed_speed",
+           ("ratios", "texts_s_vs_st_torch"), 2.0),
+    Target("Embeddings texts/s, tandem serve vs sentence-transformers encode (ONNX Runtime, batch 32)", "embed_speed",
+           ("ratios", "texts_s_vs_st_onnx"), 1.0),
+    Target("Embeddings texts/s, tandem serve vs Infinity (32 concurrent requests of 32 texts)", "embed_speed",
+           ("ratios", "texts_s_vs_infinity"), 1.5),
+    Target("Embeddings p50 of one 32-text request alone, tandem / Infinity", "embed_speed",
+           ("ratios", "alone_batch_p50_vs_infinity"), 1.0, higher_is_better=False),
+    Target("Embeddings: min cosine of tandem's vectors to sentence-transformers' (same texts)", "embed_speed",
+           ("targets", "min_cosine_tandem_vs_st_torch", "measured"), 0.9999, unit=""),
 )
 
 

@@ -246,10 +246,15 @@ class EmbedParams:
     truncate: bool = True  # an input over the embedder's limit is cut (else refused)
     truncation_direction: Literal["right", "left"] = "right"  # which end a cut input loses
     priority: int = 0
+    # Every token's final hidden state instead of one pooled vector (TEI /embed_all): [tokens][dim] per input,
+    # special tokens included, as sentence-transformers' output_value="token_embeddings".
+    all_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and (not _is_int(self.dimensions) or self.dimensions < 1):
             raise ValueError(f"dimensions must be an integer >= 1, got {self.dimensions!r}")
+        if self.all_tokens and self.dimensions is not None:
+            raise ValueError("dimensions applies to pooled vectors, not to every token's state (all_tokens)")
         if self.truncation_direction not in ("right", "left"):
             raise ValueError(f"truncation_direction must be 'right' or 'left', got {self.truncation_direction!r}")
 

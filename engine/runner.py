@@ -151,7 +151,8 @@ class ModelRunner:
                 out.scores[i] = score
         if embed_rows:
             with clock:
-                vectors = self.embedder.embed([batch.seqs[i].token_ids for i in embed_rows]).cpu()
+                vectors = self.embedder.run([batch.seqs[i].token_ids for i in embed_rows],
+                                            [batch.seqs[i].params.all_tokens for i in embed_rows])
             for i, vector in zip(embed_rows, vectors):
                 out.embeddings[i] = vector
         out.forward_s = clock.seconds()

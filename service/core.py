@@ -161,7 +161,7 @@ class EmbedInput:
 @dataclass(frozen=True, slots=True)
 class EmbedOutcome:
     request_id: str
-    embeddings: list[list[float]]  # one per input, input order
+    embeddings: list[list[float]]  # one per input, input order (params.all_tokens: [tokens][dim] per input)
     truncated: list[bool]  # per input: cut to the embedder's limit
     usage: Usage
     model: str  # the embedder's id

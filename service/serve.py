@@ -176,7 +176,7 @@ async def _serve_http(core: CoreAPI, config: ServerConfig, server: TandemServer,
     await door.start()
     log.info("HTTP (OpenAI /v1/chat/completions, /v1/completions; rerank /v1/rerank, /v2/rerank, /rerank; "
              "embeddings %s; /metrics, /health, /ready) on %s",
-             f"/v1/embeddings, /v2/embed, /embed with {core.info.embedder}" if core.info.embedder
+             f"/v1/embeddings, /v2/embed, /embed, /embed_all with {core.info.embedder}" if core.info.embedder
              else "off", door.url)
     return door
 

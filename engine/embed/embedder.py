@@ -113,16 +113,32 @@ class Embedder:
     @torch.inference_mode()
     def embed(self, rows: list[list[int]]) -> torch.Tensor:
         """Pooled vectors [B, dim] (float32, not normalised) of rows of token ids, one packed forward."""
-        lens = [len(r) for r in rows]
+        hidden, cu = self._forward(rows)
+        return pool(hidden, cu, self.pooling)
+
+    @torch.inference_mode()
+    def run(self, rows: list[list[int]], all_tokens: list[bool]) -> list[torch.Tensor]:
+        """Per row, one packed forward for all: its pooled vector [dim], or where `all_tokens[i]` every token's final
+        hidden state [len, dim] (TEI /embed_all); float32, not normalised, on the CPU."""
+        hidden, cu = self._forward(rows)
+        out = list(pool(hidden, cu, self.pooling).cpu())
+        if any(all_tokens):
+            states = hidden.float().cpu().split([len(r) for r in rows])
+            out = [states[i] if whole else v for i, (v, whole) in enumerate(zip(out, all_tokens))]
+        return out
+
+    def _forward(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's final state [T, H] of rows packed back to back, and their cu_seqlens [B + 1]."""
         cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(lens), 0, out=cu[1:])
+        torch.cumsum(torch.tensor([len(r) for r in rows]), 0, out=cu[1:])
         ids = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=self.device)
         cu = cu.to(self.device)
-        return pool(self._states(ids, cu), cu, self.pooling)
+        return self._states(ids, cu), cu
 
     @staticmethod
-    def finish(vector: torch.Tensor, params: EmbedParams) -> list[float]:
-        """A pooled vector as the request asks: its first `dimensions` (Matryoshka), then L2-normalised."""
+    def finish(vector: torch.Tensor, params: EmbedParams) -> list[float] | list[list[float]]:
+        """A pooled vector as the request asks: its first `dimensions` (Matryoshka), then L2-normalised (token
+        states, `all_tokens`: each token's state normalised the same way when asked)."""
         if params.dimensions is not None:
             vector = vector[:params.dimensions]
         if params.normalize:

@@ -9,7 +9,7 @@ API the gRPC door calls too); its outputs come back in each API's shape. No prot
 | POST /v1/rerank, /v2/rerank  | Cohere  | Rerank              |
 | POST /rerank                 | TEI     | Rerank              |
 | POST /v1/embeddings          | OpenAI  | Embed               |
-| POST /embed                  | TEI     | Embed               |
+| POST /embed, /embed_all      | TEI     | Embed               |
 | POST /v2/embed               | Cohere  | Embed               |
 | POST /tokenize, /detokenize  | vLLM    | ModelInfo           |
 | GET  /info                   | TEI     | ModelInfo           |
@@ -152,7 +152,7 @@ def _kind(path: str) -> str:
         return "generate"
     if path.endswith("rerank"):
         return "rerank"
-    return "embed" if path.endswith(("embed", "embeddings")) else path
+    return "embed" if path.endswith(("embed", "embeddings", "embed_all")) else path
 
 
 def _check_json(request: Request) -> None:
@@ -449,5 +449,11 @@ async def _cohere_embed(door: Door, request: Request) -> Response:
     return JSONResponse(embed_schema.cohere_response(await _embed(door, request, body.to_input()), body))
 
 
+async def _tei_embed_all(door: Door, request: Request) -> Response:
+    door.authorize(request, "Embed")
+    body = openai_schema.parse(embed_schema.TeiEmbedAll, await request.body())
+    return JSONResponse((await _embed(door, request, body.to_input())).embeddings)
+
+
 EMBED_ROUTES = (("/v1/embeddings", _openai_embeddings, Shape.OPENAI), ("/embed", _tei_embed, Shape.TEI),
-                ("/v2/embed", _cohere_embed, Shape.COHERE))
+                ("/embed_all", _tei_embed_all, Shape.TEI), ("/v2/embed", _cohere_embed, Shape.COHERE))

@@ -90,6 +90,23 @@ class TeiEmbed(_Model):
         return EmbedInput(uuid.uuid4().hex, inputs, params)
 
 
+class TeiEmbedAll(_Model):
+    """TEI /embed_all: every token's final hidden state per input ([tokens][dim], special tokens included), no
+    pooling and no normalisation, as TEI answers it. `truncate` defaults to false, as TEI's."""
+    inputs: Union[str, list[str]]
+    truncate: bool | None = None
+    truncation_direction: str | None = None  # "Right" | "Left"
+    prompt_name: str | None = None
+
+    def to_input(self) -> EmbedInput:
+        refuse_extras(self)  # TEI's /embed_all takes no normalize or dimensions either
+        pooled = TeiEmbed(inputs=self.inputs, truncate=self.truncate, truncation_direction=self.truncation_direction,
+                          prompt_name=self.prompt_name).to_input()
+        return EmbedInput(pooled.request_id, pooled.inputs,
+                          _params(normalize=False, truncate=pooled.params.truncate,
+                                  truncation_direction=pooled.params.truncation_direction, all_tokens=True))
+
+
 _INPUT_TYPES = ("search_document", "search_query", "classification", "clustering")
 _EMBEDDING_TYPES = ("float", "int8", "uint8", "base64")
 

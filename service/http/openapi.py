@@ -35,6 +35,7 @@ _POSTS: list[tuple[str, type[BaseModel], str, str]] = [
     ("/rerank", rerank_schema.TeiRerank, "tei", "TEI rerank"),
     ("/v1/embeddings", embed_schema.OpenAIEmbed, "openai", "OpenAI embeddings"),
     ("/embed", embed_schema.TeiEmbed, "tei", "TEI embed"),
+    ("/embed_all", embed_schema.TeiEmbedAll, "tei", "TEI embed_all: every token's hidden state, no pooling"),
     ("/v2/embed", embed_schema.CohereEmbed, "cohere", "Cohere v2 embed"),
     ("/tokenize", tokens_schema.TokenizeRequest, "openai", "vLLM: a prompt's or chat's token ids"),
     ("/detokenize", tokens_schema.DetokenizeRequest, "openai", "vLLM: token ids to text"),

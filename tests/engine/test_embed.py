@@ -41,6 +41,32 @@ def test_the_embedded_model_matches_sentence_transformers(llm: LLM) -> None:
     assert _cos(ours[0], ours[2]).item() < 0.9  # different texts, different vectors
 
 
+def test_all_tokens_are_sentence_transformers_token_embeddings_and_pooled_rows_in_the_same_step_stay_pooled(
+        llm: LLM) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    ref = SentenceTransformer(str(embedded_embedder_dir()), device="cpu")
+    long_text = " ".join(TEXTS * 8)  # cut to 256 tokens, [SEP] last, as sentence-transformers cuts it
+    texts = [TEXTS[0], TEXTS[2], long_text]
+    theirs = ref.encode(texts, output_value="token_embeddings")  # unpadded, special tokens included, not normalised
+    pooled_id, whole_id = "pooled", "whole"
+    llm.engine.add_embed(pooled_id, TEXTS, EmbedParams())
+    llm.engine.add_embed(whole_id, texts, EmbedParams(all_tokens=True, normalize=False))
+    finals = {}
+    while llm.engine.has_unfinished():
+        finals.update({o.request_id: o.embeddings for o in llm.engine.step() if o.finished})
+    ours = finals[whole_id]
+    assert [len(t) for t in ours] == [len(t) for t in theirs] and len(ours[2]) == 256
+    for mine, st in zip(ours, theirs):
+        assert torch.tensor(mine).sub(st).abs().max().item() < 1e-4
+    assert torch.tensor(ours[0]).norm(dim=-1).sub(1).abs().min().item() > 1e-2  # raw states, not unit length
+    assert _cos(finals[pooled_id], llm.embed(TEXTS)).min().item() > 0.999999  # the other job's vectors: pooled
+    mean = torch.tensor(ours[1]).mean(0)
+    assert _cos(mean, llm.embed([TEXTS[2]])[0]).item() > 0.99999  # mean pooling of exactly these states
+    with pytest.raises(ValueError, match="all_tokens"):
+        EmbedParams(all_tokens=True, dimensions=8)
+
+
 def test_token_ids_are_the_texts_tokens_in_the_embedders_vocabulary(llm: LLM) -> None:
     tok = llm.engine.embedder.tokenizer
     ids = [list(tok(t, add_special_tokens=False).input_ids) for t in TEXTS[:2]]

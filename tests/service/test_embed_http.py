@@ -140,10 +140,32 @@ async def test_an_embed_cancelled_mid_flight_is_aborted_and_frees_everything(ser
     assert [lc.finish_reason for lc in served.recorder.finished["cancel-me"]] == ["abort"]
 
 
+def test_tei_embed_all_is_sentence_transformers_token_embeddings(http_url):
+    from sentence_transformers import SentenceTransformer
+
+    from engine.embed import embedded_embedder_dir
+
+    ref = SentenceTransformer(str(embedded_embedder_dir()), device="cpu")
+    theirs = ref.encode(DOCUMENTS[:2] + [LONG], output_value="token_embeddings")
+    with httpx.Client(base_url=http_url) as h:
+        ours = h.post("/embed_all", json={"inputs": DOCUMENTS[:2]}).json()
+        single = h.post("/embed_all", json={"inputs": DOCUMENTS[0]}).json()
+        cut = h.post("/embed_all", json={"inputs": [LONG], "truncate": True}).json()
+        refused = h.post("/embed_all", json={"inputs": [LONG]})  # TEI's default: truncate false
+        extra = h.post("/embed_all", json={"inputs": "a", "normalize": True})
+    for mine, st in zip(ours + cut, theirs):
+        assert np.asarray(mine).shape == tuple(st.shape)  # [tokens][384], [CLS] and [SEP] included
+        assert np.abs(np.asarray(mine) - st.numpy()).max() < 1e-4
+    assert np.array_equal(np.asarray(single[0]), np.asarray(ours[0]))
+    assert refused.status_code == 400 and "at most 256" in refused.json()["error"]
+    assert refused.json()["error_type"] == "Validation"
+    assert extra.status_code == 400 and "normalize" in extra.json()["error"]
+
+
 def test_the_openapi_description_has_the_embedding_routes(http_url):
     with httpx.Client(base_url=http_url) as h:
         paths = h.get("/openapi.json").json()["paths"]
-    assert {"/v1/embeddings", "/embed", "/v2/embed"} <= set(paths)
+    assert {"/v1/embeddings", "/embed", "/embed_all", "/v2/embed"} <= set(paths)
 
 
 def test_a_server_without_an_embedder_says_so_through_each_door(served, http_url, monkeypatch):

@@ -27,7 +27,7 @@ SHAPES = {"openai": lambda b: set(b) == {"error"} and {"message", "type"} <= set
 
 
 def _shape(path: str) -> str:
-    if path in ("/rerank", "/embed", "/info"):
+    if path in ("/rerank", "/embed", "/embed_all", "/info"):
         return "tei"
     return "cohere" if path in ("/v1/rerank", "/v2/rerank", "/v2/embed") else "openai"
 
