@@ -23,6 +23,7 @@ class Batch:
     num_decode_context_tokens: int = 0  # context the decode rows attend to (their sequence lengths, summed)
     min_decode_priority: int | None = None  # the most urgent decode's priority (lower runs first)
     preempted: list[Sequence] = field(default_factory=list)
+    budget: int = 0  # the token budget the scheduler planned this step under
     decode_request_ids: list[str] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:

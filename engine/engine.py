@@ -353,7 +353,7 @@ class LLMEngine:
             step=self._steps, start_time=start, duration_s=time.monotonic() - start,
             decode_tokens=batch.num_decode_tokens, prefill_tokens=batch.num_prefill_tokens,
             cached_tokens=batch.num_cached_tokens, rerank_pairs=batch.num_rerank_pairs,
-            rerank_tokens=batch.num_rerank_tokens, num_seqs=len(batch), budget=self.scheduler.budget,
+            rerank_tokens=batch.num_rerank_tokens, num_seqs=len(batch), budget=batch.budget or self.scheduler.budget,
             kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
             kv_blocks_cached=self.pool.num_cached, preempted=len(batch.preempted),
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,

@@ -78,6 +78,7 @@ class Scheduler:
         """`policy`: how admissions share a step (engine/builder.py resolves it from the config)."""
         self.kv = kv
         self.budget = config.max_num_batched_tokens
+        self.embed_budget = config.max_embed_batch_tokens  # a step of embedding rows alone (see _widen_embedding)
         # Every running sequence must fit in one step's budget, or decodes could be skipped.
         self.max_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         if not isinstance(policy, AdmissionPolicy):
@@ -120,7 +121,7 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         self.num_steps += 1
-        batch = Batch()
+        batch = Batch(budget=self.budget)
         self.running.sort(key=lambda s: (s.priority, s.arrival))
         budget = self._schedule_decodes(batch, self.budget)
         pairs = [s for s in self.running if s.kind is SeqKind.RERANK]  # LLM-scored pairs part-way through
@@ -139,7 +140,19 @@ class Scheduler:
         # step that preempted them.
         if not (self.static and self.running) and not batch.preempted:
             self.policy.admit(step)
+            self._widen_embedding(batch, pairs)
         return batch
+
+    def _widen_embedding(self, batch: Batch, pairs: list[Sequence]) -> None:
+        """A step that runs embedding rows and nothing else, with no prompt waiting, takes more rows, up to
+        embed_budget tokens: no decode is in it to slow down (EngineConfig.max_embed_batch_tokens)."""
+        if (not batch.num_embed_rows or self.waiting or batch.num_decode_tokens or batch.num_prefill_tokens
+                or batch.num_rerank_tokens):
+            return
+        room = self.embed_budget - batch.num_tokens
+        if room > 0:
+            batch.budget = max(batch.budget, self.embed_budget)
+            self._admit_rerank(pairs, batch, room, None, TokenKind.EMBED)
 
     def _schedule_decodes(self, batch: Batch, budget: int) -> int:
         i = 0

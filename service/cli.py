@@ -36,6 +36,8 @@ _ENGINE_FLAGS = [
                                      "(default float32; int8 rounds them per block of 32 as llama.cpp does, "
                                      "AVX-512 VNNI only)"),
     ("--max-num-batched-tokens", int, None, "token budget of one engine step"),
+    ("--max-embed-batch-tokens", int, None, "embedding tokens a step running only embeddings may take (default "
+                                            "4096; such a step has no chat in it)"),
     ("--max-num-seqs", int, None, "sequences one step may serve"),
     ("--kv-cache-bytes", "bytes", None, "KV cache budget, e.g. 1073741824 or 2GiB"),
     ("--num-kv-blocks", int, None, "KV blocks (overrides --kv-cache-bytes)"),

@@ -14,6 +14,7 @@ from engine.config import EMBEDDED_EMBEDDER
 from engine.embed import Embedder, Pooling, embedded_embedder_dir
 from engine.request import SeqKind
 from engine.settings import Settings
+from tests.engine.conftest import assert_no_leaks, record_steps
 
 TEXTS = ["A lighthouse keeper trims the wick and winds the clockwork that turns the lens every night of the year.",
          "Fog horns sound when the light cannot be seen.", "Bananas.",
@@ -228,3 +229,25 @@ def test_a_bidirectional_decoder_embedder_is_refused_by_name(tmp_path) -> None:
                                                       "architectures": ["Gemma3TextModel"]}))
     with pytest.raises(ValueError, match="bidirectional attention"):
         Embedder.load(str(tmp_path))
+
+
+def test_a_step_of_embeddings_alone_takes_up_to_the_embedding_budget_and_one_beside_a_chat_does_not() -> None:
+    llm = LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, max_num_batched_tokens=128, max_embed_batch_tokens=600))
+    engine = llm.engine
+    records = record_steps(llm)
+    texts = [f"{t} (copy {i})" for i in range(8) for t in TEXTS]  # 32 rows of 10-30 tokens: ~600 tokens in all
+    engine.add_embed("alone", texts)
+    while engine.has_unfinished():
+        engine.step()
+    alone = [r.embed_tokens for r in records if r.embed_rows]
+    assert max(alone) > 128 and all(n <= 600 for n in alone)  # wider than the step budget, within its own
+    assert all(r.budget == 600 and r.budget_used <= r.budget for r in records if r.embed_tokens > 128)
+    records.clear()
+    engine.add_request("chat", "Hello there", SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()  # the prompt
+    engine.add_embed("beside", texts)
+    while engine.has_unfinished():
+        engine.step()
+    beside = [r for r in records if r.embed_rows and r.decode_tokens]
+    assert beside and all(r.budget_used <= 128 for r in beside)  # a chat in the step: the step budget holds
+    assert_no_leaks(llm)
