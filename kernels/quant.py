@@ -247,11 +247,15 @@ def decode_layers(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, 
     return module.DecodeLayers(num_heads, num_kv_heads, head_dim, eps, gelu, attention.paged_decode_qkv_capsule())
 
 
-def projection(parts: list[QuantWeight], bias: torch.Tensor | None = None):
-    """A walker's projection: the parts' output rows in order (each kept as stored), plus an optional float32 bias."""
+def projection(parts: list[QuantWeight], bias: torch.Tensor | None = None,
+               activations: Activations = Activations.FLOAT32):
+    """A walker's projection: the parts' output rows in order (each kept as stored), plus an optional float32 bias.
+    `activations=INT8`: x's rows quantized once per call and multiplied by the int8 kernel in the parts whose format
+    has one (INT8_FORMATS) where the walked path has one, as `matmul` does part by part; the others take float32."""
     module = _module()
     return module.Projection([w.data for w in parts], [CPP_FORMATS[w.fmt] for w in parts],
-                             [w._scales() for w in parts], parts[0].shape[1], bias)
+                             [w._scales() for w in parts], parts[0].shape[1], bias,
+                             activations is Activations.INT8)
 
 
 def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
