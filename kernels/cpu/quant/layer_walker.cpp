@@ -28,13 +28,15 @@ torch::Tensor Projection::operator()(const torch::Tensor& x, int64_t isa) const 
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
-  bool quantize = int8 && !int8_kernel(isa).empty();
-  if (quantize) {
-    quantize = false;
-    for (int64_t f : fmts) quantize = quantize || int8_format(f);
-  }
+  bool blocks32 = false, blocks256 = false;
+  if (int8 && !int8_kernel(isa).empty())
+    for (int64_t f : fmts) {
+      blocks256 = blocks256 || int8_kquant(f);
+      blocks32 = blocks32 || (int8_format(f) && !int8_kquant(f));
+    }
+  const bool quantize = blocks32 || blocks256;
   Int8Activations xq;
-  if (quantize) xq = quantize_activations(x.data_ptr<float>(), M, K, isa);
+  if (quantize) xq = quantize_activations(x.data_ptr<float>(), M, K, isa, blocks32, blocks256);
   int64_t col = 0;
   for (size_t i = 0; i < data.size(); ++i) {
     if (quantize && int8_format(fmts[i])) {
