@@ -14,12 +14,12 @@ file's float32 expansion as the reference nobody here wrote:
   small M (what TANDEM_QUANT_SMALL_M sets) above the chunk length, putting every matmul of the text through the
   small-M kernel (the arithmetic a decode step does, position by position).
 
-`--paired ROUNDS` is the speed figure to quote on a shared host: both settings' engines in one process, batch-1
-requests alternating between them (ROUNDS rounds, the order flipped every round, each request `--paired-steps`
-decode steps after a 64-token prompt), every decode-only step timed (`LLMEngine.step`, and inside it the model's
-forward and LM head), medians per setting and the median of the per-round ratios. Load on the host slows both
-settings alike within a round, which a sequential run (one setting after the other) does not. It skips the
-quality passes (transformers is not loaded).
+`--paired ROUNDS` is the speed figure to quote on a shared host: both settings' engines in one process, each
+decoding one batch-1 request per round (ROUNDS rounds, `--paired-steps` decode steps after a 64-token prompt), their
+steps interleaved one by one (the order flipped every step), every decode-only step timed (`LLMEngine.step`, and
+inside it the model's forward and LM head): medians per setting and the median ratio of adjacent steps. Load on the
+host moves on a scale of seconds and slows two adjacent steps alike, which a sequential run (one setting after the
+other) does not. It skips the quality passes (transformers is not loaded).
 
 `--isa avx2` forces the AVX2 path (TANDEM_CPU_ISA=avx2: its float32 kernels and its maddubs int8 kernel) on a CPU
 with more; the JSON records the CPU path, the int8 kernel, the CPU's vector flags and the load average before and
@@ -28,6 +28,7 @@ after (other work on a shared host makes absolute rates noisy: compare the two s
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import random
@@ -90,8 +91,9 @@ class _Timed:
 
 
 def paired_pass(model: Path | None, threads: int, prompts: list[list[int]], rounds: int, steps: int) -> dict:
-    """Both settings in one process, batch-1 requests alternating (order flipped each round): per setting the median
-    decode-only step, forward and LM head time (ms), and the median over rounds of int8's step / float32's."""
+    """Both settings in one process, one batch-1 request each at a time, their decode steps interleaved (the order
+    flipped every step): per setting the median decode-only step, forward and LM head time (ms), and the median of
+    float32's step / int8's over adjacent pairs of steps (and over the rounds' medians)."""
     from engine import LLM, EngineConfig, SamplingParams
     from kernels import quant
 
@@ -108,24 +110,29 @@ def paired_pass(model: Path | None, threads: int, prompts: list[list[int]], roun
         llm.generate(prompts[0][:16], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     for t in timers.values():
         t["forward"].clear(), t["lm_head"].clear()
-    for r in range(rounds):
-        order = SETTINGS if r % 2 == 0 else SETTINGS[::-1]
-        for setting in order:
-            eng, t = engines[setting].engine, timers[setting]
-            eng.add_request(f"r{r}", prompts[r % len(prompts)], greedy)
-            first, step_times = True, []
-            while eng.has_unfinished():
+    pair_ratios: list[float] = []
+    for r in range(rounds):  # both engines decode a request at once, their steps interleaved one by one
+        for setting in SETTINGS:
+            engines[setting].engine.add_request(f"r{r}", prompts[r % len(prompts)], greedy)
+        step_times: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
+        for i in itertools.count():
+            live = [s for s in (SETTINGS if i % 2 == 0 else SETTINGS[::-1]) if engines[s].engine.has_unfinished()]
+            if not live:
+                break
+            for setting in live:
+                eng, t = engines[setting].engine, timers[setting]
                 n_fwd, n_head = len(t["forward"]), len(t["lm_head"])
                 t0 = time.perf_counter()
                 eng.step()
                 dt = time.perf_counter() - t0
-                if first:  # the prefill step: its forward and head times are not a decode step's
+                if i == 0:  # the prefill step: its forward and head times are not a decode step's
                     del t["forward"][n_fwd:], t["lm_head"][n_head:]
-                    first = False
                 else:
-                    step_times.append(dt)
-            t["step"] += step_times
-            t["rounds"].append(statistics.median(step_times))
+                    step_times[setting].append(dt)
+        for setting in SETTINGS:
+            timers[setting]["step"] += step_times[setting]
+            timers[setting]["rounds"].append(statistics.median(step_times[setting]))
+        pair_ratios += [a / b for a, b in zip(step_times["float32"], step_times["int8"])]
     ms = lambda xs: round(1e3 * statistics.median(xs), 2)  # noqa: E731
     out: dict = {"rounds": rounds, "decode_steps_per_request": steps, "settings": {}}
     for setting, t in timers.items():
@@ -134,8 +141,9 @@ def paired_pass(model: Path | None, threads: int, prompts: list[list[int]], roun
             "walker": engines[setting].engine.model.walker is not None,
             "step_ms": ms(t["step"]), "forward_ms": ms(t["forward"]), "lm_head_ms": ms(t["lm_head"]),
             "step_ms_per_round": [round(1e3 * x, 2) for x in t["rounds"]]}
+    out["float32_over_int8_step"] = round(statistics.median(pair_ratios), 3)  # adjacent steps, paired
     f32, i8 = timers["float32"]["rounds"], timers["int8"]["rounds"]
-    out["float32_over_int8_step"] = round(statistics.median(a / b for a, b in zip(f32, i8)), 3)
+    out["float32_over_int8_step_by_round"] = round(statistics.median(a / b for a, b in zip(f32, i8)), 3)
     out["int8_kernel"] = quant.int8_kernel()
     return out
 
