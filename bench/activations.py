@@ -14,6 +14,13 @@ file's float32 expansion as the reference nobody here wrote:
   small M (what TANDEM_QUANT_SMALL_M sets) above the chunk length, putting every matmul of the text through the
   small-M kernel (the arithmetic a decode step does, position by position).
 
+`--paired ROUNDS` is the speed figure to quote on a shared host: both settings' engines in one process, each
+decoding one batch-1 request per round (ROUNDS rounds, `--paired-steps` decode steps after a 64-token prompt), their
+steps interleaved one by one (the order flipped every step), every decode-only step timed (`LLMEngine.step`, and
+inside it the model's forward and LM head): medians per setting and the median ratio of adjacent steps. Load on the
+host moves on a scale of seconds and slows two adjacent steps alike, which a sequential run (one setting after the
+other) does not. It skips the quality passes (transformers is not loaded).
+
 `--isa avx2` forces the AVX2 path (TANDEM_CPU_ISA=avx2: its float32 kernels and its maddubs int8 kernel) on a CPU
 with more; the JSON records the CPU path, the int8 kernel, the CPU's vector flags and the load average before and
 after (other work on a shared host makes absolute rates noisy: compare the two settings of one run).
@@ -21,6 +28,7 @@ after (other work on a shared host makes absolute rates noisy: compare the two s
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import random
@@ -68,6 +76,80 @@ def tandem_pass(model: Path | None, activations: str, threads: int, prompts: lis
             "logprobs": logprobs}
 
 
+class _Timed:
+    """Wall time of each call of a function (a model's forward, its LM head), appended to `times`."""
+
+    def __init__(self, fn, times: list[float]) -> None:
+        self.fn, self.times = fn, times
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.times.append(time.perf_counter() - t0)
+
+
+def paired_pass(model: Path | None, threads: int, prompts: list[list[int]], rounds: int, steps: int) -> dict:
+    """Both settings in one process, one batch-1 request each at a time, their decode steps interleaved (the order
+    flipped every step): per setting the median decode-only step, forward and LM head time (ms), and the median of
+    float32's step / int8's over adjacent pairs of steps (and over the rounds' medians)."""
+    from engine import LLM, EngineConfig, SamplingParams
+    from kernels import quant
+
+    engines, timers = {}, {}
+    for setting in SETTINGS:
+        llm = LLM(EngineConfig(model=str(model) if model else None, num_threads=threads, cpu_activations=setting))
+        m = llm.engine.model
+        timers[setting] = {"step": [], "forward": [], "lm_head": [], "rounds": []}
+        m.forward = _Timed(m.forward, timers[setting]["forward"])
+        m.compute_logits = _Timed(m.compute_logits, timers[setting]["lm_head"])
+        engines[setting] = llm
+    greedy = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    for llm in engines.values():  # warm-up, untimed
+        llm.generate(prompts[0][:16], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for t in timers.values():
+        t["forward"].clear(), t["lm_head"].clear()
+    pair_ratios: list[float] = []
+    for r in range(rounds):  # both engines decode a request at once, their steps interleaved one by one
+        for setting in SETTINGS:
+            engines[setting].engine.add_request(f"r{r}", prompts[r % len(prompts)], greedy)
+        step_times: dict[str, list[float]] = {setting: [] for setting in SETTINGS}
+        for i in itertools.count():
+            live = [s for s in (SETTINGS if i % 2 == 0 else SETTINGS[::-1]) if engines[s].engine.has_unfinished()]
+            if not live:
+                break
+            for setting in live:
+                eng, t = engines[setting].engine, timers[setting]
+                n_fwd, n_head = len(t["forward"]), len(t["lm_head"])
+                t0 = time.perf_counter()
+                eng.step()
+                dt = time.perf_counter() - t0
+                if i == 0:  # the prefill step: its forward and head times are not a decode step's
+                    del t["forward"][n_fwd:], t["lm_head"][n_head:]
+                else:
+                    step_times[setting].append(dt)
+        for setting in SETTINGS:
+            timers[setting]["step"] += step_times[setting]
+            timers[setting]["rounds"].append(statistics.median(step_times[setting]))
+        pair_ratios += [a / b for a, b in zip(step_times["float32"], step_times["int8"])]
+    ms = lambda xs: round(1e3 * statistics.median(xs), 2)  # noqa: E731
+    out: dict = {"rounds": rounds, "decode_steps_per_request": steps, "settings": {}}
+    for setting, t in timers.items():
+        out["settings"][setting] = {
+            "cpu_kernels": engines[setting].engine.model_info()["cpu_kernels"],
+            "walker": engines[setting].engine.model.walker is not None,
+            "step_ms": ms(t["step"]), "forward_ms": ms(t["forward"]), "lm_head_ms": ms(t["lm_head"]),
+            # the fastest tenth: steps the host's load did not starve (nice'd runs on a shared host)
+            "step_ms_p10": round(1e3 * statistics.quantiles(t["step"], n=10)[0], 2),
+            "step_ms_per_round": [round(1e3 * x, 2) for x in t["rounds"]]}
+    out["float32_over_int8_step"] = round(statistics.median(pair_ratios), 3)  # adjacent steps, paired
+    f32, i8 = timers["float32"]["rounds"], timers["int8"]["rounds"]
+    out["float32_over_int8_step_by_round"] = round(statistics.median(a / b for a, b in zip(f32, i8)), 3)
+    out["int8_kernel"] = quant.int8_kernel()
+    return out
+
+
 def hf_logprobs(model_path: Path, chunks: list[list[int]]) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -92,6 +174,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--isa", choices=("auto", "avx512", "avx2"), default="auto",
                     help="the CPU path tandem computes with (TANDEM_CPU_ISA), both settings")
+    ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                    help="speed only: both settings in one process, requests alternating, ROUNDS rounds")
+    ap.add_argument("--paired-steps", type=int, default=48, help="decode steps per request of --paired")
     args = parse_bench_args(ap, argv, "activations", QUICK)
     if args.isa != "auto":
         os.environ["TANDEM_CPU_ISA"] = args.isa  # read once by the engine's builder (engine/settings.py)
@@ -107,6 +192,23 @@ def main(argv: list[str] | None = None) -> dict:
     chunks = [text[i:i + args.chunk] for i in range(0, len(text), args.chunk) if len(text[i:i + args.chunk]) > 1]
     prompts = windows(pool[args.text_tokens:], [64] * args.prompts, random.Random(args.seed))
 
+    if args.paired:
+        from kernels import quant
+
+        quant.select_cpu_path(args.isa)
+        if not quant.int8_activations_available():
+            raise SystemExit(f"--paired: this process's CPU path ({quant.kernel_path()}) has no int8 kernel")
+        import subprocess
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+        result = {"benchmark": "activations_paired", "model": Path(path).name, "commit": commit,
+                  "threads": args.threads,
+                  "loadavg": list(os.getloadavg()), "cpu": cpu_identity(),
+                  **paired_pass(args.model, args.threads, prompts, args.paired, args.paired_steps),
+                  "loadavg_after": list(os.getloadavg())}
+        write_result(result, args.out)
+        return result
     reference = hf_greedy(Path(path), prompts, args.new_tokens)
     ref_lp = hf_logprobs(Path(path), chunks)
     result: dict = {"benchmark": "activations", "model": Path(path).name, "threads": args.threads,

@@ -179,13 +179,16 @@ def cpu_isa() -> CpuIsa:
 class Activations(enum.Enum):
     """What the small-M kernels multiply the weights with: float32 activations (the default: results differ from
     dequantize-then-matmul by summation order only), or each activation row quantized to int8 per block of 32 as
-    llama.cpp does, with integer dot products (the 32-wide formats, others stay float32): AVX-512 VNNI on the avx512
-    path, AVX2's maddubs on the avx2 path (and on avx512 without VNNI)."""
+    llama.cpp does, with integer dot products (every GGUF block format: per block of 32 for the 32-wide ones, per
+    super-block of 256 for the K-quants; I8 stays float32): AVX-512 VNNI on the avx512 path, AVX2's maddubs on the
+    avx2 path (and on avx512 without VNNI, and for the K-quants on either path)."""
     FLOAT32 = "float32"
     INT8 = "int8"
 
 
-INT8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+INT8_BLOCK32 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # x rounded per block of 32 (llama.cpp's Q8_0)
+INT8_KQUANTS = ("Q4_K", "Q5_K", "Q6_K")  # x rounded per super-block of 256 (llama.cpp's Q8_K)
+INT8_FORMATS = INT8_BLOCK32 + INT8_KQUANTS  # every GGUF block format; I8, F16 and BF16 stay float32
 
 
 def int8_kernel(isa: CpuIsa | None = None) -> str:
@@ -247,17 +250,22 @@ def decode_layers(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, 
     return module.DecodeLayers(num_heads, num_kv_heads, head_dim, eps, gelu, attention.paged_decode_qkv_capsule())
 
 
-def projection(parts: list[QuantWeight], bias: torch.Tensor | None = None):
-    """A walker's projection: the parts' output rows in order (each kept as stored), plus an optional float32 bias."""
+def projection(parts: list[QuantWeight], bias: torch.Tensor | None = None,
+               activations: Activations = Activations.FLOAT32):
+    """A walker's projection: the parts' output rows in order (each kept as stored), plus an optional float32 bias.
+    `activations=INT8`: x's rows quantized once per call and multiplied by the int8 kernel in the parts whose format
+    has one (INT8_FORMATS) where the walked path has one, as `matmul` does part by part; the others take float32."""
     module = _module()
     return module.Projection([w.data for w in parts], [CPP_FORMATS[w.fmt] for w in parts],
-                             [w._scales() for w in parts], parts[0].shape[1], bias)
+                             [w._scales() for w in parts], parts[0].shape[1], bias,
+                             activations is Activations.INT8)
 
 
 def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
            activations: Activations = Activations.FLOAT32) -> torch.Tensor:
     """x [M, K] float32 @ dequantize(w).T -> [M, N] float32; `isa` overrides the process's CPU path (tests).
-    `activations=INT8` quantizes x's rows per block of 32 in the small-M kernel where the path and format have it."""
+    `activations=INT8` quantizes x's rows (per block of 32, or 256 for a K-quant) in the small-M kernel where the
+    path and format have it."""
     module = _module() if w.fmt in CPP_FORMATS else None
     isa = cpu_isa() if isa is None and module is not None else isa
     if module is not None and x.shape[0] <= small_m(isa):

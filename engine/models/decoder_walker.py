@@ -13,8 +13,9 @@ from engine.models.quantized import QuantizedLinear
 
 def layer_walker(model: DecoderForCausalLM):
     """The C++ walker of this model's layers (kernels/quant.py `decode_layers`), or None where it does not apply:
-    the C++ modules not built, or a projection that is not float32-activation blocks in a C++ format (dense weights,
-    `--cpu-activations int8`, F16 / BF16 tensors). TANDEM_LAYER_WALKER=0 (A/B runs) keeps build_decoder from asking."""
+    the C++ modules not built, or a projection that is not blocks in a C++ format (dense weights, F16 / BF16
+    tensors). Projections with `--cpu-activations int8` multiply int8-rounded rows where the format and path have an
+    int8 kernel, exactly as QuantizedLinear does. TANDEM_LAYER_WALKER=0 (A/B runs) keeps build_decoder from asking."""
     a = model.args
     walker = quant.decode_layers(a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps,
                                  a.activation is Activation.GELU_TANH)
@@ -35,14 +36,15 @@ def layer_walker(model: DecoderForCausalLM):
 
 
 def _walker_projection(module: nn.Module):
-    """A walker projection of a QuantizedLinear or a ConcatLinear of them (float32 activations, C++ formats)."""
+    """A walker projection of a QuantizedLinear or a ConcatLinear of them (C++ formats, one kind of activations)."""
     parts = list(module.parts) if isinstance(module, ConcatLinear) else [module]
-    if not all(isinstance(p, QuantizedLinear) and p.activations is quant.Activations.FLOAT32
-               and p.qweight.fmt in quant.CPP_FORMATS for p in parts):
+    if not all(isinstance(p, QuantizedLinear) and p.qweight.fmt in quant.CPP_FORMATS for p in parts):
+        return None
+    if len({p.activations for p in parts}) != 1:
         return None
     biases = [p.bias for p in parts]
     bias = None
     if any(b is not None for b in biases):  # a part without one adds zeros
         bias = torch.cat([b.detach() if b is not None else torch.zeros(p.out_features)
                           for b, p in zip(biases, parts)]).float().contiguous()
-    return quant.projection([p.qweight for p in parts], bias)
+    return quant.projection([p.qweight for p in parts], bias, parts[0].activations)

@@ -150,7 +150,7 @@ def test_int8_activations_are_one_setting_away_and_stay_close_to_float32(llm, pr
 def test_small_decode_steps_of_the_embedded_model_walk_its_layers_in_one_call(llm, prompts, hf_greedy) -> None:
     """Issue #28 item 3: the embedded model's decode steps of up to small_m sequences run every layer in one C++ call
     (GIL released), still token-identical to transformers; steps of more sequences, prefill and mixed steps keep the
-    Python layer loop. Dense weights and int8 activations have no walker."""
+    Python layer loop. Dense weights have no walker."""
     from tests.models.test_tiny_decoders import _CountingWalker
 
     model = llm.engine.model
@@ -169,5 +169,45 @@ def test_small_decode_steps_of_the_embedded_model_walk_its_layers_in_one_call(ll
                    and 0 < s.decode_tokens <= quant.small_m(quant.cpu_isa())]
     assert decode_only and counter.calls == len(decode_only)
     assert make_llm(quantization="none").engine.model.walker is None
-    if quant.int8_activations_available():
-        assert make_llm(cpu_activations="int8").engine.model.walker is None
+
+
+# The int8 walker on the path this process picks by default and on AVX2 forced (the path most CPUs take; on an
+# AVX-512 VNNI host the two run different int8 kernels).
+INT8_PATHS = [pytest.param("auto", marks=pytest.mark.skipif(
+    not quant.int8_activations_available(), reason="this process's CPU path (portable) has no int8-activation kernel")),
+    pytest.param("avx2", marks=pytest.mark.skipif(
+        quant.best_isa() < quant.CpuIsa.AVX2, reason=f"this CPU's kernels go up to {quant.best_isa().label}, not avx2"))]
+
+
+@pytest.mark.parametrize("path", INT8_PATHS)
+def test_int8_decode_steps_walk_the_layers_with_the_loops_values(path: str, prompts, monkeypatch) -> None:
+    """--cpu-activations int8 keeps the layer walker: its projections quantize each row once per call and multiply
+    it with the same int8 kernel, tiles and quantizer as QuantizedLinear does part by part, so every sampled token
+    and log-probability is bit-identical to the Python layer loop's (TANDEM_LAYER_WALKER=0) with int8."""
+    from tests.models.test_tiny_decoders import _CountingWalker
+
+    monkeypatch.setattr(quant, "_wanted", quant._wanted)  # restored afterwards: what this process chose
+    monkeypatch.setattr(quant, "_selected", quant._selected)
+    monkeypatch.setenv("TANDEM_CPU_ISA", path)
+    walked = make_llm(cpu_activations="int8")
+    monkeypatch.setenv("TANDEM_LAYER_WALKER", "0")
+    looped = make_llm(cpu_activations="int8")
+    assert quant.cpu_isa() == (quant.best_isa() if path == "auto" else quant.CpuIsa.AVX2)
+    assert walked.engine.model_info()["cpu_kernels"] == f"{quant.cpu_isa().label} int8-activations"
+    assert walked.engine.model.walker is not None and looped.engine.model.walker is None
+    counter = walked.engine.model.walker = _CountingWalker(walked.engine.model.walker)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    for batch in (prompts[:3], prompts[3:4]):  # decode steps of 3 rows, then of 1
+        ours, theirs = walked.generate(batch, params), looped.generate(batch, params)
+        for a, b in zip(ours, theirs):
+            assert a.token_ids == b.token_ids
+            assert [lp[t] for lp, t in zip(a.logprobs, a.token_ids)] == [
+                lp[t] for lp, t in zip(b.logprobs, b.token_ids)]
+        int8 = ours[-1]
+    assert counter.calls >= 2 * 5  # every decode step after the prefill
+    # and the int8 rounding is real: float32 activations through the walker give other log-probabilities
+    monkeypatch.delenv("TANDEM_LAYER_WALKER")
+    f32 = make_llm().generate(prompts[3:4], params)[0]
+    assert [lp[t] for lp, t in zip(f32.logprobs, f32.token_ids)] != [
+        lp[t] for lp, t in zip(int8.logprobs, int8.token_ids)]
+    assert_no_leaks(walked)

@@ -19,13 +19,13 @@ from kernels import quant
 _BASE = ["-std=c++17", "-O1", "-ffp-contract=off", "-march=x86-64"]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl"]
-# (file, instruction-set flags, a symbol the object must define)
+# (file, instruction-set flags, the symbols the object must define)
 PATHS = {
-    "portable": ("formats.cpp", [], "tandem::dequant_row_scalar("),
-    "avx2": ("avx2.cpp", _AVX2, "tandem::row_avx2("),
-    "avx2-int8": ("avx2_int8.cpp", _AVX2, "tandem::row_int8_avx2("),
-    "avx512": ("avx512.cpp", _AVX512, "tandem::row_avx512("),
-    "avx512-vnni": ("vnni.cpp", [*_AVX512, "-mavx512vnni"], "tandem::row_int8("),
+    "portable": ("formats.cpp", [], ["tandem::dequant_row_scalar("]),
+    "avx2": ("avx2.cpp", _AVX2, ["tandem::row_avx2("]),
+    "avx2-int8": ("avx2_int8.cpp", _AVX2, ["tandem::row_int8_avx2(", "tandem::row_int8k_avx2("]),  # + K-quants
+    "avx512": ("avx512.cpp", _AVX512, ["tandem::row_avx512("]),
+    "avx512-vnni": ("vnni.cpp", [*_AVX512, "-mavx512vnni"], ["tandem::row_int8("]),
 }
 _CXX = shutil.which(os.environ.get("CXX", "c++"))
 _NM = shutil.which("nm")
@@ -35,11 +35,12 @@ _NM = shutil.which("nm")
 @pytest.mark.skipif(_CXX is None or _NM is None, reason="needs a C++ compiler and nm")
 @pytest.mark.parametrize("path", list(PATHS))
 def test_the_path_compiles_for_its_instruction_set(path: str, tmp_path) -> None:
-    source, flags, symbol = PATHS[path]
+    source, flags, symbols = PATHS[path]
     obj = tmp_path / "path.o"
     done = subprocess.run([_CXX, *_BASE, *flags, "-c", str(quant._SOURCE_DIR / source), "-o", str(obj)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     defined = subprocess.run([_NM, "-C", "--defined-only", str(obj)], capture_output=True, text=True,
                              check=True).stdout
-    assert symbol in defined, f"{source} compiled without its kernels: {symbol} missing"
+    for symbol in symbols:
+        assert symbol in defined, f"{source} compiled without its kernels: {symbol} missing"

@@ -236,13 +236,14 @@ def test_fused_decode_ops_match_torch() -> None:
 # ---- int8 activations ----------------------------------------------------------------------------------------
 
 
-def int8_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """|x W^T - x^ W^T| where x^ is x rounded per block of 32 to dx * round(x / dx), dx = max|x_block| / 127: each
-    element moves by at most dx / 2, so a dot product moves by at most sum_b dx_b / 2 * sum_{k in b} |w_k|. Plus
-    the float32 round-off of the products and sums (as assert_within_roundoff, on |x| + dx / 2)."""
+def int8_bound(x: torch.Tensor, dense: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """|x W^T - x^ W^T| where x^ is x rounded per block (32 for the 32-wide formats, 256 for the K-quants) to
+    dx * round(x / dx), dx = max|x_block| / 127: each element moves by at most dx / 2, so a dot product moves by at
+    most sum_b dx_b / 2 * sum_{k in b} |w_k|. Plus the float32 round-off of the products and sums (as
+    assert_within_roundoff, on |x| + dx / 2)."""
     m, k = x.shape
-    dx = x.abs().view(m, k // 32, 32).amax(-1) / 127  # [M, K/32]
-    half_step = (dx / 2).repeat_interleave(32, dim=1)  # [M, K]
+    dx = x.abs().view(m, k // block, block).amax(-1) / 127  # [M, K/block]
+    half_step = (dx / 2).repeat_interleave(block, dim=1)  # [M, K]
     rounding = half_step @ dense.abs().T
     roundoff = 2 * (k * 2.0**-24) / (1 - k * 2.0**-24) * ((x.abs() + half_step) @ dense.abs().T)
     return rounding + roundoff + 1e-30
@@ -258,11 +259,11 @@ INT8_ISAS = [
 ]
 
 
-def quantize_x_like_the_kernels(x: torch.Tensor) -> torch.Tensor:
-    """x rounded per block of 32 as formats.h quantize_block32 does, in float32: dx = max|x| / 127, q = round(x *
-    (127 / max|x|)) to nearest even, x^ = dx * q."""
+def quantize_x_like_the_kernels(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x rounded per block of 32 (256) as formats.h quantize_block32 (quantize_block256) does, in float32: dx =
+    max|x| / 127, q = round(x * (127 / max|x|)) to nearest even, x^ = dx * q."""
     m, k = x.shape
-    blocks = x.view(m, k // 32, 32)
+    blocks = x.view(m, k // block, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return (amax / 127 * torch.round(blocks * inv)).view(m, k)
@@ -289,17 +290,34 @@ def int8_magnitudes(w: quant.QuantWeight) -> torch.Tensor:
     return (d.abs() * (u + c) + mn.abs()).view(n, k)
 
 
-def int8_roundoff_bound(xq: torch.Tensor, w: quant.QuantWeight) -> torch.Tensor:
+def int8_kquant_magnitudes(w: quant.QuantWeight) -> torch.Tensor:
+    """A_k for a K-quant: the magnitudes of the two terms the int8 kernel scales and adds in float32, |d sc_j| q_k
+    and |dmin m_j| (Q4_K, Q5_K: the reference with dmin zeroed, then with d zeroed), or |d sc_j (q_k - 32)| = |w_k|
+    (Q6_K, one term)."""
+    if w.fmt == "Q6_K":
+        return reference_dense(w).abs()
+    n, k = w.shape
+    blocks = w.data.view(n, k // quant.QK_K, quant.BLOCK_BYTES[w.fmt])
+    parts = []
+    for zero in (2, 0):  # dmin zeroed: d sc q; d zeroed: -dmin m
+        b = blocks.clone()
+        b[..., zero:zero + 2] = 0
+        parts.append(quant.reference_dequantize(b.view(n, -1), w.fmt, k).abs())
+    return parts[0] + parts[1]
+
+
+def int8_roundoff_bound(xq: torch.Tensor, w: quant.QuantWeight, magnitudes=None) -> torch.Tensor:
     """|kernel - x^ @ dense^T| where x^ is x rounded as the kernels round it (so the integer sums are exact): the
     kernel rounds d * dx, its product with the block's integer sum and the min term (a few roundings per block),
     then sums K / 32 blocks in lanes; the reference rounds x^ = dx * q, w = d * q + m and K products and sums. Each
     side is within gamma_{K + 8} (|x^| @ A^T) (int8_magnitudes), so their difference within twice that."""
     k = xq.shape[1] + 8
-    return 2 * (k * 2.0**-24) / (1 - k * 2.0**-24) * (xq.abs() @ int8_magnitudes(w).T) + 1e-30
+    a = int8_magnitudes(w) if magnitudes is None else magnitudes
+    return 2 * (k * 2.0**-24) / (1 - k * 2.0**-24) * (xq.abs() @ a.T) + 1e-30
 
 
 @pytest.mark.parametrize("isa", INT8_ISAS)
-@pytest.mark.parametrize("fmt", quant.INT8_FORMATS)
+@pytest.mark.parametrize("fmt", quant.INT8_BLOCK32)
 def test_int8_activations_stay_within_the_bound_of_rounding_x_to_8_bits(fmt: str, isa) -> None:
     assert quant.int8_kernel(isa) == {quant.CpuIsa.AVX2: "avx2", quant.CpuIsa.AVX512: "vnni"}[isa]
     for k in (96, 64):  # an odd number of blocks (a half pair for VNNI) and an even one
@@ -332,7 +350,7 @@ def test_int8_one_row_of_x_gets_the_same_bits_as_that_row_among_others(fmt: str,
 
 @pytest.mark.skipif(quant.int8_kernel(quant.CpuIsa.AVX512) != "vnni",
                     reason="needs both int8 kernels: this CPU has no AVX-512 VNNI")
-@pytest.mark.parametrize("fmt", quant.INT8_FORMATS)
+@pytest.mark.parametrize("fmt", quant.INT8_BLOCK32)
 def test_the_avx2_int8_kernel_equals_the_vnni_one_up_to_roundoff(fmt: str) -> None:
     """Both kernels multiply the same integers (one quantizer, formats.h quantize_block32) and sum them exactly;
     they differ in how the float32 scale and offset terms are added, so by round-off only, never by a rounding of
@@ -347,10 +365,62 @@ def test_the_avx2_int8_kernel_equals_the_vnni_one_up_to_roundoff(fmt: str) -> No
     assert not torch.equal(avx2, quant.matmul(x, w, isa=quant.CpuIsa.AVX2))  # neither is the float32 result
 
 
+@pytest.mark.parametrize("isa", INT8_ISAS)
+@pytest.mark.parametrize("fmt", quant.INT8_KQUANTS)
+def test_int8_kquants_stay_within_the_bound_of_rounding_x_to_8_bits_per_super_block(fmt: str, isa) -> None:
+    """The K-quants with x rounded per super-block of 256 (llama.cpp's Q8_K: one dx per 256, sums per 16 for the
+    mins). The integer sums per super-block are exact and each of the 8 int32 lanes stays below 2^24 (avx2_int8.cpp
+    row_k8), so the kernel rounds only d * dx, one fma per term and super-block and the final sum of lanes: against
+    gguf-py's weights times x rounded as the kernel rounds it, within 2 gamma_{K + 8} |x^| @ A^T as the 32-wide
+    formats (int8_roundoff_bound), with A the magnitudes of the terms it adds (int8_kquant_magnitudes)."""
+    for k in (256, 512):
+        w = make(fmt, 37, k, seed=k + 1)
+        dense = reference_dense(w)
+        for m in (1, 3, 4, 6, 10):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
+            if k > 256:
+                x[0, :256] = 0.0  # an all-zero super-block (dx = 0) beside one that is not
+            got = quant.matmul(x, w, isa=isa, activations=quant.Activations.INT8)
+            assert bool(((got - x @ dense.T).abs() <= int8_bound(x, dense, 256)).all())
+            xq = quantize_x_like_the_kernels(x, 256)
+            err = (got - xq @ dense.T).abs()
+            bound = int8_roundoff_bound(xq, w, int8_kquant_magnitudes(w))
+            assert bool((err <= bound).all()), float((err / bound).max())
+            assert not torch.equal(got, quant.matmul(x, w, isa=isa))  # the int8 path, not the float32 one
+
+
+@pytest.mark.skipif(quant.int8_kernel(quant.CpuIsa.AVX512) != "vnni",
+                    reason="needs both int8 kernels: this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("fmt", quant.INT8_KQUANTS)
+def test_the_kquants_take_the_same_int8_kernel_on_both_paths(fmt: str) -> None:
+    """VNNI's vpdpbusd saves nothing where each sub-block's sum needs its own scale, so the avx512 path multiplies
+    the K-quants with the AVX2 maddubs kernel: the same bits."""
+    w = make(fmt, 64, 2048, seed=9)
+    x = torch.randn(5, 2048, generator=torch.Generator().manual_seed(9))
+    int8 = quant.Activations.INT8
+    assert torch.equal(quant.matmul(x, w, isa=quant.CpuIsa.AVX2, activations=int8),
+                       quant.matmul(x, w, isa=quant.CpuIsa.AVX512, activations=int8))
+
+
 def test_int8_activations_leave_other_formats_on_float32() -> None:
-    w = make("Q6_K", 37, 512)
+    w = make("I8", 37, 512)
     x = torch.randn(2, 512)
     assert torch.equal(quant.matmul(x, w, activations=quant.Activations.INT8), quant.matmul(x, w))
+
+
+@pytest.mark.parametrize("isa", INT8_ISAS)
+def test_an_int8_walker_projection_is_its_parts_int8_products_side_by_side(isa) -> None:
+    """A walker projection with int8 activations quantizes x once per call (per 32 for the Q5_0 / Q8_0 parts, per
+    256 for the Q4_K part) and gives each part's columns bit for bit what `matmul` with int8 gives that part; I8
+    parts keep float32."""
+    int8 = quant.Activations.INT8
+    parts = [make("Q4_K", 40, 256, seed=1), make("Q5_0", 24, 256, seed=2), make("Q8_0", 24, 256, seed=3),
+             make("I8", 8, 256, seed=4)]
+    x = torch.randn(3, 256)
+    got = quant.projection(parts, None, int8)(x, int(isa))
+    expected = torch.cat([quant.matmul(x, w, isa=isa, activations=int8) for w in parts], dim=1)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, quant.projection(parts)(x, int(isa)))
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda isa: isa.label)

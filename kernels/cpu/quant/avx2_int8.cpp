@@ -1,4 +1,5 @@
-// int8 activations on AVX2, the 32-wide formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), as llama.cpp's AVX2 path computes
+// int8 activations on AVX2: the 32-wide formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the K-quants (Q4_K, Q5_K, Q6_K,
+// below row_k8), as llama.cpp's AVX2 path computes
 // them: each row of x is quantized per block of 32 (quantize_block32, the VNNI path's integers and dx), and a block's
 // dot product is one integer sum of 32 products, `_mm256_maddubs_epi16` (unsigned bytes times signed bytes, adjacent
 // pairs summed to int16) then `_mm256_madd_epi16` by ones (pairs of those to int32):
@@ -95,7 +96,132 @@ void row_q8(const uint8_t* row, const Int8Rows& xq, int64_t m0, int64_t K, float
   }
 }
 
+// The K-quants (llama.cpp's AVX2 ggml_vec_dot_q{4,5,6}_K_q8_K, with our scalar layout): per super-block of 256 and
+// row of x, the products of each sub-block are summed by maddubs to int16 pairs and by madd with the sub-block's
+// scale to int32, in 8 lanes; the lanes are exact integers below 2^24 (Q4_K / Q5_K: 8 sub-blocks x 63 x 4 x 31 x
+// 127; Q6_K: 8 x 128 x 4 x 32 x 127), so converting them to float is exact, and
+//   Q4_K, Q5_K: sum_k w_k x_k ~= d dx sum_j sc_j sum_{k in j} q_k qx_k - dmin dx sum_j m_j sum_{k in j} qx_k
+//   Q6_K:       sum_k w_k x_k ~= d dx sum_j sc_j sum_{k in j} (q_k - 32) qx_k   (signed bytes, the sign moved onto x)
+// with one fma per super-block and lane for each term.
+template <int64_t FMT, int MT>
+void row_k8(const uint8_t* row, const Int8KRows& xq, int64_t m0, int64_t K, float* y, int64_t ldy) {
+  constexpr int64_t BB = block_bytes(FMT);
+  const int64_t nsb = K / 256;
+  const __m256i m4 = _mm256_set1_epi8(0x0f);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  const int8_t* qx0 = xq.q.data() + m0 * K;
+  const float* dx0 = xq.dx.data() + m0 * nsb;
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* blk = row + sb * BB;
+    prefetch_ahead(blk);
+    prefetch_ahead(blk + 64);
+    prefetch_ahead(blk + 128);
+    if constexpr (BB > 192) prefetch_ahead(blk + 192);
+    __m256i sumi[MT];
+    for (int m = 0; m < MT; ++m) sumi[m] = _mm256_setzero_si256();
+    if constexpr (FMT == Q4_K || FMT == Q5_K) {
+      const float d = fp16_to_fp32(blk), dmin = fp16_to_fp32(blk + 2);
+      int sc[8], mn[8];
+      for (int j = 0; j < 8; ++j) k_scale_min_int(blk + 4, j, sc[j], mn[j]);
+      const uint8_t* qs = blk + (FMT == Q5_K ? 48 : 16);
+      const __m256i qh = FMT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))
+                                     : _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {  // sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
+        __m256i lo = _mm256_and_si256(b, m4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+        if constexpr (FMT == Q5_K) {  // bit j of qh[l] is sub-block j's fifth bit of element l
+          const __m256i one = _mm256_set1_epi8(1);
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one), 4));
+        }
+        const __m256i slo = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * i]));
+        const __m256i shi = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * i + 1]));
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* qx = qx0 + m * K + sb * 256 + 64 * i;
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32));
+          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), slo));
+          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), shi));
+        }
+      }
+      // mins: m_j times the sums of qx over sub-block j (two sums of 16), as one madd of int16 vectors
+      const __m256i mins = _mm256_setr_epi16(mn[0], mn[0], mn[1], mn[1], mn[2], mn[2], mn[3], mn[3], mn[4], mn[4],
+                                             mn[5], mn[5], mn[6], mn[6], mn[7], mn[7]);
+      for (int m = 0; m < MT; ++m) {
+        const float dx = dx0[m * nsb + sb];
+        const __m256i bs = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(xq.bsum.data() + (m0 + m) * (K / 16) + sb * 16));
+        const __m256 msum = _mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), _mm256_set1_ps(d * dx), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(msum, _mm256_set1_ps(dmin * dx), acc[m]);
+      }
+    } else {  // Q6_K
+      const uint8_t* ql = blk;
+      const uint8_t* qhp = blk + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      const float d = fp16_to_fp32(blk + 208);
+      const __m256i m2 = _mm256_set1_epi8(3), c32 = _mm256_set1_epi8(32);
+      for (int h = 0; h < 2; ++h) {  // 128 weights: groups of 32 from ql[64h ..], ql[64h + 32 ..] and qh[32h ..]
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qhp + 32 * h));
+        for (int g = 0; g < 4; ++g) {
+          const __m256i lb = (g % 2) ? l1 : l0;
+          const __m256i low = g < 2 ? _mm256_and_si256(lb, m4) : _mm256_and_si256(_mm256_srli_epi16(lb, 4), m4);
+          const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * g), m2), 4);
+          const __m256i w = _mm256_sub_epi8(_mm256_or_si256(low, high), c32);  // q - 32, signed
+          const __m256i aw = _mm256_sign_epi8(w, w);
+          const int j = (h * 4 + g) * 2;  // the two sub-blocks of 16: one per 128-bit lane
+          const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+          for (int m = 0; m < MT; ++m) {
+            const __m256i x = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(qx0 + m * K + sb * 256 + 128 * h + 32 * g));
+            sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)),
+                                                                  scv));
+          }
+        }
+      }
+      for (int m = 0; m < MT; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[m]), _mm256_set1_ps(d * dx0[m * nsb + sb]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    y[m * ldy] = _mm_cvtss_f32(s);
+  }
+}
+
 }  // namespace
+
+Int8KRows quantize_rows_k(const float* x, int64_t M, int64_t K) {
+  Int8KRows r;
+  r.nsb = K / 256;
+  r.q.resize(M * K);
+  r.dx.resize(M * r.nsb);
+  r.bsum.resize(M * K / 16);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < r.nsb; ++b)
+      r.dx[m * r.nsb + b] = quantize_block256(x + m * K + b * 256, r.q.data() + m * K + b * 256,
+                                              r.bsum.data() + m * (K / 16) + b * 16);
+  return r;
+}
+
+void row_int8k_avx2(int64_t fmt, const uint8_t* row, const Int8KRows& xq, int64_t M, int64_t K, float* y,
+                    int64_t ldy) {
+  auto tiles = [&](auto fmt_c) {
+    for_row_tiles<4>(M, [&](auto mt, int64_t m) {
+      row_k8<decltype(fmt_c)::value, decltype(mt)::value>(row, xq, m, K, y + m * ldy, ldy);
+    });
+  };
+  switch (fmt) {
+    case Q4_K: return tiles(std::integral_constant<int64_t, Q4_K>{});
+    case Q5_K: return tiles(std::integral_constant<int64_t, Q5_K>{});
+    default: return tiles(std::integral_constant<int64_t, Q6_K>{});
+  }
+}
 
 void row_int8_avx2(int64_t fmt, const uint8_t* row, const Int8Rows& xq, int64_t M, int64_t K, float* y,
                    int64_t ldy) {

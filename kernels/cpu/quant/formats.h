@@ -95,14 +95,20 @@ constexpr int64_t block_bytes(int64_t fmt) {
 constexpr int64_t block_elems(int64_t fmt) { return fmt >= Q4_K ? 256 : 32; }
 
 // The 8 six-bit scales and mins of a Q4_K / Q5_K super-block (gguf-py's Q4_K.get_scale_min).
-inline void k_scale_min(const uint8_t* s, int j, float& sc, float& mn) {
+inline void k_scale_min_int(const uint8_t* s, int j, int& sc, int& mn) {
   if (j < 4) {
-    sc = static_cast<float>(s[j] & 63);
-    mn = static_cast<float>(s[j + 4] & 63);
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
   } else {
-    sc = static_cast<float>((s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30));
-    mn = static_cast<float>((s[j + 4] >> 4) | ((s[j] >> 2) & 0x30));
+    sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
   }
+}
+inline void k_scale_min(const uint8_t* s, int j, float& sc, float& mn) {
+  int si, mi;
+  k_scale_min_int(s, j, si, mi);
+  sc = static_cast<float>(si);
+  mn = static_cast<float>(mi);
 }
 
 // One block of 32 activations rounded to 8 bits as llama.cpp does (its Q8_0): dx = max|x| / 127, qb[i] =
@@ -120,6 +126,25 @@ inline int quantize_block32(const float* xb, int8_t* qb, float& dx) {
     s += v;
   }
   return s;
+}
+
+// 256 activations (a K-quant super-block) rounded to 8 bits as llama.cpp's Q8_K rounds them, with the same rule as
+// quantize_block32: dx = max|x| / 127, qb[i] = round(x[i] / dx) to nearest even; bsum[j] = sum of qb over elements
+// 16 j .. 16 j + 15 (what the K-quants' mins need). Returns dx.
+inline float quantize_block256(const float* xb, int8_t* qb, int16_t* bsum) {
+  float amax = 0.f;
+  for (int i = 0; i < 256; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int j = 0; j < 16; ++j) {
+    int s = 0;
+    for (int i = 16 * j; i < 16 * j + 16; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+      qb[i] = static_cast<int8_t>(v);
+      s += v;
+    }
+    bsum[j] = static_cast<int16_t>(s);
+  }
+  return amax / 127.f;
 }
 
 // Scalar dequantization of one row of any format (`scale`: I8's per-channel scale, else unused), exactly as gguf-py

@@ -9,8 +9,8 @@
 namespace tandem {
 
 Projection::Projection(std::vector<torch::Tensor> data_, std::vector<int64_t> fmts_,
-                       std::vector<torch::Tensor> scales_, int64_t K_, std::optional<torch::Tensor> bias_)
-    : data(std::move(data_)), scales(std::move(scales_)), fmts(std::move(fmts_)), K(K_) {
+                       std::vector<torch::Tensor> scales_, int64_t K_, std::optional<torch::Tensor> bias_, bool int8_)
+    : data(std::move(data_)), scales(std::move(scales_)), fmts(std::move(fmts_)), K(K_), int8(int8_) {
   TORCH_CHECK(!data.empty() && data.size() == fmts.size() && data.size() == scales.size(),
               "Projection: one format and one scales tensor per part");
   for (size_t i = 0; i < data.size(); ++i) {
@@ -28,9 +28,22 @@ torch::Tensor Projection::operator()(const torch::Tensor& x, int64_t isa) const 
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
+  bool blocks32 = false, blocks256 = false;
+  if (int8 && !int8_kernel(isa).empty())
+    for (int64_t f : fmts) {
+      blocks256 = blocks256 || int8_kquant(f);
+      blocks32 = blocks32 || (int8_format(f) && !int8_kquant(f));
+    }
+  const bool quantize = blocks32 || blocks256;
+  Int8Activations xq;
+  if (quantize) xq = quantize_activations(x.data_ptr<float>(), M, K, isa, blocks32, blocks256);
   int64_t col = 0;
   for (size_t i = 0; i < data.size(); ++i) {
-    matmul_into(x.data_ptr<float>(), M, K, data[i], fmts[i], scales[i], isa, yp + col, N);
+    if (quantize && int8_format(fmts[i])) {
+      matmul_int8_into(xq, M, K, data[i], fmts[i], yp + col, N);
+    } else {
+      matmul_into(x.data_ptr<float>(), M, K, data[i], fmts[i], scales[i], isa, yp + col, N);
+    }
     col += data[i].size(0);
   }
   if (bias.defined()) {

@@ -14,8 +14,6 @@
 #include <string>
 #include <vector>
 
-#include "paths.h"
-
 namespace tandem {
 namespace {
 
@@ -153,35 +151,78 @@ std::string int8_kernel(int64_t isa) {
   return "";
 }
 
-// x [M, K] float32 with its rows quantized to int8 per block of 32, w: blocks of a 32-wide format (Q4_0, Q4_1,
-// Q5_0, Q5_1, Q8_0), computed by int8_kernel(isa).
-torch::Tensor quant_matmul_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, int64_t isa) {
+bool int8_format(int64_t fmt) {
+  return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == Q8_0 || int8_kquant(fmt);
+}
+
+Int8Activations quantize_activations(const float* xp, int64_t M, int64_t K, int64_t isa, bool blocks32,
+                                     bool blocks256) {
   const std::string kernel = int8_kernel(isa);
-  TORCH_CHECK(!kernel.empty(), "quant_matmul_int8: CPU path ", isa, " has no int8-activation kernel in this build");
-  TORCH_CHECK(fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == Q8_0,
-              "quant_matmul_int8: int8 activations cover Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, not format ", fmt);
+  TORCH_CHECK(!kernel.empty(), "int8 activations: CPU path ", isa, " has no int8-activation kernel in this build");
+  TORCH_CHECK(K % 32 == 0 && (!blocks256 || K % 256 == 0), "int8 activations: K must be a multiple of the block");
+  Int8Activations xq;
+  xq.vnni = kernel == "vnni";
+#if defined(TANDEM_AVX2)
+  // The K-quants take the AVX2 maddubs kernel on either path: VNNI's vpdpbusd would replace the maddubs + madd pair
+  // only where the sums need no per-sub-block scale, which a K-quant's do.
+  if (blocks256) xq.k = quantize_rows_k(xp, M, K);
+#endif
+#if defined(TANDEM_VNNI)
+  if (xq.vnni) {
+    if (blocks32) xq.pairs = quantize_rows(xp, M, K);
+    return xq;
+  }
+#endif
+#if defined(TANDEM_AVX2)
+  if (blocks32) xq.avx2 = quantize_rows_avx2(xp, M, K);
+#endif
+  (void)M, (void)blocks32;
+  return xq;
+}
+
+void matmul_int8_into(const Int8Activations& xq, int64_t M, int64_t K, const torch::Tensor& w, int64_t fmt,
+                      float* yp, int64_t ldy) {
+  TORCH_CHECK(int8_format(fmt), "int8 activations cover the GGUF block formats, not format ", fmt);
+  const int64_t N = w.size(0);
+  const int threads = threads_for_bytes(w.numel() * w.element_size() * M);
+#if defined(TANDEM_AVX2)
+  if (int8_kquant(fmt)) {
+    TORCH_CHECK(static_cast<int64_t>(xq.k.dx.size()) == M * (K / 256), "int8 activations: no super-block rows");
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; ++n) row_int8k_avx2(fmt, row_ptr(w, n), xq.k, M, K, yp + n, ldy);
+    return;
+  }
+#endif
+#if defined(TANDEM_VNNI)
+  if (xq.vnni) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; ++n) row_int8(fmt, row_ptr(w, n), xq.pairs, M, K, yp + n, ldy);
+    return;
+  }
+#endif
+#if defined(TANDEM_AVX2)
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t n = 0; n < N; ++n) row_int8_avx2(fmt, row_ptr(w, n), xq.avx2, M, K, yp + n, ldy);
+#endif
+  (void)threads, (void)N, (void)K, (void)yp, (void)ldy;
+}
+
+// x [M, K] float32 with its rows quantized to int8 per block of 32 (32-wide formats) or super-block of 256
+// (K-quants), w: blocks of a format with int8_format, computed by int8_kernel(isa).
+torch::Tensor quant_matmul_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, int64_t isa) {
+  TORCH_CHECK(!int8_kernel(isa).empty(), "quant_matmul_int8: CPU path ", isa,
+              " has no int8-activation kernel in this build");
+  TORCH_CHECK(int8_format(fmt), "quant_matmul_int8: int8 activations cover the GGUF block formats, not format ",
+              fmt);
   check(w, fmt, K, torch::Tensor(), PORTABLE);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
               "quant_matmul_int8: x must be float32 [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
-  const int threads = threads_for_bytes(w.numel() * w.element_size() * M);
-#if defined(TANDEM_VNNI)
-  if (kernel == "vnni") {
-    const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) row_int8(fmt, row_ptr(w, n), xq, M, K, yp + n, N);
-    return y;
-  }
-#endif
-#if defined(TANDEM_AVX2)
-  const Int8Rows xq = quantize_rows_avx2(x.data_ptr<float>(), M, K);
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t n = 0; n < N; ++n) row_int8_avx2(fmt, row_ptr(w, n), xq, M, K, yp + n, N);
-#endif
-  (void)threads;
+  const Int8Activations xq =
+      quantize_activations(x.data_ptr<float>(), M, K, isa, !int8_kquant(fmt), int8_kquant(fmt));
+  matmul_int8_into(xq, M, K, w, fmt, y.data_ptr<float>(), N);
   return y;
 }
 

@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "formats.h"
+#include "paths.h"
 
 namespace tandem {
 
@@ -23,6 +23,29 @@ int num_threads_for(int64_t work);
 // (the parts of a projection whose weights are stored in different formats fill their own columns).
 void matmul_into(const float* xp, int64_t M, int64_t K, const torch::Tensor& w, int64_t fmt,
                  const torch::Tensor& scales, int64_t isa, float* yp, int64_t ldy);
+
+// int8 activations (quant_matmul_int8, the layer walker): x's rows quantized once for the int8 kernel of a CPU path
+// and shared by every part of a projection: per block of 32 for the 32-wide formats, per super-block of 256 for the
+// K-quants. int8_format: the formats those kernels multiply (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); I8
+// keeps float32 activations.
+struct Int8Activations {
+  bool vnni = false;
+#ifdef TANDEM_AVX2
+  Int8Rows avx2;
+  Int8KRows k;
+#endif
+#ifdef TANDEM_VNNI
+  QuantizedRows pairs;
+#endif
+};
+bool int8_format(int64_t fmt);
+inline bool int8_kquant(int64_t fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K; }
+// int8_kernel(isa) must name a kernel; blocks32 / blocks256: for a 32-wide format / a K-quant part.
+Int8Activations quantize_activations(const float* xp, int64_t M, int64_t K, int64_t isa, bool blocks32,
+                                     bool blocks256);
+// As matmul_into, for a format with int8_format, from the rows quantize_activations made.
+void matmul_int8_into(const Int8Activations& xq, int64_t M, int64_t K, const torch::Tensor& w, int64_t fmt,
+                      float* yp, int64_t ldy);
 
 torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales,
                            int64_t isa);

@@ -42,6 +42,18 @@ struct Int8Rows {  // x [M, K] per block of 32 (quantize_block32): int8 values, 
 Int8Rows quantize_rows_avx2(const float* x, int64_t M, int64_t K);
 // y[m * ldy] for every row of xq, integer dot products (maddubs + madd) with one row of a 32-wide format's blocks.
 void row_int8_avx2(int64_t fmt, const uint8_t* row, const Int8Rows& xq, int64_t M, int64_t K, float* y, int64_t ldy);
+
+struct Int8KRows {  // x [M, K] per super-block of 256 (quantize_block256, llama.cpp's Q8_K): int8, dx, sums per 16
+  std::vector<int8_t> q;  // [M, K]
+  std::vector<float> dx;  // [M, K / 256]
+  std::vector<int16_t> bsum;  // [M, K / 16]
+  int64_t nsb;
+};
+Int8KRows quantize_rows_k(const float* x, int64_t M, int64_t K);
+// y[m * ldy] for every row of xq, integer dot products (maddubs + madd by the sub-block scales) with one row of a
+// K-quant's super-blocks (Q4_K, Q5_K, Q6_K). The avx512 path's int8 activations take it for the K-quants too.
+void row_int8k_avx2(int64_t fmt, const uint8_t* row, const Int8KRows& xq, int64_t M, int64_t K, float* y,
+                    int64_t ldy);
 #endif
 
 #ifdef TANDEM_AVX512
