@@ -77,8 +77,8 @@ class EngineConfig:
     #   dequantized once into float32). `tandem serve --dtype float32` without --quantization means "none".
     quantization: Literal["gguf", "int8", "none"] | None = None
     # Activations of the quantized CPU matmuls at decode sizes: "float32" (default: results differ from dense float32
-    # by summation order only) or "int8" (each row quantized per block of 32, integer dot products, as llama.cpp;
-    # AVX-512 VNNI or AVX2 maddubs, the 32-wide GGUF formats, others stay float32). Measured in docs/benchmarks.md.
+    # by summation order only) or "int8" (each row quantized per block of 32, per 256 for the K-quants, integer dot
+    # products, as llama.cpp; AVX-512 VNNI or AVX2 maddubs; I8 stays float32). Measured in docs/benchmarks.md.
     cpu_activations: Literal["float32", "int8"] = "float32"
     # The embedding model (engine/embed/): a Hugging Face directory (a BERT / RoBERTa / XLM-R / ModernBERT encoder or
     # a decoder embedder, with its sentence-transformers pooling config), EMBEDDED_EMBEDDER for the embedded
