@@ -63,8 +63,8 @@ def test_ctrl_c_while_loading_stops_at_once_with_one_line(tmp_path):
             if "loading the model" in line:
                 break
         proc.send_signal(signal.SIGINT)
-        rest = proc.stdout.read()
-        assert proc.wait(HANG) == 130
+        rest, _ = proc.communicate(timeout=HANG)  # a server that ignores the signal fails here, not hangs
+        assert proc.returncode == 130
     finally:
         if proc.poll() is None:
             proc.kill()
