@@ -153,9 +153,11 @@ async def test_a_reader_that_stops_reading_is_cut_off(door):
                        "ignore_eos": True, "stream": True}).encode()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    stats = await server.idle_stats()  # returns once the request is gone: cut off, or (a failure) finished
-    aborted = [lc for lcs in server.recorder.finished.values() for lc in lcs
-               if lc.metadata.get("door") == "http" and lc.completions == 16]
+    # once the request has ended (cut off, or, a failure, finished): waiting for idle alone could return before the
+    # server has even read it
+    aborted = await asyncio.to_thread(server.recorder.wait_finished,
+                                      lambda lc: lc.metadata.get("door") == "http" and lc.completions == 16)
+    stats = await server.idle_stats()
     assert len(aborted) == 1 and aborted[0].finish_reason == "abort" and aborted[0].completion_tokens < 16 * 32
     assert_all_blocks_free(stats)
     sock.close()

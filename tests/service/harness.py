@@ -21,9 +21,21 @@ class Recorder(Hooks):
         self.finished: dict[str, list[RequestLifecycle]] = defaultdict(list)
         self.refused: list[RequestLifecycle] = []  # answered with an error before the engine admitted them
         self.steps = 0
+        self._changed = threading.Condition()
 
     def on_finish(self, lc: RequestLifecycle) -> None:
-        self.finished[lc.client_id].append(lc)
+        with self._changed:
+            self.finished[lc.client_id].append(lc)
+            self._changed.notify_all()
+
+    def wait_finished(self, match, timeout: float = 120) -> list[RequestLifecycle]:
+        """Block until some finished lifecycle satisfies `match` (a hang guard, not a time limit); those that do."""
+        def found() -> list[RequestLifecycle]:
+            return [lc for lcs in list(self.finished.values()) for lc in lcs if match(lc)]
+        with self._changed:
+            if not self._changed.wait_for(found, timeout):
+                raise TimeoutError("no finished request matched")
+            return found()
 
     def on_refused(self, lc: RequestLifecycle) -> None:
         self.refused.append(lc)
