@@ -86,6 +86,10 @@ TARGETS = (
     # `python -m bench.mixed_serve --cross-encoder minilm --out bench/results/mixed_serve_xenc.json`
     Target("Mixed through the service: chat p99 TPOT / T with the MiniLM cross-encoder as --reranker",
            "mixed_serve_xenc", ("cross_encoder_p99_over_target",), 1.25, higher_is_better=False),
+    # Issue #37: `python -m bench.mixed_serve --runs 3 --shares --out bench/results/mixed_serve_embed.json`: 8 chats
+    # under --tpot-target-ms while 2 clients flood Rerank (the default mode) and 2 flood Embed; runs with p99 <= 1.25 T.
+    Target("Mixed through the service: objective runs (of 3) with chat p99 TPOT <= 1.25 T under a rerank + embed flood",
+           "mixed_serve_embed", ("objective_runs_met",), 3, unit=""),
     # Issue #28: through the service, tandem serve vs llama.cpp's own llama-server on the same GGUF file and threads.
     Target("CPU batch 1, tok/s incl. prefill, tandem serve vs llama-server (same file, threads, prompts)", "cpu_peer",
            ("ratios", "batch1_vs_llama_cpp"), 1.0),
