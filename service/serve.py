@@ -152,19 +152,10 @@ async def _in_own_thread(fn: Callable, *args):
     thread = threading.Thread(target=run, name="tandem-load", daemon=True)
     thread.start()
     try:
-        while not done.done():
-            # Wake now and then: a Ctrl-C's Python handler (the one that cancels this await) runs when the loop runs
-            # Python code, and a load blocked on I/O gives the loop nothing else to wake for.
-            await asyncio.wait([done], timeout=_LOAD_WAKE_S)
-        return done.result()
+        return await done
     finally:
-        if not done.done():  # cancelled while loading: nobody waits for the thread (a daemon) any more
-            done.cancel()
         if not done.cancelled():  # it handed over its result or error: only its exit (and its OpenMP pool's) is left
             thread.join()
-
-
-_LOAD_WAKE_S = 0.5
 
 
 class StartupError(Exception):

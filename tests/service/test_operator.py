@@ -52,12 +52,19 @@ def test_a_taken_port_stops_serve_with_one_line_naming_the_port_and_its_flag(doo
     assert "loading the model" not in done.stderr  # found before minutes of loading, not after
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_loading_stops_at_once_with_one_line(tmp_path):
     # The model "file" is a FIFO nobody writes: loading blocks on it until the process ends, whatever the machine.
     model = tmp_path / "model.gguf"
     os.mkfifo(model)
+    # SIGINT as a terminal leaves it: a suite started in the background (`cmd &`, nohup) ignores SIGINT, and a child
+    # inherits that, so the server would (rightly) ignore the Ctrl-C this test sends.
     proc = subprocess.Popen([*SERVE, "--port", "0", "--http-port", "off", "--metrics-port", "off", "--model",
-                             str(model)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             str(model)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_default_sigint)
     try:
         for line in proc.stdout:
             if "loading the model" in line:
