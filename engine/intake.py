@@ -153,16 +153,21 @@ class RequestIntake:
             raise ValueError(f"the {self.scorer.mode} rerank mode needs an embedder, and this engine has none")
         params = EmbedParams(priority=job.params.priority)
         rows = embedder.rows([job.query, *job.documents], None, params)
-        if any(len(r.token_ids) > self.budget for r in rows):
-            raise ValueError(f"a document has more embedder tokens than one step takes ({self.budget}, "
-                             "--max-num-batched-tokens): its embedder row runs whole in one step")
+        job.rows = self._embed_sequences(job.request_id, rows, params, job.arrival_time,
+                                         "a document has more embedder tokens than one step takes",
+                                         "its embedder row runs whole in one step")
         job.vectors = [None] * len(rows)
         job.remaining += len(rows)
-        for i, row in enumerate(rows):
-            job.rows.append(Sequence(
-                request_id=job.request_id, token_ids=row.token_ids, num_prompt_tokens=len(row.token_ids),
-                params=params, arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.EMBED,
-                priority=params.priority, uses_kv=False, index=i))
+
+    def _embed_sequences(self, request_id: str, rows: list, params: EmbedParams, arrival_time: float,
+                         too_long: str, why: str) -> list[Sequence]:
+        """One KV-free EMBED sequence per embedder row, input order; ValueError (`too_long`, the budget, `why`) when a
+        row exceeds one step's budget, since a row runs whole."""
+        if any(len(r.token_ids) > self.budget for r in rows):
+            raise ValueError(f"{too_long} ({self.budget}, --max-num-batched-tokens): {why}")
+        return [Sequence(request_id=request_id, token_ids=row.token_ids, num_prompt_tokens=len(row.token_ids),
+                         params=params, arrival=next(self._arrivals), arrival_time=arrival_time, kind=SeqKind.EMBED,
+                         priority=params.priority, uses_kv=False, index=i) for i, row in enumerate(rows)]
 
     def embed(self, request_id: str, inputs: list[str] | list[list[int]], params: EmbedParams | None) -> EmbedJob:
         """A job with one prefill-only, KV-free row per input (texts, or token ids in the embedder's vocabulary)."""
@@ -192,17 +197,12 @@ class RequestIntake:
             raise ValueError("input must be all strings or all token id lists")
         embedder.check_dimensions(params)
         rows = embedder.rows(texts, ids, params)
-        if any(len(r.token_ids) > self.budget for r in rows):
-            raise ValueError(f"an input has more tokens than one step takes ({self.budget}, --max-num-batched-tokens): "
-                             "an embedding input runs whole in one step")
-        job = EmbedJob(request_id, params, arrival_time=time.monotonic(), vectors=[None] * len(rows),
-                       remaining=len(rows), truncated=[r.truncated for r in rows])
-        for i, row in enumerate(rows):
-            job.rows.append(Sequence(
-                request_id=request_id, token_ids=row.token_ids, num_prompt_tokens=len(row.token_ids), params=params,
-                arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.EMBED,
-                priority=params.priority, uses_kv=False, index=i))
-        return job
+        arrival_time = time.monotonic()
+        sequences = self._embed_sequences(request_id, rows, params, arrival_time,
+                                          "an input has more tokens than one step takes",
+                                          "an embedding input runs whole in one step")
+        return EmbedJob(request_id, params, arrival_time=arrival_time, rows=sequences, vectors=[None] * len(rows),
+                        remaining=len(rows), truncated=[r.truncated for r in rows])
 
     def rerank_limit(self) -> tuple[int, str]:
         """The most tokens one rerank pair (template, query and document) may have, and what sets that limit.
