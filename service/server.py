@@ -117,6 +117,12 @@ class TandemServer:
                 await asyncio.wait_for(self.core.wait_idle(), 10.0)
             except asyncio.TimeoutError:
                 log.error("requests still live after abort; stopping anyway")
+        # The engine has ended every request; its last message may still be on its way to the client's stream.
+        if self.servicer is not None:
+            try:
+                await asyncio.wait_for(self.servicer.delivered(), 10.0)
+            except asyncio.TimeoutError:  # a client that stopped reading: its stream is cancelled below
+                log.warning("some streams did not take their last messages within 10s; stopping anyway")
         # A request arriving after the last in-flight one finished but before the transport closes would be
         # cancelled by grpc (CANCELLED, which clients do not retry); a moment of refusing with UNAVAILABLE first
         # tells a client that is still sending to go elsewhere. Not after abort(): it was asked to stop now.

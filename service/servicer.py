@@ -58,6 +58,16 @@ class TandemServicer:
         self.replica = replica
         self._streams = itertools.count()
         self._tasks: set[asyncio.Task] = set()  # per-request pumps, held until done
+        self._sessions: set[StreamSession] = set()  # streams still being written
+
+    async def delivered(self) -> None:
+        """Return once every request's pump has handed its last message to its stream and every stream has
+        written what it was given: after the engine has ended every request (a drain, an abort), what each client
+        is owed is on the wire before the server cancels the calls that stay open."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+        for session in list(self._sessions):
+            await session.all_sent()
 
     # ---- Generate --------------------------------------------------------------------------------
 
@@ -168,10 +178,13 @@ class TandemServicer:
         session = StreamSession(self.core.limits.max_stream_buffer_bytes)
         meta = {**_metadata(context), "stream": f"{kind}-{next(self._streams)}"}
         reader = asyncio.create_task(self._read_stream(requests, session, meta, on_message))
+        self._sessions.add(session)
         try:
             async for message in session.messages():
                 await context.write(message)
         finally:
+            self._sessions.discard(session)
+            session.closed()
             reader.cancel()
             session.abort_all()
 

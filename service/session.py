@@ -45,6 +45,9 @@ class StreamSession:
         self._aborted: set[str] = set()
         self._outbox: deque = deque()  # (item, size)
         self._wakeup = asyncio.Event()
+        self._unsent = 0  # messages queued and not yet written by the stream (the one being written counts)
+        self._all_sent = asyncio.Event()
+        self._all_sent.set()
         self._input_done = False
         self._ended = False
 
@@ -78,7 +81,8 @@ class StreamSession:
             self._abort_request(client_id)
 
     async def messages(self) -> AsyncIterator[Any]:
-        """Messages to write, in order, until the stream is done; re-raises a reader failure."""
+        """Messages to write, in order, until the stream is done; re-raises a reader failure. A message counts
+        as sent once the writer asks for the next one (it has written this one)."""
         while True:
             while not self._outbox:
                 self._wakeup.clear()
@@ -90,8 +94,26 @@ class StreamSession:
             if isinstance(item, _Failure):
                 raise item.error
             yield item
+            self._sent_one()
+
+    async def all_sent(self) -> None:
+        """Return once every message queued so far has been written to the stream."""
+        await self._all_sent.wait()
+
+    def closed(self) -> None:
+        """The stream is over (written out, failed or cancelled): nothing queued will be written any more."""
+        self._unsent = 0
+        self._all_sent.set()
+
+    def _sent_one(self) -> None:
+        self._unsent -= 1
+        if self._unsent <= 0:
+            self._all_sent.set()
 
     def _put(self, item: Any, size: int) -> None:
+        if item is not _END and not isinstance(item, _Failure):
+            self._unsent += 1
+            self._all_sent.clear()
         self._outbox.append((item, size))
         self.buffered_bytes += size
         self._wakeup.set()
@@ -100,6 +122,7 @@ class StreamSession:
         self.overflowed = True
         queued = len(self._outbox)
         self._outbox.clear()
+        self.closed()  # what was queued is dropped, never written
         self.buffered_bytes = 0
         self._put(_Failure(ServiceError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
