@@ -131,6 +131,9 @@ class LatencyAdmission(AdmissionPolicy):
       - a cross-encoder pair cannot be split: it rides in a step whose predicted time with it stays within the
         target, or, when no step has had room for `max_pair_wait_steps` steps in a row, in the next step whatever it
         costs (so a pair waits at most that many steps, and at most one step in that many goes over the target);
+      - an encoder row (embedding input) runs a stage (one layer) at a time when a step has no room for it whole:
+        one stage rides in every step whose predicted time stays within the target with it (the margin aside), and
+        after `max_pair_wait_steps` steps without room, one stage whatever it costs;
       - at least `min_prefill_tokens` of prompt (chunked) while prompts wait.
       What no admission can fix: when the decodes alone take longer than the target (too many of them for this
       device), only the floors ride beside them and every such step is over the target.
@@ -270,6 +273,11 @@ class LatencyAdmission(AdmissionPolicy):
             return
         if head.uses_kv:  # the floor: a few tokens of the next pair's chunk
             step.admit_rerank(self.rerank_floor_tokens(step.batch), seats)
+        elif head.staged and (self._rerank_starved >= self.max_pair_wait_steps or self.model.tokens_within(
+                StepShape.of_batch(step.batch), TokenKind.EMBED, self.tpot_target_s) >= head.stage_tokens(1)):
+            # an encoder row's floor: one stage (layer) while the step stays within the target itself (the margin
+            # aside), or, having waited its bound, whatever it costs
+            step.admit_rerank(head.stage_tokens(1), 1)
         elif self._rerank_starved >= self.max_pair_wait_steps:  # waited its bound: one pair, whatever it costs
             step.admit_rerank(max_seats=1)
 

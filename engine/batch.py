@@ -18,21 +18,32 @@ class Batch:
     num_rerank_pairs_scored: int = 0  # of those, pairs whose last chunk runs in this step (scored by it)
     num_rerank_tokens: int = 0
     num_cross_encoder_tokens: int = 0  # rerank tokens that run in the cross-encoder's forward, not the LLM's
-    num_embed_rows: int = 0  # embedding inputs in this step (each runs whole, in the embedder's forward)
-    num_embed_tokens: int = 0
+    num_embed_rows: int = 0  # embedding inputs in this step (whole, or some of their stages: the embedder's forward)
+    num_embed_tokens: int = 0  # of a row that runs k of its N stages, k / N of its tokens (Sequence.stage_tokens)
+    num_embed_rows_done: int = 0  # of those rows, the ones whose last stage runs in this step
     num_decode_context_tokens: int = 0  # context the decode rows attend to (their sequence lengths, summed)
     min_decode_priority: int | None = None  # the most urgent decode's priority (lower runs first)
     preempted: list[Sequence] = field(default_factory=list)
     budget: int = 0  # the token budget the scheduler planned this step under
     decode_request_ids: list[str] = field(default_factory=list)
+    # Per sequence: the stages (start, stop) an encoder row runs in this step; None for every other sequence.
+    stages: list[tuple[int, int] | None] = field(default_factory=list)
 
-    def add(self, seq: Sequence, n: int) -> None:
+    def add(self, seq: Sequence, n: int, stages: tuple[int, int] | None = None) -> None:
+        """`n` tokens of `seq`; an embedding row gives the stages it runs instead (n is then what they cost)."""
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
         if seq.kind is SeqKind.EMBED:
+            if stages is None:
+                stages = (seq.stages_done, seq.stages)
+            self.stages.append(stages)
             self.num_embed_rows += 1
             self.num_embed_tokens += n
-        elif seq.kind is SeqKind.RERANK:
+            if stages[1] == seq.stages:
+                self.num_embed_rows_done += 1
+            return
+        self.stages.append(None)
+        if seq.kind is SeqKind.RERANK:
             self.num_rerank_pairs += 1
             if seq.num_computed_tokens + n == seq.num_tokens:
                 self.num_rerank_pairs_scored += 1

@@ -133,7 +133,7 @@ class LLMEngine:
             return False
         for seq in _seqs_of(req):
             if not seq.status.finished:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self._let_go(seq, SequenceStatus.FINISHED_ABORTED)
         if isinstance(req, (RerankJob, EmbedJob)):
             self._pending.append(_final_output(req, FinishReason.ABORT))
         else:
@@ -237,7 +237,9 @@ class LLMEngine:
         for seq, n, token, score, lp, span, top, vector in zip(
                 batch.seqs, batch.num_new_tokens, result.sampled, result.scores, result.logprobs,
                 result.prompt_logprobs, result.prompt_top_logprobs, result.embeddings):
-            if seq.kind is SeqKind.EMBED:  # a row runs whole: its vector is done
+            if seq.kind is SeqKind.EMBED:
+                if vector is None:
+                    continue  # some of the row's stages ran: the rest come in later steps
                 finished[seq] = SequenceStatus.FINISHED_STOPPED
                 job = requests[seq.request_id]
                 if isinstance(job, RerankJob):  # a fusing rerank's query or document
@@ -341,9 +343,16 @@ class LLMEngine:
                 continue
             for s in _seqs_of(req):
                 if not s.status.finished:
-                    self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
+                    self._let_go(s, SequenceStatus.FINISHED_ERROR)
             outputs.append(_final_output(req, FinishReason.ERROR, message))
         return outputs
+
+    def _let_go(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a sequence before it finished its work: the scheduler frees its blocks, the runner whatever it kept
+        of it between steps (an encoder row's states between its stages)."""
+        self.scheduler.finish(seq, status)
+        if seq.kind is SeqKind.EMBED:
+            self.runner.forget(seq)
 
     def _emit_record(self, batch: Batch, start: float, forward_s: float, predicted_s: float | None) -> None:
         policy = self.admission
@@ -362,6 +371,7 @@ class LLMEngine:
             decode_context_tokens=batch.num_decode_context_tokens, cross_encoder_tokens=batch.num_cross_encoder_tokens,
             rerank_pairs_scored=batch.num_rerank_pairs_scored, predicted_s=predicted_s, target_s=policy.target_s,
             embed_rows=batch.num_embed_rows, embed_tokens=batch.num_embed_tokens,
+            embed_rows_done=batch.num_embed_rows_done,
             cpu_kernels=self.cpu_kernels)
         if policy.observes_steps:
             policy.observe(record)  # the step-time model learns from every step

@@ -154,20 +154,24 @@ class RequestIntake:
         params = EmbedParams(priority=job.params.priority)
         rows = embedder.rows([job.query, *job.documents], None, params)
         job.rows = self._embed_sequences(job.request_id, rows, params, job.arrival_time,
-                                         "a document has more embedder tokens than one step takes",
-                                         "its embedder row runs whole in one step")
+                                         "a document has too many embedder tokens")
         job.vectors = [None] * len(rows)
         job.remaining += len(rows)
 
     def _embed_sequences(self, request_id: str, rows: list, params: EmbedParams, arrival_time: float,
-                         too_long: str, why: str) -> list[Sequence]:
-        """One KV-free EMBED sequence per embedder row, input order; ValueError (`too_long`, the budget, `why`) when a
-        row exceeds one step's budget, since a row runs whole."""
-        if any(len(r.token_ids) > self.budget for r in rows):
-            raise ValueError(f"{too_long} ({self.budget}, --max-num-batched-tokens): {why}")
-        return [Sequence(request_id=request_id, token_ids=row.token_ids, num_prompt_tokens=len(row.token_ids),
+                         too_long: str) -> list[Sequence]:
+        """One KV-free EMBED sequence per embedder row, input order, each run in the embedder's stages; ValueError
+        (`too_long`, the budget) when one stage of a row exceeds one step's budget (a decoder embedder's row is one
+        stage: it runs whole)."""
+        seqs = [Sequence(request_id=request_id, token_ids=row.token_ids, num_prompt_tokens=len(row.token_ids),
                          params=params, arrival=next(self._arrivals), arrival_time=arrival_time, kind=SeqKind.EMBED,
-                         priority=params.priority, uses_kv=False, index=i) for i, row in enumerate(rows)]
+                         priority=params.priority, uses_kv=False, index=i, stages=self.embedder.stages)
+                for i, row in enumerate(rows)]
+        if any(seq.stage_tokens(1) > self.budget for seq in seqs):
+            what = "one layer of it" if self.embedder.stages > 1 else "it runs whole and"
+            raise ValueError(f"{too_long}: {what} must fit in one step's budget ({self.budget}, "
+                             "--max-num-batched-tokens)")
+        return seqs
 
     def embed(self, request_id: str, inputs: list[str] | list[list[int]], params: EmbedParams | None) -> EmbedJob:
         """A job with one prefill-only, KV-free row per input (texts, or token ids in the embedder's vocabulary)."""
@@ -198,9 +202,7 @@ class RequestIntake:
         embedder.check_dimensions(params)
         rows = embedder.rows(texts, ids, params)
         arrival_time = time.monotonic()
-        sequences = self._embed_sequences(request_id, rows, params, arrival_time,
-                                          "an input has more tokens than one step takes",
-                                          "an embedding input runs whole in one step")
+        sequences = self._embed_sequences(request_id, rows, params, arrival_time, "an input has too many tokens")
         return EmbedJob(request_id, params, arrival_time=arrival_time, rows=sequences, vectors=[None] * len(rows),
                         remaining=len(rows), truncated=[r.truncated for r in rows])
 

@@ -70,7 +70,7 @@ class SeqKind(str, enum.Enum):
     """What a sequence (and the request it belongs to) is; a str, so it reads as "generate" / "rerank"."""
     GENERATE = "generate"
     RERANK = "rerank"  # prefill-only: scored when computed, no tokens sampled
-    EMBED = "embed"  # one input text of an embedding request: an encoder row, prefill-only, no KV, run whole
+    EMBED = "embed"  # one input text of an embedding request: an encoder row, prefill-only, no KV, run in stages
 
     def __str__(self) -> str:
         return self.value
@@ -120,6 +120,10 @@ class Sequence:
     # Completion 0 of the same request, for completions 1..n-1: they share its prompt's KV blocks.
     fork_of: "Sequence | None" = None
     grammar: Grammar | None = None  # structured output: masks the sampler, accepts each appended token
+    # An encoder row (embedding input) runs its forward in `stages` (its embedder's layers) over one or more steps;
+    # the scheduler counts the ones done. Its tokens count as computed once the last stage ran.
+    stages: int = 1
+    stages_done: int = 0
 
     @property
     def wait_for(self) -> "Sequence | None":
@@ -156,3 +160,22 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def staged(self) -> bool:
+        """An encoder row whose forward may be split across steps, a few stages (layers) at a time."""
+        return self.stages > 1
+
+    def stage_tokens(self, k: int) -> int:
+        """What this row's next k stages cost in a step's token budget: its tokens times their share of its forward
+        (each stage's share rounded so that all its stages cost exactly its tokens)."""
+        return self._tokens_to(self.stages_done + k) - self._tokens_to(self.stages_done)
+
+    def stages_within(self, tokens: int) -> int:
+        """The most of this row's remaining stages whose stage_tokens fit in `tokens` (0: not even one)."""
+        reach = (tokens + self._tokens_to(self.stages_done)) * self.stages // self.num_tokens
+        return max(0, min(self.stages, reach) - self.stages_done)
+
+    def _tokens_to(self, stage: int) -> int:
+        """The budget tokens of this row's stages 0..stage-1."""
+        return -(-self.num_tokens * stage // self.stages)

@@ -10,6 +10,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import Capture, DecodeGraphs, try_capture
 from engine.embed import Embedder
+from engine.embed.embedder import StageWork
 from engine.models.decoder import DecoderForCausalLM
 from engine.rerank.scorer import PairScorer
 from engine.request import Sequence, SeqKind
@@ -150,13 +151,19 @@ class ModelRunner:
             for i, score in zip(own_rows, own_scores):
                 out.scores[i] = score
         if embed_rows:
+            work = [StageWork(_row_key(batch.seqs[i]), batch.seqs[i].token_ids, *batch.stages[i],
+                              all_tokens=batch.seqs[i].params.all_tokens) for i in embed_rows]
             with clock:
-                vectors = self.embedder.run([batch.seqs[i].token_ids for i in embed_rows],
-                                            [batch.seqs[i].params.all_tokens for i in embed_rows])
+                vectors = self.embedder.run_stages(work)
             for i, vector in zip(embed_rows, vectors):
-                out.embeddings[i] = vector
+                out.embeddings[i] = vector  # None: the row has stages left
         out.forward_s = clock.seconds()
         return out
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop what was kept of an embedding row between its stages (it was aborted or failed part-way)."""
+        if self.embedder is not None:
+            self.embedder.forget(_row_key(seq))
 
     def _run_llm(self, batch: Batch, rows: list[int], out: RunnerOutput, clock: ForwardClock) -> None:
         """Fills `out` for the LLM rows; model forwards are timed on `clock`."""
@@ -255,3 +262,8 @@ class ForwardClock:
             self._seconds += start.elapsed_time(end) / 1000
         self._events.clear()
         return self._seconds
+
+
+def _row_key(seq: Sequence) -> tuple[str, int]:
+    """An embedding row's name across steps: its request and its place in it."""
+    return seq.request_id, seq.index

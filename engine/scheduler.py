@@ -124,12 +124,13 @@ class Scheduler:
         batch = Batch(budget=self.budget)
         self.running.sort(key=lambda s: (s.priority, s.arrival))
         budget = self._schedule_decodes(batch, self.budget)
-        pairs = [s for s in self.running if s.kind is SeqKind.RERANK]  # LLM-scored pairs part-way through
+        # Scoring work part-way through: LLM-scored pairs (their KV so far) and encoder rows (their stages so far)
+        pairs = [s for s in self.running if s.kind is not SeqKind.GENERATE]
         head = self._rerank_head(pairs, batch)
         step = AdmissionStep(
             batch=batch, budget=budget, free_seats=self.max_seqs - len(self.running),
             generation_waiting=len(self.waiting), rerank_waiting=len(self.waiting_rerank) + len(pairs),
-            rerank_head_tokens=(head.num_uncomputed_tokens if not head.uses_kv else 1) if head else 0,
+            rerank_head_tokens=_smallest_chunk(head) if head else 0,
             queues=_StepQueues(self, batch, pairs))
         continuing = [s for s in self.running if s.kind is SeqKind.GENERATE and s.num_uncomputed_tokens > 1]
         if continuing:  # chunked prefill of prompts already running, as much as the policy lets them take
@@ -198,8 +199,9 @@ class Scheduler:
                       kind: TokenKind | None = None) -> int:
         """Rerank tokens, at most `budget` of them: the next chunk of each running pair, then new pairs, most urgent
         first (`_rerank_head`). An LLM-scored pair is chunked like a prompt; a cross-encoder pair runs whole or not
-        at all. `seats` bounds the pairs this call serves, running ones included (each holds a seat). `kind`: stop at
-        the first head whose tokens are of another kind (admission.scoring_kind); embedding rows run whole too."""
+        at all; an encoder row (embedding input) runs whole or its next stages (Sequence.stages_within). `seats`
+        bounds the pairs this call serves, running ones included (each holds a seat). `kind`: stop at the first head
+        whose tokens are of another kind (admission.scoring_kind)."""
         used = 0
         while used < budget and (seats is None or seats > 0):
             seq = self._rerank_head(pairs, batch)
@@ -209,6 +211,13 @@ class Scheduler:
                 took = self._admit_from(self.waiting_rerank, batch, budget - used, seats, one=True)
                 if not took:
                     break
+                used += took
+            elif seq.staged:  # an encoder row part-way through: its next stages
+                k = seq.stages_within(budget - used)
+                if not k:
+                    break
+                took = seq.stage_tokens(k)
+                batch.add(seq, took, (seq.stages_done, seq.stages_done + k))
                 used += took
             else:
                 chunk = min(seq.num_uncomputed_tokens, budget - used)
@@ -228,7 +237,13 @@ class Scheduler:
                 break
             prefix = self._prefix_of(seq) if seq.uses_kv else NO_PREFIX
             n = seq.num_tokens - prefix.num_tokens  # a waiting sequence has nothing computed
-            if not seq.uses_kv and n > budget - used:
+            stages = None
+            if seq.staged and n > budget - used:  # an encoder row: its first stages (layers) now, the rest later
+                k = seq.stages_within(budget - used)
+                if not k:
+                    break
+                n, stages = seq.stage_tokens(k), (0, k)
+            elif not seq.uses_kv and n > budget - used:
                 break  # a cross-encoder pair is atomic (bidirectional attention over the whole pair)
             # Admissions leave a little headroom for decodes, unless nothing runs that could use it.
             if seq.uses_kv and not self.kv.allocate(seq, n, prefix, reserve=self.watermark if self.running else 0):
@@ -241,7 +256,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunk = min(n, budget - used)
-            batch.add(seq, chunk)
+            batch.add(seq, chunk, stages)
             used += chunk
             if one:
                 break
@@ -274,7 +289,12 @@ class Scheduler:
     def update(self, batch: Batch, finished: Mapping[Sequence, SequenceStatus]) -> None:
         """After the step: advance each scheduled sequence past the tokens it computed (its sampled token, if any,
         was appended by whoever decided whether it stops), then take the `finished` ones out for good."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n, stages in zip(batch.seqs, batch.num_new_tokens, batch.stages):
+            if stages is not None:  # an encoder row: its tokens are computed once its last stage ran
+                seq.stages_done = stages[1]
+                if seq.stages_done == seq.stages:
+                    seq.num_computed_tokens = seq.num_tokens
+                continue
             seq.num_computed_tokens += n
             if seq.uses_kv:
                 self.kv.commit(seq)
@@ -302,6 +322,14 @@ class _StepQueues:
 
     def rerank_head(self) -> Sequence | None:
         return self.scheduler._rerank_head(self.pairs, self.batch)
+
+
+def _smallest_chunk(seq: Sequence) -> int:
+    """The fewest tokens of `seq` a step can take: one of an LLM-scored pair (chunked like a prompt), one stage of an
+    encoder row, the whole of a cross-encoder pair."""
+    if seq.uses_kv:
+        return 1
+    return seq.stage_tokens(1) if seq.staged else seq.num_uncomputed_tokens
 
 
 def _in_batch(seq: Sequence, batch: Batch) -> bool:

@@ -116,7 +116,8 @@ class TracingHooks(Hooks):
                         "tandem.step.duration_s": record.duration_s,
                         "tandem.step.decode_context_tokens": record.decode_context_tokens,
                         "tandem.step.cross_encoder_tokens": record.cross_encoder_tokens,
-                        "tandem.step.embed_rows": record.embed_rows, "tandem.step.embed_tokens": record.embed_tokens})
+                        "tandem.step.embed_rows": record.embed_rows, "tandem.step.embed_tokens": record.embed_tokens,
+                        "tandem.step.embed_rows_done": record.embed_rows_done})
         if record.cpu_kernels:
             span.set_attribute("tandem.step.cpu_kernels", record.cpu_kernels)
         if record.predicted_s is not None:  # a latency objective sized this step (--tpot-target-ms)

@@ -1,21 +1,43 @@
-"""The models an embedder runs, each as one function of a packed batch: token ids [T] and cu_seqlens [B + 1] in,
-every token's final hidden state [T, H] out. Encoders (BERT / RoBERTa / XLM-R, ModernBERT) reuse the cross-encoder
-modules of engine/models; a decoder embedder (Qwen3-Embedding style) runs the one decoder over a scratch KV cache
-that lives for one forward."""
+"""The models an embedder runs, each as `Stages` of a packed batch (token ids [T] and cu_seqlens [B + 1] in, every
+token's final hidden state [T, H] out), so a row can run a few layers a step beside decodes and carry its hidden
+states to the next step. Encoders (BERT / RoBERTa / XLM-R, ModernBERT) reuse the cross-encoder modules of
+engine/models, one stage per layer; a decoder embedder (Qwen3-Embedding style) runs the one decoder over a scratch KV
+cache that lives for one forward, as one stage."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.models.bert import FAMILIES, EncoderArgs, EncoderModel, longest_first, packed_positions, use_kernels
+from engine.models.bert import FAMILIES, EncoderArgs, EncoderModel, packed_positions, use_kernels
 from engine.models.loader import load_state_dict
-from engine.models.modernbert import Body, ModernBertArgs, encode
+from engine.models.modernbert import Body, ModernBertArgs, embed_tokens, run_layers
 from engine.settings import Settings
 
-TokenStates = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Packed = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tensor [T, ...], cu_seqlens) -> tensor [T, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Stages:
+    """A forward in `count` stages: `begin` (token ids -> the first stage's input), `run` (stages start..stop-1),
+    `end` (the last stage's output -> final states). Rows attend only within themselves, so a row's states between
+    two stages are its own: rows may be packed differently in every step."""
+    count: int
+    begin: Packed
+    run: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+    end: Packed
+
+    def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The whole forward: every token's final hidden state [T, H]."""
+        x = self.run(self.begin(input_ids, cu_seqlens), cu_seqlens, 0, self.count)
+        return self.end(x, cu_seqlens)
+
+
+def _same(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return x
 _SCRATCH_BLOCK = 16  # tokens per block of a decoder embedder's one-forward KV cache
 
 
@@ -24,8 +46,8 @@ def is_decoder(cfg: dict) -> bool:
 
 
 def load_token_states(path: Path, cfg: dict, device: torch.device, dtype: torch.dtype, settings: Settings
-                      ) -> tuple[TokenStates, int, int]:
-    """The model's forward as a TokenStates function, its hidden size and the longest row its positions take."""
+                      ) -> tuple[Stages, int, int]:
+    """The model's forward in stages, its hidden size and the longest row its positions take."""
     if cfg.get("model_type") == "modernbert":
         return _modernbert(path, cfg, device, dtype)
     if cfg.get("model_type") in FAMILIES:
@@ -42,7 +64,7 @@ def _load(model: torch.nn.Module, state: dict[str, torch.Tensor], path: Path, wh
         raise ValueError(f"weights in {str(path)!r} are not a {what} encoder: missing {result.missing_keys[:8]}")
 
 
-def _bert(path: Path, cfg: dict, device, dtype, kernels: str) -> tuple[TokenStates, int, int]:
+def _bert(path: Path, cfg: dict, device, dtype, kernels: str) -> tuple[Stages, int, int]:
     args = EncoderArgs.from_hf_config(cfg, num_labels=1)
     prefix = f"{args.family}."
     state = {}
@@ -56,20 +78,17 @@ def _bert(path: Path, cfg: dict, device, dtype, kernels: str) -> tuple[TokenStat
     model = model.to(device=device, dtype=dtype).eval()
     use_kernels(model, kernels)
 
-    def states(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        positions = packed_positions(input_ids, cu_seqlens, args)
-        # Longest rows first, as the cross-encoder runs them (the attention kernel batches runs of similar length);
-        # `where` brings every token's state back to its place.
-        where = torch.arange(input_ids.numel(), device=input_ids.device)
-        _, (input_ids, positions, where), cu_seqlens = longest_first(cu_seqlens, input_ids, positions, where)
-        x = model.embeddings(input_ids, torch.zeros_like(input_ids), positions)
-        for layer in model.encoder.layer:
+    def begin(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        return model.embeddings(input_ids, torch.zeros_like(input_ids), packed_positions(input_ids, cu_seqlens, args))
+
+    def run(x: torch.Tensor, cu_seqlens: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        for layer in model.encoder.layer[start:stop]:
             x = layer(x, cu_seqlens)
-        return torch.empty_like(x).index_copy_(0, where, x)
-    return states, args.hidden_size, args.max_tokens
+        return x
+    return Stages(args.num_layers, begin, run, _same), args.hidden_size, args.max_tokens
 
 
-def _modernbert(path: Path, cfg: dict, device, dtype) -> tuple[TokenStates, int, int]:
+def _modernbert(path: Path, cfg: dict, device, dtype) -> tuple[Stages, int, int]:
     args = ModernBertArgs.from_hf_config(cfg, num_labels=1)
     state = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in load_state_dict(path).items()}
     state = {k: v for k, v in state.items() if k.startswith(("embeddings.", "layers.", "final_norm."))}
@@ -77,11 +96,13 @@ def _modernbert(path: Path, cfg: dict, device, dtype) -> tuple[TokenStates, int,
         body = Body(args)
     _load(body, state, path, "modernbert")
     body = body.to(device=device, dtype=dtype).eval()
-    return (lambda input_ids, cu_seqlens: encode(body, args, input_ids, cu_seqlens)), args.hidden_size, \
-        args.max_tokens
+    stages = Stages(args.num_layers, lambda ids, cu: embed_tokens(body, ids),
+                    lambda x, cu, start, stop: run_layers(body, args, x, cu, start, stop),
+                    lambda x, cu: body.final_norm(x))
+    return stages, args.hidden_size, args.max_tokens
 
 
-def _decoder(path: Path, cfg: dict, device, dtype, settings: Settings) -> tuple[TokenStates, int, int]:
+def _decoder(path: Path, cfg: dict, device, dtype, settings: Settings) -> tuple[Stages, int, int]:
     from engine.models.decoder_args import DecoderArgs
     from engine.models.decoder_weights import build_decoder
 
@@ -118,4 +139,6 @@ def _decoder(path: Path, cfg: dict, device, dtype, settings: Settings) -> tuple[
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
             query_start_loc=cu_seqlens.to(torch.int32))
         return model(input_ids, torch.tensor(positions, dtype=torch.int64, device=device), kv, meta)
-    return states, args.hidden_size, args.max_position_embeddings
+    # One stage: its state between stages would be every layer's KV, not a hidden state (the input is the token ids).
+    return Stages(1, _same, lambda ids, cu, start, stop: states(ids, cu), _same), args.hidden_size, \
+        args.max_position_embeddings

@@ -140,19 +140,31 @@ class ModernBertForSequenceClassification(nn.Module):
 
 def encode(body: Body, a: ModernBertArgs, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """The final-normed hidden state of every token [T, hidden] of a packed batch (a classifier pools it, an
-    embedder too: engine/embed/)."""
+    embedder too: engine/embed/, which runs the same three parts a few layers a step)."""
+    x = embed_tokens(body, input_ids)
+    x = run_layers(body, a, x, cu_seqlens, 0, a.num_layers)
+    return body.final_norm(x)
+
+
+def embed_tokens(body: Body, input_ids: torch.Tensor) -> torch.Tensor:
+    """The first layer's input [T, hidden]."""
+    return body.embeddings.norm(body.embeddings.tok_embeddings(input_ids))
+
+
+def run_layers(body: Body, a: ModernBertArgs, x: torch.Tensor, cu_seqlens: torch.Tensor, start: int, stop: int
+               ) -> torch.Tensor:
+    """Layers start..stop-1 over a packed batch's hidden states (each sequence attends within itself)."""
     bounds = cu_seqlens.tolist()
-    x = body.embeddings.norm(body.embeddings.tok_embeddings(input_ids))
     heads, dim = a.num_heads, a.hidden_size // a.num_heads
     longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
     pos = torch.arange(longest, dtype=torch.float32, device=x.device)
     tables = {}
-    for theta in set(a.layer_thetas):
+    for theta in set(a.layer_thetas[start:stop]):
         inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=x.device).float() / dim))
         emb = torch.cat([torch.outer(pos, inv)] * 2, dim=-1)
         tables[theta] = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
     act = ACT2FN[a.hidden_activation]
-    for layer, window, theta in zip(body.layers, a.layer_windows, a.layer_thetas):
+    for layer, window, theta in zip(body.layers[start:stop], a.layer_windows[start:stop], a.layer_thetas[start:stop]):
         qkv = layer.attn.Wqkv(layer.attn_norm(x)).view(-1, 3, heads, dim)
         cos, sin = tables[theta]
         out = torch.empty(x.shape[0], heads, dim, dtype=x.dtype, device=x.device)
@@ -168,4 +180,4 @@ def encode(body: Body, a: ModernBertArgs, input_ids: torch.Tensor, cu_seqlens: t
         x = x + layer.attn.Wo(out.reshape(x.shape[0], -1))
         inp, gate = layer.mlp.Wi(layer.mlp_norm(x)).chunk(2, dim=-1)
         x = x + layer.mlp.Wo(act(inp) * gate)
-    return body.final_norm(x)
+    return x

@@ -118,10 +118,12 @@ def test_three_kinds_of_work_share_steps_and_records_count_embedding_rows(llm: L
     assert finished["e"].kind is SeqKind.EMBED and len(finished["e"].embeddings) == len(TEXTS)
     # the rerank is fused (the default with an embedder): its query and two documents are embedder rows too
     fused_rows = engine.embedder.rows(["lighthouse", *TEXTS[:2]], None, EmbedParams())
-    assert finished["e"].prompt_tokens + sum(len(r.token_ids) for r in fused_rows) == sum(
+    # a row that ran in stages costs a share of its tokens in each step (rounded up): at least its tokens in all
+    assert finished["e"].prompt_tokens + sum(len(r.token_ids) for r in fused_rows) <= sum(
         r.embed_tokens for r in records)
     assert finished["e"].prompt_tokens > 0
-    assert sum(r.embed_rows for r in records) == len(TEXTS) + len(fused_rows)
+    assert sum(r.embed_rows_done for r in records) == len(TEXTS) + len(fused_rows)
+    assert sum(r.embed_rows for r in records) >= len(TEXTS) + len(fused_rows)
     assert finished["r"].scores is not None and len(finished["g"].text) >= 0
     assert any(r.embed_rows and (r.prefill_tokens or r.rerank_tokens or r.decode_tokens) for r in records)
     assert all(r.budget_used <= r.budget for r in records)

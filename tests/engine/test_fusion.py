@@ -48,7 +48,7 @@ def test_the_default_with_an_embedder_is_fusion_of_transformers_likelihood_and_s
     assert scores == pytest.approx(want, abs=2e-3)
     assert sorted(range(len(DOCS)), key=lambda i: -scores[i]) == sorted(range(len(DOCS)), key=lambda i: -want[i])
     # the query and every document rode the scheduler's steps as embedder rows, beside the pairs
-    assert sum(r.embed_rows for r in records) == 1 + len(DOCS)
+    assert sum(r.embed_rows_done for r in records) == 1 + len(DOCS)
     assert sum(r.rerank_pairs_scored for r in records) == len(DOCS)
     assert_no_leaks(fusion_llm)
 

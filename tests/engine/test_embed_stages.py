@@ -1,0 +1,162 @@
+"""Embedding rows in stages: an encoder row runs a few layers a step when a step has no room for it whole (beside
+decodes under a latency objective), the embedder keeps its hidden states in between, and the vectors are those of
+the whole forward. The step-time model is injected with fixed coefficients: what is admitted does not depend on
+this machine's speed. No wall-clock asserts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from engine import EmbedParams
+from engine.admission import LatencyAdmission
+from engine.config import EMBEDDED_EMBEDDER
+from engine.embed import Embedder
+from engine.embed.embedder import StageWork
+from engine.request import SeqKind, Sequence
+from engine.step_time import LinearStepTime, StepShape
+from tests.engine.conftest import assert_no_leaks, make_llm, record_steps
+from tests.engine.test_embed import TEXTS, _modernbert_dir
+from tests.engine.test_embed_objective import EMBED_COEF, EmbedCountingModel
+from tests.engine.test_latency_objective import GEN
+
+
+def _row(n: int, stages: int) -> Sequence:
+    return Sequence("r", [0] * n, n, EmbedParams(), 0, 0.0, kind=SeqKind.EMBED, uses_kv=False, stages=stages)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 700), st.integers(1, 24), st.lists(st.integers(0, 700), min_size=1, max_size=40))
+def test_a_rows_stages_cost_exactly_its_tokens_and_stages_within_is_the_most_that_fit(n, stages, budgets):
+    row, spent = _row(n, stages), 0
+    for tokens in budgets:
+        if row.stages_done == stages:
+            break
+        k = row.stages_within(tokens)
+        assert row.stage_tokens(k) <= tokens
+        if row.stages_done + k < stages:
+            assert row.stage_tokens(k + 1) > tokens  # the most that fit
+        spent += row.stage_tokens(k)
+        row.stages_done += k
+    while row.stages_done < stages:
+        spent += row.stage_tokens(1)
+        row.stages_done += 1
+    assert spent == n
+
+
+def _staged_equals_whole(emb: Embedder, texts: list[str], tol: float) -> None:
+    rows = [r.token_ids for r in emb.rows(texts, None, EmbedParams())]
+    whole = emb.run(rows, [False] * len(rows))
+    # Every row in its own steps: row i runs i % 3 + 1 stages at a time, packed with whichever rows share its stages.
+    done = [0] * len(rows)
+    got: list[torch.Tensor | None] = [None] * len(rows)
+    while any(d < emb.stages for d in done):
+        work, idx = [], []
+        for i, r in enumerate(rows):
+            if done[i] < emb.stages:
+                stop = min(emb.stages, done[i] + i % 3 + 1)
+                work.append(StageWork(("job", i), r, done[i], stop))
+                idx.append(i)
+                done[i] = stop
+        for i, out in zip(idx, emb.run_stages(work)):
+            if out is not None:
+                got[i] = out
+        assert emb.num_partial_rows == sum(d < emb.stages for d in done)
+    assert emb.num_partial_rows == 0
+    assert (torch.stack(got) - torch.stack(whole)).abs().max().item() <= tol
+
+
+def test_the_embedded_models_rows_in_stages_give_the_whole_forwards_vectors():
+    emb = Embedder.load(EMBEDDED_EMBEDDER)
+    assert emb.stages == 6  # one per MiniLM layer
+    _staged_equals_whole(emb, TEXTS * 2, 1e-5)
+
+
+def test_a_modernbert_embedders_rows_in_stages_give_the_whole_forwards_vectors(tmp_path):
+    _modernbert_dir(tmp_path)  # 4 layers, local and global attention
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32,
+                                                                    "pooling_mode_mean_tokens": True}))
+    emb = Embedder.load(str(tmp_path))
+    assert emb.stages == 4
+    _staged_equals_whole(emb, TEXTS, 1e-4)
+
+
+def test_forget_drops_a_rows_kept_states():
+    emb = Embedder.load(EMBEDDED_EMBEDDER)
+    row = emb.rows(TEXTS[:1], None, EmbedParams())[0].token_ids
+    assert emb.run_stages([StageWork(("a", 0), row, 0, 2)]) == [None]
+    assert emb.num_partial_rows == 1
+    emb.forget(("a", 0))
+    assert emb.num_partial_rows == 0
+
+
+def _objective_llm(target_shape: StepShape):
+    target = LinearStepTime(EMBED_COEF).predict(target_shape)
+    model = EmbedCountingModel()
+    llm = make_llm(admission=LatencyAdmission(target, model=model, min_prefill_tokens=8), embedder=EMBEDDED_EMBEDDER,
+                   max_num_batched_tokens=512, num_kv_blocks=512)
+    return llm, model, target
+
+
+def test_beside_decodes_rows_too_big_for_the_headroom_run_a_layer_a_step_and_every_step_keeps_the_target():
+    # The headroom beside 4 decodes is ~12 embedding tokens: no row (20-30 tokens) fits whole, one layer of one does.
+    llm, model, target = _objective_llm(StepShape(decode_rows=4, embed_tokens=12))
+    engine, records = llm.engine, record_steps(llm)
+    for i in range(4):
+        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", GEN)
+    engine.step()  # the prompts, alone
+    engine.add_embed("emb", TEXTS)
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert_no_leaks(llm)
+    assert engine.embedder.num_partial_rows == 0
+    assert len(finished["emb"].embeddings) == len(TEXTS)
+    decoding = [r for r in records if r.decode_tokens == 4]
+    staged = [r for r in decoding if r.embed_rows]
+    assert staged and all(r.embed_rows_done < r.embed_rows or r.embed_tokens < 20 for r in staged)
+    assert len(staged) >= 6  # each row's 6 layers over several steps: the rows progressed while the chats decoded
+    for r in decoding:
+        assert r.predicted_s <= target + 1e-12, r  # a stage rides only within the target
+    # the same vectors as alone
+    alone = engine.embedder.run([r.token_ids for r in engine.embedder.rows(TEXTS, None, EmbedParams())],
+                                [False] * len(TEXTS))
+    ours = torch.tensor(finished["emb"].embeddings)
+    assert torch.nn.functional.cosine_similarity(ours, torch.stack(alone), dim=-1).min().item() > 0.99999
+
+
+def test_an_embedding_aborted_between_its_stages_frees_its_kept_states():
+    llm, _, _ = _objective_llm(StepShape(decode_rows=4, embed_tokens=12))
+    engine = llm.engine
+    for i in range(4):
+        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", GEN)
+    engine.step()
+    engine.add_embed("emb", TEXTS)
+    while not engine.embedder.num_partial_rows:  # a row is part-way through its layers
+        engine.step()
+    assert engine.abort("emb")
+    assert engine.embedder.num_partial_rows == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leaks(llm)
+    assert engine.embedder.num_partial_rows == 0
+
+
+@pytest.mark.parametrize("budget", [64, 130])
+def test_an_input_longer_than_the_step_budget_runs_in_stages_when_a_layer_of_it_fits(budget):
+    llm = make_llm(embedder=EMBEDDED_EMBEDDER, max_num_batched_tokens=budget, num_kv_blocks=64)
+    long_text = " ".join(TEXTS * 3)  # ~100-150 tokens: over 64, one layer of it (/6) fits
+    got = llm.embed([long_text])[0]
+    emb = llm.engine.embedder
+    want = Embedder.finish(emb.run([emb.rows([long_text], None, EmbedParams())[0].token_ids], [False])[0],
+                           EmbedParams())
+    assert torch.nn.functional.cosine_similarity(torch.tensor(got), torch.tensor(want), dim=0).item() > 0.99999
+    assert_no_leaks(llm)
