@@ -27,7 +27,7 @@ class AdmissionQueues(Protocol):
 
     def generation_head(self) -> "Sequence | None": ...
 
-    def rerank_head(self) -> "Sequence | None": ...
+    def rerank_head(self, kind: TokenKind | None = None) -> "Sequence | None": ...
 
 
 @dataclass(slots=True)
@@ -46,9 +46,9 @@ class AdmissionStep:
         """The prompt admit_generation would take next (it changes as admissions pop the queue)."""
         return self.queues.generation_head()
 
-    def rerank_head(self) -> "Sequence | None":
-        """The pair admit_rerank would take next."""
-        return self.queues.rerank_head()
+    def rerank_head(self, kind: TokenKind | None = None) -> "Sequence | None":
+        """The pair (or embedding row) admit_rerank would take next; of that kind only, when given."""
+        return self.queues.rerank_head(kind)
 
     def admit_generation(self, max_tokens: int | None = None, max_seats: int | None = None) -> int:
         limit = self.budget if max_tokens is None else min(max_tokens, self.budget)
@@ -58,8 +58,8 @@ class AdmissionStep:
 
     def admit_rerank(self, max_tokens: int | None = None, max_seats: int | None = None,
                      kind: TokenKind | None = None) -> int:
-        """Scoring work (rerank pairs, embedding rows) from the head of its queue; `kind`: only while the head's
-        tokens are of that kind (`scoring_kind`), so a policy that priced them gets no others."""
+        """Scoring work (rerank pairs, embedding rows), most urgent first; `kind`: only work of that kind
+        (`scoring_kind`), so a policy that priced its tokens gets no others."""
         limit = self.budget if max_tokens is None else min(max_tokens, self.budget)
         used = self.queues.admit_rerank(limit, max_seats, kind) if limit > 0 else 0
         self.budget -= used
@@ -140,7 +140,9 @@ class LatencyAdmission(AdmissionPolicy):
     * Priority: work whose declared priority is strictly better (lower) than every decode in the step is not held
       to the objective; it is admitted as if no decode ran (it may push those decodes past the target). Otherwise
       the more urgent of the two queue heads fills the headroom first; at equal priority pairs get `rerank_share`
-      of the headroom (and of the free seats) first, prompts the rest, then pairs whatever prompts left.
+      of the headroom (and of the free seats) first, prompts the rest, then pairs whatever prompts left. Inside the
+      scoring share, the kinds waiting at the most urgent priority (LLM-scored pairs, cross-encoder pairs,
+      embedding rows) split it evenly, then take what the others left, then their floors.
     * Until the model is `ready` (its first few steps) only the floors are admitted beside decodes.
     """
     tpot_target_s: float
@@ -257,29 +259,43 @@ class LatencyAdmission(AdmissionPolicy):
                 return
 
     def _fill_rerank(self, step: AdmissionStep, limit: float, share: float = 1.0, seats: int | None = None) -> None:
-        head = step.rerank_head()
+        # Each kind of scoring work (LLM-scored pairs, cross-encoder pairs, embedding rows) is priced as itself. The
+        # kinds whose heads share the most urgent priority split the headroom evenly (each sized in its part), then
+        # every kind, most urgent first, may take what the others left; a kind that still got nothing has its
+        # floor. So every kind progresses beside the decodes: embeddings behind a long rerank queue too.
+        heads = sorted((h.priority, h.arrival, kind) for kind in _SCORING_KINDS if (h := step.rerank_head(kind)))
+        if not heads:
+            return
+        kinds = [kind for _, _, kind in heads]
+        first = [kind for priority, _, kind in heads if priority == heads[0][0]]
+        now = self.model.predict(StepShape.of_batch(step.batch))
+        cap = now + max(0.0, limit - now) * share  # what scoring work may take of this call's headroom
+        for i, kind in enumerate(first):
+            tokens = self._tokens(step, kind, cap, 1.0 / (len(first) - i))
+            if tokens:
+                step.admit_rerank(tokens, seats, kind)
+        for kind in kinds:
+            tokens = self._tokens(step, kind, cap)
+            if tokens:
+                step.admit_rerank(tokens, seats, kind)
+        for kind in kinds:
+            if not _scored(step.batch, kind):
+                self._floor(step, kind, seats)
+
+    def _floor(self, step: AdmissionStep, kind: TokenKind, seats: int | None) -> None:
+        """The least `kind` gets in a step that had no room for it."""
+        head = step.rerank_head(kind)
         if head is None:
             return
-        # Each kind of scoring token (LLM-scored pair, cross-encoder pair, embedding row) is priced as itself: when
-        # the queue's head changes kind, what is left of the headroom is sized again for the new kind.
-        seen: set[TokenKind] = set()
-        while (nxt := step.rerank_head()) is not None and scoring_kind(nxt) not in seen:
-            kind = scoring_kind(nxt)
-            seen.add(kind)
-            tokens = self._tokens(step, kind, limit, share)
-            if not tokens or not step.admit_rerank(tokens, seats, kind):
-                break
-        if step.batch.num_scoring_tokens:
-            return
-        if head.uses_kv:  # the floor: a few tokens of the next pair's chunk
-            step.admit_rerank(self.rerank_floor_tokens(step.batch), seats)
+        if head.uses_kv:  # a few tokens of the next pair's chunk
+            step.admit_rerank(self.rerank_floor_tokens(step.batch), seats, kind)
         elif head.staged and (self._rerank_starved >= self.max_pair_wait_steps or self.model.tokens_within(
-                StepShape.of_batch(step.batch), TokenKind.EMBED, self.tpot_target_s) >= head.stage_tokens(1)):
-            # an encoder row's floor: one stage (layer) while the step stays within the target itself (the margin
-            # aside), or, having waited its bound, whatever it costs
-            step.admit_rerank(head.stage_tokens(1), 1)
+                StepShape.of_batch(step.batch), kind, self.tpot_target_s) >= head.stage_tokens(1)):
+            # an encoder row: one stage (layer) while the step stays within the target itself (the margin aside),
+            # or, having waited its bound, whatever it costs
+            step.admit_rerank(head.stage_tokens(1), 1, kind)
         elif self._rerank_starved >= self.max_pair_wait_steps:  # waited its bound: one pair, whatever it costs
-            step.admit_rerank(max_seats=1)
+            step.admit_rerank(max_seats=1, kind=kind)
 
     def _fill_generation(self, step: AdmissionStep, limit: float) -> None:
         if step.generation_head() is None:
@@ -288,6 +304,18 @@ class LatencyAdmission(AdmissionPolicy):
         tokens = max(tokens, self.min_prefill_tokens - step.batch.num_prefill_tokens)  # the prefill floor
         if tokens > 0:
             step.admit_generation(tokens)
+
+
+_SCORING_KINDS = (TokenKind.LLM_RERANK, TokenKind.CROSS_ENCODER, TokenKind.EMBED)
+
+
+def _scored(batch: Batch, kind: TokenKind) -> int:
+    """How much scoring work of `kind` the batch holds (sequences, so a zero-cost stage of a row counts too)."""
+    if kind is TokenKind.EMBED:
+        return batch.num_embed_rows
+    if kind is TokenKind.CROSS_ENCODER:
+        return batch.num_cross_encoder_tokens
+    return batch.num_rerank_tokens - batch.num_cross_encoder_tokens
 
 
 def scoring_kind(seq: "Sequence") -> TokenKind:

@@ -46,6 +46,10 @@ class WaitQueue:
         self._len += 1
 
     def peek(self, step: int) -> Sequence | None:
+        return self.peek_keyed(step)[1]
+
+    def peek_keyed(self, step: int) -> tuple[tuple[int, int] | None, Sequence | None]:
+        """The head and its order key (aged priority, arrival): lower keys go first, across queues too."""
         best, best_key = None, None
         for heap in self._classes.values():
             if not heap:
@@ -54,7 +58,7 @@ class WaitQueue:
             key = (head.priority - (step - head.waiting_since_step) // self.aging_steps, head.arrival)
             if best_key is None or key < best_key:
                 best, best_key = head, key
-        return best
+        return best_key, best
 
     def pop(self, seq: Sequence) -> None:
         """Remove `seq`, which must be the head of its class (as `peek` returned it)."""
@@ -87,7 +91,8 @@ class Scheduler:
         self.static = config.scheduling == "static"
         self.watermark = max(1, kv.num_blocks // 100)  # headroom admissions leave for decodes
         self.waiting = WaitQueue(config.priority_aging_steps)
-        self.waiting_rerank = WaitQueue(config.priority_aging_steps)
+        self.waiting_rerank = WaitQueue(config.priority_aging_steps)  # rerank pairs
+        self.waiting_embed = WaitQueue(config.priority_aging_steps)  # embedding rows (also a fused rerank's)
         self.running: list[Sequence] = []
         self.num_steps = 0  # schedule() calls: the clock of priority aging
         self.num_preemptions = 0
@@ -110,12 +115,15 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.waiting_rerank)
+        return len(self.waiting) + len(self.waiting_rerank) + len(self.waiting_embed)
 
     def _queue_of(self, seq: Sequence) -> WaitQueue:
-        """Prompts wait in `waiting`; rerank pairs and embedding rows (prefill-only scoring work) in `waiting_rerank`,
-        one priority order for both."""
-        return self.waiting if seq.kind is SeqKind.GENERATE else self.waiting_rerank
+        """Prompts wait in `waiting`, rerank pairs in `waiting_rerank`, embedding rows in `waiting_embed`: the two
+        scoring queues are one priority order (`_rerank_head` takes the more urgent head), kept apart so that each
+        kind of scoring work can be given its own share of a step (admission.LatencyAdmission)."""
+        if seq.kind is SeqKind.GENERATE:
+            return self.waiting
+        return self.waiting_embed if seq.kind is SeqKind.EMBED else self.waiting_rerank
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -129,7 +137,8 @@ class Scheduler:
         head = self._rerank_head(pairs, batch)
         step = AdmissionStep(
             batch=batch, budget=budget, free_seats=self.max_seqs - len(self.running),
-            generation_waiting=len(self.waiting), rerank_waiting=len(self.waiting_rerank) + len(pairs),
+            generation_waiting=len(self.waiting),
+            rerank_waiting=len(self.waiting_rerank) + len(self.waiting_embed) + len(pairs),
             rerank_head_tokens=_smallest_chunk(head) if head else 0,
             queues=_StepQueues(self, batch, pairs))
         continuing = [s for s in self.running if s.kind is SeqKind.GENERATE and s.num_uncomputed_tokens > 1]
@@ -184,11 +193,18 @@ class Scheduler:
                 budget -= chunk
         return budget
 
-    def _rerank_head(self, pairs: list[Sequence], batch: Batch) -> Sequence | None:
-        """The pair the next rerank tokens go to: the most urgent of the running pairs not yet in this step (part-way
-        through, they hold KV) and the waiting queue's head; at equal priority the running pair."""
-        waiting = self.waiting_rerank.peek(self.num_steps)
+    def _rerank_head(self, pairs: list[Sequence], batch: Batch, kind: TokenKind | None = None) -> Sequence | None:
+        """The sequence the next scoring tokens go to (of `kind` only, when given: admission.scoring_kind): the most
+        urgent of the running ones not yet in this step (part-way through: a pair's KV so far, a row's stages so far)
+        and the two scoring queues' heads; at equal priority the running one."""
+        waiting, best = None, None
+        for queue in (self.waiting_rerank, self.waiting_embed):
+            key, head = queue.peek_keyed(self.num_steps)
+            if head is not None and (kind is None or scoring_kind(head) is kind) and (best is None or key < best):
+                waiting, best = head, key
         for seq in pairs:  # running is sorted by (priority, arrival)
+            if kind is not None and scoring_kind(seq) is not kind:
+                continue
             if seq.num_computed_tokens < seq.num_tokens and not _in_batch(seq, batch):
                 if waiting is None or seq.priority <= waiting.priority:
                     return seq
@@ -200,15 +216,15 @@ class Scheduler:
         """Rerank tokens, at most `budget` of them: the next chunk of each running pair, then new pairs, most urgent
         first (`_rerank_head`). An LLM-scored pair is chunked like a prompt; a cross-encoder pair runs whole or not
         at all; an encoder row (embedding input) runs whole or its next stages (Sequence.stages_within). `seats`
-        bounds the pairs this call serves, running ones included (each holds a seat). `kind`: stop at the first head
-        whose tokens are of another kind (admission.scoring_kind)."""
+        bounds the pairs this call serves, running ones included (each holds a seat). `kind`: only work of that kind
+        (admission.scoring_kind), the most urgent of it first."""
         used = 0
         while used < budget and (seats is None or seats > 0):
-            seq = self._rerank_head(pairs, batch)
-            if seq is None or (kind is not None and scoring_kind(seq) is not kind):
+            seq = self._rerank_head(pairs, batch, kind)
+            if seq is None:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # the queue's head: a new pair
-                took = self._admit_from(self.waiting_rerank, batch, budget - used, seats, one=True)
+            if seq.status is not SequenceStatus.RUNNING:  # a queue's head: a new pair or row
+                took = self._admit_from(self._queue_of(seq), batch, budget - used, seats, one=True)
                 if not took:
                     break
                 used += took
@@ -320,8 +336,8 @@ class _StepQueues:
     def generation_head(self) -> Sequence | None:
         return self.scheduler.waiting.peek(self.scheduler.num_steps)
 
-    def rerank_head(self) -> Sequence | None:
-        return self.scheduler._rerank_head(self.pairs, self.batch)
+    def rerank_head(self, kind: TokenKind | None = None) -> Sequence | None:
+        return self.scheduler._rerank_head(self.pairs, self.batch, kind)
 
 
 def _smallest_chunk(seq: Sequence) -> int:

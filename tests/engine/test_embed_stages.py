@@ -160,3 +160,24 @@ def test_an_input_longer_than_the_step_budget_runs_in_stages_when_a_layer_of_it_
                            EmbedParams())
     assert torch.nn.functional.cosine_similarity(torch.tensor(got), torch.tensor(want), dim=0).item() > 0.99999
     assert_no_leaks(llm)
+
+
+def test_embeddings_progress_beside_decodes_while_an_earlier_rerank_job_still_has_pairs_waiting():
+    # One scoring queue order (priority, arrival), but each kind is sized and floored on its own: an embedding
+    # request behind a long LLM-scored rerank job still gets a layer a step, not a wait for the whole job.
+    from tests.engine.test_latency_objective import DOCS
+
+    llm, model, target = _objective_llm(StepShape(decode_rows=4, llm_rerank_tokens=8, embed_tokens=12))
+    engine, records = llm.engine, record_steps(llm)
+    for i in range(4):
+        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", GEN)
+    engine.step()
+    engine.add_rerank("job", "how do bees make honey", DOCS * 3)
+    engine.add_embed("emb", TEXTS[:2])
+    order = []
+    while engine.has_unfinished():
+        order += [out.request_id for out in engine.step() if out.finished]
+    assert_no_leaks(llm)
+    assert order.index("emb") < order.index("job")  # the later, smaller request was not stuck behind the job
+    decoding = [r for r in records if r.decode_tokens == 4]
+    assert any(r.embed_rows and r.rerank_tokens for r in decoding)  # both kinds in one step beside the decodes
