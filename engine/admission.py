@@ -270,6 +270,10 @@ class LatencyAdmission(AdmissionPolicy):
         first = [kind for priority, _, kind in heads if priority == heads[0][0]]
         now = self.model.predict(StepShape.of_batch(step.batch))
         cap = now + max(0.0, limit - now) * share  # what scoring work may take of this call's headroom
+        if len(kinds) > 1:  # the other kinds' floors first, or the first kind's share would leave them no room
+            for kind in kinds:
+                if not _scored(step.batch, kind):
+                    self._floor(step, kind, seats, within_target=True)
         for i, kind in enumerate(first):
             tokens = self._tokens(step, kind, cap, 1.0 / (len(first) - i))
             if tokens:
@@ -282,19 +286,25 @@ class LatencyAdmission(AdmissionPolicy):
             if not _scored(step.batch, kind):
                 self._floor(step, kind, seats)
 
-    def _floor(self, step: AdmissionStep, kind: TokenKind, seats: int | None) -> None:
-        """The least `kind` gets in a step that had no room for it."""
+    def _floor(self, step: AdmissionStep, kind: TokenKind, seats: int | None, within_target: bool = False) -> None:
+        """The least `kind` gets in a step that had no room for it (`within_target`: only a floor that keeps the
+        step's predicted time within the target)."""
         head = step.rerank_head(kind)
         if head is None:
             return
         if head.uses_kv:  # a few tokens of the next pair's chunk
-            step.admit_rerank(self.rerank_floor_tokens(step.batch), seats, kind)
-        elif head.staged and (self._rerank_starved >= self.max_pair_wait_steps or self.model.tokens_within(
-                StepShape.of_batch(step.batch), kind, self.tpot_target_s) >= head.stage_tokens(1)):
+            tokens = self.rerank_floor_tokens(step.batch)
+            if not within_target or self.model.tokens_within(StepShape.of_batch(step.batch), kind,
+                                                             self.tpot_target_s) >= tokens:
+                step.admit_rerank(tokens, seats, kind)
+        elif head.staged and ((self._rerank_starved >= self.max_pair_wait_steps and not within_target)
+                              or self.model.tokens_within(StepShape.of_batch(step.batch), kind,
+                                                          self.tpot_target_s) >= head.stage_tokens(1)):
             # an encoder row: one stage (layer) while the step stays within the target itself (the margin aside),
             # or, having waited its bound, whatever it costs
             step.admit_rerank(head.stage_tokens(1), 1, kind)
-        elif self._rerank_starved >= self.max_pair_wait_steps:  # waited its bound: one pair, whatever it costs
+        elif self._rerank_starved >= self.max_pair_wait_steps and not within_target:
+            # waited its bound: one pair, whatever it costs
             step.admit_rerank(max_seats=1, kind=kind)
 
     def _fill_generation(self, step: AdmissionStep, limit: float) -> None:

@@ -26,26 +26,26 @@ class Batch:
     preempted: list[Sequence] = field(default_factory=list)
     budget: int = 0  # the token budget the scheduler planned this step under
     decode_request_ids: list[str] = field(default_factory=list)
-    # Per sequence: the stages (start, stop) an encoder row runs in this step; None for every other sequence.
+    # Per sequence: the stages (start, stop) an encoder row (embedding input, cross-encoder pair) runs in this step;
+    # None for every other sequence.
     stages: list[tuple[int, int] | None] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int, stages: tuple[int, int] | None = None) -> None:
-        """`n` tokens of `seq`; an embedding row gives the stages it runs instead (n is then what they cost)."""
+        """`n` tokens of `seq`; an encoder row gives the stages it runs (n is then what they cost; default: the rest)."""
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
+        if stages is None and (seq.kind is SeqKind.EMBED or seq.staged):
+            stages = (seq.stages_done, seq.stages)  # the rest of its forward
+        self.stages.append(stages)
         if seq.kind is SeqKind.EMBED:
-            if stages is None:
-                stages = (seq.stages_done, seq.stages)
-            self.stages.append(stages)
             self.num_embed_rows += 1
             self.num_embed_tokens += n
             if stages[1] == seq.stages:
                 self.num_embed_rows_done += 1
             return
-        self.stages.append(None)
         if seq.kind is SeqKind.RERANK:
             self.num_rerank_pairs += 1
-            if seq.num_computed_tokens + n == seq.num_tokens:
+            if (stages[1] == seq.stages) if stages is not None else seq.num_computed_tokens + n == seq.num_tokens:
                 self.num_rerank_pairs_scored += 1
             self.num_rerank_tokens += n
             if not seq.uses_kv:

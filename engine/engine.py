@@ -234,8 +234,8 @@ class LLMEngine:
         outputs = []
         now = time.monotonic()
         requests = self._requests
-        for seq, n, token, score, lp, span, top, vector in zip(
-                batch.seqs, batch.num_new_tokens, result.sampled, result.scores, result.logprobs,
+        for seq, n, stages, token, score, lp, span, top, vector in zip(
+                batch.seqs, batch.num_new_tokens, batch.stages, result.sampled, result.scores, result.logprobs,
                 result.prompt_logprobs, result.prompt_top_logprobs, result.embeddings):
             if seq.kind is SeqKind.EMBED:
                 if vector is None:
@@ -255,8 +255,9 @@ class LLMEngine:
                 index = seq.pair.index
                 if span:
                     _put_span(job.span_logprobs[index], seq, span)
-                if seq.num_computed_tokens + n < seq.num_tokens:
-                    continue  # a chunk of a pair: scored when its last chunk runs
+                last = stages[1] == seq.stages if stages is not None else seq.num_computed_tokens + n == seq.num_tokens
+                if not last:
+                    continue  # a chunk (or some stages) of a pair: scored when its last one runs
                 finished[seq] = SequenceStatus.FINISHED_STOPPED
                 job.scores[index] = self.scorer.pair_score(score, job.span_logprobs[index])
                 job.remaining -= 1
@@ -351,7 +352,7 @@ class LLMEngine:
         """End a sequence before it finished its work: the scheduler frees its blocks, the runner whatever it kept
         of it between steps (an encoder row's states between its stages)."""
         self.scheduler.finish(seq, status)
-        if seq.kind is SeqKind.EMBED:
+        if not seq.uses_kv:
             self.runner.forget(seq)
 
     def _emit_record(self, batch: Batch, start: float, forward_s: float, predicted_s: float | None) -> None:

@@ -140,7 +140,8 @@ class RequestIntake:
                 request_id=request_id, token_ids=pair.token_ids, num_prompt_tokens=len(pair.token_ids),
                 params=params, arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.RERANK,
                 priority=params.priority, uses_kv=scorer.runs_on_llm, logprob_start=pair.logprob_start,
-                pair=RerankPair(i, wait_for=first, token_type_ids=pair.token_type_ids)))
+                pair=RerankPair(i, wait_for=first, token_type_ids=pair.token_type_ids),
+                stages=1 if scorer.runs_on_llm else scorer.stages))
         if scorer.embeds:
             self._rerank_rows(job)
         return job

@@ -10,7 +10,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import Capture, DecodeGraphs, try_capture
 from engine.embed import Embedder
-from engine.embed.embedder import StageWork
+from engine.models.stages import StageWork
 from engine.models.decoder import DecoderForCausalLM
 from engine.rerank.scorer import PairScorer
 from engine.request import Sequence, SeqKind
@@ -147,9 +147,10 @@ class ModelRunner:
             self._run_llm(batch, llm_rows, out, clock)
         if own_rows:
             with clock:
-                own_scores = self.scorer.score([batch.seqs[i] for i in own_rows], None)
+                own_scores = self.scorer.score_stages([batch.seqs[i] for i in own_rows],
+                                                      [batch.stages[i] for i in own_rows])
             for i, score in zip(own_rows, own_scores):
-                out.scores[i] = score
+                out.scores[i] = score  # None: the pair has stages left
         if embed_rows:
             work = [StageWork(_row_key(batch.seqs[i]), batch.seqs[i].token_ids, *batch.stages[i],
                               all_tokens=batch.seqs[i].params.all_tokens) for i in embed_rows]
@@ -161,9 +162,12 @@ class ModelRunner:
         return out
 
     def forget(self, seq: Sequence) -> None:
-        """Drop what was kept of an embedding row between its stages (it was aborted or failed part-way)."""
-        if self.embedder is not None:
+        """Drop what was kept of an embedding row or a cross-encoder pair between its stages (it was aborted or
+        failed part-way)."""
+        if seq.kind is SeqKind.EMBED and self.embedder is not None:
             self.embedder.forget(_row_key(seq))
+        elif seq.kind is SeqKind.RERANK and not seq.uses_kv:
+            self.scorer.forget(seq)
 
     def _run_llm(self, batch: Batch, rows: list[int], out: RunnerOutput, clock: ForwardClock) -> None:
         """Fills `out` for the LLM rows; model forwards are timed on `clock`."""

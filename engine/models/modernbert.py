@@ -127,8 +127,11 @@ class ModernBertForSequenceClassification(nn.Module):
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None, cu_seqlens: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """Packed tokens [T] and cu_seqlens [B + 1] -> logits [B, num_labels] (token types are not used)."""
+        return self.classify(encode(self.model, self.args, input_ids, cu_seqlens), cu_seqlens)
+
+    def classify(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Every token's final-normed state [T, hidden] -> logits [B, num_labels]."""
         a = self.args
-        x = encode(self.model, a, input_ids, cu_seqlens)
         bounds = cu_seqlens.tolist()
         head_act = ACT2FN[a.classifier_activation]
         if a.classifier_pooling == "cls":

@@ -5,6 +5,7 @@ import torch
 
 from engine.config import RerankMode, RerankParams
 from engine.models.encoder_loader import CrossEncoder
+from engine.models.stages import StageWork
 from engine.rerank.pairs import PairTemplate
 from engine.rerank.scorer import PairScorer
 from engine.request import Sequence
@@ -32,6 +33,22 @@ class CrossEncoderScorer(PairScorer):
 
     def score(self, pairs: list[Sequence], last_hidden: torch.Tensor | None) -> list[float]:
         return self.encoder.score([(p.token_ids, p.pair.token_type_ids) for p in pairs])
+
+    @property
+    def stages(self) -> int:
+        return self.encoder.stages
+
+    def score_stages(self, pairs: list[Sequence], stages: list[tuple[int, int]]) -> list[float | None]:
+        return self.encoder.score_stages([StageWork(_key(p), p.token_ids, start, stop, p.pair.token_type_ids)
+                                          for p, (start, stop) in zip(pairs, stages)])
+
+    def forget(self, pair: Sequence) -> None:
+        self.encoder.forget(_key(pair))
+
+
+def _key(pair: Sequence) -> tuple[str, int]:
+    """A pair's name across steps: its request and its document's place in it."""
+    return pair.request_id, pair.pair.index
 
 
 def _pair_layout(tokenizer):

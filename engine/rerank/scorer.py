@@ -41,6 +41,20 @@ class PairScorer(ABC):
         """One score in [0, 1] per finished pair. `last_hidden` is the LLM's final hidden state at each pair's last
         position (None when the scorer runs its own model)."""
 
+    @property
+    def stages(self) -> int:
+        """Stages the scorer's own model runs a pair in, a few a step (1: whole; LLM-scored pairs are chunked by
+        tokens instead)."""
+        return 1
+
+    def score_stages(self, pairs: list[Sequence], stages: list[tuple[int, int]]) -> list[float | None]:
+        """Scorers with their own model: each pair's stages start..stop-1 this step; the score of each pair whose
+        last stage ran, None for the others (the scorer keeps their states until their next stages)."""
+        return self.score(pairs, None)
+
+    def forget(self, pair: Sequence) -> None:
+        """Drop what the scorer kept of a pair between its stages (it was aborted or failed part-way)."""
+
     def pair_score(self, last: float | None, span: list[float]) -> float:
         """A pair's score once its last chunk has run, in every mode (the engine asks here and nowhere else): from
         `last`, what score() gave at its last position (scores_last_position), or from `span`, its scored span's

@@ -14,7 +14,7 @@ from engine import EmbedParams
 from engine.admission import LatencyAdmission
 from engine.config import EMBEDDED_EMBEDDER
 from engine.embed import Embedder
-from engine.embed.embedder import StageWork
+from engine.models.stages import StageWork
 from engine.request import SeqKind, Sequence
 from engine.step_time import LinearStepTime, StepShape
 from tests.engine.conftest import assert_no_leaks, make_llm, record_steps

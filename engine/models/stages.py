@@ -1,0 +1,110 @@
+"""An encoder's forward in stages (one per layer), so that a row (an embedding input, a cross-encoder pair) can run a
+few layers a step beside decodes and carry its hidden states to the next step. Attention is bidirectional but only
+within a layer: a row's states after layer k are all layer k + 1 needs, so rows may be packed differently in every
+step and the result is the whole forward's."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# (token ids [T], token type ids [T] or None, cu_seqlens [B + 1]) -> the first stage's input [T, ...]
+Begin = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor], torch.Tensor]
+
+
+def _same(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass(frozen=True, slots=True)
+class Stages:
+    """A forward in `count` stages: `begin` (token ids -> the first stage's input), `run` (stages start..stop-1 of a
+    packed batch), `end` (the last stage's output -> what the model gives: every token's final state, or a
+    classifier's logits)."""
+    count: int
+    begin: Begin
+    run: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+    end: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _same
+
+    def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole forward."""
+        x = self.run(self.begin(input_ids, token_type_ids, cu_seqlens), cu_seqlens, 0, self.count)
+        return self.end(x, cu_seqlens)
+
+
+@dataclass(frozen=True, slots=True)
+class StageWork:
+    """What one step runs of one row: stages start..stop-1; `key` names the row across steps."""
+    key: tuple[str, int]
+    token_ids: list[int]
+    start: int
+    stop: int
+    token_type_ids: list[int] | None = None
+    all_tokens: bool = False  # an embedding row that wants every token's state (TEI /embed_all), not a pooled one
+
+
+# (the last stage's output of a group, its cu_seqlens, its rows' lengths, the group's work items) -> one result per
+# item, in that order
+Finish = Callable[[torch.Tensor, torch.Tensor, list[int], list[StageWork]], list[Any]]
+
+
+class StagedForward:
+    """Runs rows' stages step by step and keeps each unfinished row's hidden states (the one owner of them)."""
+
+    def __init__(self, stages: Stages, device: torch.device) -> None:
+        self.stages = stages
+        self.device = device
+        self._partial: dict[tuple[str, int], torch.Tensor] = {}
+
+    @property
+    def count(self) -> int:
+        return self.stages.count
+
+    @property
+    def num_partial_rows(self) -> int:
+        """Rows part-way through their stages (their states held here)."""
+        return len(self._partial)
+
+    def forget(self, key: tuple[str, int]) -> None:
+        """Drop a row's kept states (it was aborted or failed between its stages)."""
+        self._partial.pop(key, None)
+
+    @torch.inference_mode()
+    def run(self, work: list[StageWork], finish: Finish) -> list[Any]:
+        """Per row, the stages it has this step; rows with the same stages run packed together, longest first (the
+        attention kernel batches runs of similar length). A row whose last stage ran gets `finish`'s result for it
+        (its kept states dropped); the others None (their states kept under their key until their next stages)."""
+        out: list[Any] = [None] * len(work)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, w in enumerate(work):
+            if not 0 <= w.start < w.stop <= self.stages.count:
+                raise ValueError(f"row {w.key}: stages {w.start}..{w.stop} of {self.stages.count}")
+            groups.setdefault((w.start, w.stop), []).append(i)
+        for (start, stop), members in groups.items():
+            members.sort(key=lambda i: -len(work[i].token_ids))
+            lens = [len(work[i].token_ids) for i in members]
+            cu = torch.zeros(len(members) + 1, dtype=torch.int32)
+            torch.cumsum(torch.tensor(lens), 0, out=cu[1:])
+            cu = cu.to(self.device)
+            if start == 0:
+                ids = torch.tensor([t for i in members for t in work[i].token_ids], dtype=torch.int64,
+                                   device=self.device)
+                types = None
+                if work[members[0]].token_type_ids is not None:
+                    types = torch.tensor([t for i in members for t in work[i].token_type_ids], dtype=torch.int64,
+                                         device=self.device)
+                x = self.stages.begin(ids, types, cu)
+            else:
+                x = torch.cat([self._partial.pop(work[i].key) for i in members])
+            x = self.stages.run(x, cu, start, stop)
+            if stop < self.stages.count:
+                for i, part in zip(members, x.split(lens)):
+                    self._partial[work[i].key] = part
+                continue
+            results = finish(self.stages.end(x, cu), cu, lens, [work[i] for i in members])
+            for i, result in zip(members, results):
+                out[i] = result
+        return out
