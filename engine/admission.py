@@ -128,12 +128,10 @@ class LatencyAdmission(AdmissionPolicy):
       - LLM-scored pairs (likelihood, judge) are prefilled in chunks like prompts, so while pairs wait every step
         computes at least the rerank tokens whose predicted cost is `rerank_floor` x the target (at least one token;
         about 10% of T: a step whose decodes alone are under T stays under 1.1 T with the floor);
-      - a cross-encoder pair cannot be split: it rides in a step whose predicted time with it stays within the
-        target, or, when no step has had room for `max_pair_wait_steps` steps in a row, in the next step whatever it
-        costs (so a pair waits at most that many steps, and at most one step in that many goes over the target);
-      - an encoder row (embedding input) runs a stage (one layer) at a time when a step has no room for it whole:
-        one stage rides in every step whose predicted time stays within the target with it (the margin aside), and
-        after `max_pair_wait_steps` steps without room, one stage whatever it costs;
+      - an encoder row (cross-encoder pair, embedding input) cannot be split by tokens but runs a stage (one layer)
+        at a time when a step has no room for it whole: one stage rides in every step whose predicted time stays
+        within the target with it (the margin aside), and after `max_pair_wait_steps` steps without room, one stage
+        whatever it costs (a single-stage row, e.g. a decoder embedder's: the whole row);
       - at least `min_prefill_tokens` of prompt (chunked) while prompts wait.
       What no admission can fix: when the decodes alone take longer than the target (too many of them for this
       device), only the floors ride beside them and every such step is over the target.

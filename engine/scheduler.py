@@ -2,7 +2,8 @@
 
 Order: running decodes (one token each), then chunked-prefill continuations of prompts, then what the admission
 policy gives out: prompt admissions and rerank tokens (pairs the LLM scores continue in chunks, exactly like prompts,
-before new pairs are admitted; a cross-encoder pair runs whole). A sequence's whole prompt (a pair's whole text)
+before new pairs are admitted; a cross-encoder pair or an embedding row runs whole or a few of its layers a step). A
+sequence's whole prompt (a pair's whole text)
 gets its blocks at admission, so only decodes grow; a decode that finds no free block
 preempts the lowest-priority, newest running sequence (recomputed later; that step admits nobody). A sequence
 that shares another's prompt (`Sequence.blocked`: rerank pairs after their job's first, completions 1..n-1 after
@@ -214,8 +215,8 @@ class Scheduler:
     def _admit_rerank(self, pairs: list[Sequence], batch: Batch, budget: int, seats: int | None,
                       kind: TokenKind | None = None) -> int:
         """Rerank tokens, at most `budget` of them: the next chunk of each running pair, then new pairs, most urgent
-        first (`_rerank_head`). An LLM-scored pair is chunked like a prompt; a cross-encoder pair runs whole or not
-        at all; an encoder row (embedding input) runs whole or its next stages (Sequence.stages_within). `seats`
+        first (`_rerank_head`). An LLM-scored pair is chunked like a prompt; an encoder row (cross-encoder pair,
+        embedding input) runs whole or its next stages (Sequence.stages_within). `seats`
         bounds the pairs this call serves, running ones included (each holds a seat). `kind`: only work of that kind
         (admission.scoring_kind), the most urgent of it first."""
         used = 0
@@ -260,7 +261,7 @@ class Scheduler:
                     break
                 n, stages = seq.stage_tokens(k), (0, k)
             elif not seq.uses_kv and n > budget - used:
-                break  # a cross-encoder pair is atomic (bidirectional attention over the whole pair)
+                break  # a single-stage row is atomic (bidirectional attention over the whole row)
             # Admissions leave a little headroom for decodes, unless nothing runs that could use it.
             if seq.uses_kv and not self.kv.allocate(seq, n, prefix, reserve=self.watermark if self.running else 0):
                 break
