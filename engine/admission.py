@@ -130,8 +130,10 @@ class LatencyAdmission(AdmissionPolicy):
         about 10% of T: a step whose decodes alone are under T stays under 1.1 T with the floor);
       - an encoder row (cross-encoder pair, embedding input) cannot be split by tokens but runs a stage (one layer)
         at a time when a step has no room for it whole: one stage rides in every step whose predicted time stays
-        within the target with it (the margin aside), and after `max_pair_wait_steps` steps without room, one stage
-        whatever it costs (a single-stage row, e.g. a decoder embedder's: the whole row);
+        within the target with it (the margin aside), and after `max_stage_wait_steps` steps of its kind without
+        room, one stage whatever it costs (so a kind the fitted model has never seen beside decodes, priced at the
+        slow prior, gets measured); a single-stage row (a decoder embedder's) waits `max_pair_wait_steps`, then rides
+        whole;
       - at least `min_prefill_tokens` of prompt (chunked) while prompts wait.
       What no admission can fix: when the decodes alone take longer than the target (too many of them for this
       device), only the floors ride beside them and every such step is over the target.
@@ -148,11 +150,13 @@ class LatencyAdmission(AdmissionPolicy):
     rerank_share: float = 0.5
     min_prefill_tokens: int = 32
     rerank_floor: float = 0.1  # share of the target the per-step rerank floor may cost (LLM-scored pairs)
-    max_pair_wait_steps: int = 128  # steps a cross-encoder pair waits for room before it rides regardless
+    max_pair_wait_steps: int = 128  # steps a single-stage encoder row (pair) waits for room before it rides regardless
+    max_stage_wait_steps: int = 16  # steps a staged encoder row waits before one stage rides regardless
     fallback: AdmissionPolicy | None = None
 
     _prefill_over: int = field(default=0, init=False, repr=False)  # floor tokens prefill_budget gave this step
-    _rerank_starved: int = field(default=0, init=False, repr=False)  # steps in a row pairs waited and none rode
+    # Per kind of scoring work: steps in a row it waited and none of it rode
+    _starved: dict = field(default_factory=dict, init=False, repr=False)
 
     observes_steps = True
 
@@ -161,8 +165,9 @@ class LatencyAdmission(AdmissionPolicy):
             raise ValueError(f"tpot_target_s must be > 0, got {self.tpot_target_s!r}")
         if not 0.0 <= self.rerank_floor <= 1.0:
             raise ValueError(f"rerank_floor must be in [0, 1], got {self.rerank_floor!r}")
-        if self.max_pair_wait_steps < 0:
-            raise ValueError(f"max_pair_wait_steps must be >= 0, got {self.max_pair_wait_steps!r}")
+        if self.max_pair_wait_steps < 0 or self.max_stage_wait_steps < 0:
+            raise ValueError(f"max_pair_wait_steps and max_stage_wait_steps must be >= 0, got "
+                             f"{self.max_pair_wait_steps!r}, {self.max_stage_wait_steps!r}")
         if self.fallback is None:
             self.fallback = ShareAdmission(self.rerank_share)
 
@@ -216,9 +221,11 @@ class LatencyAdmission(AdmissionPolicy):
         return max(1, self.model.tokens_within(shape, TokenKind.LLM_RERANK, limit))
 
     def admit(self, step: AdmissionStep) -> None:
-        waiting = step.rerank_head() is not None
+        waiting = [kind for kind in _SCORING_KINDS if step.rerank_head(kind) is not None]
         self._admit(step)
-        self._rerank_starved = self._rerank_starved + 1 if waiting and not step.batch.num_scoring_tokens else 0
+        for kind in _SCORING_KINDS:
+            starved = kind in waiting and not _scored(step.batch, kind)
+            self._starved[kind] = self._starved.get(kind, 0) + 1 if starved else 0
 
     def _admit(self, step: AdmissionStep) -> None:
         batch = step.batch
@@ -295,13 +302,13 @@ class LatencyAdmission(AdmissionPolicy):
             if not within_target or self.model.tokens_within(StepShape.of_batch(step.batch), kind,
                                                              self.tpot_target_s) >= tokens:
                 step.admit_rerank(tokens, seats, kind)
-        elif head.staged and ((self._rerank_starved >= self.max_pair_wait_steps and not within_target)
-                              or self.model.tokens_within(StepShape.of_batch(step.batch), kind,
-                                                          self.tpot_target_s) >= head.stage_tokens(1)):
+        elif head.staged and (self._starved.get(kind, 0) >= self.max_stage_wait_steps or self.model.tokens_within(
+                StepShape.of_batch(step.batch), kind, self.tpot_target_s) >= head.stage_tokens(1)):
             # an encoder row: one stage (layer) while the step stays within the target itself (the margin aside),
-            # or, having waited its bound, whatever it costs
+            # or, having waited its (short) bound, whatever the model says it costs: a stage is a small step over
+            # at worst, and the only way a kind the model has not seen beside decodes gets its cost measured
             step.admit_rerank(head.stage_tokens(1), 1, kind)
-        elif self._rerank_starved >= self.max_pair_wait_steps and not within_target:
+        elif self._starved.get(kind, 0) >= self.max_pair_wait_steps and not within_target:
             # waited its bound: one pair, whatever it costs
             step.admit_rerank(max_seats=1, kind=kind)
 

@@ -181,3 +181,27 @@ def test_embeddings_progress_beside_decodes_while_an_earlier_rerank_job_still_ha
     assert order.index("emb") < order.index("job")  # the later, smaller request was not stuck behind the job
     decoding = [r for r in records if r.decode_tokens == 4]
     assert any(r.embed_rows and r.rerank_tokens for r in decoding)  # both kinds in one step beside the decodes
+
+
+def test_a_row_the_model_prices_over_the_target_still_rides_a_stage_every_max_stage_wait_steps():
+    # The model says any embedding costs 50 ms (a slow prior the fitted model has never corrected, because rows never
+    # rode beside decodes): one stage still rides once its kind has waited max_stage_wait_steps, and only then.
+    slow = dict(EMBED_COEF, embed_forward=0.050)
+    target = LinearStepTime(slow).predict(StepShape(decode_rows=4)) * 1.2
+    model = EmbedCountingModel()
+    model.coef = LinearStepTime(slow).coef
+    policy = LatencyAdmission(target, model=model, min_prefill_tokens=8, max_stage_wait_steps=5)
+    llm = make_llm(admission=policy, embedder=EMBEDDED_EMBEDDER, max_num_batched_tokens=512, num_kv_blocks=512)
+    engine, records = llm.engine, record_steps(llm)
+    for i in range(4):
+        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", GEN)
+    engine.step()
+    engine.add_embed("emb", TEXTS[:1])
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leaks(llm)
+    decoding = [r for r in records[1:] if r.decode_tokens]  # (the row's last stages ride after the chats, alone)
+    rode = [i for i, r in enumerate(decoding) if r.embed_rows]
+    assert rode and rode[0] == 5  # five steps waited, the sixth carries a stage
+    assert all(b - a == 6 for a, b in zip(rode, rode[1:]))  # then one stage every sixth step
+    assert all(r.embed_rows == 1 and r.embed_tokens <= 5 for i, r in enumerate(decoding) if i in rode)
