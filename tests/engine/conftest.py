@@ -82,6 +82,23 @@ def record_steps(llm: LLM) -> list:
     return records
 
 
+def start_chats(engine, params, n: int = 4) -> None:
+    """`n` chats that decode together: their prompts run in one step, alone; every later step decodes them."""
+    for i in range(n):
+        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", params)
+    engine.step()
+
+
+def run_to_end(engine) -> dict:
+    """Step until nothing is left; the final output of each request, by id, in the order they finished."""
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
 def assert_no_leaks(llm: LLM) -> None:
     stats = llm.engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats

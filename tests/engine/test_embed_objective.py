@@ -10,7 +10,7 @@ from engine import EmbedParams
 from engine.admission import LatencyAdmission
 from engine.config import EMBEDDED_EMBEDDER
 from engine.step_time import LinearStepTime, StepShape
-from tests.engine.conftest import assert_no_leaks, make_llm, record_steps
+from tests.engine.conftest import assert_no_leaks, make_llm, record_steps, run_to_end, start_chats
 from tests.engine.test_latency_objective import COEF, DOCS, GEN, CountingModel
 
 EMBED_COEF = dict(COEF, embed_forward=0.002, embed_tokens=0.0001)
@@ -31,16 +31,10 @@ def test_chats_pairs_and_embeddings_share_steps_under_the_target():
                    max_num_batched_tokens=512, num_kv_blocks=512)
     engine = llm.engine
     records = record_steps(llm)
-    for i in range(4):
-        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", GEN)
-    engine.step()  # the prompts, alone
+    start_chats(engine, GEN)
     engine.add_rerank("job", "how do bees make honey", DOCS)
     engine.add_embed("emb", TEXTS)
-    finished = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
+    finished = run_to_end(engine)
     assert_no_leaks(llm)
     assert len(finished["emb"].embeddings) == len(TEXTS) and len(finished["job"].scores) == len(DOCS)
     decoding = [r for r in records if r.decode_tokens == 4]

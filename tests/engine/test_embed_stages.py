@@ -17,7 +17,7 @@ from engine.embed import Embedder
 from engine.models.stages import StageWork
 from engine.request import SeqKind, Sequence
 from engine.step_time import LinearStepTime, StepShape
-from tests.engine.conftest import assert_no_leaks, make_llm, record_steps
+from tests.engine.conftest import assert_no_leaks, make_llm, record_steps, run_to_end, start_chats
 from tests.engine.test_embed import TEXTS, _modernbert_dir
 from tests.engine.test_embed_objective import EMBED_COEF, EmbedCountingModel
 from tests.engine.test_latency_objective import GEN
@@ -108,15 +108,9 @@ def test_beside_decodes_rows_too_big_for_the_headroom_run_a_layer_a_step_and_eve
     # The headroom beside 4 decodes is ~12 embedding tokens: no row (20-30 tokens) fits whole, one layer of one does.
     llm, model, target = _objective_llm(StepShape(decode_rows=4, embed_tokens=12))
     engine, records = llm.engine, record_steps(llm)
-    for i in range(4):
-        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", GEN)
-    engine.step()  # the prompts, alone
+    start_chats(engine, GEN)
     engine.add_embed("emb", TEXTS)
-    finished = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
+    finished = run_to_end(engine)
     assert_no_leaks(llm)
     assert engine.embedder.num_partial_rows == 0
     assert len(finished["emb"].embeddings) == len(TEXTS)
@@ -136,9 +130,7 @@ def test_beside_decodes_rows_too_big_for_the_headroom_run_a_layer_a_step_and_eve
 def test_an_embedding_aborted_between_its_stages_frees_its_kept_states():
     llm, _, _ = _objective_llm(StepShape(decode_rows=4, embed_tokens=12))
     engine = llm.engine
-    for i in range(4):
-        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", GEN)
-    engine.step()
+    start_chats(engine, GEN)
     engine.add_embed("emb", TEXTS)
     while not engine.embedder.num_partial_rows:  # a row is part-way through its layers
         engine.step()
@@ -169,14 +161,10 @@ def test_embeddings_progress_beside_decodes_while_an_earlier_rerank_job_still_ha
 
     llm, model, target = _objective_llm(StepShape(decode_rows=4, llm_rerank_tokens=8, embed_tokens=12))
     engine, records = llm.engine, record_steps(llm)
-    for i in range(4):
-        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", GEN)
-    engine.step()
+    start_chats(engine, GEN)
     engine.add_rerank("job", "how do bees make honey", DOCS * 3)
     engine.add_embed("emb", TEXTS[:2])
-    order = []
-    while engine.has_unfinished():
-        order += [out.request_id for out in engine.step() if out.finished]
+    order = list(run_to_end(engine))  # ids in the order their requests finished
     assert_no_leaks(llm)
     assert order.index("emb") < order.index("job")  # the later, smaller request was not stuck behind the job
     decoding = [r for r in records if r.decode_tokens == 4]
@@ -193,9 +181,7 @@ def test_a_row_the_model_prices_over_the_target_still_rides_a_stage_every_max_st
     policy = LatencyAdmission(target, model=model, min_prefill_tokens=8, max_stage_wait_steps=5)
     llm = make_llm(admission=policy, embedder=EMBEDDED_EMBEDDER, max_num_batched_tokens=512, num_kv_blocks=512)
     engine, records = llm.engine, record_steps(llm)
-    for i in range(4):
-        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", GEN)
-    engine.step()
+    start_chats(engine, GEN)
     engine.add_embed("emb", TEXTS[:1])
     while engine.has_unfinished():
         engine.step()

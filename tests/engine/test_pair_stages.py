@@ -11,7 +11,7 @@ from engine.models.encoder_loader import CrossEncoder
 from engine.models.stages import StageWork
 from engine.rerank.cross_encoder import CrossEncoderScorer
 from engine.step_time import LinearStepTime, StepShape
-from tests.engine.conftest import assert_no_leaks, make_llm, record_steps
+from tests.engine.conftest import assert_no_leaks, make_llm, record_steps, run_to_end, start_chats
 from tests.engine.test_cross_encoder import TINY
 from tests.engine.test_latency_objective import COEF, DOCS, GEN, CountingModel
 from tests.models.test_modernbert_reranker import _build as build_modernbert
@@ -72,15 +72,9 @@ def test_beside_decodes_pairs_too_big_for_the_headroom_run_a_layer_a_step_within
     # ~12 cross-encoder tokens of headroom beside 4 decodes: no ~27-token pair fits whole, one layer of one does.
     llm, target = _objective_llm(minilm_dir, 12)
     engine, records = llm.engine, record_steps(llm)
-    for i in range(4):
-        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", GEN)
-    engine.step()
+    start_chats(engine, GEN)
     engine.add_rerank("job", QUERY, DOCS[:3])
-    scores = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == "job" and out.finished:
-                scores = out.scores
+    scores = run_to_end(engine)["job"].scores
     assert_no_leaks(llm)
     assert engine.scorer.encoder.num_partial_pairs == 0
     decoding = [r for r in records if r.decode_tokens == 4 and r.rerank_pairs]
@@ -96,9 +90,7 @@ def test_beside_decodes_pairs_too_big_for_the_headroom_run_a_layer_a_step_within
 def test_a_rerank_aborted_between_its_pairs_stages_frees_their_kept_states(minilm_dir):
     llm, _ = _objective_llm(minilm_dir, 12)
     engine = llm.engine
-    for i in range(4):
-        engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", GEN)
-    engine.step()
+    start_chats(engine, GEN)
     engine.add_rerank("job", QUERY, DOCS[:3])
     while not engine.scorer.encoder.num_partial_pairs:
         engine.step()
