@@ -173,7 +173,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate(seq, 1):
-                victim = self.running[-1]  # lowest priority, newest; not scheduled yet (we go best-first)
+                # lowest priority, newest, of those holding blocks (an encoder row part-way through its stages
+                # holds none: preempting it would free nothing); not scheduled yet (we go best-first)
+                victim = next(s for s in reversed(self.running) if s.uses_kv)
                 self._preempt(victim, batch)
                 if victim is seq:
                     break

@@ -75,11 +75,11 @@ class Sim:
         self.sched.add(seq)
         return seq
 
-    def add_embed(self, rid: str, prompt: list[int], priority: int = 0) -> Sequence:
-        """An embedding row: KV-free, run whole, done in the step that computes it."""
+    def add_embed(self, rid: str, prompt: list[int], priority: int = 0, stages: int = 1) -> Sequence:
+        """An embedding row: KV-free, done in the step that computes its last stage (stages=1: run whole)."""
         seq = Sequence(request_id=rid, token_ids=list(prompt), num_prompt_tokens=len(prompt),
                        params=EmbedParams(priority=priority), arrival=next(self._arrivals), arrival_time=0.0,
-                       kind=SeqKind.EMBED, priority=priority, uses_kv=False)
+                       kind=SeqKind.EMBED, priority=priority, uses_kv=False, stages=stages)
         self.seqs[rid] = seq
         self.sched.add(seq)
         return seq
@@ -109,9 +109,13 @@ class Sim:
         self.preempted += [s.request_id for s in batch.preempted]
 
         finished: dict[Sequence, SequenceStatus] = {}
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n, stages in zip(batch.seqs, batch.num_new_tokens, batch.stages):
             if seq.request_id not in self.admitted_order:
                 self.admitted_order.append(seq.request_id)
+            if stages is not None:  # an encoder row: done when its last stage runs
+                if stages[1] == seq.stages:
+                    finished[seq] = SequenceStatus.FINISHED_STOPPED
+                continue
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n) if seq.uses_kv else ():
                 block = seq.block_table[pos // self.bs]
                 # A block someone else also reads is never written.
@@ -155,9 +159,13 @@ class Sim:
         assert (batch.num_decode_tokens + batch.num_prefill_tokens + batch.num_rerank_tokens
                 + batch.num_embed_tokens == batch.num_tokens)
         running = set(map(id, sched.running))
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            assert 1 <= n <= seq.num_uncomputed_tokens
+        for seq, n, stages in zip(batch.seqs, batch.num_new_tokens, batch.stages):
             assert seq.status is SequenceStatus.RUNNING and id(seq) in running
+            if stages is not None:  # an encoder row's stages: what they cost, from where it stopped
+                assert stages[0] == seq.stages_done < stages[1] <= seq.stages
+                assert n == seq.stage_tokens(stages[1] - stages[0])
+                continue
+            assert 1 <= n <= seq.num_uncomputed_tokens
             if seq.uses_kv:
                 assert len(seq.block_table) * self.bs >= seq.num_computed_tokens + n
             else:
@@ -748,3 +756,19 @@ def test_an_admission_sized_for_one_kind_stops_where_the_queue_changes_kind():
     batch = sim.step()
     assert [s.request_id for s in batch.seqs] == ["job/0", "job/1", "emb"]
     assert policy.calls == [(TokenKind.CROSS_ENCODER, 10), (TokenKind.EMBED, 4)]
+
+
+def test_a_decode_short_of_a_block_never_preempts_an_encoder_row_part_way_through_its_stages():
+    # Rows hold no blocks: preempting one frees nothing and would throw its stages away. 7 blocks of 4: the three
+    # chats' decodes soon need a block, while rows too long for the step's budget run a few stages a step beside them.
+    sim = Sim(num_blocks=7, block_size=4, budget=16)
+    chats = [sim.add(c, toks(7, 10 * i), max_tokens=20) for i, c in enumerate("abc")]
+    sim.step()
+    rows = [sim.add_embed(f"emb/{i}", toks(24, 500 + 40 * i), stages=6) for i in range(3)]
+    sim.run()
+    assert sim.preempted  # the decodes did run short of blocks
+    assert not any(r.startswith("emb") for r in sim.preempted)
+    assert all(r.status is SequenceStatus.FINISHED_STOPPED and r.stages_done == 6 for r in rows)
+    assert any(b.stages[i] is not None and b.stages[i][1] - b.stages[i][0] < 6
+               for b in sim.batches for i in range(len(b)))  # some row really ran part of its stages in a step
+    assert all(c.status is SequenceStatus.FINISHED_LENGTH for c in chats)
