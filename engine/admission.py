@@ -156,7 +156,7 @@ class LatencyAdmission(AdmissionPolicy):
 
     _prefill_over: int = field(default=0, init=False, repr=False)  # floor tokens prefill_budget gave this step
     # Per kind of scoring work: steps in a row it waited and none of it rode
-    _starved: dict = field(default_factory=dict, init=False, repr=False)
+    _starved: dict[TokenKind, int] = field(default_factory=dict, init=False, repr=False)
 
     observes_steps = True
 
