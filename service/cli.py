@@ -310,7 +310,12 @@ def _serve(args: argparse.Namespace) -> int:
                                     step_log=args.step_log))
     except KeyboardInterrupt:  # Ctrl-C before the server's own signal handlers are in place (while loading)
         print("tandem serve: interrupted while starting", file=sys.stderr)
-        return 130
+        # Nothing was started yet that needs stopping, but the loader thread (a daemon) may be anywhere inside torch
+        # or a file read: exit now rather than run the interpreter's finalization beside it (under load that raced
+        # it once and the process died of SIGABRT instead of saying this one line and exiting 130).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     except StartupError as exc:
         log.debug("start-up failed", exc_info=exc.cause)
         hint = "" if level == "DEBUG" or isinstance(exc.cause, PortInUse) else " (the traceback: --log-level debug)"

@@ -71,7 +71,7 @@ def test_ctrl_c_while_loading_stops_at_once_with_one_line(tmp_path):
                 break
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=HANG)  # a server that ignores the signal fails here, not hangs
-        assert proc.returncode == 130
+        assert proc.returncode == 130, rest
     finally:
         if proc.poll() is None:
             proc.kill()
