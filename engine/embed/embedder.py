@@ -121,8 +121,7 @@ class Embedder:
     @torch.inference_mode()
     def embed(self, rows: list[list[int]]) -> torch.Tensor:
         """Pooled vectors [B, dim] (float32, not normalised) of rows of token ids, one packed forward."""
-        hidden, cu = self._forward(rows)
-        return pool(hidden, cu, self.pooling)
+        return torch.stack(self.run(rows, [False] * len(rows)))
 
     @torch.inference_mode()
     def run(self, rows: list[list[int]], all_tokens: list[bool]) -> list[torch.Tensor]:
@@ -157,14 +156,6 @@ class Embedder:
             states = hidden.float().cpu().split(lens)
             out = [states[i] if whole else v for i, (v, whole) in enumerate(zip(out, all_tokens))]
         return out
-
-    def _forward(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every token's final state [T, H] of rows packed back to back, and their cu_seqlens [B + 1]."""
-        cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor([len(r) for r in rows]), 0, out=cu[1:])
-        ids = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=self.device)
-        cu = cu.to(self.device)
-        return self._forward_in_stages.stages(ids, cu), cu
 
     @staticmethod
     def finish(vector: torch.Tensor, params: EmbedParams) -> list[float] | list[list[float]]:

@@ -28,12 +28,6 @@ class Stages:
     run: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
     end: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _same
 
-    def __call__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole forward."""
-        x = self.run(self.begin(input_ids, token_type_ids, cu_seqlens), cu_seqlens, 0, self.count)
-        return self.end(x, cu_seqlens)
-
 
 @dataclass(frozen=True, slots=True)
 class StageWork:
