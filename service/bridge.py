@@ -408,6 +408,11 @@ class EngineBridge:
         if handle is None:
             return
         lc = handle.lifecycle
+        if handle.timer is not None and not handle.expired and self._loop.time() >= handle.timer.when():
+            # Its deadline passed before the loop ran the timer (the loop had ready callbacks, these outputs among
+            # them): the request ends in DEADLINE_EXCEEDED all the same, as a gRPC deadline would.
+            handle.timer.cancel()
+            self._expire(out.request_id)
         self._waiting.discard(out.request_id)
         lc.prompt_tokens, lc.cached_tokens = out.prompt_tokens, out.cached_tokens
         lc.completion_tokens = max(lc.completion_tokens, out.completion_tokens)
@@ -415,10 +420,10 @@ class EngineBridge:
             lc.first_token = out.first_token_time
             self._emit("on_first_token", lc)
         if not out.finished:
-            if not (handle.expired and out.finish_reason is FinishReason.ABORT):  # its request ends in DEADLINE_EXCEEDED
+            if not handle.expired:  # past its deadline, its request ends in DEADLINE_EXCEEDED: no more tokens
                 self._send(handle, out)
             return
-        if handle.expired and out.finish_reason is FinishReason.ABORT:
+        if handle.expired:  # aborted by its timer, or finished after its deadline before the timer ran
             self._finish_error(out.request_id, ServiceError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"request exceeded its timeout_ms of {handle.timeout_ms} ms"))
         elif out.finish_reason is FinishReason.ERROR:

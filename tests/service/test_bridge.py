@@ -158,6 +158,33 @@ async def test_timeout_aborts_in_the_engine_and_reports_deadline_exceeded(bridge
     assert (await bridge.stats())["live"] == 0  # the engine dropped it
 
 
+async def test_a_result_that_reaches_the_loop_after_its_deadline_is_deadline_exceeded(bridge):
+    """The engine finishes the request, but the loop runs its output before the deadline's timer (both ready at
+    once: the loop was busy past the deadline). The client still gets DEADLINE_EXCEEDED, as from a gRPC deadline."""
+    bridge.engine.running.clear()
+    finished_posted = threading.Event()
+    post = bridge._post
+
+    def watching_post(fn, *args) -> None:
+        post(fn, *args)
+        if fn == bridge._dispatch and any(out.finished for out in args[0]):
+            finished_posted.set()
+
+    bridge._post = watching_post
+    lc, events, done = await _generate(bridge, "late", max_tokens=1, timeout_ms=50)
+    timer = bridge._handles[lc.engine_id].timer
+    # The loop is held (no await) until the final output is queued on it and its deadline has passed.
+    bridge.engine.running.set()
+    assert finished_posted.wait(timeout=60)
+    while asyncio.get_running_loop().time() < timer.when():
+        threading.Event().wait(0.005)
+    await done.wait()
+    assert [type(e) for e in events] == [ServiceError], events  # no token after the deadline either
+    assert events[0].code is grpc.StatusCode.DEADLINE_EXCEEDED and "timeout_ms of 50 ms" in events[0].message
+    assert lc.finish_reason == "deadline" and not bridge._handles
+    assert (await bridge.stats())["live"] == 0
+
+
 async def test_draining_refuses_new_work_and_wait_idle_returns_when_done(bridge):
     _, events, done = await _generate(bridge, "inflight", max_tokens=2)
     bridge.draining = True

@@ -117,6 +117,8 @@ def test_an_unknown_model_is_embedded_by_the_one_embedder_unless_names_are_stric
 
 
 async def test_an_embed_timed_out_mid_flight_frees_everything(served, http_url):
+    """A 1 ms deadline on a job of several steps: 504 whether the loop runs the timer before the job's result or
+    after it (tests/service/test_bridge.py holds the loop to make the second order certain)."""
     async with httpx.AsyncClient(base_url=http_url, timeout=None) as client:
         r = await client.post("/v1/embeddings", json={"input": [LONG] * MAX_DOCUMENTS},
                               headers={"x-tandem-timeout-ms": "1"})
