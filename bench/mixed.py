@@ -277,6 +277,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--wide-requests", type=int, default=128,
                     help="chats decoding at once for the overhead check with the objective on (0: skip)")
     ap.add_argument("--wide-tokens", type=int, default=8)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (the engine on the first CUDA device)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     return parse_bench_args(ap, argv, "mixed", QUICK)
 
 
@@ -320,7 +322,8 @@ def build_llm(args: argparse.Namespace, reranker: str | None, share: float,
 
     llm = LLM(EngineConfig(reranker=reranker, rerank_mode=None if reranker else args.reranker,
                            max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
-                           kv_cache_bytes=512 * 2**20, rerank_share=share, num_threads=args.threads),
+                           kv_cache_bytes=512 * 2**20, rerank_share=share, num_threads=args.threads,
+                           device=args.device, dtype=args.dtype),
               admission=admission)
     warm = synthetic_rerank(llm.engine.scorer.tokenizer, 1, 4, args.min_doc_tokens, args.max_doc_tokens,
                             args.seed + 1)
@@ -455,7 +458,8 @@ def run_wide(args: argparse.Namespace, reranker: str | None, load: dict, target_
     policy = TimedPolicy(LatencyAdmission(target_s))
     llm = LLM(EngineConfig(reranker=reranker, rerank_mode=None if reranker else args.reranker,
                            max_num_batched_tokens=args.budget, max_num_seqs=max(args.max_num_seqs, args.wide_requests),
-                           kv_cache_bytes=512 * 2**20, num_threads=args.threads), admission=policy)
+                           kv_cache_bytes=512 * 2**20, num_threads=args.threads, device=args.device,
+                           dtype=args.dtype), admission=policy)
     reqs = alpaca_eval_chat(llm.tokenizer, args.wide_requests, args.wide_tokens, seed=args.seed + 2)
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in reqs]
     llm.generate([r.prompt_token_ids for r in reqs[:4]], params[:4])  # warm-up

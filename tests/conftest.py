@@ -5,15 +5,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Engine threads and test threads share 2 cores: spinning OpenMP workers can slow a step 25x, so let them sleep.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import pytest  # noqa: E402
 import uvloop  # noqa: E402
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-asyncio's hook: a pytest without it (a GPU image's) still starts
 def pytest_asyncio_loop_factories(config, item):
     """Every async test runs on uvloop, the loop the service uses."""
     return {"uvloop": uvloop.new_event_loop}
-
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture
