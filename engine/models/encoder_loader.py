@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
-from engine.models.bert import EncoderArgs, SequenceClassifier, build_model, pack_pairs, packed_positions, use_kernels
+from engine.models.bert import (FAMILIES, EncoderArgs, SequenceClassifier, build_model, pack_pairs, packed_positions,
+                               use_kernels)
 from engine.models.loader import load_state_dict
 from engine.models.modernbert import ModernBertArgs, ModernBertForSequenceClassification, embed_tokens, run_layers
-from engine.models.stages import Stages, StagedForward, StageWork
+from engine.models.stages import Finish, Stages, StagedForward, StageWork
 
 Pair = tuple[list[int], list[int]]  # (input_ids, token_type_ids) of one tokenized (query, document) pair
 
@@ -39,6 +40,27 @@ def normalize_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[st
     if prefix == "roberta":  # RoBERTa classifiers have no pooler; checkpoints saved from RobertaModel may carry one
         out = {k: v for k, v in out.items() if not k.startswith("roberta.pooler.")}
     return out
+
+
+def same_encoder(cross_encoder: Path, embedder: Path) -> bool:
+    """Whether a cross-encoder directory and an embedder directory hold one encoder: the same directory, or BERT-family
+    encoders with equal configs and bit-equal embedding and layer weights (a classifier trained on top of a frozen
+    sentence encoder, the head being all that differs). Then one copy serves both (CrossEncoder shared=True)."""
+    if cross_encoder.resolve() == embedder.resolve():
+        return True
+    try:
+        a, b = (json.loads((p / "config.json").read_text()) for p in (cross_encoder, embedder))
+        if a.get("model_type") != b.get("model_type") or a.get("model_type") not in FAMILIES:
+            return False
+        if EncoderArgs.from_hf_config(a, num_labels=1) != EncoderArgs.from_hf_config(b, num_labels=1):
+            return False
+    except (OSError, ValueError, KeyError):
+        return False
+    family = EncoderArgs.from_hf_config(a, num_labels=1).family
+    body = (f"{family}.embeddings.", f"{family}.encoder.")
+    x, y = ({k: v for k, v in normalize_state_dict(load_state_dict(p), family).items() if k.startswith(body)}
+            for p in (cross_encoder, embedder))
+    return x.keys() == y.keys() and all(x[k].shape == y[k].shape and torch.equal(x[k], y[k]) for k in x)
 
 
 def _num_labels(state: dict[str, torch.Tensor], family: str, path: Path) -> int:
@@ -121,22 +143,38 @@ class CrossEncoder:
 
     def __init__(self, model: SequenceClassifier | ModernBertForSequenceClassification,
                  args: EncoderArgs | ModernBertArgs, tokenizer, activation: Callable,
-                 device: torch.device) -> None:
+                 device: torch.device, shared: bool = False) -> None:
+        """`shared`: an embedder is this same encoder (engine/builder.py), so the staged forward gives every token's
+        final state (what the embedder pools) and the head reads the first tokens' after it, instead of the last
+        layer computing the first tokens only."""
         self.model, self.args, self.tokenizer, self.activation, self.device = model, args, tokenizer, activation, device
         self.num_labels = args.num_labels
         self.max_length = min(int(getattr(tokenizer, "model_max_length", args.max_tokens)), args.max_tokens)
-        self._forward_in_stages = StagedForward(classifier_stages(model, args), device)
+        if shared:
+            self._forward_in_stages = StagedForward(token_stages(model, args), device)
+            self._finish: Finish = lambda x, cu, lens, items: self.activation(classify_states(model, x, cu)).tolist()
+        else:
+            self._forward_in_stages = StagedForward(classifier_stages(model, args), device)
+            self._finish = lambda logits, cu, lens, items: self.activation(logits).tolist()
 
     @property
     def stages(self) -> int:
         """Stages a pair's forward is run in: one per encoder layer."""
         return self._forward_in_stages.count
 
+    @property
+    def staged(self) -> StagedForward:
+        """Its staged forward (an embedder of the same encoder runs its rows in this one too)."""
+        return self._forward_in_stages
+
+    def stage_part(self, work: list[StageWork]) -> tuple[list[StageWork], Finish]:
+        """Pairs' stages as a part of a forward shared with an embedder's rows (StagedForward.run_parts)."""
+        return work, self._finish
+
     def score_stages(self, work: list[StageWork]) -> list[float | None]:
         """Per pair, the stages it has this step (pairs with the same stages packed together): the score of each
         pair whose last stage ran, None for the others (their states kept until their next stages or `forget`)."""
-        return self._forward_in_stages.run(
-            work, lambda logits, cu, lens, items: self.activation(logits).tolist())
+        return self._forward_in_stages.run(work, self._finish)
 
     def forget(self, key: tuple[str, int]) -> None:
         """Drop a pair's kept states (it was aborted or failed between its stages)."""
@@ -148,13 +186,14 @@ class CrossEncoder:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | str = torch.float32, kernels: str = "auto") -> "CrossEncoder":
+                        dtype: torch.dtype | str = torch.float32, kernels: str = "auto",
+                        shared: bool = False) -> "CrossEncoder":
         from transformers import AutoTokenizer
 
         model, args, cfg = load_encoder(path, device, dtype, kernels)
         activation = score_activation(cfg, args.num_labels)
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        return cls(model, args, tokenizer, activation, torch.device(device))
+        return cls(model, args, tokenizer, activation, torch.device(device), shared)
 
     @torch.inference_mode()
     def logits(self, pairs: Sequence[Pair]) -> torch.Tensor:
@@ -171,6 +210,38 @@ class CrossEncoder:
     def score(self, pairs: Sequence[Pair]) -> list[float]:
         """One relevance score per pair (see `score_activation`), in input order."""
         return self.activation(self.logits(pairs)).tolist()
+
+
+def token_stages(model: SequenceClassifier | ModernBertForSequenceClassification,
+                 args: EncoderArgs | ModernBertArgs) -> Stages:
+    """A sequence classifier's encoder in stages, one per layer, ending in every token's final state [T, hidden]
+    (what an embedder of the same encoder pools; `classify_states` turns them into logits)."""
+    if isinstance(model, ModernBertForSequenceClassification):
+        body = model.model
+        return Stages(args.num_layers, lambda ids, types, cu: embed_tokens(body, ids),
+                      lambda x, cu, start, stop: run_layers(body, args, x, cu, start, stop),
+                      lambda x, cu: body.final_norm(x))
+    base = model.bert if hasattr(model, "bert") else model.roberta
+    layers = base.encoder.layer
+
+    def begin(ids: torch.Tensor, types: torch.Tensor | None, cu: torch.Tensor) -> torch.Tensor:
+        return base.embeddings(ids, torch.zeros_like(ids) if types is None else types, packed_positions(ids, cu, args))
+
+    def run(x: torch.Tensor, cu: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        for layer in layers[start:stop]:
+            x = layer(x, cu)
+        return x
+    return Stages(len(layers), begin, run)
+
+
+def classify_states(model: SequenceClassifier | ModernBertForSequenceClassification, x: torch.Tensor,
+                    cu: torch.Tensor) -> torch.Tensor:
+    """Logits [B, num_labels] of packed sequences from every token's final state (`token_stages`' output)."""
+    if isinstance(model, ModernBertForSequenceClassification):
+        return model.classify(x, cu)
+    base = model.bert if hasattr(model, "bert") else model.roberta
+    first = x[cu[:-1].long()]
+    return model.classifier(base.pooler(first) if base.pooler is not None else first)
 
 
 def classifier_stages(model: SequenceClassifier | ModernBertForSequenceClassification,

@@ -66,30 +66,40 @@ class StagedForward:
         """Drop a row's kept states (it was aborted or failed between its stages)."""
         self._partial.pop(key, None)
 
-    @torch.inference_mode()
     def run(self, work: list[StageWork], finish: Finish) -> list[Any]:
         """Per row, the stages it has this step; rows with the same stages run packed together, longest first (the
         attention kernel batches runs of similar length). A row whose last stage ran gets `finish`'s result for it
         (its kept states dropped); the others None (their states kept under their key until their next stages)."""
+        return self.run_parts([(work, finish)])[0]
+
+    @torch.inference_mode()
+    def run_parts(self, parts: list[tuple[list[StageWork], Finish]]) -> list[list[Any]]:
+        """`run` for rows of several heads over this one encoder (a cross-encoder's pairs and an embedder's inputs
+        when they are the same model): rows with the same stages run packed together whatever their head, and each
+        part's finished rows are finished by its own `finish`. One list of results per part, in its rows' order."""
+        work = [w for rows, _ in parts for w in rows]
+        part_of = [p for p, (rows, _) in enumerate(parts) for _ in rows]
+        firsts = [sum(len(rows) for rows, _ in parts[:p]) for p in range(len(parts))]
         out: list[Any] = [None] * len(work)
         groups: dict[tuple[int, int], list[int]] = {}
         for i, w in enumerate(work):
             if not 0 <= w.start < w.stop <= self.stages.count:
                 raise ValueError(f"row {w.key}: stages {w.start}..{w.stop} of {self.stages.count}")
             groups.setdefault((w.start, w.stop), []).append(i)
+        if len({w.key for w in work}) < len(work):
+            raise ValueError("two rows of one step share a key (their kept states would mix)")
         for (start, stop), members in groups.items():
             members.sort(key=lambda i: -len(work[i].token_ids))
             lens = [len(work[i].token_ids) for i in members]
-            cu = torch.zeros(len(members) + 1, dtype=torch.int32)
-            torch.cumsum(torch.tensor(lens), 0, out=cu[1:])
-            cu = cu.to(self.device)
+            cu = _cu_seqlens(lens, self.device)
             if start == 0:
                 ids = torch.tensor([t for i in members for t in work[i].token_ids], dtype=torch.int64,
                                    device=self.device)
                 types = None
-                if work[members[0]].token_type_ids is not None:
-                    types = torch.tensor([t for i in members for t in work[i].token_type_ids], dtype=torch.int64,
-                                         device=self.device)
+                if any(work[i].token_type_ids is not None for i in members):  # a row without them: segment 0
+                    types = torch.tensor([t for i in members for t in (work[i].token_type_ids
+                                                                         or [0] * len(work[i].token_ids))],
+                                         dtype=torch.int64, device=self.device)
                 x = self.stages.begin(ids, types, cu)
             else:
                 x = torch.cat([self._partial.pop(work[i].key) for i in members])
@@ -98,7 +108,25 @@ class StagedForward:
                 for i, part in zip(members, x.split(lens)):
                     self._partial[work[i].key] = part
                 continue
-            results = finish(self.stages.end(x, cu), cu, lens, [work[i] for i in members])
-            for i, result in zip(members, results):
-                out[i] = result
-        return out
+            x = self.stages.end(x, cu)
+            heads = sorted({part_of[i] for i in members})
+            if len(heads) == 1:
+                results = parts[heads[0]][1](x, cu, lens, [work[i] for i in members])
+                for i, result in zip(members, results):
+                    out[i] = result
+                continue
+            states = x.split(lens)  # rows of several heads: each head finishes its own rows, packed apart
+            for p in heads:
+                mine = [j for j, i in enumerate(members) if part_of[i] == p]
+                sub_lens = [lens[j] for j in mine]
+                results = parts[p][1](torch.cat([states[j] for j in mine]), _cu_seqlens(sub_lens, self.device),
+                                      sub_lens, [work[members[j]] for j in mine])
+                for j, result in zip(mine, results):
+                    out[members[j]] = result
+        return [out[firsts[p]:firsts[p] + len(rows)] for p, (rows, _) in enumerate(parts)]
+
+
+def _cu_seqlens(lens: list[int], device: torch.device) -> torch.Tensor:
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(lens), 0, out=cu[1:])
+    return cu.to(device)

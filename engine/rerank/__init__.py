@@ -28,9 +28,10 @@ def default_mode(config: EngineConfig) -> RerankMode:
     return DEFAULT_WITH_EMBEDDER if config.embedder else DEFAULT_LLM_MODE
 
 
-def build_scorer(config: EngineConfig, tokenizer, model, settings: Settings) -> PairScorer:
+def build_scorer(config: EngineConfig, tokenizer, model, settings: Settings, shared: bool = False) -> PairScorer:
     """The rerank mode `config` asks for (rerank_mode, or the default for what is loaded); `settings`: where the
-    embedded model is cached, which attention backend a cross-encoder runs."""
+    embedded model is cached, which attention backend a cross-encoder runs; `shared`: the embedder is the
+    cross-encoder's own encoder (engine/builder.py), so the cross-encoder's forward gives every token's state."""
     mode = default_mode(config)
     if mode is RerankMode.CROSS_ENCODER:
         from engine.models.encoder_loader import CrossEncoder
@@ -38,7 +39,7 @@ def build_scorer(config: EngineConfig, tokenizer, model, settings: Settings) -> 
         from engine.rerank.cross_encoder import CrossEncoderScorer
 
         encoder = CrossEncoder.from_pretrained(resolve_model_dir(config.reranker, settings.cache_dir), config.device,
-                                               config.dtype, settings.kernels)
+                                               config.dtype, settings.kernels, shared=shared)
         return CrossEncoderScorer(encoder)
     if mode is RerankMode.JUDGE:
         from engine.rerank.judge import JudgeScorer

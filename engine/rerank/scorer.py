@@ -10,6 +10,7 @@ from engine.rerank.pairs import PairTemplate, PairTokens
 if TYPE_CHECKING:
     import torch
 
+    from engine.models.stages import Finish, StagedForward, StageWork
     from engine.request import Sequence
 
 
@@ -54,6 +55,17 @@ class PairScorer(ABC):
 
     def forget(self, pair: Sequence) -> None:
         """Drop what the scorer kept of a pair between its stages (it was aborted or failed part-way)."""
+
+    @property
+    def staged(self) -> StagedForward | None:
+        """The staged forward of the scorer's own model, when it has one (a cross-encoder); an embedder of the same
+        encoder shares it, and then a step runs both kinds of rows in one forward (`stage_part`)."""
+        return None
+
+    def stage_part(self, pairs: list[Sequence], stages: list[tuple[int, int]]) -> tuple[list[StageWork], Finish]:
+        """The pairs' stages this step as a part of a shared forward (StagedForward.run_parts); only scorers
+        whose `staged` is not None have one."""
+        raise NotImplementedError(f"the {self.mode} mode has no staged forward of its own")
 
     def pair_score(self, last: float | None, span: list[float]) -> float:
         """A pair's score once its last chunk has run, in every mode (the engine asks here and nowhere else): from
