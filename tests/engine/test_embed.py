@@ -140,19 +140,26 @@ def test_an_aborted_embedding_frees_everything_and_ends_with_abort(llm: LLM) -> 
     assert not engine.has_unfinished() and engine.scheduler.num_waiting == 0 and not engine.scheduler.running
 
 
-def _modernbert_dir(tmp_path):
+def tiny_modernbert(directory, vocab_size: int = 30522, cls: int = 101, sep: int = 102):
+    """A tiny random ModernBERT body (local window 8, a global layer every 3), weights drawn far from init's
+    near-constant output, saved to `directory` (no tokenizer): the model."""
     from transformers import ModernBertConfig, ModernBertModel
 
-    torch.manual_seed(3)
-    config = ModernBertConfig(vocab_size=30522, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+    config = ModernBertConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                               num_attention_heads=4, local_attention=8, global_attn_every_n_layers=3,
-                              max_position_embeddings=512, pad_token_id=0, cls_token_id=101, sep_token_id=102,
-                              bos_token_id=101, eos_token_id=102)
+                              max_position_embeddings=512, pad_token_id=0, cls_token_id=cls, sep_token_id=sep,
+                              bos_token_id=cls, eos_token_id=sep)
     model = ModernBertModel(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(1.0, 0.2) if "norm" in name else p.normal_(0.0, 0.3)
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(directory)
+    return model
+
+
+def _modernbert_dir(tmp_path):
+    torch.manual_seed(3)
+    model = tiny_modernbert(tmp_path)
     copy_minilm_tokenizer(tmp_path)
     return model
 
@@ -179,23 +186,29 @@ def test_a_tiny_modernbert_embedder_matches_transformers(tmp_path, pooling: str)
     assert ref.std(0).mean().item() > 1e-3
 
 
-def test_a_tiny_last_token_decoder_embedder_matches_transformers(tmp_path) -> None:
+def tiny_qwen3_embedder(directory, max_positions: int = 256):
+    """A tiny random Qwen3-Embedding-style decoder (saved as the bare Qwen3Model, SmolLM2's tokenizer): the model."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
 
     from engine.models.loader import default_model_dir
 
-    torch.manual_seed(11)
     config = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                         tie_word_embeddings=True)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=max_positions, tie_word_embeddings=True)
     config.architectures = ["Qwen3Model"]
     hf = Qwen3Model(config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.normal_(0.0, 0.3)
-    hf.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(default_model_dir(Settings.from_env().cache_dir)).save_pretrained(tmp_path)
+    hf.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(default_model_dir(Settings.from_env().cache_dir)).save_pretrained(directory)
+    return hf
+
+
+def test_a_tiny_last_token_decoder_embedder_matches_transformers(tmp_path) -> None:
+    torch.manual_seed(11)
+    hf = tiny_qwen3_embedder(tmp_path)
     emb = Embedder.load(str(tmp_path))
     assert emb.pooling is Pooling.LAST_TOKEN and emb.matryoshka and emb.dim == 64
     rows = [r.token_ids for r in emb.rows(TEXTS, None, EmbedParams())]

@@ -19,6 +19,7 @@ from engine.embed.job import EmbedParams
 from engine.models.loader import default_model_dir
 from engine.settings import Settings
 from tests.engine.conftest import assert_no_leaks
+from tests.engine.test_embed import tiny_modernbert, tiny_qwen3_embedder
 
 TEXTS = ["A lighthouse keeper trims the wick and winds the clockwork that turns the lens every night of the year.",
          "Fog horns sound when the light cannot be seen.", "Bananas.",
@@ -48,33 +49,12 @@ def _bert(directory: Path) -> None:
 
 
 def _modernbert(directory: Path) -> None:
-    from transformers import ModernBertConfig, ModernBertModel
-
-    config = ModernBertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                              num_attention_heads=4, local_attention=8, global_attn_every_n_layers=3,
-                              max_position_embeddings=512, pad_token_id=0, cls_token_id=1, sep_token_id=2,
-                              bos_token_id=1, eos_token_id=2)
-    model = ModernBertModel(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.2) if "norm" in name else p.normal_(0.0, 0.3)
-    model.save_pretrained(directory)
+    tiny_modernbert(directory, vocab_size=VOCAB, cls=1, sep=2)
     _sentence_modules(directory, 32, "cls", normalize=False)
 
 
 def _qwen3(directory: Path) -> None:
-    from transformers import Qwen3Config, Qwen3Model
-
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         tie_word_embeddings=True)
-    config.architectures = ["Qwen3Model"]
-    model = Qwen3Model(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(directory)
+    tiny_qwen3_embedder(directory, max_positions=512)
 
 
 @pytest.fixture(scope="module", params=["bert", "modernbert", "qwen3"])
@@ -84,7 +64,8 @@ def embedder_dir(request, tmp_path_factory) -> Path:
     torch.manual_seed(5)
     directory = tmp_path_factory.mktemp(request.param)  # its name says which
     {"bert": _bert, "modernbert": _modernbert, "qwen3": _qwen3}[request.param](directory)
-    AutoTokenizer.from_pretrained(default_model_dir(Settings.from_env().cache_dir)).save_pretrained(directory)
+    if request.param != "qwen3":  # tiny_qwen3_embedder saves it
+        AutoTokenizer.from_pretrained(default_model_dir(Settings.from_env().cache_dir)).save_pretrained(directory)
     return directory
 
 
