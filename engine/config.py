@@ -24,6 +24,8 @@ class RerankMode(str, enum.Enum):
 
 
 _RERANK_MODES = tuple(m.value for m in RerankMode)
+DEFAULT_STEP_TOKENS_CPU = 512  # EngineConfig.max_num_batched_tokens when not given, by device
+DEFAULT_STEP_TOKENS_CUDA = 4096
 EMBEDDED_EMBEDDER = "all-MiniLM-L6-v2"  # EngineConfig.embedder naming the embedded embedding model
 MAX_LOGPROBS = 20  # most alternatives `logprobs` / `prompt_logprobs` may ask for per position (as vLLM's default)
 MAX_N = 16  # most completions one request may ask for (each needs a seat among max_num_seqs)
@@ -48,7 +50,10 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_bytes: int = 1024 * 2**20  # memory budget for the paged KV pool
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set
-    max_num_batched_tokens: int = 512  # token budget of one step
+    # Token budget of one step; None: 512 on the CPU (a step of 8 decodes and a prompt chunk stays ~10-30 ms), 4096
+    # on CUDA (a step there is launch-bound, not token-bound: on an H100 the likelihood rerank flood ran 6x faster at
+    # 4096 than at 512 with decode steps no slower; docs/benchmarks.md "On a GPU").
+    max_num_batched_tokens: int | None = None
     # Embedding tokens one step may run when it runs nothing else (no decode, prompt or LLM-scored pair) and no
     # prompt waits: the embedder's matmuls run ~2x faster per token at thousands of rows than at a few hundred, and
     # no chat's time per token is at stake in such a step (a prompt arriving meanwhile waits for it). Other steps
@@ -87,6 +92,9 @@ class EngineConfig:
     embedder: str | None = None
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = DEFAULT_STEP_TOKENS_CUDA if str(self.device).startswith("cuda") \
+                else DEFAULT_STEP_TOKENS_CPU
         _positive(self, "block_size", "max_num_batched_tokens", "max_embed_batch_tokens", "max_num_seqs", "kv_cache_bytes",
                   "max_rerank_documents", "priority_aging_steps")
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):

@@ -35,7 +35,8 @@ _ENGINE_FLAGS = [
     ("--cpu-activations", str, None, "float32 | int8: activations of the quantized CPU matmuls in decode steps "
                                      "(default float32; int8 rounds them per block of 32, per 256 for the "
                                      "K-quants, as llama.cpp does; AVX2 or AVX-512 VNNI)"),
-    ("--max-num-batched-tokens", int, None, "token budget of one engine step"),
+    ("--max-num-batched-tokens", int, None, "token budget of one engine step (default 512 on the CPU, 4096 on "
+                                            "CUDA)"),
     ("--max-embed-batch-tokens", int, None, "embedding tokens a step running only embeddings may take (default "
                                             "4096; such a step has no chat in it)"),
     ("--max-num-seqs", int, None, "sequences one step may serve"),

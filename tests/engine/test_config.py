@@ -138,6 +138,13 @@ def test_engine_config_defaults_and_boundaries_are_valid():
     assert EngineConfig(max_num_batched_tokens=1, max_num_seqs=1, block_size=1).block_size == 1
 
 
+def test_the_step_budget_defaults_by_device_and_a_given_one_stands():
+    assert EngineConfig().max_num_batched_tokens == 512
+    assert EngineConfig(device="cuda", dtype="bfloat16").max_num_batched_tokens == 4096  # no GPU needed to build it
+    assert EngineConfig(device="cuda:1").max_num_batched_tokens == 4096
+    assert EngineConfig(device="cuda", max_num_batched_tokens=256).max_num_batched_tokens == 256
+
+
 @pytest.mark.parametrize("value", [0, -1])
 def test_engine_config_rejects_non_positive_max_model_len(value):
     """max_model_len is not validated: -1 makes every request fail later with a confusing message,
