@@ -45,7 +45,7 @@ class Batch:
             return
         if seq.kind is SeqKind.RERANK:
             self.num_rerank_pairs += 1
-            if (stages[1] == seq.stages) if stages is not None else seq.num_computed_tokens + n == seq.num_tokens:
+            if seq.ends_with(n, stages):
                 self.num_rerank_pairs_scored += 1
             self.num_rerank_tokens += n
             if not seq.uses_kv:

@@ -255,8 +255,7 @@ class LLMEngine:
                 index = seq.pair.index
                 if span:
                     _put_span(job.span_logprobs[index], seq, span)
-                last = stages[1] == seq.stages if stages is not None else seq.num_computed_tokens + n == seq.num_tokens
-                if not last:
+                if not seq.ends_with(n, stages):
                     continue  # a chunk (or some stages) of a pair: scored when its last one runs
                 finished[seq] = SequenceStatus.FINISHED_STOPPED
                 job.scores[index] = self.scorer.pair_score(score, job.span_logprobs[index])

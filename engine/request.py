@@ -166,6 +166,13 @@ class Sequence:
         """An encoder row whose forward may be split across steps, a few stages (layers) at a time."""
         return self.stages > 1
 
+    def ends_with(self, n: int, stages: tuple[int, int] | None) -> bool:
+        """Whether a step that computes `n` of its tokens (an encoder row: runs `stages`) finishes this sequence's
+        forward: its prompt's last chunk, or an encoder row's last stage (read before Scheduler.update counts them)."""
+        if stages is not None:
+            return stages[1] == self.stages
+        return self.num_computed_tokens + n == self.num_tokens
+
     def stage_tokens(self, k: int) -> int:
         """What this row's next k stages cost in a step's token budget: its tokens times their share of its forward
         (each stage's share rounded so that all its stages cost exactly its tokens)."""
