@@ -76,7 +76,7 @@ class ModelRunner:
             dtype=DTYPES[dtype], device=self.device)
         self.scorer = scorer  # the rerank mode: scores finished rerank pairs
         self.embedder = embedder  # runs embedding rows (None: no embedder loaded, none are admitted)
-        # The cross-encoder and the embedder are one encoder (the same directory): one staged forward runs both
+        # The cross-encoder and the embedder are one encoder (encoder_loader.same_encoder): one staged forward runs both
         self.shared_encoder = (embedder is not None and scorer is not None and scorer.staged is not None
                                and scorer.staged is embedder.staged)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs

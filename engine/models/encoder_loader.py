@@ -52,11 +52,12 @@ def same_encoder(cross_encoder: Path, embedder: Path) -> bool:
         a, b = (json.loads((p / "config.json").read_text()) for p in (cross_encoder, embedder))
         if a.get("model_type") != b.get("model_type") or a.get("model_type") not in FAMILIES:
             return False
-        if EncoderArgs.from_hf_config(a, num_labels=1) != EncoderArgs.from_hf_config(b, num_labels=1):
+        args = EncoderArgs.from_hf_config(a, num_labels=1)
+        if args != EncoderArgs.from_hf_config(b, num_labels=1):
             return False
     except (OSError, ValueError, KeyError):
         return False
-    family = EncoderArgs.from_hf_config(a, num_labels=1).family
+    family = args.family
     body = (f"{family}.embeddings.", f"{family}.encoder.")
     x, y = ({k: v for k, v in normalize_state_dict(load_state_dict(p), family).items() if k.startswith(body)}
             for p in (cross_encoder, embedder))
@@ -151,7 +152,7 @@ class CrossEncoder:
         self.num_labels = args.num_labels
         self.max_length = min(int(getattr(tokenizer, "model_max_length", args.max_tokens)), args.max_tokens)
         if shared:
-            self._forward_in_stages = StagedForward(token_stages(model, args), device)
+            self._forward_in_stages = StagedForward(classifier_stages(model, args, every_token=True), device)
             self._finish: Finish = lambda x, cu, lens, items: self.activation(classify_states(model, x, cu)).tolist()
         else:
             self._forward_in_stages = StagedForward(classifier_stages(model, args), device)
@@ -212,57 +213,44 @@ class CrossEncoder:
         return self.activation(self.logits(pairs)).tolist()
 
 
-def token_stages(model: SequenceClassifier | ModernBertForSequenceClassification,
-                 args: EncoderArgs | ModernBertArgs) -> Stages:
-    """A sequence classifier's encoder in stages, one per layer, ending in every token's final state [T, hidden]
-    (what an embedder of the same encoder pools; `classify_states` turns them into logits)."""
-    if isinstance(model, ModernBertForSequenceClassification):
-        body = model.model
-        return Stages(args.num_layers, lambda ids, types, cu: embed_tokens(body, ids),
-                      lambda x, cu, start, stop: run_layers(body, args, x, cu, start, stop),
-                      lambda x, cu: body.final_norm(x))
-    base = model.bert if hasattr(model, "bert") else model.roberta
-    layers = base.encoder.layer
-
-    def begin(ids: torch.Tensor, types: torch.Tensor | None, cu: torch.Tensor) -> torch.Tensor:
-        return base.embeddings(ids, torch.zeros_like(ids) if types is None else types, packed_positions(ids, cu, args))
-
-    def run(x: torch.Tensor, cu: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        for layer in layers[start:stop]:
-            x = layer(x, cu)
-        return x
-    return Stages(len(layers), begin, run)
-
-
 def classify_states(model: SequenceClassifier | ModernBertForSequenceClassification, x: torch.Tensor,
                     cu: torch.Tensor) -> torch.Tensor:
-    """Logits [B, num_labels] of packed sequences from every token's final state (`token_stages`' output)."""
+    """Logits [B, num_labels] of packed sequences from every token's final state (`classifier_stages(...,
+    every_token=True)`' output)."""
     if isinstance(model, ModernBertForSequenceClassification):
         return model.classify(x, cu)
+    return _bert_head(model, x[cu[:-1].long()])
+
+
+def _bert_head(model: SequenceClassifier, first: torch.Tensor) -> torch.Tensor:
+    """A BERT-family classifier's logits from its sequences' first-token states [B, hidden]."""
     base = model.bert if hasattr(model, "bert") else model.roberta
-    first = x[cu[:-1].long()]
     return model.classifier(base.pooler(first) if base.pooler is not None else first)
 
 
 def classifier_stages(model: SequenceClassifier | ModernBertForSequenceClassification,
-                      args: EncoderArgs | ModernBertArgs) -> Stages:
-    """A sequence classifier's forward in stages, one per layer, ending in its logits [B, num_labels]."""
+                      args: EncoderArgs | ModernBertArgs, every_token: bool = False) -> Stages:
+    """A sequence classifier's forward in stages, one per layer, ending in its logits [B, num_labels]; with
+    `every_token`, ending in every token's final state [T, hidden] instead (what an embedder of the same encoder
+    pools; `classify_states` turns them into the logits)."""
     if isinstance(model, ModernBertForSequenceClassification):
         body = model.model
         return Stages(args.num_layers, lambda ids, types, cu: embed_tokens(body, ids),
                       lambda x, cu, start, stop: run_layers(body, args, x, cu, start, stop),
-                      lambda x, cu: model.classify(body.final_norm(x), cu))
+                      (lambda x, cu: body.final_norm(x)) if every_token
+                      else (lambda x, cu: model.classify(body.final_norm(x), cu)))
     base = model.bert if hasattr(model, "bert") else model.roberta
     layers = base.encoder.layer
+    # The last layer keeps only each pair's first token (what the head reads), unless every token's state is wanted.
+    shortcut = None if every_token else len(layers) - 1
 
     def begin(ids: torch.Tensor, types: torch.Tensor | None, cu: torch.Tensor) -> torch.Tensor:
         return base.embeddings(ids, torch.zeros_like(ids) if types is None else types, packed_positions(ids, cu, args))
 
     def run(x: torch.Tensor, cu: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        for i in range(start, stop):  # the last layer only keeps each pair's first token (what the head reads)
-            x = layers[i](x, cu, cu[:-1].long() if i == len(layers) - 1 else None)
+        for i in range(start, stop):
+            x = layers[i](x, cu, cu[:-1].long() if i == shortcut else None)
         return x
-
-    def end(x: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-        return model.classifier(base.pooler(x)) if base.pooler is not None else model.classifier(x)
-    return Stages(len(layers), begin, run, end)
+    if every_token:
+        return Stages(len(layers), begin, run)
+    return Stages(len(layers), begin, run, lambda x, cu: _bert_head(model, x))

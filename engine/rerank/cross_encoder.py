@@ -53,7 +53,8 @@ class CrossEncoderScorer(PairScorer):
 
 
 def _work(pairs: list[Sequence], stages: list[tuple[int, int]]) -> list[StageWork]:
-    return [StageWork(_key(p), p.token_ids, start, stop, p.pair.token_type_ids) for p, (start, stop) in zip(pairs, stages)]
+    return [StageWork(_key(p), p.token_ids, start, stop, p.pair.token_type_ids)
+            for p, (start, stop) in zip(pairs, stages)]
 
 
 def _key(pair: Sequence) -> tuple[str, int]:
