@@ -306,17 +306,19 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(serve(engine_config, server_config, max_waiting=args.max_waiting, ready=ready,
-                                    metrics_port=args.metrics_port, access_log=not args.no_access_log,
-                                    step_log=args.step_log))
-    except KeyboardInterrupt:  # Ctrl-C before the server's own signal handlers are in place (while loading)
-        print("tandem serve: interrupted while starting", file=sys.stderr)
-        # Nothing was started yet that needs stopping, but the loader thread (a daemon) may be anywhere inside torch
-        # or a file read: exit now rather than run the interpreter's finalization beside it (under load that raced
-        # it once and the process died of SIGABRT instead of saying this one line and exiting 130).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+            try:
+                return runner.run(serve(engine_config, server_config, max_waiting=args.max_waiting, ready=ready,
+                                        metrics_port=args.metrics_port, access_log=not args.no_access_log,
+                                        step_log=args.step_log))
+            except KeyboardInterrupt:  # Ctrl-C before the server's own signal handlers are in place (while loading)
+                print("tandem serve: interrupted while starting", file=sys.stderr)
+                # Nothing was started yet that needs stopping, but the loader thread (a daemon) may be anywhere
+                # inside torch or a file read: exit here, before the runner closes its loop and before the
+                # interpreter's finalization, rather than run either beside it (beside two CPU hogs each raced it
+                # and the process died of SIGABRT instead of saying this one line and exiting 130).
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(130)
     except StartupError as exc:
         log.debug("start-up failed", exc_info=exc.cause)
         hint = "" if level == "DEBUG" or isinstance(exc.cause, PortInUse) else " (the traceback: --log-level debug)"
