@@ -53,6 +53,7 @@ import os
 import random
 import time
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -293,6 +294,52 @@ def _mode_queries(item: str) -> tuple[str, int]:
     return mode, int(m)
 
 
+def _scores_in(item: str) -> tuple[str, Path]:
+    mode, _, path = item.partition("=")
+    if mode not in LLM_MODES or not path:
+        raise SystemExit(f"--scores-in takes MODE=FILE with MODE one of {LLM_MODES}: {item!r}")
+    return mode, Path(path)
+
+
+def write_pairs(samples: dict[str, Sample], args) -> None:
+    """The pair file bench.score_pairs scores: per corpus the queries, their first --llm-depth candidates and the
+    candidates' texts (each stored once)."""
+    from bench.score_pairs import write_json
+
+    corpora = {}
+    for name, s in samples.items():
+        cands = [c[:args.llm_depth] for c in s.candidates]
+        corpora[name] = {"queries": s.queries, "candidates": cands,
+                         "texts": {str(d): s.texts[d] for c in cands for d in c}}
+    setting = {k: getattr(args, k) for k in ("queries", "llm_depth", "doc_tokens", "query_tokens", "seed")}
+    write_json({"setting": setting, "corpora": corpora}, args.pairs_out)
+    print(json.dumps({"pairs_out": str(args.pairs_out), "setting": setting,
+                      "pairs": {n: sum(map(len, c["candidates"])) for n, c in corpora.items()}}))
+
+
+def scores_from(path: Path, name: str, sample: Sample, args, n: int | None) -> tuple[list[list[float]], dict]:
+    """A mode's scores of the first n queries of one corpus from a bench.score_pairs file, after checking they
+    were computed on exactly these texts; its speed entry says where (device, dtype) they were computed."""
+    from bench.score_pairs import corpus_digest, read_json
+
+    got = read_json(path)
+    entry = got["corpora"].get(name)
+    if entry is None:
+        raise SystemExit(f"{path} has no scores for corpus {name!r}")
+    n = entry["queries"] if n is None else min(n, entry["queries"])
+    docs = [sample.docs(i)[:args.llm_depth] for i in range(entry["queries"])]
+    if corpus_digest(sample.queries[:entry["queries"]], docs) != entry["digest"]:
+        raise SystemExit(f"{path}: its {name!r} pairs are not this run's (another seed, --queries or cut?)")
+    pairs = sum(len(d) for d in docs[:n])
+    speed = {k: entry[k] for k in ("queries", "pairs", "seconds", "pairs_s", "computed_tokens", "cached_tokens",
+                                   "cached_fraction")}
+    speed |= {"scored_by": "bench.score_pairs", "file": path.name,
+              **{k: got[k] for k in ("device", "device_name", "dtype", "budget", "torch")}}
+    if n < entry["queries"]:
+        speed["used_queries"], speed["used_pairs"] = n, pairs
+    return entry["scores"][:n], speed
+
+
 def depth_of(scores: list[list[float]]) -> int:
     """How many candidates per query a ranker scored (the LLM modes: --llm-depth)."""
     return min((len(q) for q in scores), default=0)
@@ -322,10 +369,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip", nargs="*", default=[], choices=[r for r in RANKERS if r not in ("bm25", *FUSIONS)])
     ap.add_argument("--fusion-check", type=int, default=5,
                     help="queries per corpus the engine's fusion mode scores, to compare with the computed fusion")
+    ap.add_argument("--pairs-out", type=Path, default=None,
+                    help="write the queries and candidate texts the LLM modes would score (for bench.score_pairs, "
+                         "e.g. on a GPU) and stop")
+    ap.add_argument("--scores-in", nargs="*", default=[], metavar="MODE=FILE",
+                    help="an LLM mode's scores from bench.score_pairs instead of scoring it here (same texts: checked)")
     args = parse_bench_args(ap, argv, "rerank_quality", QUICK)
     args.ks = sorted(set(args.ks))
     args.llm_depth = max(args.ks) if args.llm_depth is None else min(args.llm_depth, max(args.ks))
     args.mode_queries = dict(_mode_queries(item) for item in args.mode_queries)
+    args.scores_in = dict(_scores_in(item) for item in args.scores_in)
     t0 = time.perf_counter()
     load = [os.getloadavg()[0]]
     from transformers import AutoTokenizer
@@ -335,6 +388,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None, Settings.from_env().cache_dir))
     samples = {name: prepare(CORPORA[name](), tokenizer, args) for name in args.corpora}
+    if args.pairs_out is not None:
+        write_pairs(samples, args)
+        return {}
     scores: dict[str, dict[str, list[list[float]]]] = {name: {} for name in samples}
     unavailable: list[str] = []
     speed: dict[str, dict[str, dict]] = {name: {} for name in samples}
@@ -361,6 +417,14 @@ def main(argv: list[str] | None = None) -> dict:
             fusion_check[name] = {"queries": len(engine_scores), "scores": engine_scores}
     for mode in (default, *[m for m in (*LLM_MODES, "cross-encoder") if m != default]):
         if mode == "fusion":
+            continue
+        if mode in args.scores_in:
+            for name, s in samples.items():
+                scores[name][mode], speed[name][mode] = scores_from(args.scores_in[mode], name, s, args,
+                                                                    args.mode_queries.get(mode, args.llm_queries))
+            if mode == "likelihood":
+                fuse(samples, scores, fusion_check)
+            report(args, samples, scores, speed, default, unavailable, load, t0, complete=False)
             continue
         if mode != default:
             del llm
