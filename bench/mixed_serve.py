@@ -190,6 +190,10 @@ def analyse_steps(records: list[dict], stamps: list[list[float]], window: tuple[
     if errors:
         out["decode_step_prediction_error_ms_p50"] = 1000 * percentile(errors, 50)
         out["decode_step_prediction_error_ms_p99"] = 1000 * percentile(errors, 99)
+    limits = [r["limit_s"] for r in decode if r.get("limit_s")]
+    if limits and target_ms:  # what the objective planned to: the target less the model's margin and the guard's cut
+        out["planned_limit_over_T_p50"] = percentile(limits, 50) / (target_ms / 1000)
+        out["planned_limit_over_T_min"] = min(limits) / (target_ms / 1000)
     embeds = [r["start_time"] + r["duration_s"] for r in steps if r["embed_rows"]]
     # Embedding rows the engine finished while the chats ran (an Embed request of 40 long texts outlasts a short
     # window, so its completed responses undercount), and the steps that ran some rows' stages beside decodes.

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from engine.batch import Batch
+from engine.cadence import CadenceGuard
 from engine.config import EngineConfig
 from engine.request import SeqKind
 from engine.step_time import OnlineStepTime, StepShape, TokenKind
@@ -91,6 +92,10 @@ class AdmissionPolicy(Protocol):
         """The step time this policy keeps decodes under (None: none)."""
         return None
 
+    def limit_s(self) -> float | None:
+        """The predicted step time this policy plans a step's admissions under (None: it plans none)."""
+        return None
+
     def observe(self, record: "StepRecord") -> None:
         """What the step the engine just ran did and took (called when observes_steps)."""
 
@@ -144,6 +149,10 @@ class LatencyAdmission(AdmissionPolicy):
       scoring share, the kinds waiting at the most urgent priority (LLM-scored pairs, cross-encoder pairs,
       embedding rows) split it evenly, then take what the others left, then their floors.
     * Until the model is `ready` (its first few steps) only the floors are admitted beside decodes.
+    * `cadence` (a CadenceGuard; `tandem serve --tpot-target-ms` runs one) scales the planned limit so that the time
+      between a decode's tokens, as the engine sees it (steps and the time between them), is over the target in at
+      most its `exceed` share (1%) of the steps the policy planned: what the model's margin does not cover on a busy
+      host.
     """
     tpot_target_s: float
     model: "LinearStepTime" = field(default_factory=OnlineStepTime)
@@ -153,6 +162,9 @@ class LatencyAdmission(AdmissionPolicy):
     max_pair_wait_steps: int = 128  # steps a single-stage encoder row (pair) waits for room before it rides regardless
     max_stage_wait_steps: int = 16  # steps a staged encoder row waits before one stage rides regardless
     fallback: AdmissionPolicy | None = None
+    cadence: CadenceGuard | None = None
+
+    _planned: bool = field(default=False, init=False, repr=False)  # this step admitted work by the model's plan
 
     _prefill_over: int = field(default=0, init=False, repr=False)  # floor tokens prefill_budget gave this step
     # Per kind of scoring work: steps in a row it waited and none of it rode
@@ -176,16 +188,21 @@ class LatencyAdmission(AdmissionPolicy):
         return self.tpot_target_s
 
     def limit_s(self) -> float:
-        """The predicted step time admissions stay under: the target less the model's error margin."""
+        """The predicted step time admissions stay under: the target less the model's error margin, scaled by the
+        cadence guard."""
         if not self.model.ready:
             return 0.0
-        return self.tpot_target_s / (1.0 + self.model.margin())
+        scale = self.cadence.scale if self.cadence is not None else 1.0
+        return scale * self.tpot_target_s / (1.0 + self.model.margin())
 
     def predict(self, batch: Batch) -> float:
         return self.model.predict(StepShape.of_batch(batch))
 
     def observe(self, record: "StepRecord") -> None:
         self.model.observe(StepShape.of_record(record), record.duration_s)
+        if self.cadence is not None:
+            self.cadence.observe(record.start_time, record.duration_s, record.decode_tokens > 0, self._planned)
+        self._planned = False
 
     def prefill_budget(self, step: AdmissionStep, continuing: list["Sequence"]) -> int:
         batch = step.batch
@@ -210,7 +227,9 @@ class LatencyAdmission(AdmissionPolicy):
         if share < 1.0:
             now = self.model.predict(shape)
             limit = now + max(0.0, limit - now) * share
-        return self.model.tokens_within(shape, kind, limit)
+        tokens = self.model.tokens_within(shape, kind, limit)
+        self._planned = self._planned or tokens > 0
+        return tokens
 
     def rerank_floor_tokens(self, batch: Batch | None = None) -> int:
         """LLM-scored rerank tokens every step computes while pairs wait: those whose predicted cost beside `batch`
@@ -355,5 +374,6 @@ def policy_for(config: EngineConfig, given: AdmissionPolicy | None = None, wide_
         return given
     if config.tpot_target_ms is not None:
         return LatencyAdmission(config.tpot_target_ms / 1000, model=OnlineStepTime(wide_rows=wide_rows),
-                                rerank_share=config.rerank_share)
+                                rerank_share=config.rerank_share,
+                                cadence=CadenceGuard(config.tpot_target_ms / 1000))
     return ShareAdmission(config.rerank_share)

@@ -370,6 +370,7 @@ class LLMEngine:
             decode_request_ids=batch.decode_request_ids, forward_s=forward_s,
             decode_context_tokens=batch.num_decode_context_tokens, cross_encoder_tokens=batch.num_cross_encoder_tokens,
             rerank_pairs_scored=batch.num_rerank_pairs_scored, predicted_s=predicted_s, target_s=policy.target_s,
+            limit_s=policy.limit_s(),
             embed_rows=batch.num_embed_rows, embed_tokens=batch.num_embed_tokens,
             embed_rows_done=batch.num_embed_rows_done,
             cpu_kernels=self.cpu_kernels)

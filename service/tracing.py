@@ -123,7 +123,8 @@ class TracingHooks(Hooks):
         if record.predicted_s is not None:  # a latency objective sized this step (--tpot-target-ms)
             span.set_attributes({"tandem.step.predicted_s": record.predicted_s,
                                  "tandem.step.prediction_error": record.prediction_error or 0.0,
-                                 "tandem.step.target_s": record.target_s})
+                                 "tandem.step.target_s": record.target_s,
+                                 "tandem.step.limit_s": record.limit_s or 0.0})
         span.end(end_time=_ns(record.start_time + record.duration_s))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:

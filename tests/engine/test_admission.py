@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine.admission import LatencyAdmission, ShareAdmission, policy_for
+from engine.cadence import CadenceGuard
 from engine.config import EngineConfig
 from engine.outputs import StepRecord
 from engine.request import SeqKind, SequenceStatus
@@ -23,8 +24,8 @@ TRUE = dict(llm_forward=0.010, decode_rows=0.001, decode_context_tokens=0.0, pre
 T = 0.0205  # 4 decodes: 14 ms, so 6.5 ms of headroom: 45 cross-encoder tokens after its 2 ms forward, 32 LLM tokens
 
 
-def record_of(batch, seconds: float, predicted: float | None = None) -> StepRecord:
-    return StepRecord(step=0, start_time=0.0, duration_s=seconds, decode_tokens=batch.num_decode_tokens,
+def record_of(batch, seconds: float, predicted: float | None = None, start: float = 0.0) -> StepRecord:
+    return StepRecord(step=0, start_time=start, duration_s=seconds, decode_tokens=batch.num_decode_tokens,
                       prefill_tokens=batch.num_prefill_tokens, cached_tokens=0, rerank_pairs=batch.num_rerank_pairs,
                       rerank_tokens=batch.num_rerank_tokens, num_seqs=len(batch), budget=0, kv_blocks_total=1,
                       kv_blocks_free=1, kv_blocks_cached=0, preempted=0, num_running=0, num_waiting=0,
@@ -44,6 +45,7 @@ class ClockSim(Sim):
         self.slow = slow or {}
         self.seconds: list[float] = []
         self.predicted: list[float] = []
+        self.clock = 0.0  # steps run back to back on the fake clock
 
     def step(self):
         batch = super().step()
@@ -51,7 +53,8 @@ class ClockSim(Sim):
         seconds = self.true.predict(StepShape.of_batch(batch)) * self.slow.get(self.steps, 1.0)
         self.predicted.append(predicted)
         self.seconds.append(seconds)
-        self.policy.observe(record_of(batch, seconds, predicted))
+        self.policy.observe(record_of(batch, seconds, predicted, self.clock))
+        self.clock += seconds
         return batch
 
 
@@ -386,6 +389,91 @@ def test_cold_model_admits_only_the_floors_beside_decodes():
     sim.run()
 
 
+# ---- the cadence guard: what the host adds to the model's plan ----------------------------------------------------
+
+
+def test_a_host_slower_than_the_plan_is_brought_back_under_the_target_by_the_cadence_guard():
+    """Every step runs 1.15x what the (fixed) model predicts: without the guard every step planned up to the target
+    runs over it; with it, the planned limit shrinks until at most a few planned steps in a hundred do, and pairs
+    still ride in every step: one pair (17 ms planned, 19.6 ms on this host; two would take 20.7 ms, over the
+    20.5 ms target), two only in the rare step where the guard probes upwards."""
+    slow = {s: 1.15 for s in range(400)}
+    runs = {}
+    for guarded in (False, True):
+        policy = LatencyAdmission(T, model=LinearStepTime(TRUE), cadence=CadenceGuard(T) if guarded else None)
+        sim = ClockSim(policy, slow=slow)
+        chats(sim, max_tokens=300)
+        xenc_flood(sim, n=3000, tokens=10)
+        for _ in range(300):
+            sim.step()
+        late = [i for i in flood_steps(sim) if i >= 100]
+        runs[guarded] = (sum(sim.seconds[i] > T for i in late) / len(late), [pairs_in(sim.batches[i]) for i in late])
+        sim.run()
+    over, pairs = runs[False]
+    assert over == 1.0 and min(pairs) == 4
+    over, pairs = runs[True]
+    assert over <= 0.03, over
+    assert min(pairs) == 1 and max(pairs) <= 2 and pairs.count(1) >= 0.95 * len(pairs)
+
+
+def test_floor_only_steps_over_the_target_do_not_shrink_the_plan():
+    """The decodes alone are over the target on this host (4 decodes x 1.6 = 22.4 ms): once the prompts are in,
+    only the floors ride beside them, no plan made those steps long, so the guard neither counts them nor moves."""
+    guard = CadenceGuard(T)
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE), cadence=guard, max_pair_wait_steps=4)
+    sim = ClockSim(policy, slow={s: 1.6 for s in range(200)})
+    chats(sim, max_tokens=100)
+    xenc_flood(sim, n=200, tokens=10)
+    for _ in range(10):
+        sim.step()
+    assert all(b.num_decode_tokens == 4 and not b.num_prefill_tokens for b in sim.batches[-3:])
+    planned, scale = guard.planned, guard.scale
+    for _ in range(50):
+        sim.step()
+    assert sum(pairs_in(b) for b in sim.batches[10:]) >= 5 and all(s > T for s in sim.seconds[10:])
+    assert guard.planned == planned and guard.scale == scale
+    sim.run()
+
+
+def test_the_guard_counts_the_time_between_steps_and_steps_without_decodes_reset_it():
+    guard = CadenceGuard(0.010, cut=0.1)
+    guard.observe(0.000, 0.009, decodes=True, planned=True)  # 9 ms: within
+    guard.observe(0.0095, 0.008, decodes=True, planned=True)  # ends 8.5 ms after the last: within
+    assert guard.over == 0 and guard.planned == 2 and guard.scale == 1.0
+    guard.observe(0.0195, 0.009, decodes=True, planned=True)  # 9 ms long, but 11 ms since the last token: over
+    assert guard.over == 1 and guard.scale == pytest.approx(0.9)
+    guard.observe(0.100, 0.009, decodes=False, planned=True)  # no decodes: nothing to time, and the chain breaks
+    guard.observe(0.200, 0.009, decodes=True, planned=True)  # its own 9 ms only
+    assert guard.over == 1 and guard.planned == 4
+    guard.observe(0.2095, 0.020, decodes=True, planned=False)  # over, but floors only: not counted
+    assert guard.over == 1 and guard.planned == 4 and guard.scale > 0.9
+
+
+def test_the_guard_settles_where_its_share_of_intervals_is_over_the_target():
+    """Planned steps whose time is proportional to the plan, with a lognormal host noise: the scale settles where
+    about 1% of the intervals are over the target (a quantile tracked online), above its floor."""
+    import random
+
+    rng = random.Random(7)
+    guard = CadenceGuard(0.020)
+    clock, over_late = 0.0, []
+    for i in range(40000):
+        seconds = 0.018 * guard.scale * rng.lognormvariate(0.0, 0.1)
+        over_late.append(clock + seconds - clock > 0.020) if i >= 10000 else None
+        guard.observe(clock, seconds, decodes=True, planned=True)
+        clock += seconds
+    share = sum(over_late) / len(over_late)
+    assert 0.005 <= share <= 0.02, share
+    assert guard.min_scale < guard.scale < 1.0
+
+
+@pytest.mark.parametrize("kw", [dict(target_s=0), dict(target_s=0.01, exceed=1.0), dict(target_s=0.01, cut=0),
+                                dict(target_s=0.01, min_scale=0)])
+def test_a_bad_guard_is_refused(kw):
+    with pytest.raises(ValueError):
+        CadenceGuard(**kw)
+
+
 # ---- config --------------------------------------------------------------------------------------------------------
 
 
@@ -394,6 +482,7 @@ def test_tpot_target_ms_selects_the_objective():
     assert isinstance(policy, LatencyAdmission)
     assert policy.tpot_target_s == pytest.approx(0.040) and policy.rerank_share == 0.3
     assert isinstance(policy.model, OnlineStepTime)
+    assert isinstance(policy.cadence, CadenceGuard) and policy.cadence.target_s == pytest.approx(0.040)
     assert isinstance(policy_for(EngineConfig(num_kv_blocks=16, block_size=4)), ShareAdmission)
 
 

@@ -78,6 +78,9 @@ def test_tpot_target_ms_runs_the_fitted_model_and_records_its_predictions():
     _, records = _run(llm, "likelihood")
     assert all(r.predicted_s is not None and r.predicted_s >= 0 for r in records if r.num_seqs)
     assert all(r.target_s == pytest.approx(0.050) for r in records)
+    # the planned limit: nothing until the model is ready, then the target less the margin, scaled by the guard
+    assert records[0].limit_s == 0.0 and all(r.limit_s is not None and 0 <= r.limit_s <= r.target_s for r in records)
+    assert any(r.limit_s > 0 for r in records)
     assert policy.model.ready and policy.model.num_fits > 0
     assert all(c >= 0 for c in policy.model.coefficients().values())
 
@@ -87,7 +90,7 @@ def test_without_an_objective_records_have_no_prediction(llm):
     llm.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0.0))
     llm.engine.remove_observer(records.append)
     assert records and all(r.predicted_s is None and r.target_s is None and r.prediction_error is None
-                           for r in records)
+                           and r.limit_s is None for r in records)
     assert EngineConfig().tpot_target_ms is None
 
 

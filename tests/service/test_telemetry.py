@@ -202,13 +202,14 @@ def test_a_step_sized_by_the_latency_objective_shows_predicted_vs_actual_in_its_
 
     exporter = InMemorySpanExporter()
     tracing, metrics = TracingHooks(tracer_provider_from_env(exporter)), Metrics()
-    tracing.on_step(_record(predicted_s=0.04, target_s=0.045))  # ran 10 ms longer than predicted
+    tracing.on_step(_record(predicted_s=0.04, target_s=0.045, limit_s=0.0375))  # ran 10 ms longer than predicted
     tracing.on_step(_record())  # no objective: no prediction
     metrics.on_step(_record(predicted_s=0.04, target_s=0.045))
     metrics.on_step(_record())
     tracing.shutdown()
     objective, plain = (dict(s.attributes) for s in exporter.get_finished_spans())
     assert objective["tandem.step.predicted_s"] == 0.04 and objective["tandem.step.target_s"] == 0.045
+    assert objective["tandem.step.limit_s"] == 0.0375
     assert objective["tandem.step.prediction_error"] == pytest.approx(0.2)
     assert objective["tandem.step.decode_context_tokens"] == 400
     assert objective["tandem.step.cross_encoder_tokens"] == 60
