@@ -40,6 +40,10 @@ ranker on the queries it scored, and `k{K}_common` every ranker on those first M
 targets and the plot use. Also per ranker: pairs/s on this run (scoring time only), and for the LLM modes the
 prefix-cache hit rate from the engine's step records (cached / (cached + computed) pair tokens).
 
+An LLM mode may be scored elsewhere, e.g. on a GPU: `--pairs-out P` writes the queries and candidate texts and
+stops, `python -m bench.score_pairs P --device cuda --out S` scores them with the same engine call, and
+`--scores-in likelihood=S` uses those scores (checked to be of this run's texts; their speed entry names the device).
+
 Writes bench/results/rerank_quality.json (or --out) and prints it as one JSON line; `python -m bench.plots` draws
 rerank_quality.png from it.
 """
@@ -391,6 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.pairs_out is not None:
         write_pairs(samples, args)
         return {}
+    from_files = {mode: {name: scores_from(path, name, s, args, args.mode_queries.get(mode, args.llm_queries))
+                         for name, s in samples.items()} for mode, path in args.scores_in.items()}
     scores: dict[str, dict[str, list[list[float]]]] = {name: {} for name in samples}
     unavailable: list[str] = []
     speed: dict[str, dict[str, dict]] = {name: {} for name in samples}
@@ -418,10 +424,9 @@ def main(argv: list[str] | None = None) -> dict:
     for mode in (default, *[m for m in (*LLM_MODES, "cross-encoder") if m != default]):
         if mode == "fusion":
             continue
-        if mode in args.scores_in:
-            for name, s in samples.items():
-                scores[name][mode], speed[name][mode] = scores_from(args.scores_in[mode], name, s, args,
-                                                                    args.mode_queries.get(mode, args.llm_queries))
+        if mode in from_files:
+            for name in samples:
+                scores[name][mode], speed[name][mode] = from_files[mode][name]
             if mode == "likelihood":
                 fuse(samples, scores, fusion_check)
             report(args, samples, scores, speed, default, unavailable, load, t0, complete=False)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import threading
@@ -74,6 +75,7 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
         await bridge.stop()
         await _stop_telemetry(http, tracing)
         raise StartupError(exc) from exc
+    _freeze_startup_objects()
     ready(address)
     signals = _StopSignals(server, tally)
     await signals.wait()
@@ -86,6 +88,15 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
         steps.close()
     log.info("%s", tally.summary(signals.how))
     return 0
+
+
+def _freeze_startup_objects() -> None:
+    """Moves every object alive once the server is up (the model, tokenizers, modules: they live as long as it does)
+    out of the garbage collector's reach. A full collection walks every tracked object while holding the GIL, so the
+    engine thread waits for it mid-step: with the start-up objects in reach that was 100-180 ms on a 2-core host, a
+    chat token 3-6x late; afterwards it walks only what requests created (vLLM freezes after start-up too)."""
+    gc.collect()
+    gc.freeze()
 
 
 class _StopSignals:

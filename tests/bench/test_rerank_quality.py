@@ -181,3 +181,29 @@ def test_quick_run_writes_every_ranker_and_corpus(tmp_path):
     assert t["default_mode"] == result["default_mode"]
     assert set(t["per_k"]) == {f"k{k}" for k in result["ks"]}
     assert isinstance(t["met"], bool)
+
+
+def test_scores_from_a_pair_file_stand_in_for_the_mode_and_are_tied_to_their_texts(tmp_path):
+    """--pairs-out, then bench.score_pairs (as on a GPU), then --scores-in: the likelihood scores come from the file,
+    the fusion computed from them matches the engine's own fusion mode, and a run on other texts refuses them."""
+    from bench import score_pairs
+
+    pairs, scores, out = tmp_path / "pairs.json.gz", tmp_path / "scores.json.gz", tmp_path / "rq.json"
+    assert rq.main(["--quick", "--pairs-out", str(pairs)]) == {}
+    written = score_pairs.read_json(pairs)
+    assert set(written["corpora"]) == set(CORPORA) and written["setting"]["doc_tokens"] == rq.QUICK["doc_tokens"]
+    for c in written["corpora"].values():
+        assert len(c["queries"]) == rq.QUICK["queries"] and all(len(d) == max(rq.QUICK["ks"]) for d in c["candidates"])
+    got = score_pairs.main([str(pairs), "--threads", "1", "--out", str(scores)])
+    assert got["device"] == "cpu" and got["mode"] == "likelihood"
+    result = rq.main(["--quick", "--skip", "judge", "cross-encoder", "--scores-in", f"likelihood={scores}",
+                      "--out", str(out)])
+    for name, c in result["corpora"].items():
+        sp = c["speed"]["likelihood"]
+        assert sp["scored_by"] == "bench.score_pairs" and sp["device"] == "cpu" and sp["pairs"] == 2 * 4
+        assert "fusion" in c["k4"] and "rrf" in c["k4"]
+        check = result["fusion_check"][name]
+        assert check["same_order"] == check["queries"] == 1 and check["max_abs_diff"] < 1e-4
+    with pytest.raises(SystemExit, match="not this run's"):
+        rq.main(["--quick", "--seed", "1", "--skip", "judge", "cross-encoder", "--scores-in",
+                 f"likelihood={scores}", "--out", str(out)])
