@@ -208,8 +208,9 @@ def analyse_steps(records: list[dict], stamps: list[list[float]], window: tuple[
     over_steps = [r for r in decode if r["duration_s"] > target]
     out["decode_steps_over_T"] = len(over_steps)
     out["decode_steps_over_T_shapes"] = [
-        {k: r[k] for k in ("duration_s", "predicted_s", "decode_tokens", "prefill_tokens", "rerank_tokens",
-                           "rerank_pairs", "embed_rows", "embed_tokens", "cross_encoder_tokens")}
+        {k: r.get(k) for k in ("step", "duration_s", "forward_s", "predicted_s", "decode_tokens", "prefill_tokens",
+                               "rerank_tokens", "rerank_pairs", "rerank_pairs_scored", "cached_tokens", "embed_rows",
+                               "embed_tokens", "embed_rows_done", "cross_encoder_tokens", "num_waiting")}
         for r in sorted(over_steps, key=lambda r: -r["duration_s"])[:8]]
     # Each chat gap over T: the steps that ended inside it; "step" if one of them ran over T, else "between".
     ends = [(r["start_time"] + r["duration_s"], r) for r in steps]
