@@ -347,6 +347,29 @@ def test_a_step_stays_narrow_when_going_wide_costs_more_than_the_headroom():
     sim.run()
 
 
+@pytest.mark.parametrize("decodes, floor", [(8, 2), (10, 1)])
+def test_the_rerank_floor_never_takes_a_narrow_step_wide(decodes, floor):
+    """The floor is 10% of the target's worth of pair tokens (7 here: 1.5 ms at 0.2 ms), but on a path that goes wide
+    above 10 LLM rows it is what keeps the step narrow: 2 tokens beside 8 decodes. The fit rarely sees the jump beside
+    decodes (its coefficient is 0 here, as the service's fit had it), and 8 decodes with a 3-token floor ran 77-85 ms
+    against 28 predicted with one thread. With the narrow path full (10 decodes) it is still one token: pairs always
+    progress. The decodes alone are over the target, so the floor is all that rides."""
+    blind = LinearStepTime(TRUE, wide_rows=10)  # knows the threshold, not its cost
+    assert LatencyAdmission(0.015, model=LinearStepTime(TRUE)).rerank_floor_tokens() == 7  # no threshold known
+    policy = LatencyAdmission(0.015, model=blind)
+    sim = ClockSim(policy)
+    chats(sim, n=decodes, max_tokens=60)
+    sim.step()
+    sim.add_rerank_job("llm", [], [toks(40, 9000 + 40 * i) for i in range(6)])
+    rerank = []
+    for _ in range(30):
+        batch = sim.step()
+        if batch.num_decode_tokens == decodes:
+            rerank.append(batch.num_rerank_tokens)
+    assert len(rerank) >= 25 and max(rerank) == floor and min(rerank) >= 1
+    sim.run()
+
+
 @pytest.mark.parametrize("bad_steps", [[60], [60, 61, 62], [60, 70, 80, 90]])
 def test_steps_that_ran_10x_long_do_not_collapse_the_admissions(bad_steps):
     """A busy machine makes one step (or a burst of three, or one every ten) take 10x its time: the robust fit
