@@ -64,6 +64,7 @@ import torch
 
 from bench.datasets import CORPORA, RetrievalCorpus
 from bench.report import parse_bench_args, write_result
+from bench.score_pairs import corpus_digest, prefix_cache_use, read_json, write_json
 
 QUICK = dict(queries=2, ks=[2, 4], llm_queries=None, doc_tokens=16, query_tokens=12, corpora=list(CORPORA),
              fusion_check=1)
@@ -308,8 +309,6 @@ def _scores_in(item: str) -> tuple[str, Path]:
 def write_pairs(samples: dict[str, Sample], args) -> None:
     """The pair file bench.score_pairs scores: per corpus the queries, their first --llm-depth candidates and the
     candidates' texts (each stored once)."""
-    from bench.score_pairs import write_json
-
     corpora = {}
     for name, s in samples.items():
         cands = [c[:args.llm_depth] for c in s.candidates]
@@ -324,8 +323,6 @@ def write_pairs(samples: dict[str, Sample], args) -> None:
 def scores_from(path: Path, name: str, sample: Sample, args, n: int | None) -> tuple[list[list[float]], dict]:
     """A mode's scores of the first n queries of one corpus from a bench.score_pairs file, after checking they
     were computed on exactly these texts; its speed entry says where (device, dtype) they were computed."""
-    from bench.score_pairs import corpus_digest, read_json
-
     got = read_json(path)
     entry = got["corpora"].get(name)
     if entry is None:
@@ -424,34 +421,28 @@ def main(argv: list[str] | None = None) -> dict:
     for mode in (default, *[m for m in (*LLM_MODES, "cross-encoder") if m != default]):
         if mode == "fusion":
             continue
-        if mode in from_files:
+        if mode in from_files:  # scored elsewhere (bench.score_pairs), checked against these texts at start
             for name in samples:
                 scores[name][mode], speed[name][mode] = from_files[mode][name]
-            if mode == "likelihood":
-                fuse(samples, scores, fusion_check)
-            report(args, samples, scores, speed, default, unavailable, load, t0, complete=False)
-            continue
-        if mode != default:
-            del llm
-            llm = None if mode in args.skip else make_llm(
-                mode, args, _cross_encoder_dir() if mode == "cross-encoder" else None)
-        if mode in args.skip:
-            continue
-        if llm is None:
-            unavailable.append(mode)
-            continue
-        records = []
-        llm.engine.add_observer(records.append)
-        for name, s in samples.items():
-            records.clear()
-            rerank = lambda q, docs: llm.rerank(q, docs[:args.llm_depth])  # noqa: E731
-            scores[name][mode], speed[name][mode] = score_all(s, rerank, args.mode_queries.get(mode, args.llm_queries),
-                                                              args.llm_depth)
-            if mode in LLM_MODES:
-                computed = sum(r.rerank_tokens for r in records)
-                cached = sum(r.cached_tokens for r in records)
-                speed[name][mode] |= {"computed_tokens": computed, "cached_tokens": cached,
-                                      "cached_fraction": cached / max(1, computed + cached)}
+        else:
+            if mode != default:
+                del llm
+                llm = None if mode in args.skip else make_llm(
+                    mode, args, _cross_encoder_dir() if mode == "cross-encoder" else None)
+            if mode in args.skip:
+                continue
+            if llm is None:
+                unavailable.append(mode)
+                continue
+            records = []
+            llm.engine.add_observer(records.append)
+            for name, s in samples.items():
+                records.clear()
+                rerank = lambda q, docs: llm.rerank(q, docs[:args.llm_depth])  # noqa: E731
+                scores[name][mode], speed[name][mode] = score_all(
+                    s, rerank, args.mode_queries.get(mode, args.llm_queries), args.llm_depth)
+                if mode in LLM_MODES:
+                    speed[name][mode] |= prefix_cache_use(records)
         if mode == "likelihood":
             fuse(samples, scores, fusion_check)
         load.append(os.getloadavg()[0])

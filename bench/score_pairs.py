@@ -45,6 +45,13 @@ def pair_lists(corpus: dict) -> list[list[str]]:
     return [[texts[str(d)] for d in cands] for cands in corpus["candidates"]]
 
 
+def prefix_cache_use(records: list) -> dict:
+    """The pair tokens the engine computed and those it took from the prefix cache over its StepRecords `records`."""
+    computed = sum(r.rerank_tokens for r in records)
+    cached = sum(r.cached_tokens for r in records)
+    return {"computed_tokens": computed, "cached_tokens": cached, "cached_fraction": cached / max(1, computed + cached)}
+
+
 def device_name(device: str) -> str:
     import torch
 
@@ -86,13 +93,10 @@ def main(argv: list[str] | None = None) -> dict:
         t = time.perf_counter()
         scores = [list(map(float, llm.rerank(queries[i], docs[i]))) for i in range(n)]
         seconds = time.perf_counter() - t
-        computed = sum(r.rerank_tokens for r in records)
-        cached = sum(r.cached_tokens for r in records)
+        num_pairs = sum(len(d) for d in docs[:n])
         out["corpora"][name] = {
             "digest": corpus_digest(queries[:n], docs[:n]), "queries": n, "scores": scores, "seconds": seconds,
-            "pairs": sum(len(d) for d in docs[:n]), "pairs_s": sum(len(d) for d in docs[:n]) / seconds,
-            "computed_tokens": computed, "cached_tokens": cached,
-            "cached_fraction": cached / max(1, computed + cached), "steps": len(records)}
+            "pairs": num_pairs, "pairs_s": num_pairs / seconds, **prefix_cache_use(records), "steps": len(records)}
         print(json.dumps({k: v for k, v in out["corpora"][name].items() if k != "scores"} | {"corpus": name}),
               flush=True)
         write_json(out, args.out)  # after each corpus: a run cut short keeps what it scored
