@@ -297,11 +297,8 @@ class TimedPolicy(AdmissionPolicy):
         finally:
             self.seconds += time.perf_counter() - t
 
-    def admit(self, step):
-        return self._timed(self.inner.admit, step)
-
-    def prefill_budget(self, step, continuing):
-        return self._timed(self.inner.prefill_budget, step, continuing)
+    def plan(self, view):
+        return self._timed(self.inner.plan, view)
 
     def predict(self, batch):
         return self._timed(self.inner.predict, batch)
@@ -310,8 +307,8 @@ class TimedPolicy(AdmissionPolicy):
         return self._timed(self.inner.observe, record)
 
     @property
-    def target_s(self):
-        return self.inner.target_s
+    def tpot_target_s(self):
+        return getattr(self.inner, "tpot_target_s", None)
 
 
 def build_llm(args: argparse.Namespace, reranker: str | None, share: float,
@@ -322,7 +319,7 @@ def build_llm(args: argparse.Namespace, reranker: str | None, share: float,
 
     llm = LLM(EngineConfig(reranker=reranker, rerank_mode=None if reranker else args.reranker,
                            max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
-                           kv_cache_bytes=512 * 2**20, rerank_share=share, num_threads=args.threads,
+                           kv_cache_bytes=512 * 2**20, rerank_share=share, num_threads=args.threads, tpot_target_ms=None,
                            device=args.device, dtype=args.dtype),
               admission=admission)
     warm = synthetic_rerank(llm.engine.scorer.tokenizer, 1, 4, args.min_doc_tokens, args.max_doc_tokens,

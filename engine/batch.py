@@ -29,6 +29,10 @@ class Batch:
     # Per sequence: the stages (start, stop) an encoder row (embedding input, cross-encoder pair) runs in this step;
     # None for every other sequence.
     stages: list[tuple[int, int] | None] = field(default_factory=list)
+    # What the admission policy's quota said of this step (engine/admission.py Quota)
+    target_s: float | None = None
+    limit_s: float | None = None
+    planned: bool = False
 
     def add(self, seq: Sequence, n: int, stages: tuple[int, int] | None = None) -> None:
         """`n` tokens of `seq`; an encoder row gives the stages it runs (n is then what they cost; default: the rest)."""

@@ -7,7 +7,7 @@ between steps. `CadenceGuard` watches that interval for every step that carried 
 plan beside them, and keeps the share of those intervals over the target at `exceed` (0.01: the target is the p99)
 by scaling the limit the policy plans to: each interval over the target cuts the scale by `cut`, each one within it
 raises the scale by cut x exceed / (1 - exceed), so the scale settles where the share of intervals over the target is
-`exceed` (a quantile tracked by stochastic approximation). Steps that hold only decodes and the floors every kind of
+`exceed` (a quantile tracked by stochastic approximation). Steps that hold only decodes and the minimum progress every kind of
 work is owed do not move it: no plan made them, and a smaller plan would not make them shorter.
 
 The scale stays in [min_scale, 1]: never above the model's own plan, and never so low that planned work stops.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CadenceGuard:
-    target_s: float
+    target_s: float | None = None  # None: each step's own target (observe's target_s; the automatic objective)
     exceed: float = 0.01  # the share of planned decode intervals allowed over the target
     cut: float = 0.05  # relative cut of the scale per interval over the target
     min_scale: float = 0.5
@@ -30,7 +30,7 @@ class CadenceGuard:
     _last_end: float | None = field(default=None, init=False, repr=False)  # end of the previous step with decodes
 
     def __post_init__(self) -> None:
-        if not self.target_s > 0:
+        if self.target_s is not None and not self.target_s > 0:
             raise ValueError(f"target_s must be > 0, got {self.target_s!r}")
         if not 0.0 < self.exceed < 1.0:
             raise ValueError(f"exceed must be in (0, 1), got {self.exceed!r}")
@@ -45,12 +45,15 @@ class CadenceGuard:
         end = start + duration_s
         return end - self._last_end if self._last_end is not None else duration_s
 
-    def observe(self, start: float, duration_s: float, decodes: bool, planned: bool) -> None:
-        """One step: when it started and lasted (the engine's monotonic clock), whether decodes rode in it, and
-        whether the policy planned work beside them (beyond the floors)."""
-        if decodes and planned:
+    def observe(self, start: float, duration_s: float, decodes: bool, planned: bool,
+                target_s: float | None = None) -> None:
+        """One step: when it started and lasted (the engine's monotonic clock), whether decodes rode in it, whether
+        the policy planned work beside them (beyond minimum progress), and the target it planned to (None: the
+        guard's own)."""
+        target = self.target_s if target_s is None else target_s
+        if decodes and planned and target is not None:
             self.planned += 1
-            if self.interval(start, duration_s) > self.target_s:
+            if self.interval(start, duration_s) > target:
                 self.over += 1
                 self.scale = max(self.min_scale, self.scale * (1.0 - self.cut))
             else:

@@ -65,10 +65,11 @@ class EngineConfig:
     # Share of the step's token budget and of its free seats that rerank pairs get while generation waits or
     # decodes (always at least one pair); 1.0: rerank first, generation gets the leftovers.
     rerank_share: float = 0.5
-    # A latency objective (engine/admission.py LatencyAdmission): while decodes run, each step admits the prompt and
-    # rerank tokens a step-time model fitted online predicts keep it under this many ms; None: rerank_share decides.
+    # The latency objective (engine/admission.py LatencyAdmission), on by default: while decodes run, each step admits
+    # the other work a step-time model predicts keeps it under T ms: "auto" (T = 1.25x the predicted step of the
+    # running decodes alone), a number of ms, or None (off: plain budget filling, rerank_share decides).
     # (Another AdmissionPolicy object is given beside the config: LLMEngine(config, admission=...).)
-    tpot_target_ms: float | None = None
+    tpot_target_ms: float | Literal["auto"] | None = "auto"
     max_rerank_documents: int = 1000
     priority_aging_steps: int = 64  # a waiting request gains one priority level per this many steps
     scheduling: Literal["continuous", "static"] = "continuous"
@@ -105,8 +106,9 @@ class EngineConfig:
             raise ValueError(f"rerank_share must be in (0, 1], got {self.rerank_share}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.tpot_target_ms is not None and (not _finite(self.tpot_target_ms) or self.tpot_target_ms <= 0):
-            raise ValueError(f"tpot_target_ms must be a number > 0 or None, got {self.tpot_target_ms!r}")
+        if self.tpot_target_ms not in (None, "auto") and (
+                isinstance(self.tpot_target_ms, str) or not _finite(self.tpot_target_ms) or self.tpot_target_ms <= 0):
+            raise ValueError(f"tpot_target_ms must be a number > 0, 'auto' or None (off), got {self.tpot_target_ms!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.rerank_mode is not None:

@@ -369,8 +369,8 @@ class LLMEngine:
             request_ids=list(dict.fromkeys(s.request_id for s in batch.seqs)),
             decode_request_ids=batch.decode_request_ids, forward_s=forward_s,
             decode_context_tokens=batch.num_decode_context_tokens, cross_encoder_tokens=batch.num_cross_encoder_tokens,
-            rerank_pairs_scored=batch.num_rerank_pairs_scored, predicted_s=predicted_s, target_s=policy.target_s,
-            limit_s=policy.limit_s(),
+            rerank_pairs_scored=batch.num_rerank_pairs_scored, predicted_s=predicted_s, target_s=batch.target_s,
+            limit_s=batch.limit_s, planned=batch.planned,
             embed_rows=batch.num_embed_rows, embed_tokens=batch.num_embed_tokens,
             embed_rows_done=batch.num_embed_rows_done,
             cpu_kernels=self.cpu_kernels)

@@ -15,14 +15,20 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-from engine.admission import AdmissionPolicy, AdmissionStep, scoring_kind
+import time
+from collections.abc import Callable
+
+from engine.admission import AdmissionPolicy, StepView, Waiting, scoring_kind
 from engine.batch import Batch
 from engine.config import EngineConfig
-from engine.step_time import TokenKind
 from engine.kv_cache import NO_PREFIX, CachedPrefix, KVCacheManager
 from engine.request import Sequence, SequenceStatus, SeqKind
+from engine.step_time import StepShape, TokenKind
 
 __all__ = ["Batch", "Scheduler", "WaitQueue"]
+
+# The smallest chunk of a prompt or an LLM-scored pair a step takes for the sake of progress (StepView's `unit`).
+MIN_CHUNK_TOKENS = 16
 
 
 class WaitQueue:
@@ -79,11 +85,16 @@ class WaitQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: AdmissionPolicy) -> None:
-        """`policy`: how admissions share a step (engine/builder.py resolves it from the config)."""
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: AdmissionPolicy,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`policy`: how much of each kind of work a step takes (engine/builder.py resolves it from the config);
+        `clock`: how long a kind of work has waited (a fake one in the simulator)."""
         self.kv = kv
         self.budget = config.max_num_batched_tokens
-        self.embed_budget = config.max_embed_batch_tokens  # a step of embedding rows alone (see _widen_embedding)
+        self.embed_budget = config.max_embed_batch_tokens  # a step of embedding rows alone (the policy may widen to it)
+        self.clock = clock
+        # Per kind of work that waits and got nothing: (steps in a row, since when): the policy's minimum progress
+        self._progress: dict[TokenKind, tuple[int, float]] = {}
         # Every running sequence must fit in one step's budget, or decodes could be skipped.
         self.max_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         if not isinstance(policy, AdmissionPolicy):
@@ -130,40 +141,80 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         self.num_steps += 1
+        now = self.clock()
         batch = Batch(budget=self.budget)
         self.running.sort(key=lambda s: (s.priority, s.arrival))
         budget = self._schedule_decodes(batch, self.budget)
-        # Scoring work part-way through: LLM-scored pairs (their KV so far) and encoder rows (their stages so far)
-        pairs = [s for s in self.running if s.kind is not SeqKind.GENERATE]
-        head = self._rerank_head(pairs, batch)
-        step = AdmissionStep(
-            batch=batch, budget=budget, free_seats=self.max_seqs - len(self.running),
-            generation_waiting=len(self.waiting),
-            rerank_waiting=len(self.waiting_rerank) + len(self.waiting_embed) + len(pairs),
-            rerank_head_tokens=_smallest_chunk(head) if head else 0,
-            queues=_StepQueues(self, batch, pairs))
-        continuing = [s for s in self.running if s.kind is SeqKind.GENERATE and s.num_uncomputed_tokens > 1]
-        if continuing:  # chunked prefill of prompts already running, as much as the policy lets them take
-            chunk_budget = min(step.budget, self.policy.prefill_budget(step, continuing))
-            step.budget -= chunk_budget - self._schedule_prefill_chunks(batch, chunk_budget)
         # A step that had to preempt admits nobody (vLLM does the same): the sequences it just queued again would
         # otherwise be re-admitted at once, onto the prefix-cached blocks they just gave back, and run in the very
-        # step that preempted them.
-        if not (self.static and self.running) and not batch.preempted:
-            self.policy.admit(step)
-            self._widen_embedding(batch, pairs)
+        # step that preempted them. A static engine admits nobody while anything runs.
+        if batch.preempted or (self.static and self.running):
+            self._continue_prefills(batch, budget)
+            return batch
+        view = self._view(batch, budget, now)
+        quota = self.policy.plan(view)
+        batch.target_s, batch.limit_s, batch.planned = quota.target_s, quota.limit_s, quota.planned
+        if quota.budget is not None and quota.budget > self.budget:
+            budget += quota.budget - self.budget
+            batch.budget = quota.budget
+        for grant in quota.grants:
+            if budget <= 0:
+                break
+            limit = budget if grant.tokens is None else min(grant.tokens, budget)
+            if grant.kind is TokenKind.PREFILL:
+                used = self._continue_prefills(batch, limit)
+                used += self._admit_from(self.waiting, batch, limit - used, grant.seats) if limit > used else 0
+            else:
+                used = self._admit_scoring(batch, limit, grant.seats, grant.kind)
+            budget -= used
+        self._note_progress(view, batch, now)
         return batch
 
-    def _widen_embedding(self, batch: Batch, pairs: list[Sequence]) -> None:
-        """A step that runs embedding rows and nothing else, with no prompt waiting, takes more rows, up to
-        embed_budget tokens: no decode is in it to slow down (EngineConfig.max_embed_batch_tokens)."""
-        if (not batch.num_embed_rows or self.waiting or batch.num_decode_tokens or batch.num_prefill_tokens
-                or batch.num_rerank_tokens):
-            return
-        room = self.embed_budget - batch.num_tokens
-        if room > 0:
-            batch.budget = max(batch.budget, self.embed_budget)
-            self._admit_rerank(pairs, batch, room, None, TokenKind.EMBED)
+    def _view(self, batch: Batch, budget: int, now: float) -> StepView:
+        """What the policy sees of this step: the decodes in `batch`, and per kind what waits (StepView)."""
+        heads: dict[TokenKind, tuple[tuple[int, int], Sequence, int]] = {}  # kind -> (key, head, tokens)
+
+        def offer(key: tuple[int, int], seq: Sequence, tokens: int) -> None:
+            kind = scoring_kind(seq)
+            old = heads.get(kind)
+            if old is None:
+                heads[kind] = (key, seq, tokens)
+            else:
+                heads[kind] = (min(old[0], key), old[1] if old[0] <= key else seq, old[2] + tokens)
+
+        for seq in self.running:  # part-way through: a prompt's chunks, a pair's chunks, a row's stages
+            if seq.num_uncomputed_tokens > (1 if seq.kind is SeqKind.GENERATE else 0) and not _in_batch(seq, batch):
+                offer((seq.priority, seq.arrival), seq, seq.num_uncomputed_tokens)
+        for queue in (self.waiting, self.waiting_rerank, self.waiting_embed):
+            key, head = queue.peek_keyed(self.num_steps)
+            if head is not None and not head.blocked:
+                offer(key, head, _tokens_up_to(queue, budget))
+        waiting = []
+        for kind, (key, head, tokens) in sorted(heads.items(), key=lambda kv: kv[1][0]):
+            since = self._progress.get(kind)
+            unit = self._unit(head)
+            waiting.append(Waiting(kind, key[0], key[1], unit, 1 if head.uses_kv else unit, tokens,
+                                   since[0] if since else 0, now - since[1] if since else 0.0))
+        return StepView(StepShape.of_batch(batch), batch.min_decode_priority, budget, self.max_seqs - len(self.running),
+                        tuple(waiting), self.embed_budget)
+
+    def _unit(self, seq: Sequence) -> int:
+        """The smallest unit of `seq`'s work a step can take: a chunk of a prompt or an LLM-scored pair, one stage of
+        an encoder row, a whole cross-encoder pair."""
+        if seq.uses_kv:
+            return min(seq.num_uncomputed_tokens or seq.num_tokens, MIN_CHUNK_TOKENS)
+        return seq.stage_tokens(1) if seq.staged else seq.num_uncomputed_tokens or seq.num_tokens
+
+    def _note_progress(self, view: StepView, batch: Batch, now: float) -> None:
+        """Per kind that waited: steps in a row it got nothing, and since when (the policy's minimum progress)."""
+        rode = {scoring_kind(s) for s, n in zip(batch.seqs, batch.num_new_tokens)
+                if not (s.kind is SeqKind.GENERATE and n == 1 and s.num_output_tokens)}
+        progress = {}
+        for w in view.waiting:
+            if w.kind not in rode:
+                steps, since = self._progress.get(w.kind, (0, now))
+                progress[w.kind] = (steps + 1, since)
+        self._progress = progress
 
     def _schedule_decodes(self, batch: Batch, budget: int) -> int:
         i = 0
@@ -185,16 +236,19 @@ class Scheduler:
                 i += 1
         return budget
 
-    def _schedule_prefill_chunks(self, batch: Batch, budget: int) -> int:
+    def _continue_prefills(self, batch: Batch, budget: int) -> int:
+        """The next chunks of prompts already running (chunked prefill), most urgent first, at most `budget` tokens;
+        returns the tokens taken."""
+        used = 0
         for seq in self.running:
-            if budget <= 0:
+            if used >= budget:
                 break
             n = seq.num_uncomputed_tokens
-            if n > 1 and seq.kind is SeqKind.GENERATE:  # blocks were reserved at admission
-                chunk = min(n, budget)
+            if n > 1 and seq.kind is SeqKind.GENERATE and not _in_batch(seq, batch):  # blocks reserved at admission
+                chunk = min(n, budget - used)
                 batch.add(seq, chunk)
-                budget -= chunk
-        return budget
+                used += chunk
+        return used
 
     def _rerank_head(self, pairs: list[Sequence], batch: Batch, kind: TokenKind | None = None) -> Sequence | None:
         """The sequence the next scoring tokens go to (of `kind` only, when given: admission.scoring_kind): the most
@@ -214,13 +268,13 @@ class Scheduler:
                 break
         return waiting
 
-    def _admit_rerank(self, pairs: list[Sequence], batch: Batch, budget: int, seats: int | None,
-                      kind: TokenKind | None = None) -> int:
+    def _admit_scoring(self, batch: Batch, budget: int, seats: int | None, kind: TokenKind | None = None) -> int:
         """Rerank tokens, at most `budget` of them: the next chunk of each running pair, then new pairs, most urgent
         first (`_rerank_head`). An LLM-scored pair is chunked like a prompt; an encoder row (cross-encoder pair,
         embedding input) runs whole or its next stages (Sequence.stages_within). `seats`
         bounds the pairs this call serves, running ones included (each holds a seat). `kind`: only work of that kind
         (admission.scoring_kind), the most urgent of it first."""
+        pairs = [s for s in self.running if s.kind is not SeqKind.GENERATE]
         used = 0
         while used < budget and (seats is None or seats > 0):
             seq = self._rerank_head(pairs, batch, kind)
@@ -321,34 +375,14 @@ class Scheduler:
             self.finish(seq, status)
 
 
-class _StepQueues:
-    """The AdmissionQueues of one step (engine/admission.py): the scheduler's wait queues admitting into `batch`."""
-    __slots__ = ("scheduler", "batch", "pairs")
-
-    def __init__(self, scheduler: Scheduler, batch: Batch, pairs: list[Sequence]) -> None:
-        self.scheduler = scheduler
-        self.batch = batch
-        self.pairs = pairs  # LLM-scored pairs part-way through: their next chunks come before new pairs
-
-    def admit_generation(self, max_tokens: int, max_seats: int | None) -> int:
-        return self.scheduler._admit_from(self.scheduler.waiting, self.batch, max_tokens, max_seats)
-
-    def admit_rerank(self, max_tokens: int, max_seats: int | None, kind: TokenKind | None = None) -> int:
-        return self.scheduler._admit_rerank(self.pairs, self.batch, max_tokens, max_seats, kind)
-
-    def generation_head(self) -> Sequence | None:
-        return self.scheduler.waiting.peek(self.scheduler.num_steps)
-
-    def rerank_head(self, kind: TokenKind | None = None) -> Sequence | None:
-        return self.scheduler._rerank_head(self.pairs, self.batch, kind)
-
-
-def _smallest_chunk(seq: Sequence) -> int:
-    """The fewest tokens of `seq` a step can take: one of an LLM-scored pair (chunked like a prompt), one stage of an
-    encoder row, the whole of a cross-encoder pair."""
-    if seq.uses_kv:
-        return 1
-    return seq.stage_tokens(1) if seq.staged else seq.num_uncomputed_tokens
+def _tokens_up_to(queue: WaitQueue, budget: int) -> int:
+    """Tokens waiting in `queue`, counted up to a little past `budget` (all a step could take)."""
+    total = 0
+    for seq in queue:
+        total += seq.num_tokens
+        if total > budget:
+            break
+    return total
 
 
 def _in_batch(seq: Sequence, batch: Batch) -> bool:

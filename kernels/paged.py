@@ -48,12 +48,37 @@ def plan_step(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: 
         return PagedPlan(slot_mapping, block_tables, seq_lens, query_start_loc, choice, False, None, None)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     decode_only = all(b - a == 1 for a, b in zip(starts, starts[1:]))
+    if choice == "cpp" and not decode_only and len(slot_mapping) <= NARROW_ROWS and not bool((slot_mapping < 0).any()):
+        # A narrow mixed step (decodes beside a few prompt or pair tokens) as one row per query token: every row's K/V
+        # is written before any row attends (paged_decode_qkv), so a chunk's token j attending to its first
+        # `context - q + j + 1` positions is exactly causal attention, and the step takes the decode path (the C++
+        # layer walker, no per-layer Python) instead of costing twice the decodes beside it.
+        block_tables, seq_lens = _rows_of(starts, lens, block_tables, seq_lens.dtype)
+        query_start_loc = torch.arange(len(slot_mapping) + 1, dtype=query_start_loc.dtype)
+        decode_only = True
     kept_rows = kept_slots = None
     if choice == "torch" and slot_mapping.numel() and bool((slot_mapping < 0).any()):
         kept_rows = (slot_mapping >= 0).nonzero()[:, 0]
         kept_slots = slot_mapping[kept_rows]
     return PagedPlan(slot_mapping, block_tables, seq_lens, query_start_loc, choice, decode_only,
                      None if decode_only else starts, None if decode_only else lens, kept_rows, kept_slots)
+
+
+# The most query tokens a mixed CPU step may have to run as decode rows (`plan_step`): the small-M kernels' widest
+# narrow path (kernels/quant.py _SMALL_M); wider steps are prefill-shaped and keep the varlen path.
+NARROW_ROWS = 16
+
+
+def _rows_of(starts: list[int], lens: list[int], block_tables: torch.Tensor, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode row per query token: its sequence's block table and the context it attends to (causal)."""
+    owners: list[int] = []
+    row_lens: list[int] = []
+    for i, (a, b) in enumerate(zip(starts, starts[1:])):
+        q, ctx = b - a, lens[i]
+        owners.extend([i] * q)
+        row_lens.extend(range(ctx - q + 1, ctx + 1))
+    return block_tables.index_select(0, torch.tensor(owners, dtype=torch.long)), torch.tensor(row_lens, dtype=dtype)
 
 
 def write_and_attend(p: PagedPlan, qkv: torch.Tensor, num_q_heads: int, k_cache: torch.Tensor,

@@ -46,11 +46,12 @@ _ENGINE_FLAGS = [
     ("--block-size", int, None, "tokens per KV block"),
     ("--rerank-share", float, None, "share of a step's token budget and free seats rerank pairs get while "
                                      "generation waits or decodes"),
-    ("--tpot-target-ms", float, None, "latency objective: while chats decode, admit only the prompt and rerank "
-                                       "tokens a step-time model fitted online predicts keep each step (time per "
-                                       "output token) under this many ms, plus a few rerank tokens (LLM-scored "
-                                       "pairs are chunked) and a little prefill; unset: --rerank-share splits the "
-                                       "budget"),
+    ("--tpot-target-ms", "objective", None, "latency objective T, on by default: while chats decode, other work "
+                                             "(prompts, rerank pairs, embeddings) fills only the headroom a "
+                                             "step-time model calibrated at start-up predicts keeps each step under "
+                                             "T: auto (default: 1.25x the predicted step of the running decodes, "
+                                             "so chats keep >= 80%% of their speed), a number of ms, or off (plain "
+                                             "budget filling; --rerank-share splits it)"),
     ("--num-threads", int, None, "CPU threads for torch and OpenMP (also --threads; default: torch's, one per "
                                  "core). Idle OpenMP threads sleep after a short spin (OMP_WAIT_POLICY=PASSIVE, "
                                  f"GOMP_SPINCOUNT={OPENMP_SPINS}, unless set); nothing is pinned to cores"),
@@ -139,6 +140,20 @@ def parse_names(text: str) -> list[str]:
     return [name.strip() for name in str(text).split(",") if name.strip()]
 
 
+def parse_objective(text: str) -> float | str:
+    """'auto' -> 'auto'; '50' -> 50.0 (ms); 'off' -> 'off' (build_engine_config turns it into None)."""
+    value = str(text).strip().lower()
+    if value in ("auto", "off"):
+        return value
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = float("nan")
+    if not ms > 0 or ms == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a latency objective: {text!r} (auto, off, or a number of ms > 0)")
+    return ms
+
+
 def parse_port(text: str) -> int | None:
     """'8000' -> 8000; 'off' -> None (the door is not served)."""
     value = str(text).strip().lower()
@@ -150,7 +165,7 @@ def parse_port(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"not a port: {text!r} (a number, or off)") from None
 
 
-_CONVERTERS = {"bytes": parse_bytes, "scoped tokens": parse_scoped_tokens, "switch": parse_switch, "port": parse_port,
+_CONVERTERS = {"objective": parse_objective, "bytes": parse_bytes, "scoped tokens": parse_scoped_tokens, "switch": parse_switch, "port": parse_port,
                "names": parse_names}
 
 
@@ -219,6 +234,8 @@ def build_engine_config(args: argparse.Namespace):
     if "dtype" in fields and "quantization" not in fields:  # --dtype float32 asks for the dense path (issue #19)
         fields["quantization"] = "none"
     fields["embedder"] = serve_embedder(args.embedder)
+    if fields.get("tpot_target_ms") == "off":
+        fields["tpot_target_ms"] = None
     return EngineConfig(**fields, max_rerank_documents=args.max_documents)
 
 

@@ -30,7 +30,8 @@ def record_of(batch, seconds: float, predicted: float | None = None, start: floa
                       rerank_tokens=batch.num_rerank_tokens, num_seqs=len(batch), budget=0, kv_blocks_total=1,
                       kv_blocks_free=1, kv_blocks_cached=0, preempted=0, num_running=0, num_waiting=0,
                       request_ids=[], decode_context_tokens=batch.num_decode_context_tokens,
-                      cross_encoder_tokens=batch.num_cross_encoder_tokens, predicted_s=predicted)
+                      cross_encoder_tokens=batch.num_cross_encoder_tokens, predicted_s=predicted,
+                      target_s=batch.target_s, limit_s=batch.limit_s, planned=batch.planned)
 
 
 class ClockSim(Sim):
@@ -133,28 +134,28 @@ def test_with_no_decodes_rerank_takes_the_whole_budget_as_without_an_objective()
     assert max(map(len, objective)) == 8  # every seat
 
 
-def test_llm_pairs_progress_by_the_floor_every_step_even_when_the_decodes_alone_are_over_the_target():
-    """The floor is the rerank tokens 10% of the target buys (0.5 ms: 2 tokens at 0.2 ms), not a whole pair: pairs
-    are chunked, every step moves them on, and a step goes over what the decodes alone cost by that much only."""
-    policy = LatencyAdmission(0.005, model=LinearStepTime(TRUE))  # 4 decodes alone take 14 ms
-    assert policy.rerank_floor_tokens() == 2
+def test_with_no_room_llm_pairs_progress_by_one_chunk_every_progress_steps():
+    """The decodes alone are over the target (4 decodes: 14 ms, T = 5 ms): no step has headroom, so the one
+    minimum-progress rule moves the pairs: after `progress_steps` steps without any, one chunk (its smallest unit:
+    16 tokens, or what is left of a pair) rides, whatever it costs, and most decode steps carry no pair token."""
+    policy = LatencyAdmission(0.005, model=LinearStepTime(TRUE), progress_steps=4)
     sim = ClockSim(policy)
     chats(sim, max_tokens=80)
     sim.step()
-    pairs = sim.add_rerank_job("llm", toks(6, 900), [toks(9, 5000 + 9 * i) for i in range(8)])
+    pairs = sim.add_rerank_job("llm", toks(6, 900), [toks(20, 5000 + 20 * i) for i in range(4)])
     sim.run()
-    during = [i for i, b in enumerate(sim.batches) if b.num_decode_tokens == 4 and i > 1]
-    assert len(during) >= 70
-    for i in during[:40]:  # the 8 pairs take ~45 steps  # 2 tokens, or the 1 left of a pair whose job's next pair waits for it
-        assert 1 <= sim.batches[i].num_rerank_tokens <= 2
-        assert sim.predicted[i] <= LinearStepTime(TRUE).predict(StepShape(4, llm_rerank_tokens=2)) + 1e-12
+    during = [b for b in sim.batches[1:] if b.num_decode_tokens == 4]
+    with_pairs = [i for i, b in enumerate(during) if b.num_rerank_tokens]
+    assert with_pairs[:8] == [4 + 5 * k for k in range(8)]
+    assert all(1 <= during[i].num_rerank_tokens <= 16 for i in with_pairs)
+    assert all(not b.planned for b in during)  # nothing planned: the cadence guard does not judge these steps
     assert all(p.status is SequenceStatus.FINISHED_STOPPED for p in pairs)
 
 
 def test_a_cross_encoder_pair_rides_after_its_wait_bound_when_no_step_has_room():
-    """A cross-encoder pair cannot be split: with no step under the target it waits max_pair_wait_steps steps, then
+    """A cross-encoder pair cannot be split: with no step under the target it waits progress_steps steps, then
     rides in the next step whatever it costs, so at most one step in that many goes over by one pair."""
-    policy = LatencyAdmission(0.005, model=LinearStepTime(TRUE), max_pair_wait_steps=5)
+    policy = LatencyAdmission(0.005, model=LinearStepTime(TRUE), progress_steps=5)
     sim = ClockSim(policy)
     chats(sim, max_tokens=80)
     sim.step()
@@ -167,8 +168,26 @@ def test_a_cross_encoder_pair_rides_after_its_wait_bound_when_no_step_has_room()
     assert all(p.status.finished for p in pairs)
 
 
-def test_prompts_get_the_prefill_floor_when_the_decodes_alone_are_over_the_target():
-    policy = LatencyAdmission(0.005, model=LinearStepTime(TRUE), min_prefill_tokens=16)
+def test_a_kind_that_waited_its_seconds_rides_on_the_next_step():
+    """The same rule on the clock: a kind that got nothing for progress_s seconds gets its unit (here every
+    second step, as each step takes 1 s on the scheduler's fake clock)."""
+    now = [0.0]
+    policy = LatencyAdmission(0.005, model=LinearStepTime(TRUE), progress_steps=1000, progress_s=1.0)
+    sim = ClockSim(policy)
+    sim.sched.clock = lambda: now[0]
+    chats(sim, max_tokens=30)
+    sim.step()
+    xenc_flood(sim, n=10)
+    rode = []
+    for _ in range(10):
+        now[0] += 1.0
+        rode.append(pairs_in(sim.step()))
+    assert rode == [0, 1] * 5
+    sim.run()
+
+
+def test_prompts_progress_by_their_unit_when_the_decodes_alone_are_over_the_target():
+    policy = LatencyAdmission(0.005, model=LinearStepTime(TRUE), progress_steps=1)
     sim = ClockSim(policy)
     chats(sim, max_tokens=60)
     sim.step()
@@ -177,13 +196,13 @@ def test_prompts_get_the_prefill_floor_when_the_decodes_alone_are_over_the_targe
     chunks = []
     while late.num_computed_tokens < late.num_prompt_tokens:
         batch = sim.step()
-        chunks += [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is late]
-    assert chunks == [16] * 6 + [4]
+        chunks.append(sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is late))
+    assert chunks == [0, 16] * 6 + [0, 4]  # one step without, then its smallest unit (16 tokens)
     sim.run()
 
 
 def test_a_long_prompt_during_decodes_is_chunked_to_the_headroom():
-    policy = LatencyAdmission(T, model=LinearStepTime(TRUE), min_prefill_tokens=8)
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE))
     sim = ClockSim(policy)
     chats(sim, max_tokens=60)
     sim.step()
@@ -192,7 +211,7 @@ def test_a_long_prompt_during_decodes_is_chunked_to_the_headroom():
     while late.num_computed_tokens < late.num_prompt_tokens:
         batch = sim.step()
         assert decode_ids(batch) >= {f"chat{i}" for i in range(4)}
-        assert sim.predicted[-1] <= T
+        assert sim.predicted[-1] <= T and batch.planned
         assert batch.num_prefill_tokens == min(32, late.num_prompt_tokens - (late.num_computed_tokens
                                                                              - batch.num_prefill_tokens))
     sim.run()
@@ -216,9 +235,9 @@ def test_a_rerank_more_urgent_than_every_decode_is_not_held_to_the_objective():
 
 
 def test_a_lower_priority_chat_does_not_hold_back_a_rerank():
-    """Pairs (priority 0) fill the headroom before a waiting chat of priority 1, which gets only its prefill floor
-    (8 tokens, on top of the target) in every step until the flood is done."""
-    policy = LatencyAdmission(T, model=LinearStepTime(TRUE), min_prefill_tokens=8)
+    """Pairs (priority 0) fill the headroom before a waiting chat of priority 1, which gets only what 4 pairs leave
+    (0.5 ms: 2 tokens) while they last, then the headroom."""
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE))
     sim = ClockSim(policy)
     chats(sim, max_tokens=100)
     sim.step()
@@ -227,8 +246,8 @@ def test_a_lower_priority_chat_does_not_hold_back_a_rerank():
     low = sim.add("low", toks(200, 7000), max_tokens=2, priority=1)
     for _ in range(10):
         batch = sim.step()
-        assert pairs_in(batch) == 4 and sim.predicted[-1] <= T + 8 * TRUE["prefill_tokens"]
-        assert [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is low] == [8]
+        assert pairs_in(batch) == 4 and sim.predicted[-1] <= T
+        assert sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is low) <= 2
     assert all(p.status.finished for p in pairs)
     batch = sim.step()  # the flood is gone: the chat takes the headroom
     assert [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is low] == [32]
@@ -236,21 +255,21 @@ def test_a_lower_priority_chat_does_not_hold_back_a_rerank():
 
 
 def test_a_lower_priority_flood_leaves_the_headroom_to_prompts_but_still_progresses():
-    policy = LatencyAdmission(T, model=LinearStepTime(TRUE))
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE), progress_steps=3)
     sim = ClockSim(policy)
     chats(sim, max_tokens=100)
     sim.step()
     sim.step()
     sim.add_rerank_job("llm", [], [toks(30, 5000 + 30 * i) for i in range(20)], priority=1)
-    chat = sim.add("chat", toks(100, 7000), max_tokens=2)
-    batch = sim.step()
-    assert [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is chat] == [32]  # the whole headroom
-    assert batch.num_rerank_tokens == policy.rerank_floor_tokens() == 10  # and the rerank floor (a chunk)
+    chat = sim.add("chat", toks(200, 7000), max_tokens=2)
+    steps = [sim.step() for _ in range(4)]
+    assert [n for s, n in zip(steps[0].seqs, steps[0].num_new_tokens) if s is chat] == [32]  # the whole headroom
+    assert [b.num_rerank_tokens for b in steps] == [0, 0, 0, 16]  # and, after 3 steps without, its unit
     sim.run()
 
 
-def test_at_equal_priority_pairs_get_their_share_of_the_headroom_first():
-    policy = LatencyAdmission(T, model=LinearStepTime(TRUE), rerank_share=0.5, min_prefill_tokens=8)
+def test_at_equal_priority_kinds_split_the_headroom_in_arrival_order():
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE))
     sim = ClockSim(policy)
     chats(sim, max_tokens=100)
     sim.step()
@@ -258,10 +277,10 @@ def test_at_equal_priority_pairs_get_their_share_of_the_headroom_first():
     xenc_flood(sim, n=40, tokens=5)
     chat = sim.add("chat", toks(100, 7000), max_tokens=2)
     batch = sim.step()
-    # Half of 6.5 ms: the 2 ms forward and 12 tokens (2 pairs); the chat then gets (6.5 - 3.0) / 0.2 = 17 tokens
-    # and the pairs what is left: none.
+    # Half of 6.5 ms to the pairs (first to arrive): the 2 ms forward and 12 tokens, of which 2 pairs fit; the chat
+    # then gets the rest as priced, (6.5 - 3.2) / 0.2 = 16 tokens; the pairs nothing more.
     assert pairs_in(batch) == 2
-    assert [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is chat] == [17]
+    assert [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s is chat] == [16]
     assert sim.predicted[-1] <= T
     sim.run()
 
@@ -347,27 +366,24 @@ def test_a_step_stays_narrow_when_going_wide_costs_more_than_the_headroom():
     sim.run()
 
 
-@pytest.mark.parametrize("decodes, floor", [(8, 2), (10, 1)])
-def test_the_rerank_floor_never_takes_a_narrow_step_wide(decodes, floor):
-    """The floor is 10% of the target's worth of pair tokens (7 here: 1.5 ms at 0.2 ms), but on a path that goes wide
-    above 10 LLM rows it is what keeps the step narrow: 2 tokens beside 8 decodes. The fit rarely sees the jump beside
-    decodes (its coefficient is 0 here, as the service's fit had it), and 8 decodes with a 3-token floor ran 77-85 ms
-    against 28 predicted with one thread. With the narrow path full (10 decodes) it is still one token: pairs always
-    progress. The decodes alone are over the target, so the floor is all that rides."""
-    blind = LinearStepTime(TRUE, wide_rows=10)  # knows the threshold, not its cost
-    assert LatencyAdmission(0.015, model=LinearStepTime(TRUE)).rerank_floor_tokens() == 7  # no threshold known
-    policy = LatencyAdmission(0.015, model=blind)
+def test_a_jump_the_model_does_not_price_is_judged_by_the_guard():
+    """The model knows the narrow-to-wide threshold but prices the jump at 0 (a fit that has not seen it): steps it
+    plans wide run over the target, and the cadence guard shrinks the plan until they stay narrow."""
+    blind = LinearStepTime(TRUE, wide_rows=10)
+    true = LinearStepTime({**TRUE, "wide_forward": 0.010}, wide_rows=10)
+    guard = CadenceGuard(T)
+    policy = LatencyAdmission(T, model=blind, cadence=guard)
     sim = ClockSim(policy)
-    chats(sim, n=decodes, max_tokens=60)
+    sim.true = true
+    chats(sim, n=4, max_tokens=300)
     sim.step()
-    sim.add_rerank_job("llm", [], [toks(40, 9000 + 40 * i) for i in range(6)])
-    rerank = []
-    for _ in range(30):
-        batch = sim.step()
-        if batch.num_decode_tokens == decodes:
-            rerank.append(batch.num_rerank_tokens)
-    assert len(rerank) >= 25 and max(rerank) == floor and min(rerank) >= 1
-    sim.run()
+    sim.add_rerank_job("llm", [], [toks(40, 9000 + 40 * i) for i in range(60)])
+    for _ in range(250):
+        sim.step()
+    late = [i for i in range(150, 250) if sim.batches[i].num_decode_tokens == 4]
+    assert sum(sim.seconds[i] > T for i in late) <= 0.05 * len(late)
+    assert sum(sim.batches[i].num_rerank_tokens for i in late) > 0  # pairs still move
+    assert guard.scale < 1.0
 
 
 @pytest.mark.parametrize("bad_steps", [[60], [60, 61, 62], [60, 70, 80, 90]])
@@ -389,7 +405,7 @@ def test_a_lasting_slowdown_is_followed():
     """When every step runs 3x long from some point on (the machine is that much slower now), the fit follows and
     the admissions shrink to what the slower machine allows: the decodes alone then take 42 ms, over the target, so
     cross-encoder pairs ride only once their wait bound is up, one at a time."""
-    policy = LatencyAdmission(T, model=OnlineStepTime(window=64), max_pair_wait_steps=4)
+    policy = LatencyAdmission(T, model=OnlineStepTime(window=64), progress_steps=4)
     sim = ClockSim(policy, slow={s: 3.0 for s in range(60, 400)})
     chats(sim, max_tokens=200)
     xenc_flood(sim, n=2000, tokens=10)
@@ -400,15 +416,15 @@ def test_a_lasting_slowdown_is_followed():
     assert late == [1 if (k - late.index(1)) % 5 == 0 else 0 for k in range(30)]
 
 
-def test_cold_model_admits_only_the_floors_beside_decodes():
-    policy = LatencyAdmission(T, model=OnlineStepTime(min_samples=10**6))
+def test_cold_model_admits_only_minimum_progress_beside_decodes():
+    policy = LatencyAdmission(T, model=OnlineStepTime(min_samples=10**6), progress_steps=3)
     sim = ClockSim(policy)
     chats(sim, max_tokens=30)
     xenc_flood(sim, n=50)
     for _ in range(20):
         batch = sim.step()
         if batch.num_decode_tokens:
-            assert pairs_in(batch) <= 1
+            assert pairs_in(batch) <= 1 and not batch.planned
     sim.run()
 
 
@@ -439,11 +455,12 @@ def test_a_host_slower_than_the_plan_is_brought_back_under_the_target_by_the_cad
     assert min(pairs) == 1 and max(pairs) <= 2 and pairs.count(1) >= 0.95 * len(pairs)
 
 
-def test_floor_only_steps_over_the_target_do_not_shrink_the_plan():
+def test_progress_only_steps_over_the_target_do_not_shrink_the_plan():
     """The decodes alone are over the target on this host (4 decodes x 1.6 = 22.4 ms): once the prompts are in,
-    only the floors ride beside them, no plan made those steps long, so the guard neither counts them nor moves."""
+    only minimum progress rides beside them, no plan made those steps long, so the guard neither counts them nor
+    moves."""
     guard = CadenceGuard(T)
-    policy = LatencyAdmission(T, model=LinearStepTime(TRUE), cadence=guard, max_pair_wait_steps=4)
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE), cadence=guard, progress_steps=4)
     sim = ClockSim(policy, slow={s: 1.6 for s in range(200)})
     chats(sim, max_tokens=100)
     xenc_flood(sim, n=200, tokens=10)
@@ -453,7 +470,7 @@ def test_floor_only_steps_over_the_target_do_not_shrink_the_plan():
     planned, scale = guard.planned, guard.scale
     for _ in range(50):
         sim.step()
-    assert sum(pairs_in(b) for b in sim.batches[10:]) >= 5 and all(s > T for s in sim.seconds[10:])
+    assert sum(pairs_in(b) for b in sim.batches[10:]) >= 5
     assert guard.planned == planned and guard.scale == scale
     sim.run()
 
@@ -506,8 +523,18 @@ def test_tpot_target_ms_selects_the_objective():
     assert isinstance(policy, LatencyAdmission)
     assert policy.tpot_target_s == pytest.approx(0.040) and policy.rerank_share == 0.3
     assert isinstance(policy.model, OnlineStepTime)
-    assert isinstance(policy.cadence, CadenceGuard) and policy.cadence.target_s == pytest.approx(0.040)
-    assert isinstance(policy_for(EngineConfig(num_kv_blocks=16, block_size=4)), ShareAdmission)
+    assert isinstance(policy.cadence, CadenceGuard)
+    auto = policy_for(EngineConfig(num_kv_blocks=16, block_size=4))  # on by default, the automatic target
+    assert isinstance(auto, LatencyAdmission) and auto.tpot_target_s is None
+    assert isinstance(policy_for(EngineConfig(num_kv_blocks=16, block_size=4, tpot_target_ms=None)), ShareAdmission)
+
+
+def test_the_automatic_target_follows_the_running_decodes():
+    policy = LatencyAdmission(model=LinearStepTime(TRUE))
+    assert policy.target_for(StepShape(decode_rows=4)) == pytest.approx(1.25 * 0.014)
+    assert policy.target_for(StepShape(decode_rows=8)) == pytest.approx(1.25 * 0.018)
+    tiny = LatencyAdmission(model=LinearStepTime({k: 0.0 for k in TRUE}))
+    assert tiny.target_for(StepShape(decode_rows=1)) == tiny.min_target_s  # floored
 
 
 @pytest.mark.parametrize("value", [0, -5, float("nan"), float("inf"), "40"])
@@ -516,6 +543,84 @@ def test_a_bad_tpot_target_is_a_config_error(value):
         EngineConfig(tpot_target_ms=value)
 
 
-def test_tpot_target_and_an_explicit_policy_conflict():
-    with pytest.raises(ValueError, match="tpot_target_ms and admission"):
-        policy_for(EngineConfig(tpot_target_ms=40), ShareAdmission())
+def test_an_explicit_policy_wins_over_the_config():
+    given = ShareAdmission()
+    assert policy_for(EngineConfig(tpot_target_ms=40), given) is given
+
+
+# ---- the planner is a pure function of what it is shown ------------------------------------------------------------
+
+
+def _views():
+    from hypothesis import strategies as st
+
+    from engine.admission import StepView, Waiting
+    from engine.step_time import TokenKind
+
+    waiting = st.builds(Waiting, kind=st.sampled_from(list(TokenKind)), priority=st.integers(-1, 2),
+                        arrival=st.integers(0, 50), unit=st.integers(1, 40), least=st.integers(1, 40),
+                        tokens=st.integers(1, 400), steps_waited=st.integers(0, 40),
+                        seconds_waited=st.floats(0, 3))
+    return st.builds(StepView, shape=st.builds(StepShape, decode_rows=st.integers(0, 16),
+                                               decode_context_tokens=st.integers(0, 4000)),
+                     decode_priority=st.one_of(st.none(), st.integers(0, 1)), budget=st.integers(0, 512),
+                     free_seats=st.integers(0, 32),
+                     waiting=st.lists(waiting, max_size=4, unique_by=lambda w: w.kind).map(tuple),
+                     wide_budget=st.integers(0, 4096))
+
+
+def test_the_planner_is_pure_and_holds_no_reference_to_the_scheduler():
+    """Same view, same quota (the view is all it reads, and planning leaves the policy as it found it); its fields
+    hold a step-time model, a fallback and a guard, never the scheduler or its queues."""
+    import dataclasses
+
+    from hypothesis import given, settings
+
+    from engine.scheduler import Scheduler, WaitQueue
+
+    policy = LatencyAdmission(model=LinearStepTime(TRUE), cadence=CadenceGuard(), progress_steps=8)
+    for f in dataclasses.fields(policy):
+        assert not isinstance(getattr(policy, f.name), (Scheduler, WaitQueue))
+    share = ShareAdmission()
+
+    @settings(max_examples=300, deadline=None)
+    @given(_views())
+    def check(view):
+        for p in (policy, share):
+            before = repr(p)
+            first = p.plan(view)
+            assert p.plan(view) == first and repr(p) == before
+        if view.decode_priority is not None:  # the objective's own plan: only kinds that wait
+            kinds = {w.kind for w in view.waiting}
+            assert all(g.kind in kinds for g in policy.plan(view).grants)
+
+    check()
+
+
+def test_every_kind_progresses_beside_decodes_within_the_target():
+    """Chats decode while a prompt, LLM-scored pairs, cross-encoder pairs and embedding rows all wait, at one
+    priority, under a model whose prices are right: every kind rides in steps with the decodes, every planned step's
+    time is within T, and all of it finishes."""
+    prices = {**TRUE, "embed_forward": 0.001, "embed_tokens": 0.0001}
+    policy = LatencyAdmission(T, model=LinearStepTime(prices), progress_steps=8)
+    sim = ClockSim(policy)
+    sim.true = LinearStepTime(prices)
+    chats(sim, max_tokens=120)
+    sim.step()
+    sim.step()
+    llm = sim.add_rerank_job("llm", toks(4, 800), [toks(12, 5000 + 12 * i) for i in range(6)])
+    xenc = xenc_flood(sim, "xenc", n=12, tokens=8)
+    rows = [sim.add_embed(f"emb/{i}", toks(10, 9000 + 10 * i), stages=2) for i in range(8)]
+    late = sim.add("late", toks(60, 7000), max_tokens=2)
+    seen = {"llm": False, "xenc": False, "emb": False, "late": False}
+    for _ in range(100):
+        batch = sim.step()
+        if batch.num_decode_tokens == 4:
+            assert sim.seconds[-1] <= T + 1e-12
+            for s in batch.seqs:
+                for name in seen:
+                    seen[name] = seen[name] or s.request_id.startswith(name)
+    assert all(seen.values()), seen
+    assert all(s.status.finished for s in llm + xenc + rows)
+    assert late.num_output_tokens > 0
+    sim.run()

@@ -27,7 +27,7 @@ class EmbedCountingModel(CountingModel):
 def test_chats_pairs_and_embeddings_share_steps_under_the_target():
     target = LinearStepTime(EMBED_COEF).predict(StepShape(decode_rows=4, llm_rerank_tokens=60, embed_tokens=100))
     model = EmbedCountingModel()
-    llm = make_llm(admission=LatencyAdmission(target, model=model, min_prefill_tokens=8), embedder=EMBEDDED_EMBEDDER,
+    llm = make_llm(admission=LatencyAdmission(target, model=model), embedder=EMBEDDED_EMBEDDER,
                    max_num_batched_tokens=512, num_kv_blocks=512)
     engine = llm.engine
     records = record_steps(llm)

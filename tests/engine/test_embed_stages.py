@@ -99,7 +99,7 @@ def test_forget_drops_a_rows_kept_states():
 def _objective_llm(target_shape: StepShape):
     target = LinearStepTime(EMBED_COEF).predict(target_shape)
     model = EmbedCountingModel()
-    llm = make_llm(admission=LatencyAdmission(target, model=model, min_prefill_tokens=8), embedder=EMBEDDED_EMBEDDER,
+    llm = make_llm(admission=LatencyAdmission(target, model=model), embedder=EMBEDDED_EMBEDDER,
                    max_num_batched_tokens=512, num_kv_blocks=512)
     return llm, model, target
 
@@ -164,11 +164,11 @@ def test_embeddings_progress_beside_decodes_while_an_earlier_rerank_job_still_ha
     start_chats(engine, GEN)
     engine.add_rerank("job", "how do bees make honey", DOCS * 3)
     engine.add_embed("emb", TEXTS[:2])
-    order = list(run_to_end(engine))  # ids in the order their requests finished
+    list(run_to_end(engine))
     assert_no_leaks(llm)
-    assert order.index("emb") < order.index("job")  # the later, smaller request was not stuck behind the job
     decoding = [r for r in records if r.decode_tokens == 4]
-    assert any(r.embed_rows and r.rerank_tokens for r in decoding)  # both kinds in one step beside the decodes
+    # the later, smaller request is not stuck behind the job: both kinds ride in every step beside the decodes
+    assert len(decoding) >= 8 and all(r.embed_rows and r.rerank_tokens for r in decoding)
 
 
 def test_a_row_the_model_prices_over_the_target_still_rides_a_stage_every_max_stage_wait_steps():
@@ -178,7 +178,7 @@ def test_a_row_the_model_prices_over_the_target_still_rides_a_stage_every_max_st
     target = LinearStepTime(slow).predict(StepShape(decode_rows=4)) * 1.2
     model = EmbedCountingModel()
     model.coef = LinearStepTime(slow).coef
-    policy = LatencyAdmission(target, model=model, min_prefill_tokens=8, max_stage_wait_steps=5)
+    policy = LatencyAdmission(target, model=model, progress_steps=5)
     llm = make_llm(admission=policy, embedder=EMBEDDED_EMBEDDER, max_num_batched_tokens=512, num_kv_blocks=512)
     engine, records = llm.engine, record_steps(llm)
     start_chats(engine, GEN)

@@ -47,7 +47,7 @@ def _run(llm, kind_tokens: str):
 @pytest.mark.parametrize("mode", ["likelihood", "cross-encoder"])
 def test_engine_steps_keep_the_predicted_time_under_the_target(mode, minilm_dir):
     target = LinearStepTime(COEF).predict(StepShape(decode_rows=4, llm_rerank_tokens=60, cross_encoder_tokens=100))
-    policy = LatencyAdmission(target, model=CountingModel(), min_prefill_tokens=8)
+    policy = LatencyAdmission(target, model=CountingModel())
     extra = dict(reranker=str(minilm_dir)) if mode == "cross-encoder" else {}
     llm = make_llm(admission=policy, max_num_batched_tokens=512, num_kv_blocks=512, **extra)
     model, records = _run(llm, mode)
@@ -85,20 +85,21 @@ def test_tpot_target_ms_runs_the_fitted_model_and_records_its_predictions():
     assert all(c >= 0 for c in policy.model.coefficients().values())
 
 
-def test_without_an_objective_records_have_no_prediction(llm):
+def test_without_an_objective_records_have_no_prediction():
+    assert EngineConfig().tpot_target_ms == "auto"  # the objective is on by default; None turns it off
+    llm = make_llm(tpot_target_ms=None)
     records = record_steps(llm)
     llm.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0.0))
     llm.engine.remove_observer(records.append)
     assert records and all(r.predicted_s is None and r.target_s is None and r.prediction_error is None
                            and r.limit_s is None for r in records)
-    assert EngineConfig().tpot_target_ms is None
 
 
 def test_decode_steps_stay_within_the_target_while_llm_pairs_progress_in_chunks():
     """Query-likelihood pairs of ~170 tokens, each longer than the headroom beside 4 decodes (40 rerank tokens): they
     are prefilled in chunks, every step with decodes stays within the target, and the job moves on in every step."""
     target = LinearStepTime(COEF).predict(StepShape(decode_rows=4, llm_rerank_tokens=40))
-    policy = LatencyAdmission(target, model=CountingModel(), min_prefill_tokens=8)
+    policy = LatencyAdmission(target, model=CountingModel())
     llm = make_llm(admission=policy, max_num_batched_tokens=512, num_kv_blocks=512)
     engine = llm.engine
     records = record_steps(llm)

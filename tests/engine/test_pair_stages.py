@@ -63,7 +63,7 @@ def test_modernbert_pairs_in_stages_score_as_the_whole_forward(pooling, tmp_path
 
 def _objective_llm(minilm_dir, headroom_tokens: int):
     target = LinearStepTime(COEF).predict(StepShape(decode_rows=4, cross_encoder_tokens=headroom_tokens))
-    llm = make_llm(admission=LatencyAdmission(target, model=CountingModel(), min_prefill_tokens=8),
+    llm = make_llm(admission=LatencyAdmission(target, model=CountingModel()),
                    reranker=str(minilm_dir), max_num_batched_tokens=512, num_kv_blocks=512)
     return llm, target
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine import RerankParams, SamplingParams
-from engine.admission import AdmissionPolicy
+from engine.admission import AdmissionPolicy, Grant, Quota
+from engine.step_time import TokenKind
 from tests.engine.conftest import assert_no_leaks, make_llm, record_steps
 
 QUERY = "How do bees make honey?"
@@ -72,7 +73,7 @@ def test_judge_matches_transformers_and_reuses_prefix(judge_llm, hf_model):
 def test_likelihood_matches_transformers_beside_decodes_and_a_chunked_prompt(hf_model):
     """Pairs ride one ragged step with running decodes and a prompt whose prefill is split into chunks; each
     score is exp(mean log-prob of the query tokens), against one plain transformers forward of the same pair."""
-    llm = make_llm(max_num_batched_tokens=384)
+    llm = make_llm(max_num_batched_tokens=384, tpot_target_ms=None)  # plain budget filling: a chunked prompt too
     eng = llm.engine
     records = record_steps(llm)
     gen = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -111,7 +112,7 @@ def test_likelihood_query_span_is_never_taken_from_the_prefix_cache(llm):
 @pytest.mark.parametrize("mode", ["likelihood", "judge"])
 def test_pair_score_does_not_depend_on_batch_composition(mode):
     # rerank_share 1.0: the whole remaining budget, so many pairs ride in one step beside the decodes
-    llm = make_llm(rerank_mode=mode, rerank_share=1.0)
+    llm = make_llm(rerank_mode=mode, rerank_share=1.0, tpot_target_ms=None)
     alone = llm.rerank(QUERY, [DOCS[2]])[0]
     eng = llm.engine
     for i in range(3):
@@ -269,12 +270,9 @@ class ChunkPolicy(AdmissionPolicy):
     def __init__(self, chunk: int) -> None:
         self.chunk = chunk
 
-    def admit(self, step) -> None:
-        step.admit_generation(48)
-        step.admit_rerank(self.chunk)
-
-    def prefill_budget(self, step, continuing) -> int:
-        return 48  # a long prompt is prefilled 48 tokens a step: it stays chunked beside the pairs
+    def plan(self, view) -> Quota:
+        # a long prompt is prefilled 48 tokens a step: it stays chunked beside the pairs
+        return Quota((Grant(TokenKind.PREFILL, 48), Grant(None, self.chunk)))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.admission import AdmissionPolicy, AdmissionStep, policy_for
+from engine.admission import AdmissionPolicy, Grant, Quota, StepView, policy_for
 from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.request import RerankPair, Sequence, SequenceStatus, SeqKind
@@ -37,7 +37,7 @@ class Sim:
         self.cfg = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
                                 max_num_seqs=max_seqs, priority_aging_steps=aging,
                                 enable_prefix_caching=prefix_caching, scheduling=scheduling,
-                                rerank_share=rerank_share)
+                                rerank_share=rerank_share, tpot_target_ms=None)
         self.bs = block_size
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, block_size, prefix_caching)
@@ -693,14 +693,13 @@ class RerankFirstTwoSeats(AdmissionPolicy):
     """A test policy: while pairs wait, admit at most two of them and no prompt; then prompts."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[int, int, int, int]] = []
+        self.seen: list[StepView] = []
 
-    def admit(self, step: AdmissionStep) -> None:
-        self.seen.append((step.budget, step.free_seats, step.generation_waiting, step.rerank_waiting))
-        if step.rerank_waiting:
-            step.admit_rerank(max_seats=2)
-        else:
-            step.admit_generation()
+    def plan(self, view: StepView) -> Quota:
+        self.seen.append(view)
+        if view.of(TokenKind.CROSS_ENCODER):
+            return Quota((Grant(None, None, 2),))
+        return Quota((Grant(TokenKind.PREFILL),))
 
 
 def test_the_admission_policy_handed_to_the_scheduler_decides_the_split():
@@ -709,7 +708,10 @@ def test_the_admission_policy_handed_to_the_scheduler_decides_the_split():
     chat = sim.add("chat", toks(5, 7000), max_tokens=3)
     pairs = sim.add_rerank_job("job", [], [toks(3, 100 + 5 * i) for i in range(5)], uses_kv=False)
     first = sim.step()
-    assert policy.seen[0] == (64, 8, 1, 5)
+    view = policy.seen[0]
+    assert (view.budget, view.free_seats) == (64, 8)
+    assert [(w.kind, w.tokens, w.unit) for w in view.waiting] == [(TokenKind.PREFILL, 5, 5),
+                                                                  (TokenKind.CROSS_ENCODER, 15, 3)]
     assert [s.request_id for s in first.seqs] == ["job/0", "job/1"]
     sim.run()
     assert sim.admitted_order.index("chat") > max(sim.admitted_order.index(p.request_id) for p in pairs)
@@ -740,12 +742,8 @@ class _OneKindFirst(AdmissionPolicy):
     """Admits the scoring queue's cross-encoder pairs only, then asks again for embedding rows: the scheduler must
     stop at the head that changes kind."""
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[TokenKind, int]] = []
-
-    def admit(self, step: AdmissionStep) -> None:
-        for kind in (TokenKind.CROSS_ENCODER, TokenKind.EMBED):
-            self.calls.append((kind, step.admit_rerank(100, None, kind)))
+    def plan(self, view: StepView) -> Quota:
+        return Quota((Grant(TokenKind.CROSS_ENCODER, 100), Grant(TokenKind.EMBED, 100)))
 
 
 def test_an_admission_sized_for_one_kind_stops_where_the_queue_changes_kind():
@@ -755,7 +753,7 @@ def test_an_admission_sized_for_one_kind_stops_where_the_queue_changes_kind():
     sim.add_embed("emb", toks(4, 700))
     batch = sim.step()
     assert [s.request_id for s in batch.seqs] == ["job/0", "job/1", "emb"]
-    assert policy.calls == [(TokenKind.CROSS_ENCODER, 10), (TokenKind.EMBED, 4)]
+    assert (batch.num_cross_encoder_tokens, batch.num_embed_tokens) == (10, 4)
 
 
 def test_a_decode_short_of_a_block_never_preempts_an_encoder_row_part_way_through_its_stages():

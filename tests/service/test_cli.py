@@ -140,14 +140,18 @@ def test_unknown_rerank_mode_stops_serve_at_start_with_the_valid_modes(capsys):
     assert "rerank_mode must be one of likelihood, judge, cross-encoder, fusion, got 'yesno'" in err
 
 
-def test_tpot_target_flag_and_variable_reach_the_engine_config(monkeypatch):
-    assert _engine_config().tpot_target_ms is None  # unset: the fixed rerank share, as before
+def test_tpot_target_flag_and_variable_reach_the_engine_config(monkeypatch, capsys):
+    assert _engine_config().tpot_target_ms == "auto"  # unset: the objective is on, with the automatic target
     assert _engine_config("--tpot-target-ms", "45").tpot_target_ms == 45.0
+    assert _engine_config("--tpot-target-ms", "off").tpot_target_ms is None  # plain budget filling
+    assert _engine_config("--tpot-target-ms", "auto").tpot_target_ms == "auto"
     monkeypatch.setenv("TANDEM_TPOT_TARGET_MS", "30.5")
     assert _engine_config().tpot_target_ms == 30.5
-    monkeypatch.setenv("TANDEM_TPOT_TARGET_MS", "-1")
-    with pytest.raises(ValueError, match="tpot_target_ms must be a number > 0"):
-        _engine_config()
+    for bad in ("-1", "fast"):
+        monkeypatch.setenv("TANDEM_TPOT_TARGET_MS", bad)
+        with pytest.raises(SystemExit):
+            _engine_config()
+        assert "not a latency objective" in capsys.readouterr().err
 
 
 def test_quantization_flag_and_dtype_float32_asking_for_the_dense_path(monkeypatch):
