@@ -12,11 +12,11 @@ fake tests inject); `OnlineStepTime` fits them from the engine's own steps:
   slow steps become the majority of the window (the machine really is slower now) does the fit follow them.
 * A ridge toward the previous coefficients, worth `prior_steps` steps, keeps directions the window says nothing
   about (no cross-encoder tokens seen yet; decode rows always 16) where they were, and coefficients are >= 0.
-* The first coefficients are a device-agnostic prior, deliberately slow (2 ms a token, 10 ms a forward), that the
-  first real steps replace; until `min_samples` steps have been seen `ready` is False and the objective admits
-  only its floors (one pair, `min_prefill_tokens`). No start-up calibration: it would cost every start, measure an
-  idle machine, and the steps before the first decode (prompts, a rerank flood at full budget) measure the
-  load the objective has to hold anyway.
+* The first coefficients are a device-agnostic prior, deliberately slow (2 ms a token, 10 ms a forward). `tandem
+  serve` replaces them before the first request: engine/calibrate.py runs a short sweep of real step shapes on this
+  machine (or reads the fit it cached for this model, host, threads and CPU path) and `seed`s the model with it.
+  An engine that was not calibrated learns from its first steps: until `min_samples` of them `ready` is False and
+  the objective admits only minimum progress beside decodes.
 
 Fitting is lazy (on the first predict after new steps), so its cost lands inside a step's measured time.
 """
@@ -118,6 +118,11 @@ class LinearStepTime:
             return 0.0
         return sum(c * x for c, x in zip(self.coef, shape.features(self.wide_rows)))
 
+    @staticmethod
+    def predict_with(coef: dict[str, float], shape: StepShape, wide_rows: int | None = None) -> float:
+        """What coefficients `coef` predict for `shape`."""
+        return LinearStepTime(coef, wide_rows).predict(shape)
+
     def token_cost_s(self, kind: TokenKind) -> float:
         """Seconds one more token of `kind` adds to a step that already runs its forward."""
         return self.coef[FEATURES.index(kind)]
@@ -166,11 +171,28 @@ class OnlineStepTime(LinearStepTime):
         self._seen = 0
         self._fitted_at = 0  # _seen at the last fit
         self._spread = 0.0  # robust (MAD) standard deviation of relative residuals at the last fit
+        self._seeded = False  # seeded from a calibration: ready before min_samples steps
         self.num_fits = 0
 
     @property
     def ready(self) -> bool:
-        return self._seen >= self.min_samples
+        return self._seeded or self._seen >= self.min_samples
+
+    def seed(self, coef: dict[str, float], spread: float) -> None:
+        """Start from a calibrated fit (engine/calibrate.py): these coefficients, this spread of relative errors, and
+        ready at once; the online fit then refines them (ridging toward them where its window says little)."""
+        unknown = set(coef) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"unknown step-time features {sorted(unknown)}")
+        self.coef = [float(coef.get(name, c)) for name, c in zip(FEATURES, self.coef)]
+        self._spread = max(0.0, float(spread))
+        self._seeded = True
+        self._fitted_at = self._seen  # the window so far is what the seed was fitted on
+
+    def spread(self) -> float:
+        """The robust spread (MAD standard deviation) of the fit's relative errors."""
+        self._refit()
+        return self._spread
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if shape.empty or not seconds > 0 or not math.isfinite(seconds):
@@ -195,7 +217,7 @@ class OnlineStepTime(LinearStepTime):
     def _refit(self) -> None:
         new = self._seen - self._fitted_at
         # Every `refit_every` steps (each fit costs ~0.2 ms), and at once while the model is young.
-        if not new or (new < self.refit_every and self._fitted_at >= self.min_samples):
+        if not new or (new < self.refit_every and (self._fitted_at >= self.min_samples or self._seeded)):
             return
         self._fitted_at = self._seen
         self.num_fits += 1

@@ -24,6 +24,18 @@ from service.vllm_metrics import VllmMetrics
 log = logging.getLogger("tandem.serve")
 
 
+async def _calibrate(engine):
+    """The latency objective's step-time model fitted to this machine before the first request (engine/calibrate.py;
+    seconds the first time, cached after); None when the objective is off."""
+    from engine.calibrate import calibrate
+    from engine.settings import Settings
+
+    if getattr(engine.admission, "model", None) is None:
+        return None
+    with phase(log, "calibrating the step-time model of the latency objective"):
+        return await _in_own_thread(calibrate, engine, Settings.from_env().cache_dir)
+
+
 async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
                 ready: Callable[[str], None] = print, hooks: tuple[LifecycleHooks, ...] = (),
                 metrics_port: int | None = None, access_log: bool = True, step_log: str | None = None) -> int:
@@ -43,8 +55,11 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
         with phase(log, f"loading the model ({engine_config.model or 'embedded SmolLM2-135M-Instruct'})",
                    weights_size(engine_config.model)):
             engine = await _in_own_thread(LLMEngine, engine_config)
+        calibration = await _calibrate(engine)
     except Exception as exc:  # noqa: BLE001 (said in one line by the CLI; the traceback at --log-level debug)
         raise StartupError(exc) from exc
+    if calibration is not None:
+        log.info("%s", calibration.summary())
     # The name requests and responses use (service/core.py): the first --served-model-name, else the short id.
     model_name = (server_config.served_model_names or (short_name(str(engine.model_info()["model"])),))[0]
     metrics = Metrics()

@@ -92,3 +92,21 @@ def test_plan_falls_back_to_the_reference_for_other_dtypes_unless_forced() -> No
     assert paged.plan_step(*args, "auto").backend == "torch"
     with pytest.raises(RuntimeError, match="float32"):
         paged.plan_step(*args, "cpp")
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (16, 0.0), (0, 30.0)])
+def test_a_narrow_mixed_step_runs_as_decode_rows_with_causal_attention(window: int, softcap: float) -> None:
+    """Decodes beside a few prompt or pair tokens (at most paged.NARROW_ROWS query tokens) take the decode path on
+    the C++ backend, one row per query token, each attending to its own causal prefix: the values of the separate
+    ops within float32 summation order, the caches bit for bit."""
+    specs = [(14, 1), (39, 1), (99, 1), (30, 3), (0, 2), (5, 4)]
+    batch, qkv, slots = _step(specs, group=3, seed=11 + window)
+    want = _separate(batch, qkv, slots, window, softcap, "cpp")
+    *got, plan = _fused(batch, qkv, slots, window, softcap, "cpp")
+    assert plan.decode_only and len(plan.seq_lens) == sum(q for _, q in specs) <= paged.NARROW_ROWS
+    assert plan.seq_lens.tolist() == [15, 40, 100, 31, 32, 33, 1, 2, 6, 7, 8, 9]
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    wide = [(0, paged.NARROW_ROWS + 1)]  # a prefill-shaped step keeps the varlen path
+    batch, qkv, slots = _step(wide, group=3, seed=3)
+    assert not _fused(batch, qkv, slots, mode="cpp")[-1].decode_only

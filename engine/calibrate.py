@@ -1,0 +1,163 @@
+"""Start-up calibration: the step-time model knows this machine before the first request.
+
+The latency objective plans every step with a step-time model (engine/step_time.py). Fitted online from slow priors
+only, it is wrong exactly when a new kind of work arrives (an embedding forward priced at 10 ms where it costs ~1 ms,
+the quantized matmul's narrow-to-wide jump unseen). `calibrate` runs a short sweep of real steps through the engine
+itself before it serves (decode rows 1 / 4 / 8 / 16, a prompt chunk alone, and decodes beside prompt chunks, rerank
+pairs and embedding rows as this engine has them), so the model fits what this model, host, thread count and CPU
+path cost; the fit is cached per (model, scorer, embedder, host CPU, threads, ISA path, torch) in the cache directory
+and a later start seeds the model from it in no time. Either way the model keeps refining online.
+
+The sweep's requests are ordinary engine requests (ids `calibrate/...`) that finish before the engine serves
+anything; its prompts leave only evictable prefix-cache blocks behind.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.config import EmbedParams, RerankParams, SamplingParams
+from engine.step_time import OnlineStepTime, StepShape
+
+if TYPE_CHECKING:
+    from engine.engine import LLMEngine
+
+log = logging.getLogger("tandem.engine")
+
+VERSION = 1  # bump when the sweep or the features change: older cached fits are ignored
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """What calibration did: the fitted coefficients (seconds per feature unit), from the cache or measured."""
+    coefficients: dict[str, float]
+    spread: float  # the fit's robust spread of relative errors (what the planning margin comes from)
+    steps: int  # steps the sweep ran (0: from the cache)
+    seconds: float  # how long it took
+    cached: bool
+    path: Path
+
+    def summary(self) -> str:
+        c = self.coefficients
+        decode8 = OnlineStepTime.predict_with(c, StepShape(decode_rows=8, decode_context_tokens=8 * 256))
+        how = f"from {self.path}" if self.cached else f"measured in {self.seconds:.1f} s over {self.steps} steps"
+        return (f"step-time model ({how}): 8 decodes at 256 tokens {decode8 * 1e3:.1f} ms, forward "
+                f"{c['llm_forward'] * 1e3:.2f} ms + {c['decode_rows'] * 1e3:.2f} ms a decode row; a prompt token "
+                f"{c['prefill_tokens'] * 1e3:.3f} ms, an LLM pair token {c['llm_rerank_tokens'] * 1e3:.3f} ms, "
+                f"wide-path jump {c['wide_forward'] * 1e3:.1f} ms; embedder forward {c['embed_forward'] * 1e3:.2f} "
+                f"ms + {c['embed_tokens'] * 1e3:.3f} ms a token; cross-encoder forward "
+                f"{c['cross_encoder_forward'] * 1e3:.2f} ms + {c['cross_encoder_tokens'] * 1e3:.3f} ms a token")
+
+
+def cache_key(engine: "LLMEngine") -> str:
+    """What a fit depends on: the models, their formats and paths, this CPU, the threads and the ISA path."""
+    cfg = engine.config
+    parts = [VERSION, str(cfg.model), str(engine.model_dir), engine.quantization, engine.weight_format, cfg.dtype,
+             cfg.device, str(cfg.reranker), str(engine.scorer.mode), str(getattr(engine.embedder, "name", None)),
+             cfg.max_num_batched_tokens, cfg.block_size, _cpu_name(), torch.get_num_threads(), engine.cpu_kernels,
+             torch.__version__]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
+
+
+def calibrate(engine: "LLMEngine", cache_dir: Path, time_budget_s: float = 20.0) -> Calibration | None:
+    """Fit `engine`'s step-time model to this machine (or seed it from the cache); None when its admission policy
+    has no online step-time model (the objective is off, or a policy object was given)."""
+    model = getattr(engine.admission, "model", None)
+    if not isinstance(model, OnlineStepTime):
+        return None
+    path = Path(cache_dir) / "steptime" / f"{cache_key(engine)}.json"
+    cached = _read(path)
+    if cached is not None:
+        model.seed(cached["coefficients"], cached["spread"])
+        return Calibration(cached["coefficients"], cached["spread"], 0, 0.0, True, path)
+    started = time.monotonic()
+    steps = _sweep(engine, started + time_budget_s)
+    coefficients, spread = model.coefficients(), model.spread()
+    model.seed(coefficients, spread)
+    result = Calibration(coefficients, spread, steps, time.monotonic() - started, False, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"coefficients": coefficients, "spread": spread, "steps": steps}))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache: calibrate again next start
+        log.warning("step-time calibration not cached (%s)", exc)
+    return result
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+        coefficients = {str(k): float(v) for k, v in data["coefficients"].items()}
+        return {"coefficients": coefficients, "spread": float(data["spread"])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _sweep(engine: "LLMEngine", deadline: float) -> int:
+    """Run the calibration workloads; returns the steps run."""
+    ids = _token_ids(engine)
+    steps = 0
+    serial = iter(range(1 << 30))
+
+    def prompt(n: int) -> list[int]:
+        k = next(serial)  # a distinct first token: no prefix-cache hit between sweep prompts
+        return [ids[k % len(ids)]] + [ids[(k * 7 + i) % len(ids)] for i in range(n - 1)]
+
+    def chats(n: int, max_tokens: int, length: int = 32) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for _ in range(n):
+            engine.add_request(f"calibrate/{next(serial)}", prompt(length), params)
+
+    def run() -> None:
+        nonlocal steps
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+
+    for rows in (1, 4, 8, 16):  # decode rows (16: the quantized matmul's wide path on most CPUs)
+        chats(rows, 6)
+        run()
+        if time.monotonic() > deadline:
+            return steps
+    chats(1, 1, length=min(engine.config.max_num_batched_tokens, engine.max_model_len - 2, 384))  # a prompt alone
+    run()
+    # decodes beside the other kinds of work: prompts, rerank pairs, embedding rows
+    chats(8, 24)
+    engine.step()
+    steps += 1
+    chats(2, 2, length=96)
+    text = engine.tokenizer.decode(ids[:48], skip_special_tokens=True)
+    engine.add_rerank(f"calibrate/{next(serial)}", "calibration query", [f"{i} {text}" for i in range(8)],
+                      RerankParams())
+    if engine.embedder is not None:
+        engine.add_embed(f"calibrate/{next(serial)}", [f"{i} {text}" for i in range(8)], EmbedParams())
+    run()
+    return steps
+
+
+def _token_ids(engine: "LLMEngine") -> list[int]:
+    """Ordinary text's token ids (no special tokens): what the sweep's prompts are made of."""
+    text = ("The committee met on Tuesday to review the harvest, the roads and the new school; most of the village "
+            "came, asked questions about the budget and stayed for the music afterwards. ") * 4
+    ids = [t for t in engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+           if t not in engine.eos_token_ids]
+    return ids or [0]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
