@@ -28,6 +28,13 @@ The JSON records the 1-minute load average: on a shared host the figures are ind
 
     python -m bench.mixed_serve                        # full size (about 10 minutes on 2 cores)
     python -m bench.mixed_serve --quick                # a smoke run
+    python -m bench.mixed_serve --default-flags        # issue #45: no objective flag, the server's automatic T
+
+`--default-flags` measures what a user gets with no flag at all (the objective on, T chosen by the server, 1.25x its
+predicted decode step): the chats solo, then beside (a) one rerank of a long document (--long-doc-tokens), (b) the
+rerank flood, (c) the embedding flood, (d) both, each on --runs fresh servers; p99 TPOT against the T the server
+chose (the median `target_s` of its decode steps in the window, from the step log) and the chats' tokens/s against
+solo (target: p99 <= 1.25 T and >= 80% of solo).
 """
 from __future__ import annotations
 
@@ -225,13 +232,24 @@ def analyse_steps(records: list[dict], stamps: list[list[float]], window: tuple[
     return out
 
 
-async def measure(flags: list[str], prompts, max_tokens, flood, embed_flood=None, target_ms=None) -> dict:
+def _server_target_ms(records: list[dict], window: tuple[float, float]) -> float | None:
+    """The T the server chose for the chats: the median target of its decode steps inside `window`."""
+    t0, t1 = window
+    targets = [r["target_s"] for r in records if t0 <= r["start_time"] <= t1 and r["decode_tokens"]
+               and r.get("target_s")]
+    return 1000 * percentile(targets, 50) if targets else None
+
+
+async def measure(flags: list[str], prompts, max_tokens, flood, embed_flood=None, target_ms=None,
+                  server_target: bool = False) -> dict:
     server = Server(flags)
     try:
         result = await run_phase(server, prompts, max_tokens, flood, embed_flood)
     finally:
         server.stop()
     records = [json.loads(line) for line in server.step_log.read_text().splitlines() if line.strip()]
+    if server_target:
+        target_ms = result["server_target_ms"] = _server_target_ms(records, result["_window"])
     result["engine_steps"] = analyse_steps(records, result.pop("_stamps"), result.pop("_window"), target_ms)
     if result["engine_time_per_output_token_mean_ms"] is not None:
         # The same chats' mean time per token seen by the client and by the server's lifecycle (first token to
@@ -285,6 +303,43 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+async def _default_flags(args: argparse.Namespace) -> dict:
+    """Issue #45's targets with default flags: the chats solo, then beside each kind of flood, T as the server
+    chose it."""
+    if args.quick:
+        args.chats, args.max_tokens, args.docs, args.runs, args.long_doc_tokens = 2, 8, 4, 1, 400
+    prompts = [f"Tell me a long story about {w}, chapter {i}." for i, w in
+               zip(range(args.chats), ["bees", "ships", "trains", "rivers", "stars", "owls", "bread", "glass"] * 4)]
+    sets = _documents(args.flood_clients + args.embed_clients, args.docs, args.doc_tokens, args.seed)
+    rerank, embed = sets[:args.flood_clients], [docs for _, docs in sets[args.flood_clients:]]
+    (query, [long_doc]), = _documents(1, 1, args.long_doc_tokens, args.seed + 1)
+    base = ["--num-threads", str(args.threads)] if args.threads else []
+    load_start = os.getloadavg()[0]
+    solo = await measure(base, prompts, args.max_tokens, None, server_target=True)
+    floods = {"long_rerank": ([(query, [long_doc])], None), "rerank_flood": (rerank, None),
+              "embed_flood": (None, embed), "both_floods": (rerank, embed)}
+    settings = {}
+    for name, (flood, embed_flood) in floods.items():
+        runs = [await measure(base, prompts, args.max_tokens, flood, embed_flood, server_target=True)
+                for _ in range(args.runs)]
+        settings[name] = {
+            "runs": runs,
+            "p99_over_server_T": [r["tpot_p99_ms"] / r["server_target_ms"] if r.get("server_target_ms") else None
+                                  for r in runs],
+            "tokens_per_s_vs_solo": [solo["tpot_mean_ms"] / r["tpot_mean_ms"] for r in runs],
+            "rerank_pairs_per_s": [r["rerank_pairs_per_s"] for r in runs],
+            "embed_texts_per_s": [r["engine_steps"].get("embed_rows_done_per_s") for r in runs]}
+        print(json.dumps({name: {k: v for k, v in settings[name].items() if k != "runs"}}), flush=True)
+    result = {"mode": "default flags", "chats": args.chats, "max_tokens": args.max_tokens, "docs": args.docs,
+              "doc_tokens": args.doc_tokens, "long_doc_tokens": args.long_doc_tokens, "threads": args.threads,
+              "solo": solo, "solo_p99_over_server_T": solo["tpot_p99_ms"] / solo["server_target_ms"]
+              if solo.get("server_target_ms") else None, "settings": settings, "loadavg_1m_start": load_start,
+              "loadavg_1m_end": os.getloadavg()[0]}
+    result["contended"] = max(load_start, result["loadavg_1m_end"]) > (os.cpu_count() or 1) + 1
+    write_result(result, args.out)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     return asyncio.run(_main(argv))
 
@@ -307,8 +362,14 @@ async def _main(argv: list[str] | None) -> dict:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="each server's --num-threads (default: torch's)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "mixed_serve.json")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--default-flags", action="store_true", help="issue #45: no objective flag (see the docstring)")
+    ap.add_argument("--long-doc-tokens", type=int, default=8000)
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = RESULTS / ("mixed_serve_default.json" if args.default_flags else "mixed_serve.json")
+    if args.default_flags:
+        return await _default_flags(args)
     if args.quick:
         args.chats, args.max_tokens, args.docs, args.shares, args.runs = 2, 8, 4, [0.5], 1
     prompts = [f"Tell me a long story about {w}, chapter {i}." for i, w in

@@ -73,6 +73,10 @@ def llm() -> LLM:
 
 
 def make_llm(admission=None, **overrides) -> LLM:
+    """An engine for a test of the engine's mechanisms: plain budget filling unless the test names an objective
+    (`tpot_target_ms`) or a policy, so how many tokens a step takes does not depend on a step-time model fitted to
+    this host's timing. The objective's own tests set it (tests/engine/test_admission.py, test_latency_objective.py)."""
+    overrides.setdefault("tpot_target_ms", None)
     return LLM(EngineConfig(**overrides), admission=admission)
 
 
