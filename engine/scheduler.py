@@ -131,7 +131,7 @@ class Scheduler:
 
     def _queue_of(self, seq: Sequence) -> WaitQueue:
         """Prompts wait in `waiting`, rerank pairs in `waiting_rerank`, embedding rows in `waiting_embed`: the two
-        scoring queues are one priority order (`_rerank_head` takes the more urgent head), kept apart so that each
+        scoring queues are one priority order (`_scoring_head` takes the more urgent head), kept apart so that each
         kind of scoring work can be given its own share of a step (admission.LatencyAdmission)."""
         if seq.kind is SeqKind.GENERATE:
             return self.waiting
@@ -250,7 +250,7 @@ class Scheduler:
                 used += chunk
         return used
 
-    def _rerank_head(self, pairs: list[Sequence], batch: Batch, kind: TokenKind | None = None) -> Sequence | None:
+    def _scoring_head(self, scoring: list[Sequence], batch: Batch, kind: TokenKind | None = None) -> Sequence | None:
         """The sequence the next scoring tokens go to (of `kind` only, when given: admission.scoring_kind): the most
         urgent of the running ones not yet in this step (part-way through: a pair's KV so far, a row's stages so far)
         and the two scoring queues' heads; at equal priority the running one."""
@@ -259,7 +259,7 @@ class Scheduler:
             key, head = queue.peek_keyed(self.num_steps)
             if head is not None and (kind is None or scoring_kind(head) is kind) and (best is None or key < best):
                 waiting, best = head, key
-        for seq in pairs:  # running is sorted by (priority, arrival)
+        for seq in scoring:  # running is sorted by (priority, arrival)
             if kind is not None and scoring_kind(seq) is not kind:
                 continue
             if seq.num_computed_tokens < seq.num_tokens and not _in_batch(seq, batch):
@@ -269,15 +269,15 @@ class Scheduler:
         return waiting
 
     def _admit_scoring(self, batch: Batch, budget: int, seats: int | None, kind: TokenKind | None = None) -> int:
-        """Rerank tokens, at most `budget` of them: the next chunk of each running pair, then new pairs, most urgent
-        first (`_rerank_head`). An LLM-scored pair is chunked like a prompt; an encoder row (cross-encoder pair,
+        """Scoring tokens, at most `budget` of them: the next chunk of each running pair, then new pairs, most urgent
+        first (`_scoring_head`). An LLM-scored pair is chunked like a prompt; an encoder row (cross-encoder pair,
         embedding input) runs whole or its next stages (Sequence.stages_within). `seats`
         bounds the pairs this call serves, running ones included (each holds a seat). `kind`: only work of that kind
         (admission.scoring_kind), the most urgent of it first."""
-        pairs = [s for s in self.running if s.kind is not SeqKind.GENERATE]
+        scoring = [s for s in self.running if s.kind is not SeqKind.GENERATE]  # part-way through
         used = 0
         while used < budget and (seats is None or seats > 0):
-            seq = self._rerank_head(pairs, batch, kind)
+            seq = self._scoring_head(scoring, batch, kind)
             if seq is None:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # a queue's head: a new pair or row
