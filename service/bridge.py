@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import grpc
 
+from engine.errors import InputTooLong
 from engine.request import FinishReason, SeqKind
 from service.errors import ServiceError, draining
 from service.lifecycle import LifecycleHooks, RequestLifecycle
@@ -358,7 +359,8 @@ class EngineBridge:
             add()
             self._live.add(request_id)
         except ValueError as exc:
-            failures.append((request_id, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))))
+            failures.append((request_id, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
+                                                      too_long=isinstance(exc, InputTooLong))))
         except Exception as exc:  # a bug, not bad input: fail this request, keep serving
             log.exception("add %s failed", request_id)
             failures.append((request_id, ServiceError(grpc.StatusCode.INTERNAL, f"could not admit: {exc!r}")))

@@ -102,6 +102,11 @@ class GenerateInput:
     timeout_ms: int = 0  # 0: none
 
 
+# How a request asks for an input too long to be cut instead of refused, in the gRPC API's spelling; each HTTP API
+# names its own (TEI's `truncate: true`, Cohere's `truncate: "END"`) in the inputs it builds.
+GRPC_CUT_HINT = "set truncate to TRUNCATE_END (or leave it unset) to cut it at its end"
+
+
 @dataclass(frozen=True, slots=True)
 class RerankInput:
     request_id: str
@@ -111,6 +116,7 @@ class RerankInput:
     model: str = ""
     timeout_ms: int = 0
     max_tokens_per_doc: int | None = None  # cut each document to its first N tokens before scoring (Cohere)
+    cut_hint: str = GRPC_CUT_HINT  # how this request's API asks to cut a document too long (completes the refusal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +162,7 @@ class EmbedInput:
     params: EmbedParams
     model: str = ""
     timeout_ms: int = 0
+    cut_hint: str = GRPC_CUT_HINT  # how this request's API asks to cut an input too long (completes the refusal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,21 +379,24 @@ class CoreAPI:
             lc = self.bridge.submit_rerank(inp.request_id, lambda event: future.done() or future.set_result(event),
                                            query=inp.query, documents=documents, params=inp.params,
                                            timeout_ms=inp.timeout_ms, metadata=metadata)
-        event = await self._final(future, lc, "rerank")
+        event = await self._final(future, lc, "rerank", inp.cut_hint)
         params = inp.params
         results = rank_scores(event.scores, inp.documents, params.top_n, params.return_documents,
                               event.document_tokens, event.truncated)
         return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode)
 
-    async def _final(self, future: asyncio.Future, lc: RequestLifecycle, what: str) -> StepOutput:
+    async def _final(self, future: asyncio.Future, lc: RequestLifecycle, what: str, cut_hint: str) -> StepOutput:
         """The one final output of an admitted rerank or embed job; cancelling the await (the client left, its
-        deadline passed) aborts the job. Raises its ServiceError, or UNAVAILABLE if the server aborted it."""
+        deadline passed) aborts the job. Raises its ServiceError (an input too long says how to ask, in the
+        request's own API, for the cut: `cut_hint`), or UNAVAILABLE if the server aborted it."""
         try:
             event = await future
         finally:
             if not future.done() or future.cancelled():
                 self.bridge.abort(lc.engine_id)
         if isinstance(event, ServiceError):
+            if event.too_long:
+                raise ServiceError(event.code, f"{event.message} or {cut_hint}") from None
             raise event
         if event.finish_reason is FinishReason.ABORT:  # aborted by the server (drain timeout)
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{what} aborted: the server is shutting down; retry")
@@ -415,7 +425,7 @@ class CoreAPI:
             lc = self.bridge.submit_embed(inp.request_id, lambda event: future.done() or future.set_result(event),
                                           inputs=inp.inputs, params=inp.params, timeout_ms=inp.timeout_ms,
                                           metadata=metadata)
-        event = await self._final(future, lc, "embed")
+        event = await self._final(future, lc, "embed", inp.cut_hint)
         return EmbedOutcome(inp.request_id, event.embeddings, event.truncated, Usage.of(lc), self.info.embedder)
 
     # ---- tokens ----------------------------------------------------------------------------------
@@ -505,5 +515,5 @@ def _first_tokens(tokenizer, texts: list[str], limit: int) -> list[str]:
     return [tokenizer.decode(tokenizer(t, add_special_tokens=False)["input_ids"][:limit]) for t in texts]
 
 
-__all__ = ["CHAT_ROLES", "CoreAPI", "EmbedInput", "EmbedOutcome", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
+__all__ = ["CHAT_ROLES", "CoreAPI", "GRPC_CUT_HINT", "EmbedInput", "EmbedOutcome", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
            "Names", "RerankInput", "RerankOutcome", "Usage", "json_schema", "short_name"]
