@@ -4,6 +4,7 @@ Every check raises ValueError naming the field, so the service can answer INVALI
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ class RequestIntake:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
+        if params.max_tokens is None:  # unset: what is left of the context (vLLM's default)
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(token_ids))
         if len(token_ids) + params.max_tokens > self.max_model_len:  # refused, as vLLM does, never clamped
             raise ValueError(f"max_tokens is too large: {params.max_tokens}; the prompt has {len(token_ids)} tokens "
                              f"and max_model_len is {self.max_model_len}, so max_tokens can be at most "

@@ -93,7 +93,10 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class GenerateInput:
-    """One generation: exactly one of prompt (text or token ids) and messages (chat, templated by the engine)."""
+    """One generation: exactly one of prompt (text or token ids) and messages (chat, templated by the engine).
+    `params.max_tokens` None (the request set none, through either door): the rest of the context, max_model_len
+    minus the prompt's tokens, filled in once the prompt is tokenized (vLLM's default); a value set too large is
+    refused, never clamped."""
     request_id: str  # the client's id (unique per gRPC stream; the HTTP door numbers its prompts)
     params: SamplingParams
     prompt: str | list[int] | None = None

@@ -177,7 +177,7 @@ def _error(exc: HttpError, shape: Shape) -> Response:
 async def _chat(door: Door, request: Request) -> Response:
     door.authorize(request, "Generate")
     body = openai_schema.parse(openai_schema.ChatRequest, await request.body())
-    inputs = body.to_inputs(default_max_tokens=door.core.info.max_model_len or 2048)
+    inputs = body.to_inputs()
     top = (body.top_logprobs or 0) if body.logprobs else None
     return await _generate(door, request, body, inputs, Completion(
         chat=True, model=door.core.model_name(body.model), n=body.n or 1, tokens=door.core.token_texts,
@@ -187,7 +187,7 @@ async def _chat(door: Door, request: Request) -> Response:
 async def _completions(door: Door, request: Request) -> Response:
     door.authorize(request, "Generate")
     body = openai_schema.parse(openai_schema.CompletionRequest, await request.body())
-    inputs = body.to_inputs(default_max_tokens=16)  # OpenAI's default for /v1/completions
+    inputs = body.to_inputs()
     return await _generate(door, request, body, inputs, Completion(
         chat=False, model=door.core.model_name(body.model), n=body.n or 1, tokens=door.core.token_texts,
         top_logprobs=body.logprobs, include_usage=bool(body.stream_options and body.stream_options.include_usage)))

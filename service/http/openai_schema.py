@@ -134,8 +134,7 @@ class _Sampling(_Model):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
-        if max_tokens is not None:
-            params["max_tokens"] = max_tokens
+        params["max_tokens"] = max_tokens  # None: the rest of the context
         if logprobs is not None:
             params["logprobs"] = logprobs
         if self.seed is not None:
@@ -238,13 +237,13 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
-    def to_inputs(self, default_max_tokens: int) -> list[GenerateInput]:
+    def to_inputs(self) -> list[GenerateInput]:
+        """max_tokens (or max_completion_tokens) unset: None, the rest of the context (SamplingParams')."""
         if self.top_logprobs is not None and not self.logprobs:
             raise HttpError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        params = self.sampling(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                               logprobs=logprobs)
+        params = self.sampling(max_tokens=max_tokens, logprobs=logprobs)
         messages = []
         for i, m in enumerate(self.messages):
             refuse_extras(m, f"messages[{i}].")
@@ -261,9 +260,8 @@ class CompletionRequest(_Sampling):
     prompt: Prompt
     logprobs: int | None = None
 
-    def to_inputs(self, default_max_tokens: int) -> list[GenerateInput]:
-        params = self.sampling(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
-                               logprobs=self.logprobs)
+    def to_inputs(self) -> list[GenerateInput]:
+        params = self.sampling(max_tokens=self.max_tokens, logprobs=self.logprobs)
         prompts = self.prompts()
         if not prompts:
             raise HttpError(400, "prompt must not be an empty list", param="prompt")

@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.service.conftest import CHAT, MAX_MESSAGE_BYTES, PROMPTS
+from tests.service.conftest import CHAT, MAX_MESSAGE_BYTES, MAX_MODEL_LEN, PROMPTS
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                            "sunny": {"type": "boolean"}},
@@ -51,6 +51,31 @@ def test_chat_stream_equals_non_stream_with_usage(client, offline):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == offline.chat.finish_reason
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == len(offline.chat.token_ids)
+
+
+def test_chat_without_max_tokens_runs_until_it_stops(client, http_url, served):
+    """The SDK sends no max_tokens unless told (nor does curl with only `messages`): the rest of the context, as
+    vLLM fills it in, not a 400 over the server's own default. The generation ends by itself (EOS, or the stop
+    string: no ignore_eos)."""
+    stream = client.chat.completions.create(model="", messages=CHAT, stream=True, temperature=0, stop=["."])
+    chunks = list(stream)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks).strip()
+    r = client.chat.completions.create(model="", messages=CHAT, temperature=0, stop=["."])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content.strip()
+    with httpx.Client(base_url=http_url, timeout=None) as h:
+        only = h.post("/v1/chat/completions", json={"messages": CHAT, "stop": [".", "\n"], "seed": 1})
+    assert only.status_code == 200, only.text
+    assert only.json()["choices"][0]["finish_reason"] == "stop"
+    completion = client.completions.create(model="", prompt="The capital of France is", temperature=0,
+                                           stop=[".", "\n"])
+    assert completion.choices[0].finish_reason == "stop"
+
+
+def test_a_max_tokens_set_too_large_is_still_a_400_naming_the_most_that_fits(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="", messages=CHAT, max_tokens=MAX_MODEL_LEN)
+    assert "max_tokens is too large: 8192" in info.value.message and "can be at most" in info.value.message
 
 
 def test_completions_prompt_list_greedy(client, offline):
