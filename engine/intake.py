@@ -223,7 +223,9 @@ class RequestIntake:
         return self.budget, ("max_num_batched_tokens (tandem serve --max-num-batched-tokens): a cross-encoder pair "
                              "runs whole in one step")
 
-    def chat_token_ids(self, messages: list[dict]) -> list[int]:
+    def chat_token_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The chat rendered by the chat template for a reply; `tools` (OpenAI function definitions) in the
+        template's own tool format, as transformers renders them."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content}")
         for m in messages:
@@ -231,16 +233,22 @@ class RequestIntake:
                 raise ValueError("each message needs a string role and string content")
         if not self.tokenizer.chat_template:
             raise ValueError("messages: this model has no chat template (a base model); send a prompt instead")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if tools and "tools" not in self.tokenizer.chat_template:
+            raise ValueError("tools: this model's chat template has no tool format (give one that renders tools "
+                             "with --chat-template)")
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                 tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
 
-    def prompt_token_ids(self, prompt, messages) -> list[int]:
+    def prompt_token_ids(self, prompt, messages, tools: list[dict] | None = None) -> list[int]:
         if messages is not None:
             if prompt is not None:
                 raise ValueError("give either prompt or messages, not both")
-            return self.chat_token_ids(messages)
+            return self.chat_token_ids(messages, tools)
+        if tools:
+            raise ValueError("tools need messages (a chat), not a prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")

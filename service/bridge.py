@@ -69,6 +69,7 @@ class AddGeneration:
     params: "SamplingParams"
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
+    tools: list[dict] | None = None  # function definitions the chat template renders (tool calling)
     prepared: Any = None  # set by the intake thread: the prompt's token ids, or the ValueError that refused it
 
 
@@ -193,9 +194,11 @@ class EngineBridge:
 
     def submit_generate(self, client_id: str, sink: Sink, *, params: "SamplingParams",
                         prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                        timeout_ms: int = 0, metadata: dict[str, str] | None = None) -> RequestLifecycle:
+                        tools: list[dict] | None = None, timeout_ms: int = 0,
+                        metadata: dict[str, str] | None = None) -> RequestLifecycle:
         """Admit a generation; its outputs (or a ServiceError) go to sink on the loop. Raises ServiceError."""
-        command = AddGeneration(self._next_id(SeqKind.GENERATE), params, prompt=prompt, messages=messages)
+        command = AddGeneration(self._next_id(SeqKind.GENERATE), params, prompt=prompt, messages=messages,
+                                tools=tools)
         lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.GENERATE.value,
                               metadata=dict(metadata or {}), completions=params.n)
         return self._submit(command, lc, sink, timeout_ms)
@@ -275,7 +278,8 @@ class EngineBridge:
             try:
                 match command:
                     case AddGeneration():
-                        command = replace(command, prepared=engine.prompt_token_ids(command.prompt, command.messages))
+                        command = replace(command, prepared=engine.prompt_token_ids(command.prompt, command.messages,
+                                                                                    command.tools))
                     case AddRerank():
                         command = replace(command, prepared=engine.prepare_rerank(
                             command.request_id, command.query, command.documents, command.params))
