@@ -187,3 +187,18 @@ def test_tool_choice_none_leaves_the_tools_out_and_a_tool_turn_renders_as_transf
     r = client.chat.completions.create(model="", messages=turn, tools=TOOLS, tool_choice="none", max_tokens=3)
     expected = [*ASK, {"role": "assistant", "content": "", "tool_calls": calls}, turn[2]]
     assert r.usage.prompt_tokens == _prompt_tokens(tokenizer, template_messages(expected))
+
+
+def test_a_ggufs_tool_call_markers_stay_in_the_text(tokenizer):
+    """A GGUF stores Qwen's <tool_call> as a plain added token; the engine makes <word_word> markup special again (so
+    skip_special_tokens drops Gemma's <start_of_image>, as its own tokenizer does), but not the tool-call markers,
+    which Qwen's tokenizer keeps as text and the hermes parser must see in the reply."""
+    from transformers import AutoTokenizer
+
+    from engine.builder import _mark_markup_tokens_special
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir(Settings.from_env().cache_dir))
+    tok.add_tokens(["<tool_call>", "<start_of_image>"])
+    _mark_markup_tokens_special(tok)
+    ids = tok("<start_of_image>" + CALL_TEXT, add_special_tokens=False).input_ids
+    assert tok.decode(ids, skip_special_tokens=True) == CALL_TEXT
