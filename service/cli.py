@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "named after it.")
     by_flag = {entry[0]: entry for entry in (*_ENGINE_FLAGS, *_SERVER_FLAGS)}
     grouped = [flag for _, _, flags in _GROUPS for flag in flags]
-    assert sorted(grouped) == sorted(by_flag), "each serve flag belongs to exactly one help group"
+    if sorted(grouped) != sorted(by_flag):  # a flag added to a table but to no group (or to two)
+        raise RuntimeError(f"serve flags and help groups differ: {sorted(set(grouped) ^ set(by_flag))}")
     for title, description, flags in _GROUPS:
         _add_flags(serve.add_argument_group(title, description), [by_flag[f] for f in flags])
     serve.set_defaults(run=None)
