@@ -40,7 +40,8 @@ soak: $(STAMP)
 	  tests/service/test_http_schema_fuzz.py
 
 serve: $(STAMP)
-	$(VENV)/bin/tandem serve --port $(PORT)
+	$(VENV)/bin/tandem serve --port $(PORT) $(if $(HTTP_PORT),--http-port $(HTTP_PORT)) \
+	  $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT))
 
 # HAProxy fronts `tandem cluster` (and its tests): installed with apt when missing; if that fails, the
 # cluster tests skip and say why.

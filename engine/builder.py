@@ -157,12 +157,15 @@ def _load_weights(source: ModelSource, args: DecoderArgs, quantization: str, cac
 # own tokenizer calls special but the GGUF stores as "user defined" (Gemma 3's <start_of_image>, <end_of_image>) come
 # out as plain added tokens. Those named like <word_word> are made special again, so skip_special_tokens leaves them
 # out of the text as it does with the original tokenizer; markup without an underscore (<table>, </td>) stays text.
+# Tool-call markers stay text: the model's own tokenizer does not call them special (Qwen 2.5 / Qwen 3, Hermes), and
+# the tool-call parser reads them in the reply (service/tool_calls.py), which skip_special_tokens would empty.
 _MARKUP_TOKEN = re.compile(r"<[a-z]+(?:_[a-z]+)+>")
+TEXT_MARKERS = frozenset({"<tool_call>", "<tool_response>"})
 
 
 def _mark_markup_tokens_special(tokenizer) -> None:
     markup = [token.content for token in tokenizer.added_tokens_decoder.values()
-              if not token.special and _MARKUP_TOKEN.fullmatch(token.content)]
+              if not token.special and _MARKUP_TOKEN.fullmatch(token.content) and token.content not in TEXT_MARKERS]
     if markup:
         tokenizer.add_tokens(markup, special_tokens=True)
 

@@ -167,7 +167,9 @@ class SamplingParams:
     processors is left untouched; penalties apply to greedy rows too, as in vLLM. `logprobs` and `prompt_logprobs`
     are of the raw model distribution (log_softmax of the logits before any processing: vLLM's "raw_logprobs").
     """
-    max_tokens: int = 16
+    # None: the rest of the context (max_model_len minus the prompt's tokens), resolved when the prompt is
+    # tokenized, as vLLM does for a request that sets no max_tokens; the doors send it when the client set none.
+    max_tokens: int | None = 16
     temperature: float = 1.0  # 0 (or below 1e-5, as in vLLM): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -202,7 +204,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
@@ -230,7 +232,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
         if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
         if self.logit_bias is not None:

@@ -113,10 +113,12 @@ class LLMEngine:
     def chat_token_ids(self, messages: list[dict]) -> list[int]:
         return self.intake.chat_token_ids(messages)
 
-    def prompt_token_ids(self, prompt: str | list[int] | None, messages: list[dict] | None = None) -> list[int]:
-        """A prompt's (or chat's) token ids, checked: reads the tokenizer only, so another thread may call it while
-        this one steps (the service tokenizes there, then adds the ids). Raises ValueError naming the field."""
-        return self.intake.prompt_token_ids(prompt, messages)
+    def prompt_token_ids(self, prompt: str | list[int] | None, messages: list[dict] | None = None,
+                         tools: list[dict] | None = None) -> list[int]:
+        """A prompt's (or chat's, with the tools it may call) token ids, checked: reads the tokenizer only, so another
+        thread may call it while this one steps (the service tokenizes there, then adds the ids). Raises ValueError
+        naming the field."""
+        return self.intake.prompt_token_ids(prompt, messages, tools)
 
     def _grammar_compiler(self) -> "GrammarCompiler":
         if self.grammar_compiler is None:

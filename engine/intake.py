@@ -4,6 +4,7 @@ Every check raises ValueError naming the field, so the service can answer INVALI
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ class RequestIntake:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
+        if params.max_tokens is None:  # unset: what is left of the context (vLLM's default)
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(token_ids))
         if len(token_ids) + params.max_tokens > self.max_model_len:  # refused, as vLLM does, never clamped
             raise ValueError(f"max_tokens is too large: {params.max_tokens}; the prompt has {len(token_ids)} tokens "
                              f"and max_model_len is {self.max_model_len}, so max_tokens can be at most "
@@ -220,7 +223,9 @@ class RequestIntake:
         return self.budget, ("max_num_batched_tokens (tandem serve --max-num-batched-tokens): a cross-encoder pair "
                              "runs whole in one step")
 
-    def chat_token_ids(self, messages: list[dict]) -> list[int]:
+    def chat_token_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The chat rendered by the chat template for a reply; `tools` (OpenAI function definitions) in the
+        template's own tool format, as transformers renders them."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content}")
         for m in messages:
@@ -228,16 +233,22 @@ class RequestIntake:
                 raise ValueError("each message needs a string role and string content")
         if not self.tokenizer.chat_template:
             raise ValueError("messages: this model has no chat template (a base model); send a prompt instead")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if tools and "tools" not in self.tokenizer.chat_template:
+            raise ValueError("tools: this model's chat template has no tool format (give one that renders tools "
+                             "with --chat-template)")
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                 tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
 
-    def prompt_token_ids(self, prompt, messages) -> list[int]:
+    def prompt_token_ids(self, prompt, messages, tools: list[dict] | None = None) -> list[int]:
         if messages is not None:
             if prompt is not None:
                 raise ValueError("give either prompt or messages, not both")
-            return self.chat_token_ids(messages)
+            return self.chat_token_ids(messages, tools)
+        if tools:
+            raise ValueError("tools need messages (a chat), not a prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import grpc
 
+from engine.errors import InputTooLong
 from engine.request import FinishReason, SeqKind
 from service.errors import ServiceError, draining
 from service.lifecycle import LifecycleHooks, RequestLifecycle
@@ -68,6 +69,7 @@ class AddGeneration:
     params: "SamplingParams"
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
+    tools: list[dict] | None = None  # function definitions the chat template renders (tool calling)
     prepared: Any = None  # set by the intake thread: the prompt's token ids, or the ValueError that refused it
 
 
@@ -192,9 +194,11 @@ class EngineBridge:
 
     def submit_generate(self, client_id: str, sink: Sink, *, params: "SamplingParams",
                         prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                        timeout_ms: int = 0, metadata: dict[str, str] | None = None) -> RequestLifecycle:
+                        tools: list[dict] | None = None, timeout_ms: int = 0,
+                        metadata: dict[str, str] | None = None) -> RequestLifecycle:
         """Admit a generation; its outputs (or a ServiceError) go to sink on the loop. Raises ServiceError."""
-        command = AddGeneration(self._next_id(SeqKind.GENERATE), params, prompt=prompt, messages=messages)
+        command = AddGeneration(self._next_id(SeqKind.GENERATE), params, prompt=prompt, messages=messages,
+                                tools=tools)
         lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.GENERATE.value,
                               metadata=dict(metadata or {}), completions=params.n)
         return self._submit(command, lc, sink, timeout_ms)
@@ -274,7 +278,8 @@ class EngineBridge:
             try:
                 match command:
                     case AddGeneration():
-                        command = replace(command, prepared=engine.prompt_token_ids(command.prompt, command.messages))
+                        command = replace(command, prepared=engine.prompt_token_ids(command.prompt, command.messages,
+                                                                                    command.tools))
                     case AddRerank():
                         command = replace(command, prepared=engine.prepare_rerank(
                             command.request_id, command.query, command.documents, command.params))
@@ -358,7 +363,8 @@ class EngineBridge:
             add()
             self._live.add(request_id)
         except ValueError as exc:
-            failures.append((request_id, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))))
+            failures.append((request_id, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
+                                                      too_long=isinstance(exc, InputTooLong))))
         except Exception as exc:  # a bug, not bad input: fail this request, keep serving
             log.exception("add %s failed", request_id)
             failures.append((request_id, ServiceError(grpc.StatusCode.INTERNAL, f"could not admit: {exc!r}")))

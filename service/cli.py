@@ -63,7 +63,7 @@ _ENGINE_FLAGS = [
 ]
 _SERVER_FLAGS = [
     ("--host", str, "127.0.0.1", "address to bind (0.0.0.0 for all interfaces)"),
-    ("--port", int, 50051, "port to bind (0: any free port; the address is printed)"),
+    ("--port", int, 50051, "gRPC port to bind (0: any free port; the address is printed)"),
     ("--http-port", "port", 8000, "HTTP port on --host for the OpenAI, Cohere/Jina and TEI APIs, /metrics and "
                                   "/health (0 or off: off; docs/http.md)"),
     ("--max-waiting", int, 256, "requests that may wait for the engine before RESOURCE_EXHAUSTED"),
@@ -102,7 +102,38 @@ _SERVER_FLAGS = [
     ("--strict-model-names", "switch", None, "refuse a rerank naming a model not served (default: the one "
                                              "reranker scores it, as TEI does)"),
     ("--log-level", str, "INFO", "logging level (DEBUG also prints the traceback of a start-up failure)"),
+    ("--enable-auto-tool-choice", "switch", False, "let the model decide when to call the request's tools "
+                                                   "(tool_choice \"auto\", the default with tools), its output "
+                                                   "read back by --tool-call-parser (as vLLM)"),
+    ("--tool-call-parser", str, None, "hermes | llama3_json: how a reply's tool calls are read (Hermes / Qwen "
+                                      "<tool_call> tags, Llama 3 JSON); docs/http.md#tool-calling"),
 ]
+# `tandem serve --help` groups the flags by subject (argparse groups, in this order).
+_GROUPS = [
+    ("model", "what is served", ["--model", "--reranker", "--rerank-mode", "--embedder", "--chat-template",
+                                 "--device", "--dtype", "--quantization", "--cpu-activations"]),
+    ("engine", "memory, context and scheduling", [
+        "--kv-cache-bytes", "--num-kv-blocks", "--max-model-len", "--block-size", "--max-num-batched-tokens",
+        "--max-embed-batch-tokens", "--max-num-seqs", "--rerank-share", "--tpot-target-ms", "--num-threads",
+        "--enforce-eager"]),
+    ("ports", "where it listens: gRPC on --port, HTTP on --http-port, Prometheus on --metrics-port", [
+        "--host", "--port", "--http-port", "--metrics-port", "--replica"]),
+    ("requests", "what one request may ask for, and how names and tools are read", [
+        "--max-waiting", "--max-documents", "--max-message-bytes", "--max-stream-buffer-bytes",
+        "--served-model-name", "--strict-model-names", "--enable-auto-tool-choice", "--tool-call-parser"]),
+    ("security", "TLS and bearer tokens (both doors)", ["--tls-cert", "--tls-key", "--tls-client-ca",
+                                                        "--auth-token", "--auth-scoped-tokens"]),
+    ("connections and shutdown", None, ["--keepalive-time", "--keepalive-timeout", "--max-connection-idle",
+                                        "--max-connection-age", "--max-concurrent-streams", "--drain-timeout",
+                                        "--drain-grace"]),
+    ("logging", None, ["--log-level", "--no-access-log", "--step-log"]),
+]
+# Defaults of the engine flags (EngineConfig's, which this module does not import: it would load torch), shown in
+# --help; tests/service/test_cli.py checks them against EngineConfig.
+ENGINE_DEFAULTS = {"--device": "cpu", "--dtype": "float32", "--kv-cache-bytes": "1GiB", "--block-size": "16",
+                   "--max-num-seqs": "128", "--rerank-share": "0.5",
+                   "--max-model-len": "the model's own context, lowered to what the KV cache holds"}
+_SHOWN = {"--max-message-bytes": "4MiB"}  # a default shown in its unit rather than in bytes
 _ALIASES = {"--num-threads": ("--threads",)}
 _UNITS = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
           "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -173,8 +204,17 @@ def _env_name(flag: str) -> str:
     return "TANDEM_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-def _add_flags(p: argparse.ArgumentParser, flags: list) -> None:
+def _with_default(flag: str, kind, default, help_text: str) -> str:
+    """The flag's help with its default, where the text does not say it already."""
+    if "default" in help_text or kind == "switch":
+        return help_text
+    shown = ENGINE_DEFAULTS.get(flag, _SHOWN.get(flag, default))
+    return help_text if shown is None else f"{help_text} (default: {shown})"
+
+
+def _add_flags(p, flags: list) -> None:
     for flag, kind, default, help_text in flags:
+        help_text = _with_default(flag, kind, default, help_text)
         env = _env_name(flag)
         value = os.environ.get(env) or None  # set but empty: as if unset
         # A string default is converted by argparse only when this command is parsed and the flag is not
@@ -186,11 +226,21 @@ def _add_flags(p: argparse.ArgumentParser, flags: list) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="LLM generation and reranking over gRPC.")
+    parser = argparse.ArgumentParser(prog="tandem", description="LLM generation, reranking and embeddings over "
+                                                                "gRPC and HTTP (OpenAI, Cohere/Jina, TEI APIs).")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve the model over gRPC", description="Serve over gRPC.")
-    _add_flags(serve, _ENGINE_FLAGS)
-    _add_flags(serve, _SERVER_FLAGS)
+    serve = sub.add_parser(
+        "serve", help="serve the models over gRPC (--port) and HTTP (--http-port)",
+        description="Serve chat/completions, rerank and embeddings from one process: gRPC on --port (default "
+                    "50051), HTTP on --http-port (default 8000: the OpenAI, Cohere/Jina and TEI APIs), Prometheus "
+                    "metrics on --metrics-port (default 9464). Every flag also reads the environment variable "
+                    "named after it.")
+    by_flag = {entry[0]: entry for entry in (*_ENGINE_FLAGS, *_SERVER_FLAGS)}
+    grouped = [flag for _, _, flags in _GROUPS for flag in flags]
+    if sorted(grouped) != sorted(by_flag):  # a flag added to a table but to no group (or to two)
+        raise RuntimeError(f"serve flags and help groups differ: {sorted(set(grouped) ^ set(by_flag))}")
+    for title, description, flags in _GROUPS:
+        _add_flags(serve.add_argument_group(title, description), [by_flag[f] for f in flags])
     serve.set_defaults(run=None)
     cluster.add_command(sub)
     client_cli.add_commands(sub)
@@ -210,7 +260,8 @@ def build_server_config(args: argparse.Namespace):
                   keepalive_timeout_s=args.keepalive_timeout, max_connection_idle_s=args.max_connection_idle,
                   max_connection_age_s=args.max_connection_age, max_concurrent_streams=args.max_concurrent_streams,
                   http_port=args.http_port, strict_model_names=args.strict_model_names,
-                  served_model_names=_names(args.served_model_name))
+                  served_model_names=_names(args.served_model_name),
+                  enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     fields = {name: value for name, value in fields.items() if value is not None}
     if args.http_port in (0, None):  # on the command line 0 or off turns HTTP off (ServerConfig's 0: any free port)
         fields["http_port"] = None

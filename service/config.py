@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from service.core import DEFAULT_MAX_BUFFER_BYTES, Limits, Names
+from service.tool_calls import ToolParser, ToolSettings
 
 
 @dataclass(slots=True)
@@ -46,8 +47,12 @@ class ServerConfig:
     # What a request's `model` may say (service/core.py Names): --served-model-name, --strict-model-names.
     served_model_names: tuple[str, ...] = ()
     strict_model_names: bool = False
+    # Tool calling (service/tool_calls.py), vLLM's flags: tool_choice "auto" needs both.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # hermes | llama3_json
 
     def __post_init__(self) -> None:
+        self.tool_settings()  # a bad parser name or auto without a parser is refused here
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and a key (--tls-cert and --tls-key)")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -70,6 +75,13 @@ class ServerConfig:
         for token, methods in self.auth_scoped_tokens.items():
             if not token or not methods:
                 raise ValueError("each scoped auth token needs a non-empty token and at least one method")
+
+    def tool_settings(self) -> ToolSettings:
+        parsers = [p.value for p in ToolParser]
+        if self.tool_call_parser is not None and self.tool_call_parser not in parsers:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(parsers)}, got {self.tool_call_parser!r}")
+        return ToolSettings(auto=self.enable_auto_tool_choice,
+                            parser=ToolParser(self.tool_call_parser) if self.tool_call_parser else None)
 
     def names(self) -> Names:
         return Names(served=tuple(self.served_model_names), strict=self.strict_model_names)

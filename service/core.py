@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import os
 from collections import deque
@@ -30,6 +31,8 @@ from engine.request import FinishReason, SeqKind
 from service.errors import ServiceError, invalid
 from service.lifecycle import RequestLifecycle
 from service.tokens import TokenTexts, build_token_texts
+from service.tool_calls import ToolPlan, ToolSettings
+from service.tool_calls import plan as plan_tools
 
 if TYPE_CHECKING:
     from service.bridge import EngineBridge
@@ -93,13 +96,22 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class GenerateInput:
-    """One generation: exactly one of prompt (text or token ids) and messages (chat, templated by the engine)."""
+    """One generation: exactly one of prompt (text or token ids) and messages (chat, templated by the engine).
+    `params.max_tokens` None (the request set none, through either door): the rest of the context, max_model_len
+    minus the prompt's tokens, filled in once the prompt is tokenized (vLLM's default); a value set too large is
+    refused, never clamped."""
     request_id: str  # the client's id (unique per gRPC stream; the HTTP door numbers its prompts)
     params: SamplingParams
     prompt: str | list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     model: str = ""  # "" or a served name
     timeout_ms: int = 0  # 0: none
+    tools: list[dict] | None = None  # function definitions the chat template renders (see tool_plan)
+
+
+# How a request asks for an input too long to be cut instead of refused, in the gRPC API's spelling; each HTTP API
+# names its own (TEI's `truncate: true`, Cohere's `truncate: "END"`) in the inputs it builds.
+GRPC_CUT_HINT = "set truncate to TRUNCATE_END (or leave it unset) to cut it at its end"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +123,7 @@ class RerankInput:
     model: str = ""
     timeout_ms: int = 0
     max_tokens_per_doc: int | None = None  # cut each document to its first N tokens before scoring (Cohere)
+    cut_hint: str = GRPC_CUT_HINT  # how this request's API asks to cut a document too long (completes the refusal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +169,7 @@ class EmbedInput:
     params: EmbedParams
     model: str = ""
     timeout_ms: int = 0
+    cut_hint: str = GRPC_CUT_HINT  # how this request's API asks to cut an input too long (completes the refusal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,11 +272,25 @@ def _size(event: GenerateEvent) -> int:
     return 64 + len(out.text) + 8 * len(out.new_token_ids) + 16 * entries
 
 
+class Task(str, enum.Enum):
+    """What a listed model does (HTTP /v1/models' `task` and `capabilities`)."""
+    GENERATE = "generate"  # chat and completions
+    EMBED = "embed"
+    RERANK = "rerank"
+
+    __format__ = str.__format__
+
+
+_VERBS = {Task.GENERATE: "generate (chat, completions)", Task.EMBED: "embed", Task.RERANK: "rerank"}
+
+
 class CoreAPI:
     """generate / rerank / abort / tokenize / model_info over a started EngineBridge."""
 
     def __init__(self, bridge: "EngineBridge", limits: Limits, info: ModelInfo, token_texts: TokenTexts,
-                 tokenizer: Any, names: Names = Names(), aliases: tuple[str, ...] = ()) -> None:
+                 tokenizer: Any, names: Names = Names(), aliases: tuple[str, ...] = (),
+                 tools: ToolSettings = ToolSettings()) -> None:
+        self.tool_settings = tools
         self.bridge = bridge
         self.limits = limits
         self.info = info
@@ -272,7 +300,8 @@ class CoreAPI:
         self._accepted = {"", *info.served_names, *aliases}
 
     @classmethod
-    async def load(cls, bridge: "EngineBridge", limits: Limits, names: Names = Names()) -> "CoreAPI":
+    async def load(cls, bridge: "EngineBridge", limits: Limits, names: Names = Names(),
+                   tools: ToolSettings = ToolSettings()) -> "CoreAPI":
         """Ask the engine what it serves; build the token texts on a worker thread."""
         engine_info = await bridge.model_info()
         tokenizer = bridge.engine.tokenizer
@@ -285,9 +314,35 @@ class CoreAPI:
                          max_documents=limits.max_documents, max_message_bytes=limits.max_message_bytes)
         # Without --served-model-name the path as given still names the model (clients written against it keep
         # working); it is not listed.
-        return cls(bridge, limits, info, texts, tokenizer, names, aliases=() if names.served else (given,))
+        return cls(bridge, limits, info, texts, tokenizer, names, aliases=() if names.served else (given,), tools=tools)
 
     # ---- checks that need no engine --------------------------------------------------------------
+
+    @property
+    def rerank_model(self) -> str:
+        """The cross-encoder's id ("" when the LLM scores pairs: the LLM's names rerank then)."""
+        return "" if self.info.reranker in ("", "llm") else short_name(self.info.reranker)
+
+    def model_tasks(self) -> dict[str, tuple[Task, ...]]:
+        """Each listed model's id and what it does, the served LLM's names first."""
+        llm = (Task.GENERATE,) if self.rerank_model else (Task.GENERATE, Task.RERANK)
+        out: dict[str, tuple[Task, ...]] = {name: llm for name in self.info.served_names}
+        for name, task in ((self.rerank_model, Task.RERANK), (self.info.embedder, Task.EMBED)):
+            if name and task not in out.get(name, ()):
+                out[name] = (*out.get(name, ()), task)
+        return out
+
+    def _check_task(self, model: str, task: Task) -> None:
+        """A request naming a model this replica serves for something else (an embedding sent to the chat model's
+        name, a chat to the embedder's) is refused, never served by another model under the name it gave."""
+        tasks = self.model_tasks()
+        known = tasks.get(model, tasks[self.info.model] if model in self._accepted and model else None)
+        if known is None or task in known:
+            return
+        able = [name for name, t in tasks.items() if task in t]
+        where = f"send it to {able[0]!r} (or leave model empty)" if able else "this replica serves none that does"
+        raise invalid(f"model {model!r} does not {_VERBS[task]}: it is served to {' and '.join(_VERBS[t] for t in known)}"
+                      f"; {where}")
 
     def check_model(self, model: str) -> None:
         if model not in self._accepted:
@@ -297,7 +352,7 @@ class CoreAPI:
 
     def _check_reranker(self, model: str) -> None:
         """One reranker is served: a request naming another is scored by it anyway, unless names are strict."""
-        if self._strict:
+        if self._strict and model != self.rerank_model:
             self.check_model(model)
 
     def model_name(self, model: str) -> str:
@@ -333,7 +388,7 @@ class CoreAPI:
                 self._check_generate(inp)
                 lc = self.bridge.submit_generate(inp.request_id, stream.sink(index, inp.request_id),
                                                  params=inp.params, prompt=inp.prompt, messages=inp.messages,
-                                                 timeout_ms=inp.timeout_ms, metadata=metadata)
+                                                 tools=inp.tools, timeout_ms=inp.timeout_ms, metadata=metadata)
                 stream._admitted(inp.request_id, lc)
         except ServiceError as exc:
             stream.abort()
@@ -344,11 +399,23 @@ class CoreAPI:
     def _check_generate(self, inp: GenerateInput) -> None:
         if not inp.request_id:
             raise invalid("request_id must be a non-empty string")
+        self._check_task(inp.model, Task.GENERATE)
         self.check_model(inp.model)
         if (inp.prompt is None) == (inp.messages is None):
             raise invalid("request has no input: set prompt, messages or token_ids" if inp.prompt is None
                           else "give either prompt or messages, not both")
         _check_roles(inp.messages)
+
+    def tool_plan(self, tools: list[dict] | None, tool_choice: str | dict | None,
+                  parallel: bool | None = None) -> ToolPlan | None:
+        """What a request's tools and tool_choice ask for (service/tool_calls.py), under this server's
+        --enable-auto-tool-choice / --tool-call-parser; INVALID_ARGUMENT naming what is wrong. A door puts the plan's
+        template_tools in GenerateInput.tools and its structured_outputs in the params, and reads the output back
+        with plan.read()."""
+        try:
+            return plan_tools(tools, tool_choice, parallel, self.tool_settings)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
 
     def abort(self, engine_id: str) -> None:
         self.bridge.abort(engine_id)
@@ -358,6 +425,7 @@ class CoreAPI:
     async def rerank(self, inp: RerankInput, metadata: dict[str, str]) -> RerankOutcome:
         """Score inp's documents; raises ServiceError. Cancelling the await aborts the engine job."""
         with self._admitting(SeqKind.RERANK, inp.request_id, metadata):
+            self._check_task(inp.model, Task.RERANK)
             self._check_reranker(inp.model)
             if len(inp.documents) > self.limits.max_documents:
                 raise invalid(f"documents has {len(inp.documents)} items; this server takes at most "
@@ -372,21 +440,24 @@ class CoreAPI:
             lc = self.bridge.submit_rerank(inp.request_id, lambda event: future.done() or future.set_result(event),
                                            query=inp.query, documents=documents, params=inp.params,
                                            timeout_ms=inp.timeout_ms, metadata=metadata)
-        event = await self._final(future, lc, "rerank")
+        event = await self._final(future, lc, "rerank", inp.cut_hint)
         params = inp.params
         results = rank_scores(event.scores, inp.documents, params.top_n, params.return_documents,
                               event.document_tokens, event.truncated)
         return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode)
 
-    async def _final(self, future: asyncio.Future, lc: RequestLifecycle, what: str) -> StepOutput:
+    async def _final(self, future: asyncio.Future, lc: RequestLifecycle, what: str, cut_hint: str) -> StepOutput:
         """The one final output of an admitted rerank or embed job; cancelling the await (the client left, its
-        deadline passed) aborts the job. Raises its ServiceError, or UNAVAILABLE if the server aborted it."""
+        deadline passed) aborts the job. Raises its ServiceError (an input too long says how to ask, in the
+        request's own API, for the cut: `cut_hint`), or UNAVAILABLE if the server aborted it."""
         try:
             event = await future
         finally:
             if not future.done() or future.cancelled():
                 self.bridge.abort(lc.engine_id)
         if isinstance(event, ServiceError):
+            if event.too_long:
+                raise ServiceError(event.code, f"{event.message} or {cut_hint}") from None
             raise event
         if event.finish_reason is FinishReason.ABORT:  # aborted by the server (drain timeout)
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{what} aborted: the server is shutting down; retry")
@@ -402,6 +473,7 @@ class CoreAPI:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                    "this server has no embedding model (tandem serve --embedder DIR, or leave the "
                                    "default: the embedded all-MiniLM-L6-v2)")
+            self._check_task(inp.model, Task.EMBED)
             if self._strict and inp.model not in ("", self.info.embedder):
                 raise ServiceError(grpc.StatusCode.NOT_FOUND,
                                    f"model {inp.model!r} is not an embedding model of this replica; it embeds with "
@@ -415,7 +487,7 @@ class CoreAPI:
             lc = self.bridge.submit_embed(inp.request_id, lambda event: future.done() or future.set_result(event),
                                           inputs=inp.inputs, params=inp.params, timeout_ms=inp.timeout_ms,
                                           metadata=metadata)
-        event = await self._final(future, lc, "embed")
+        event = await self._final(future, lc, "embed", inp.cut_hint)
         return EmbedOutcome(inp.request_id, event.embeddings, event.truncated, Usage.of(lc), self.info.embedder)
 
     # ---- tokens ----------------------------------------------------------------------------------
@@ -505,5 +577,5 @@ def _first_tokens(tokenizer, texts: list[str], limit: int) -> list[str]:
     return [tokenizer.decode(tokenizer(t, add_special_tokens=False)["input_ids"][:limit]) for t in texts]
 
 
-__all__ = ["CHAT_ROLES", "CoreAPI", "EmbedInput", "EmbedOutcome", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
+__all__ = ["CHAT_ROLES", "CoreAPI", "GRPC_CUT_HINT", "Task", "EmbedInput", "EmbedOutcome", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
            "Names", "RerankInput", "RerankOutcome", "Usage", "json_schema", "short_name"]

@@ -39,7 +39,7 @@ refuses). Tests: tests/service/test_errors.py walks this table.
 | zero documents                                         | INVALID_ARGUMENT   | `documents must be a non-empty list of strings`                  |
 | more documents than --max-documents                    | INVALID_ARGUMENT   | `documents has N items; this server takes at most M per request` |
 | top_n < 1                                              | INVALID_ARGUMENT   | `top_n must be >= 1, got 0`                                      |
-| document too long with truncate NONE                   | INVALID_ARGUMENT   | `documents[i] with the query is N tokens, over the limit of M`   |
+| document too long with truncate NONE                   | INVALID_ARGUMENT   | `documents[i] with the query is N tokens, over the rerank pair limit of M ...; shorten it or set truncate to TRUNCATE_END` (HTTP: each API's own spelling, e.g. TEI's `truncate: true`) |
 | bytes that are not a valid message, e.g. invalid UTF-8 in chat content (*stream*) | INVALID_ARGUMENT | `could not parse tandem.v1.X: string fields must be valid UTF-8 ...` |
 | a message over --max-message-bytes (*stream*)          | RESOURCE_EXHAUSTED | grpc's own `... larger than max (N vs. M)`                       |
 | --max-waiting requests already wait for the engine     | RESOURCE_EXHAUSTED | `server is at capacity: N requests are waiting for the engine ...` |
@@ -68,10 +68,13 @@ import grpc
 class ServiceError(Exception):
     """A refusal with the status code to answer it with."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, *, too_long: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        # An input over a limit that its request asked not to cut: the core API adds how to ask for the cut, in
+        # the spelling of the API the request came through.
+        self.too_long = too_long
 
     def __repr__(self) -> str:
         return f"ServiceError({self.code.name}, {self.message!r})"

@@ -75,7 +75,8 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
         log.info("access log off (--no-access-log)")
     bridge = EngineBridge(engine, max_waiting=max_waiting, hooks=hooks)
     bridge.start()
-    core = await CoreAPI.load(bridge, server_config.limits(), server_config.names())
+    core = await CoreAPI.load(bridge, server_config.limits(), server_config.names(),
+                              server_config.tool_settings())
     server = TandemServer(core, server_config)
     http = door = None
     try:

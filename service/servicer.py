@@ -254,6 +254,7 @@ def generate_input(req: pb.GenerateRequest) -> GenerateInput:
 def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
     """The engine's SamplingParams; whatever it refuses is INVALID_ARGUMENT with its message (naming the field)."""
     kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING if msg.HasField(name)}
+    kwargs.setdefault("max_tokens", None)  # unset: the rest of the context (SamplingParams' None)
     try:
         return SamplingParams(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                               ignore_eos=msg.ignore_eos, priority=msg.priority,

@@ -13,6 +13,7 @@ import torch
 
 from engine.config import EMBEDDED_EMBEDDER, EmbedParams
 from engine.embed.encoders import is_decoder, load_token_states
+from engine.errors import InputTooLong
 from engine.embed.pooling import Pooling, SentenceConfig, pool
 from engine.models.encoder_loader import CrossEncoder
 from engine.models.stages import Finish, StagedForward, StageWork
@@ -97,21 +98,26 @@ class Embedder:
     # ---- intake side (any thread: reads the tokenizer only) --------------------------------------------------
 
     def rows(self, texts: list[str] | None, token_ids: list[list[int]] | None, params: EmbedParams) -> list[EmbedRow]:
-        """Each input's row: a text tokenized as sentence-transformers does (the model's special tokens around
-        it), token ids taken as the text's tokens in this model's vocabulary (specials added the same way); an
-        input over max_length is cut at `params.truncation_direction` or, with truncate off, refused."""
+        """Each input's row: a text tokenized as sentence-transformers does (the model's special tokens around it);
+        token ids are the model's exact input, taken as given (as vLLM takes them): the ids a tokenizer returns by
+        default already hold [CLS] ... [SEP], so nothing is added. An input over max_length is cut at
+        `params.truncation_direction` (a text keeps its special tokens; token ids are cut as they are) or, with
+        truncate off, refused."""
         if texts is not None:
+            pre, post = self._pre, self._post
             token_ids = [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False).input_ids]
+        else:
+            pre, post = [], []
         out = []
-        room = self.max_length - len(self._pre) - len(self._post)
+        room = self.max_length - len(pre) - len(post)
         for i, ids in enumerate(token_ids):
             cut = len(ids) > room
             if cut and not params.truncate:
-                raise ValueError(f"input {i} has {len(ids) + len(self._pre) + len(self._post)} tokens; the embedder "
-                                 f"{self.name} takes at most {self.max_length} (turn truncation on to cut it)")
+                raise InputTooLong(f"input {i} has {len(ids) + len(pre) + len(post)} tokens; the embedder "
+                                   f"{self.name} takes at most {self.max_length}; shorten it")
             if cut:
                 ids = ids[:room] if params.truncation_direction == "right" else ids[len(ids) - room:]
-            out.append(EmbedRow(self._pre + ids + self._post, cut))
+            out.append(EmbedRow(pre + list(ids) + post, cut))
         return out
 
     def check_dimensions(self, params: EmbedParams) -> None:

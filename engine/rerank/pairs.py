@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from engine.errors import InputTooLong
+
 Truncate = Literal["end", "none"]
 # Where the document goes in a chat-rendered pair (likelihood and judge): `split_chat` cuts the rendering there.
 DOC_SLOT = "\x00DOCUMENT\x00"
@@ -44,9 +46,9 @@ class PairTemplate:
             truncated = len(doc) > room
             if truncated:
                 if truncate == "none":
-                    raise ValueError(f"documents[{i}] with the query is {fixed + len(doc)} tokens, over the rerank "
-                                     f"pair limit of {limit}{by}: a document may have {room} tokens with this "
-                                     "query; shorten it or use truncate='end'")
+                    raise InputTooLong(f"documents[{i}] with the query is {fixed + len(doc)} tokens, over the "
+                                       f"rerank pair limit of {limit}{by}: a document may have {room} tokens with "
+                                       "this query; shorten it")
                 doc = doc[:room]
             ids = self.prefix + doc + self.suffix
             types = None

@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from service.auth import TokenTable
 from service.core import CoreAPI, GenerateEvent, GenerateInput, GenerationStream, RerankInput, RerankOutcome
-from service.core import EmbedInput, EmbedOutcome
+from service.core import EmbedInput, EmbedOutcome, Task
 from service.errors import ServiceError
 from service.http import embed_schema, openai_schema, openapi, rerank_schema, tokens_schema
 from service.http.errors import HttpError, Shape
@@ -177,17 +177,22 @@ def _error(exc: HttpError, shape: Shape) -> Response:
 async def _chat(door: Door, request: Request) -> Response:
     door.authorize(request, "Generate")
     body = openai_schema.parse(openai_schema.ChatRequest, await request.body())
-    inputs = body.to_inputs(default_max_tokens=door.core.info.max_model_len or 2048)
+    try:
+        tools = door.core.tool_plan(body.tool_definitions(), body.tool_choice, body.parallel_tool_calls)
+    except ServiceError as exc:
+        raise HttpError(400, exc.message, param="tool_choice") from None
+    inputs = body.to_inputs(tools)
     top = (body.top_logprobs or 0) if body.logprobs else None
     return await _generate(door, request, body, inputs, Completion(
         chat=True, model=door.core.model_name(body.model), n=body.n or 1, tokens=door.core.token_texts,
-        top_logprobs=top, include_usage=bool(body.stream_options and body.stream_options.include_usage)))
+        top_logprobs=top, include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        tools=tools))
 
 
 async def _completions(door: Door, request: Request) -> Response:
     door.authorize(request, "Generate")
     body = openai_schema.parse(openai_schema.CompletionRequest, await request.body())
-    inputs = body.to_inputs(default_max_tokens=16)  # OpenAI's default for /v1/completions
+    inputs = body.to_inputs()
     return await _generate(door, request, body, inputs, Completion(
         chat=False, model=door.core.model_name(body.model), n=body.n or 1, tokens=door.core.token_texts,
         top_logprobs=body.logprobs, include_usage=bool(body.stream_options and body.stream_options.include_usage)))
@@ -346,16 +351,20 @@ async def _version(request: Request) -> Response:
 
 # ---- models, health, metrics ---------------------------------------------------------------------
 
-def _model_card(door: Door, name: str) -> dict:
+def _model_card(door: Door, name: str, tasks: tuple[Task, ...]) -> dict:
+    """OpenAI's model object plus what the model does: `task` (vLLM's word for it: generate, embed, rerank) and
+    every one of them in `capabilities` (Infinity's field), and its input limit."""
     info = door.core.info
-    return {"id": name, "object": "model", "created": door.started, "owned_by": "tandem",
-            "max_model_len": info.embedder_max_tokens if name == info.embedder else info.max_model_len}
+    limit = info.embedder_max_tokens if tasks == (Task.EMBED,) else \
+        info.rerank_max_pair_tokens if tasks == (Task.RERANK,) else info.max_model_len
+    return {"id": name, "object": "model", "created": door.started, "owned_by": "tandem", "task": tasks[0].value,
+            "capabilities": [t.value for t in tasks], "max_model_len": limit}
 
 
 async def _models(door: Door, request: Request) -> Response:
     door.authorize(request, "ModelInfo")
-    names = [*door.core.info.served_names, *([door.core.info.embedder] if door.core.info.embedder else [])]
-    return JSONResponse({"object": "list", "data": [_model_card(door, n) for n in names]})
+    cards = [_model_card(door, name, tasks) for name, tasks in door.core.model_tasks().items()]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def _model(door: Door, request: Request) -> Response:
@@ -363,9 +372,10 @@ async def _model(door: Door, request: Request) -> Response:
     name = request.path_params["model"]
     if not name:
         raise HttpError(404, "no model name given", code="model_not_found")
-    if name != door.core.info.embedder:
-        door.core.check_model(name)
-    return JSONResponse(_model_card(door, name))
+    tasks = door.core.model_tasks()
+    if name not in tasks:
+        door.core.check_model(name)  # 404 unless an alias of the served model (the path as given)
+    return JSONResponse(_model_card(door, name, tasks.get(name, tasks[door.core.info.model])))
 
 
 async def _health(request: Request) -> Response:

@@ -13,6 +13,7 @@ from engine.config import EmbedParams
 from service.core import EmbedInput, EmbedOutcome
 from service.http.errors import HttpError
 from service.http.openai_schema import refuse_extras
+from service.http.rerank_schema import TEI_CUT_HINT
 
 
 class _Model(BaseModel):
@@ -27,8 +28,9 @@ def _params(**kwargs) -> EmbedParams:
 
 
 class OpenAIEmbed(_Model):
-    """OpenAI /v1/embeddings. Token ids are the text's tokens in the served embedder's own vocabulary (never
-    tiktoken's); an input over the embedder's limit is cut at its end unless `truncate` (tandem's own) is false."""
+    """OpenAI /v1/embeddings. Token ids are the model's exact input in the served embedder's own vocabulary (never
+    tiktoken's), taken as given: special tokens included, nothing added (as vLLM); an input over the embedder's
+    limit is cut at its end unless `truncate` (tandem's own) is false."""
     input: Union[str, list[str], list[int], list[list[int]]]
     model: str = ""
     encoding_format: Literal["float", "base64"] = "float"
@@ -49,7 +51,8 @@ class OpenAIEmbed(_Model):
             raise HttpError(400, "input must not be empty", param="input")
         params = _params(dimensions=self.dimensions, truncate=self.truncate is not False,
                          priority=self.priority or 0)
-        return EmbedInput(uuid.uuid4().hex, list(inputs), params, model=self.model)
+        return EmbedInput(uuid.uuid4().hex, list(inputs), params, model=self.model,
+                          cut_hint="send truncate: true (or leave it out) to cut it at its end")
 
 
 def openai_response(outcome: EmbedOutcome, encoding_format: str, model: str) -> dict:
@@ -87,7 +90,7 @@ class TeiEmbed(_Model):
         inputs = [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
         params = _params(normalize=self.normalize, truncate=bool(self.truncate), truncation_direction=direction,
                          dimensions=self.dimensions)
-        return EmbedInput(uuid.uuid4().hex, inputs, params)
+        return EmbedInput(uuid.uuid4().hex, inputs, params, cut_hint=TEI_CUT_HINT)
 
 
 class TeiEmbedAll(_Model):
@@ -104,7 +107,8 @@ class TeiEmbedAll(_Model):
                           prompt_name=self.prompt_name).to_input()
         return EmbedInput(pooled.request_id, pooled.inputs,
                           _params(normalize=False, truncate=pooled.params.truncate,
-                                  truncation_direction=pooled.params.truncation_direction, all_tokens=True))
+                                  truncation_direction=pooled.params.truncation_direction, all_tokens=True),
+                          cut_hint=TEI_CUT_HINT)
 
 
 _INPUT_TYPES = ("search_document", "search_query", "classification", "clustering")
@@ -140,7 +144,8 @@ class CohereEmbed(_Model):
         refuse_extras(self)
         params = _params(truncate=truncate != "NONE", truncation_direction="left" if truncate == "START" else "right",
                          dimensions=self.output_dimension)
-        return EmbedInput(uuid.uuid4().hex, list(self.texts), params, model=self.model)
+        return EmbedInput(uuid.uuid4().hex, list(self.texts), params, model=self.model,
+                          cut_hint='send truncate: "END" (or "START", or leave it out) to cut it')
 
     @property
     def types(self) -> list[str]:

@@ -14,6 +14,7 @@ from engine.outputs import Logprobs
 from engine.request import FinishReason
 from service.core import GenerateEvent
 from service.tokens import TokenTexts
+from service.tool_calls import ToolCall, ToolPlan, call_starts
 
 # OpenAI's finish_reason for the engine's (an abort keeps tandem's own word: OpenAI has none for it).
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
@@ -22,6 +23,7 @@ _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReaso
 @dataclass(slots=True)
 class _Choice:
     text: list[str] = field(default_factory=list)
+    streamed: int = 0  # characters of the text streamed as content (tool calling holds back a call's text)
     logprobs: list = field(default_factory=list)  # chat: content entries; completions: (token, logprob, top)
     finish_reason: str | None = None
     started: bool = False
@@ -36,6 +38,7 @@ class Completion:
     tokens: TokenTexts
     top_logprobs: int | None  # None: no logprobs asked for
     include_usage: bool = False
+    tools: ToolPlan | None = None  # the request's tool use: its output is read back as tool calls
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
@@ -97,13 +100,43 @@ class Completion:
             text = "".join(c.text)
             logprobs = self._choice_logprobs(c.logprobs) if self.top_logprobs is not None else None
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+                message: dict = {"role": "assistant", "content": text}
+                finish = c.finish_reason
+                calls = self._calls(text, finish)
+                if calls is not None:
+                    content, found = calls
+                    message = {"role": "assistant", "content": content, "tool_calls": [
+                        {"id": call.id, "type": "function",
+                         "function": {"name": call.name, "arguments": call.arguments}} for call in found]}
+                    finish = "tool_calls"
+                choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
                 choices.append({"index": index, "text": text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason})
         return {"id": self.response_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self._usage()}
+
+    def _calls(self, text: str, finish: str | None) -> tuple[str | None, list[ToolCall]] | None:
+        """(content, tool calls) of a finished choice that made calls; None where it made none."""
+        if self.tools is None or finish not in ("stop", "length"):
+            return None
+        content, calls = self.tools.read(text)
+        return (content, calls) if calls else None
+
+    def _streamable(self, choice: _Choice, finish: str | None) -> str:
+        """The content to stream now: all new text without tools; with tools, none of a call's text (held back
+        from where a call may start until the choice ends and it is read back)."""
+        full = "".join(choice.text)
+        if self.tools is None or finish is not None:
+            end = len(full)
+        elif self.tools.constrained:
+            end = choice.streamed
+        else:
+            start = call_starts(self.tools.parser, full[choice.streamed:])
+            end = len(full) if start is None else choice.streamed + start
+        out = full[choice.streamed:end]
+        choice.streamed = max(choice.streamed, end)
+        return out
 
     def _choice_logprobs(self, items: list) -> dict:
         if self.chat:
@@ -125,10 +158,21 @@ class Completion:
         choice = self.choices[index]
         lp = self._choice_logprobs(logprobs) if self.top_logprobs is not None else None
         if self.chat:
-            delta = {"content": text}
+            calls = self._calls("".join(choice.text), finish)
+            if calls is not None:  # the call's text was held back: it goes out as tool_calls
+                finish = "tool_calls"
+                text = ""
+                choice.streamed = len("".join(choice.text))
+            elif self.tools is not None:
+                text = self._streamable(choice, finish)
+            delta: dict = {"content": text}
             if not choice.started:
                 delta = {"role": "assistant", "content": text}
                 choice.started = True
+            if calls is not None:
+                delta["tool_calls"] = [{"index": i, "id": call.id, "type": "function",
+                                        "function": {"name": call.name, "arguments": call.arguments}}
+                                       for i, call in enumerate(calls[1])]
             body = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             body = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}

@@ -14,20 +14,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine.config import SamplingParams, StructuredOutputsParams
 from service.core import GenerateInput, json_schema
 from service.http.errors import HttpError
+from service.tool_calls import ToolPlan, template_messages
 
-# Fields of OpenAI's (or vLLM's) APIs that tandem does not implement, with why; anything else unknown is refused
-# as unknown.
+# Fields of OpenAI's (or vLLM's) APIs that would change the answer and that tandem does not implement, with why;
+# anything else unknown is refused as unknown. Fields that change nothing here (metadata, store, service_tier,
+# reasoning_effort, prediction, user, modalities ["text"], parallel_tool_calls) are declared on the request and
+# accepted (docs/http.md).
 _UNSUPPORTED = {
-    "tools": "tandem has no tool calling", "tool_choice": "tandem has no tool calling",
-    "functions": "tandem has no function calling", "function_call": "tandem has no function calling",
-    "parallel_tool_calls": "tandem has no tool calling", "audio": "tandem generates text only",
-    "modalities": "tandem generates text only", "prediction": "predicted outputs are not implemented",
-    "web_search_options": "tandem does not search the web", "reasoning_effort": "the model does not reason",
-    "store": "tandem stores no completions", "metadata": "tandem stores no completions",
-    "service_tier": "tandem has one service tier", "best_of": "use n", "echo": "echo is not implemented",
-    "suffix": "suffix (insertion) is not implemented", "prompt_logprobs": "prompt logprobs are served over gRPC",
-    "tool_calls": "tandem has no tool calling", "tool_call_id": "tandem has no tool calling",
-    "name": "participant names are not passed to the chat template", "refusal": "not an input field",
+    "functions": "use tools (the deprecated functions are not implemented)",
+    "function_call": "use tool_choice (the deprecated function_call is not implemented)",
+    "audio": "tandem generates text only", "web_search_options": "tandem does not search the web",
+    "best_of": "use n", "echo": "echo is not implemented", "suffix": "suffix (insertion) is not implemented",
+    "prompt_logprobs": "prompt logprobs are served over gRPC", "refusal": "not an input field",
 }
 
 
@@ -52,9 +50,39 @@ class TextPart(_Model):
     text: str | None = None
 
 
+class CalledFunction(_Model):
+    name: str
+    arguments: Union[str, dict] = "{}"  # JSON text, as OpenAI sends it (an object is taken too)
+
+
+class ToolCallItem(_Model):
+    """One of an assistant message's earlier calls, in OpenAI's shape."""
+    function: CalledFunction
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(_Model):
     role: str
     content: Union[str, list[TextPart], None] = None
+    name: str | None = None  # passed to the chat template, which may use it
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to a call
+
+    def chat(self, i: int) -> dict:
+        """The message as the core API (and the chat template) takes it."""
+        refuse_extras(self, f"messages[{i}].")
+        out: dict[str, Any] = {"role": self.role, "content": self.text(i)}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            for j, call in enumerate(self.tool_calls):
+                refuse_extras(call, f"messages[{i}].tool_calls[{j}].")
+                refuse_extras(call.function, f"messages[{i}].tool_calls[{j}].function.")
+            out["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        return out
 
     def text(self, i: int) -> str:
         if self.content is None:
@@ -107,6 +135,13 @@ class _Sampling(_Model):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # accepted, changing nothing: nothing is stored, there is one service tier, the models do not reason and
+    # predicted outputs only ever save time
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    prediction: dict | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -124,7 +159,10 @@ class _Sampling(_Model):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
 
-    def sampling(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling(self, *, max_tokens: int | None, logprobs: int | None,
+                 tool_format: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The engine's SamplingParams; `tool_format`: the schema tool_choice "required" or a named function puts
+        on the output (refused beside another output format)."""
         refuse_extras(self)
         if self.stream_options is not None:
             refuse_extras(self.stream_options, "stream_options.")
@@ -134,8 +172,7 @@ class _Sampling(_Model):
             value = getattr(self, name)
             if value is not None:
                 params[name] = value
-        if max_tokens is not None:
-            params["max_tokens"] = max_tokens
+        params["max_tokens"] = max_tokens  # None: the rest of the context
         if logprobs is not None:
             params["logprobs"] = logprobs
         if self.seed is not None:
@@ -153,8 +190,12 @@ class _Sampling(_Model):
         if self.logit_bias:
             params["logit_bias"] = _logit_bias(self.logit_bias)
         _check_ranges(params)
+        output_format = self._format()
+        if tool_format is not None and output_format is not None:
+            raise HttpError(400, "tool_choice \"required\" or a named function constrains the output already: "
+                                 "give no response_format or structured_outputs with it", param="tool_choice")
         try:
-            return SamplingParams(**params, structured_outputs=self._format())
+            return SamplingParams(**params, structured_outputs=tool_format or output_format)
         except ValueError as exc:
             raise HttpError(400, str(exc)) from None
 
@@ -232,26 +273,52 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
+class FunctionDef(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+    def definition(self, i: int) -> dict:
+        refuse_extras(self, f"tools[{i}].")
+        refuse_extras(self.function, f"tools[{i}].function.")
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None  # ["text"] only
 
-    def to_inputs(self, default_max_tokens: int) -> list[GenerateInput]:
+    def tool_definitions(self) -> list[dict] | None:
+        return [t.definition(i) for i, t in enumerate(self.tools)] if self.tools else None
+
+    def to_inputs(self, tools: ToolPlan | None = None) -> list[GenerateInput]:
+        """max_tokens (or max_completion_tokens) unset: None, the rest of the context (SamplingParams')."""
         if self.top_logprobs is not None and not self.logprobs:
             raise HttpError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        params = self.sampling(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                               logprobs=logprobs)
-        messages = []
-        for i, m in enumerate(self.messages):
-            refuse_extras(m, f"messages[{i}].")
-            messages.append({"role": m.role, "content": m.text(i)})
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            raise HttpError(400, f"modalities {self.modalities} is not supported: tandem generates text only",
+                            param="modalities")
+        params = self.sampling(max_tokens=max_tokens, logprobs=logprobs,
+                               tool_format=tools.structured_outputs() if tools is not None else None)
+        messages = template_messages([m.chat(i) for i, m in enumerate(self.messages)])
         if not messages:
             raise HttpError(400, "messages must be a non-empty list of {role, content}", param="messages")
-        return [GenerateInput("0", params, messages=messages, model=self.model)]
+        return [GenerateInput("0", params, messages=messages, model=self.model,
+                              tools=tools.template_tools if tools is not None else None)]
 
 
 Prompt = Union[str, list[str], list[int], list[list[int]]]
@@ -261,9 +328,8 @@ class CompletionRequest(_Sampling):
     prompt: Prompt
     logprobs: int | None = None
 
-    def to_inputs(self, default_max_tokens: int) -> list[GenerateInput]:
-        params = self.sampling(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
-                               logprobs=self.logprobs)
+    def to_inputs(self) -> list[GenerateInput]:
+        params = self.sampling(max_tokens=self.max_tokens, logprobs=self.logprobs)
         prompts = self.prompts()
         if not prompts:
             raise HttpError(400, "prompt must not be an empty list", param="prompt")

@@ -18,6 +18,9 @@ _UNSUPPORTED = {"rank_fields": "documents are plain text (a string or {\"text\":
                 "truncation_direction": "documents are cut at the end only"}
 
 
+TEI_CUT_HINT = "send truncate: true to cut it at its end"  # TEI's truncate is a boolean, false by default
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -50,7 +53,8 @@ class CohereRerank(_Model):
                          else self.return_documents,
                          instruction=self.instruction, priority=_int32(self.priority or 0, "priority"))
         return RerankInput(uuid.uuid4().hex, self.query, self.texts(), params, model=self.model,
-                           max_tokens_per_doc=self.max_tokens_per_doc)
+                           max_tokens_per_doc=self.max_tokens_per_doc,
+                           cut_hint="send truncate: true (or leave it out) to cut it at its end")
 
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
@@ -73,7 +77,8 @@ class TeiRerank(_Model):
             raise HttpError(400, f"raw_scores is not supported: {_UNSUPPORTED['raw_scores']}", param="raw_scores")
         refuse_extras(self)
         return RerankInput(uuid.uuid4().hex, self.query, list(self.texts),
-                           _params(truncate="end" if self.truncate else "none", return_documents=bool(self.return_text)))
+                           _params(truncate="end" if self.truncate else "none", return_documents=bool(self.return_text)),
+                           cut_hint=TEI_CUT_HINT)
 
 
 def _params(**kwargs) -> RerankParams:

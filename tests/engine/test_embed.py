@@ -68,9 +68,13 @@ def test_all_tokens_are_sentence_transformers_token_embeddings_and_pooled_rows_i
         EmbedParams(all_tokens=True, dimensions=8)
 
 
-def test_token_ids_are_the_texts_tokens_in_the_embedders_vocabulary(llm: LLM) -> None:
+def test_token_ids_are_the_models_exact_input(llm: LLM) -> None:
+    """Token ids as the tokenizer returns them by default ([CLS] ... [SEP]) are embedded as given, to the text's
+    vector; nothing is added again (which moved the vector to cosine 0.949)."""
     tok = llm.engine.embedder.tokenizer
-    ids = [list(tok(t, add_special_tokens=False).input_ids) for t in TEXTS[:2]]
+    ids = [list(tok(t).input_ids) for t in TEXTS[:2]]
+    rows = llm.engine.embedder.rows(None, ids, EmbedParams())
+    assert [r.token_ids for r in rows] == ids
     assert _cos(llm.embed(ids), llm.embed(TEXTS[:2])).min().item() > 0.999999
 
 

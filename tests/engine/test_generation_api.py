@@ -358,3 +358,15 @@ def test_n4_under_preemption_matches_transformers(tokenizer, hf_model):
     assert sum(r.preempted for r in records) > 0
     assert all(c.token_ids == ref.tolist() for c in out.outputs)
     assert_no_leaks(llm)
+
+
+def test_unset_max_tokens_is_the_rest_of_the_context():
+    """max_tokens=None (a request that set none, through either door): the generation may fill what is left of the
+    context, as vLLM fills it in; a max_tokens set too large is still refused, never clamped."""
+    llm = make_llm(max_model_len=40, num_kv_blocks=8)
+    prompt = "The capital of France is"
+    n = len(llm.engine.tokenizer(prompt).input_ids)
+    out = llm.generate(prompt, SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 40 - n and out.finish_reason == "length"
+    with pytest.raises(ValueError, match=f"max_tokens is too large: 40; .* at most {40 - n}"):
+        llm.generate(prompt, SamplingParams(max_tokens=40))

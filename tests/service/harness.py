@@ -61,7 +61,7 @@ class ServerThread:
 
     async def _start_bridge(self, config: ServerConfig) -> CoreAPI:
         self.bridge.start()
-        return await CoreAPI.load(self.bridge, config.limits(), config.names())
+        return await CoreAPI.load(self.bridge, config.limits(), config.names(), config.tool_settings())
 
     def call(self, coro) -> concurrent.futures.Future:
         """Run a coroutine on the server's loop."""

@@ -38,6 +38,24 @@ def test_serve_help_lists_the_server_flags_and_their_variables(capsys):
         assert "TANDEM_" + flag[2:].replace("-", "_").upper() in text
 
 
+def test_serve_help_groups_the_flags_and_shows_their_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    text = " ".join(out.split())
+    assert "gRPC" in text and "HTTP" in text and "Serve over gRPC." not in text
+    for group in ("model:", "engine:", "ports:", "requests:", "security:", "logging:"):
+        assert f"\n{group}\n" in out, group
+    default = EngineConfig()
+    for flag, shown in (("--port", "50051"), ("--http-port", "8000"), ("--metrics-port", "9464"),
+                        ("--max-documents", "1000"), ("--drain-timeout", "30.0"),
+                        ("--kv-cache-bytes", "1GiB"), ("--max-num-seqs", str(default.max_num_seqs)),
+                        ("--block-size", str(default.block_size)), ("--max-model-len", "the model's own context")):
+        help_text = text[text.index(flag + " " + flag[2:].replace("-", "_").upper(), text.index("options:")):]
+        assert f"(default: {shown}" in help_text[:400], flag
+    assert default.kv_cache_bytes == 2**30 and default.device == "cpu" and default.rerank_share == 0.5
+
+
 def test_unset_flags_keep_the_server_config_defaults():
     assert _config() == ServerConfig()
 
@@ -49,7 +67,8 @@ def test_flags_set_every_server_config_field():
                      "a=Rerank, RerankStream; b=Generate", "--replica", "r1", "--max-stream-buffer-bytes", "2MiB",
                      "--keepalive-time", "5", "--keepalive-timeout", "3", "--max-connection-idle", "60",
                      "--max-connection-age", "600", "--max-concurrent-streams", "8", "--http-port", "8081",
-                     "--served-model-name", "smol", "chat,tiny", "--strict-model-names")
+                     "--served-model-name", "smol", "chat,tiny", "--strict-model-names",
+                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     assert (config.host, config.port, config.max_documents, config.max_message_bytes) == ("0.0.0.0", 6000, 7, 2**20)
     assert (config.drain_timeout_s, config.drain_grace_s) == (9.0, 2.5)
     assert (config.tls_cert, config.tls_key, config.tls_client_ca) == ("c.pem", "k.pem", "ca.pem")
@@ -60,6 +79,7 @@ def test_flags_set_every_server_config_field():
     assert (config.max_connection_idle_s, config.max_connection_age_s, config.max_concurrent_streams) == (60, 600, 8)
     assert config.http_port == 8081
     assert config.served_model_names == ("smol", "chat", "tiny") and config.strict_model_names is True
+    assert config.enable_auto_tool_choice is True and config.tool_call_parser == "hermes"
     # Every field but the internal stop grace is reachable from the command line: no setting is env-only.
     default = ServerConfig()
     unset = [f.name for f in dataclasses.fields(ServerConfig) if getattr(config, f.name) == getattr(default, f.name)]
@@ -189,3 +209,17 @@ def test_generate_flags_become_the_request_sampling_params(tmp_path):
     assert list(sampling_params(choice=choice.choice).choice.choices) == ["yes", "no"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--regex", "a", "--choice", "b", "Q"])
+
+
+def test_make_serve_moves_all_three_ports():
+    """A second `make serve` beside a running one needs the HTTP and metrics ports moved too, not only gRPC's."""
+    import subprocess
+    from pathlib import Path
+
+    done = subprocess.run(["make", "-n", "serve", "PORT=50052", "HTTP_PORT=8001", "METRICS_PORT=9465"],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=60)
+    command = " ".join(done.stdout.replace("\\\n", " ").split())
+    assert "tandem serve --port 50052 --http-port 8001 --metrics-port 9465" in command, done.stdout + done.stderr
+    plain = subprocess.run(["make", "-n", "serve"], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                           text=True, timeout=60)
+    assert "--http-port" not in plain.stdout  # unset: tandem's defaults (and TANDEM_HTTP_PORT) apply

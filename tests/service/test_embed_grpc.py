@@ -64,10 +64,10 @@ def test_bad_input_is_invalid_argument(served, request_, message):
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
 
 
-def test_token_ids_over_grpc_are_the_embedders_tokens(served, offline, reference):
+def test_token_ids_over_grpc_are_the_models_exact_input(served, offline, reference):
     tok = offline.llm.engine.embedder.tokenizer
-    ids = list(tok(DOCUMENTS[0], add_special_tokens=False).input_ids)
+    ids = list(tok(DOCUMENTS[0]).input_ids)  # as the tokenizer returns them: [CLS] ... [SEP]
     with grpc.insecure_channel(served.address) as channel:
         r = pb_grpc.TandemStub(channel).Embed(pb.EmbedRequest(token_ids=[pb.TokenIds(ids=ids)]))
     assert np.abs(np.asarray(r.embeddings[0].values) - reference[0]).max() < 1e-6
-    assert r.model == EMBEDDED_EMBEDDER and r.usage.prompt_tokens == len(ids) + 2  # [CLS] and [SEP]
+    assert r.model == EMBEDDED_EMBEDDER and r.usage.prompt_tokens == len(ids)  # nothing added

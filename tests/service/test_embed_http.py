@@ -44,13 +44,17 @@ def test_openai_sdk_base64_and_float_equal_the_offline_vectors(oa, reference):
     assert default.model == EMBEDDED_EMBEDDER and default.usage.prompt_tokens == default.usage.total_tokens > 256
 
 
-def test_openai_token_id_inputs_are_the_embedders_tokens(oa, offline, reference):
+def test_openai_token_id_inputs_are_the_models_exact_input(oa, offline, reference):
+    """The ids a tokenizer returns by default ([CLS] ... [SEP]) are taken as given, as vLLM takes them: the same
+    vector as the text's (sentence-transformers'), with nothing added again."""
     tok = offline.llm.engine.embedder.tokenizer
-    ids = [list(tok(d, add_special_tokens=False).input_ids) for d in DOCUMENTS[:2]]
+    ids = [list(tok(d).input_ids) for d in DOCUMENTS[:2]]
+    assert ids[0][0] == tok.cls_token_id and ids[0][-1] == tok.sep_token_id
     many = oa.embeddings.create(model="", input=ids, encoding_format="float")
     one = oa.embeddings.create(model="", input=ids[0], encoding_format="float")
     assert np.abs(np.asarray([d.embedding for d in many.data]) - reference[:2]).max() < 1e-5
     assert np.abs(np.asarray(one.data[0].embedding) - reference[0]).max() < 1e-5
+    assert one.usage.prompt_tokens == len(ids[0])  # exactly the ids given
 
 
 def test_models_lists_the_embedder_as_its_own_model(oa, served):
@@ -103,6 +107,8 @@ def test_tei_and_cohere_bad_inputs_get_their_own_error_shapes(http_url):
         cohere_type = h.post("/v2/embed", json={"texts": ["a"], "embedding_types": ["binary"]})
         cohere_many = h.post("/v2/embed", json={"texts": ["a"] * (MAX_DOCUMENTS + 1)})
         cohere_none = h.post("/v2/embed", json={"texts": [LONG], "truncate": "NONE"})
+    assert "send truncate: true to cut it" in too_long.json()["error"]  # TEI's own spelling (a boolean)
+    assert 'send truncate: "END"' in cohere_none.json()["message"]  # Cohere's
     for r, message in ((too_long, "takes at most 256"), (prompt, "prompt_name"), (empty, "must not be empty")):
         assert r.status_code == 400 and message in r.json()["error"], r.text
         assert r.json()["error_type"] == "Validation"

@@ -187,3 +187,15 @@ async def test_sync_client_break_cancels_on_the_server(served):
     stats = await served.idle_stats()
     assert served.recorder.finished["sync-left"][-1].finish_reason == "abort"
     assert_all_blocks_free(stats)
+
+
+def test_a_chat_without_max_tokens_runs_until_it_stops_over_grpc(served):
+    """Unset max_tokens over gRPC is what it is over HTTP: the rest of the context (not the old 16), so the reply
+    ends by itself at EOS: the embedded model's greedy haiku is 39 tokens and ends there (no ignore_eos)."""
+    haiku = [{"role": "user", "content": "Write a haiku about the sea."}]
+    with Client(served.address) as client:
+        reply = client.complete(messages=haiku, temperature=0.0)
+        with pytest.raises(TandemError) as refused:
+            client.complete(messages=CHAT, max_tokens=8192)
+    assert reply.finish_reason == "stop" and reply.usage.completion_tokens > 16, reply
+    assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT and "max_tokens is too large" in refused.value.message

@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.service.conftest import CHAT, MAX_MESSAGE_BYTES, PROMPTS
+from tests.service.conftest import CHAT, MAX_MESSAGE_BYTES, MAX_MODEL_LEN, PROMPTS
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                            "sunny": {"type": "boolean"}},
@@ -51,6 +51,31 @@ def test_chat_stream_equals_non_stream_with_usage(client, offline):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == offline.chat.finish_reason
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == len(offline.chat.token_ids)
+
+
+def test_chat_without_max_tokens_runs_until_it_stops(client, http_url, served):
+    """The SDK sends no max_tokens unless told (nor does curl with only `messages`): the rest of the context, as
+    vLLM fills it in, not a 400 over the server's own default. The generation ends by itself (EOS, or the stop
+    string: no ignore_eos)."""
+    stream = client.chat.completions.create(model="", messages=CHAT, stream=True, temperature=0, stop=["."])
+    chunks = list(stream)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks).strip()
+    r = client.chat.completions.create(model="", messages=CHAT, temperature=0, stop=["."])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content.strip()
+    with httpx.Client(base_url=http_url, timeout=None) as h:
+        only = h.post("/v1/chat/completions", json={"messages": CHAT, "stop": [".", "\n"], "seed": 1})
+    assert only.status_code == 200, only.text
+    assert only.json()["choices"][0]["finish_reason"] == "stop"
+    completion = client.completions.create(model="", prompt="The capital of France is", temperature=0,
+                                           stop=[".", "\n"])
+    assert completion.choices[0].finish_reason == "stop"
+
+
+def test_a_max_tokens_set_too_large_is_still_a_400_naming_the_most_that_fits(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="", messages=CHAT, max_tokens=MAX_MODEL_LEN)
+    assert "max_tokens is too large: 8192" in info.value.message and "can be at most" in info.value.message
 
 
 def test_completions_prompt_list_greedy(client, offline):
@@ -131,15 +156,58 @@ async def test_async_chat_stream_n2_and_completions(aclient):
     assert len([c async for c in s]) >= 1
 
 
-@pytest.mark.parametrize("extra, field", [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                                          ({"tool_choice": "auto"}, "tool_choice"),
+@pytest.mark.parametrize("extra, field", [({"tool_choice": "required"}, "tool_choice"),
+                                          ({"modalities": ["text", "audio"]}, "modalities"),
                                           ({"functions": [{"name": "f"}]}, "functions"),
+                                          ({"web_search_options": {"search_context_size": "low"}},
+                                           "web_search_options"),
                                           ({"frobnicate": 1}, "frobnicate")])
 def test_unsupported_fields_are_refused_by_name(client, extra, field):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="", messages=CHAT, max_tokens=2, extra_body=extra)
     assert info.value.status_code == 400 and field in info.value.message
     assert info.value.body["param"] == field
+
+
+def test_fields_that_change_nothing_are_accepted(client):
+    """What frameworks send and what changes no answer here is accepted (docs/http.md lists them)."""
+    r = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "Hi", "name": "ada"}], max_tokens=2, tool_choice="none",
+        modalities=["text"], metadata={"session": "s1"}, service_tier="auto", reasoning_effort="low", store=False,
+        parallel_tool_calls=True, user="u1", prediction={"type": "content", "content": "Hello"})
+    assert r.choices[0].message.content is not None and r.choices[0].message.tool_calls is None
+
+
+def test_tools_without_auto_tool_choice_are_refused_naming_the_flags(client):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="", messages=CHAT, max_tokens=2, tools=tools)  # default: "auto"
+    assert "--enable-auto-tool-choice" in info.value.message and "--tool-call-parser" in info.value.message
+
+
+def test_a_model_named_for_another_task_is_refused(client, http_url, served):
+    """An embedding sent to the chat model's name, a chat sent to the embedder's: 400 in the API's own shape, not
+    served by the other model under the name given."""
+    chat_model, embedder = served.core.info.model, served.core.info.embedder
+    with pytest.raises(openai.BadRequestError) as embed:
+        client.embeddings.create(model=chat_model, input="hello")
+    assert f"model {chat_model!r} does not embed" in embed.value.message and embedder in embed.value.message
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model=embedder, messages=CHAT, max_tokens=2)
+    assert "does not generate" in chat.value.message
+    with httpx.Client(base_url=http_url) as h:
+        tei = h.post("/embed", json={"inputs": "hello"})  # no model field: the embedder
+        cohere_ = h.post("/v2/rerank", json={"query": "q", "documents": ["d"], "model": embedder})
+    assert tei.status_code == 200
+    assert cohere_.status_code == 400 and "does not rerank" in cohere_.json()["message"]
+
+
+def test_models_say_what_each_model_does(client, served):
+    cards = {m.id: m for m in client.models.list().data}
+    llm, embedder = cards[served.core.info.model], cards[served.core.info.embedder]
+    assert (llm.task, llm.capabilities) == ("generate", ["generate", "rerank"])  # the LLM scores rerank pairs
+    assert (embedder.task, embedder.capabilities) == ("embed", ["embed"])
+    assert client.models.retrieve(served.core.info.embedder).task == "embed"
 
 
 def test_null_unsupported_fields_are_unset(client):

@@ -82,3 +82,19 @@ def test_cohere_errors(http_url):
         for body, status, text in cases:
             r = h.post("/v2/rerank", json=body)
             assert r.status_code == status and text in r.json()["message"], (body, r.text)
+
+
+def test_an_over_long_document_is_refused_naming_each_apis_own_truncate(served, http_url):
+    """A document too long with truncation off: each API's refusal says how to ask for the cut in its own spelling
+    (TEI's `truncate` is a boolean: `truncate: true`, never another API's `truncate='end'`)."""
+    long = ["word " * 9000]
+    with httpx.Client(base_url=http_url) as h:
+        tei = h.post("/rerank", json={"query": QUERY, "texts": long})  # TEI's default: truncate false
+        cohere_ = h.post("/v2/rerank", json={"query": QUERY, "documents": long, "truncate": False})
+    assert tei.status_code == 400 and tei.json()["error_type"] == "Validation"
+    assert "over the rerank pair limit" in tei.json()["error"]
+    assert "send truncate: true" in tei.json()["error"] and "'end'" not in tei.json()["error"]
+    assert cohere_.status_code == 400 and "send truncate: true (or leave it out)" in cohere_.json()["message"]
+    with Client(served.address) as c, pytest.raises(Exception) as refused:
+        c.rerank(QUERY, long, truncate="none")
+    assert "TRUNCATE_END" in refused.value.message and "truncate: true" not in refused.value.message
