@@ -324,12 +324,18 @@ class ChatRequest(_Sampling):
 Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
 class CompletionRequest(_Sampling):
     prompt: Prompt
     logprobs: int | None = None
 
     def to_inputs(self) -> list[GenerateInput]:
-        params = self.sampling(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        # OpenAI's legacy completions default to 16 tokens (vLLM's too); chat's unset max_tokens is the rest of the
+        # context (ChatRequest above)
+        params = self.sampling(max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None
+                               else self.max_tokens, logprobs=self.logprobs)
         prompts = self.prompts()
         if not prompts:
             raise HttpError(400, "prompt must not be an empty list", param="prompt")

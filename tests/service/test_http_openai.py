@@ -70,6 +70,10 @@ def test_chat_without_max_tokens_runs_until_it_stops(client, http_url, served):
     completion = client.completions.create(model="", prompt="The capital of France is", temperature=0,
                                            stop=[".", "\n"])
     assert completion.choices[0].finish_reason == "stop"
+    # legacy completions keep OpenAI's (and vLLM's) default of 16 tokens
+    sixteen = client.completions.create(model="", prompt="Count: one, two,", temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert sixteen.usage.completion_tokens == 16 and sixteen.choices[0].finish_reason == "length"
 
 
 def test_a_max_tokens_set_too_large_is_still_a_400_naming_the_most_that_fits(client):
