@@ -32,7 +32,7 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q tests/gpu
 	$(PY) -m bench.kernels
 
-# The reliability soak at full length (make test runs 5 rounds of it), and the HTTP door's schemathesis fuzzing at
+# The reliability soak at full length (make test runs 8 rounds of it), and the HTTP door's schemathesis fuzzing at
 # 300 examples a route (make test runs 25).
 soak: $(STAMP)
 	TANDEM_SOAK_ROUNDS=$${TANDEM_SOAK_ROUNDS:-15} $(PY) -m pytest -q -s tests/reliability/test_soak.py
