@@ -12,6 +12,7 @@ import torch
 import kernels
 from kernels import quant
 
+from engine import chat_templates
 from engine.admission import AdmissionPolicy, policy_for
 from engine.config import EMBEDDED_EMBEDDER, EngineConfig, RerankMode
 from engine.cuda_graphs import capture_sizes, cuda_graph_capture
@@ -81,6 +82,9 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     if config.chat_template is not None:
         tokenizer.chat_template = _chat_template(config.chat_template, tokenizer)
     hf_config = read_config(model_dir)
+    if not tokenizer.chat_template:
+        log.warning("the model has no chat template (a base model): chat requests are refused until one is given: "
+                    "%s", chat_templates.suggestion(hf_config.get("model_type")))
     args = DecoderArgs.from_hf_config(hf_config)
     weights = _load_weights(source, args, quantization, settings.cache_dir)
     model = build_decoder(args, weights, config.device, DTYPES[config.dtype],
@@ -168,12 +172,10 @@ def _mark_markup_tokens_special(tokenizer) -> None:
 
 
 def _chat_template(given: str, tokenizer) -> str:
-    """The template text of a file's path or the template itself, checked by rendering one user turn: a template
-    that does not render is refused at start-up, not at the first chat."""
-    path = Path(given).expanduser()
-    text = path.read_text() if "{" not in given and path.is_file() else given
-    if "{" not in text:
-        raise ValueError(f"chat_template {given!r} is neither a file nor a Jinja template (--chat-template)")
+    """The template text of a shipped template's name (engine/chat_templates.py), a file's path or the template
+    itself, checked by rendering one user turn: a template that does not render is refused at start-up, not at the
+    first chat."""
+    text = chat_templates.template_text(given)
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=text, tokenize=False,
                                       add_generation_prompt=True)

@@ -328,7 +328,7 @@ class EngineBridge:
         match command:
             case AddGeneration():
                 self._add(command.request_id, failures, lambda: engine.add_request(
-                    command.request_id, _prepared(command), command.params))
+                    command.request_id, _prepared(command), command.params, chat=command.messages is not None))
             case AddRerank():
                 self._add(command.request_id, failures, lambda: engine.add_rerank(
                     command.request_id, command.query, command.documents, command.params,
