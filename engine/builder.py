@@ -58,11 +58,24 @@ class EngineParts:
     cpu_kernels: str  # the CPU path the quantized matmuls take ("avx512", "avx2", "portable"); "" when none do
 
 
+class _NoLengthWarning(logging.Filter):
+    """Drops transformers' "Token indices sequence length is longer than the specified maximum sequence length for
+    this model (... > 256). Running this sequence through the model will result in indexing errors": the engine
+    checks every input's length itself (refused or cut, as the request says) before a model sees it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Token indices sequence length is longer than")
+
+
+_LENGTH_WARNING = _NoLengthWarning()
+
+
 def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None = None,
                        settings: Settings | None = None) -> EngineParts:
     """`admission`: the policy the scheduler runs (None: the one config names). The one place an engine's admission
     policy is resolved (engine/admission.py policy_for), before anything slow is loaded. `settings`: the process
     settings (None: read from the environment here, once: engine/settings.py)."""
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(_LENGTH_WARNING)  # once: a set of filters
     settings = settings or Settings.from_env()
     quant.select_cpu_path(settings.cpu_isa, settings.quant_small_m)
     if config.num_threads:

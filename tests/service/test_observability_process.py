@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import socket
 
 import pytest
 
@@ -47,37 +48,71 @@ def test_a_bad_setting_says_what_to_set(monkeypatch) -> None:
         tracing.tracer_provider_from_env()
 
 
-def _wait_for(proc: ServeProcess, found) -> list[str]:
-    """Lines the server prints until `found(lines)` holds (a hang guard, not a time the test relies on)."""
-    seen = []
-    while not found(seen):
+def _wait_for(proc: ServeProcess, found) -> str:
+    """The server's output since it started, once `found(output)` holds (read line by line as it is printed; a hang
+    guard, not a time the test relies on)."""
+    while not found("".join(proc.output)):
         try:
             line = proc.lines.get(timeout=300)
         except queue.Empty:
-            raise AssertionError("the server printed no more lines:\n" + "".join(seen[-40:])) from None
+            raise AssertionError("the server printed no more lines:\n" + "".join(proc.output[-40:])) from None
         if line is None:
-            raise AssertionError("tandem serve exited:\n" + "".join(seen[-40:]))
-        seen.append(line)
-    return seen
+            raise AssertionError("tandem serve exited:\n" + "".join(proc.output[-40:]))
+        proc.output.append(line)
+    return "".join(proc.output)
 
 
-def test_console_spans_and_a_step_log_written_as_steps_end(tmp_path) -> None:
-    step_log = tmp_path / "steps.jsonl"
-    proc = ServeProcess("--host", "127.0.0.1", "--step-log", str(step_log),
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`tandem serve` as a user with no collector starts it: console spans, a step log, the HTTP door."""
+    http_port = _free_port()
+    step_log = tmp_path_factory.mktemp("steps") / "steps.jsonl"
+    proc = ServeProcess("--host", "127.0.0.1", "--step-log", str(step_log), "--http-port", str(http_port),
                         env={"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "rag-dev",
                              "OTEL_BSP_SCHEDULE_DELAY": "100"})
-    try:
-        assert any("tracing: spans exported to the console (stdout)" in line for line in proc.output), proc.output
-        with Client(proc.address) as client:
-            text = "".join(d.text for d in client.generate("Hello", max_tokens=4, request_id="traced"))
-            vectors = client.embed(["a passage to embed"])
-        assert text and len(vectors) == 1
-        # The server is still running: the steps it served are in the file already.
-        records = [json.loads(line) for line in step_log.read_text().splitlines()]
-        assert any(r["decode_tokens"] > 0 for r in records) and any(r["embed_rows"] > 0 for r in records)
-        assert proc.proc.poll() is None
-        spans = "".join(_wait_for(proc, lambda lines: all(f'"name": "{n}"' in "".join(lines)
-                                                           for n in ("tandem.generate", "tandem.embed", "tandem.step"))))
-        assert '"tandem.request.id": "traced"' in spans and '"service.name": "rag-dev"' in spans
-    finally:
-        proc.stop()
+    proc.step_log = step_log
+    proc.http = f"http://127.0.0.1:{http_port}"
+    yield proc
+    proc.stop()
+
+
+def test_console_spans_and_a_step_log_written_as_steps_end(served) -> None:
+    assert "tracing: spans exported to the console (stdout)" in "".join(served.output), served.output
+    with Client(served.address) as client:
+        text = "".join(d.text for d in client.generate("Hello", max_tokens=4, request_id="traced"))
+        vectors = client.embed(["a passage to embed"])
+    assert text and len(vectors) == 1
+    # The server is still running: the steps it served are in the file already.
+    records = [json.loads(line) for line in served.step_log.read_text().splitlines()]
+    assert any(r["decode_tokens"] > 0 for r in records) and any(r["embed_rows"] > 0 for r in records)
+    assert served.proc.poll() is None
+    spans = _wait_for(served, lambda out: all(f'"name": "{n}"' in out
+                                              for n in ("tandem.generate", "tandem.embed", "tandem.step")))
+    assert '"tandem.request.id": "traced"' in spans and '"service.name": "rag-dev"' in spans
+
+
+def test_the_access_log_names_the_model_asked_for_and_why_a_request_failed(served) -> None:
+    """An embedding logs the embedder, a refused name the name; a 400 and a 404 say why; a long input does not
+    print transformers' "Token indices sequence length" warning (the engine checks lengths itself)."""
+    import openai
+
+    client = openai.OpenAI(base_url=served.http + "/v1", api_key="x", max_retries=0)
+    long_text = "a passage about lighthouses and the sea " * 80  # ~640 tokens: over the embedder's 256, cut
+    assert len(client.embeddings.create(model="all-MiniLM-L6-v2", input=[long_text]).data) == 1
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="prompt token ids must be integers"):
+        client.completions.create(model="", prompt=[10**7], max_tokens=4)
+    out = _wait_for(served, lambda out: "/v1/completions model=" in out)
+    lines = {line.split(" model=")[0].split()[-1]: line for line in out.splitlines() if "tandem.access" in line}
+    assert "model=all-MiniLM-L6-v2 status=200 finish=stop" in lines["/v1/embeddings"], lines
+    assert "model=gpt-4o status=404 finish=rejected reason=\"model 'gpt-4o' is not served" in \
+        lines["/v1/chat/completions"], lines
+    assert 'status=400 finish=error reason="prompt token ids must be integers in [0, ' in lines["/v1/completions"]
+    assert "Token indices sequence length" not in out
