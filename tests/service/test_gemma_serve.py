@@ -40,6 +40,7 @@ class _Serve:
             output.append(line)
             if line.startswith("tandem listening on "):
                 self.address = line.split()[-1]
+                self.output = output
                 return
 
     def stop(self) -> None:
@@ -127,3 +128,11 @@ async def test_a_chat_stops_at_the_templates_end_of_turn_token(gemma_server) -> 
     ignoring = await client.chat.completions.create(messages=[{"role": "user", "content": "Say hello."}], **forced,
                                                     extra_body={"ignore_eos": True})
     assert ignoring.choices[0].finish_reason == "length" and ignoring.usage.completion_tokens == 6
+
+
+def test_start_up_says_what_capped_the_context(gemma_server) -> None:
+    """The file's context is 32,768 tokens; the default KV budget holds 29,120 of them, and start-up says so."""
+    said = "".join(gemma_server.output)
+    assert ("context 29,120 of the model's 32,768 tokens, capped by the KV cache (tandem serve --kv-cache-bytes / "
+            "--num-kv-blocks)") in said, said
+    assert "rerank: likelihood (gemma-3-270m-q4_k_m.gguf's query likelihood)" in said or "rerank: fusion" in said

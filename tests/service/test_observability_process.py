@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import socket
 
 import pytest
@@ -80,6 +81,13 @@ def served(tmp_path_factory):
     proc.http = f"http://127.0.0.1:{http_port}"
     yield proc
     proc.stop()
+
+
+def test_start_up_says_device_threads_kernels_rerank_mode_and_context(served) -> None:
+    said = "".join(served.output)
+    assert re.search(r"tandem.engine: device cpu, \d+ threads, CPU kernels (avx512|avx2|portable); rerank: fusion "
+                     r"\(all-MiniLM-L6-v2's cosine \+ SmolLM2-135M-Instruct's query likelihood\); context 8,192 "
+                     r"tokens \(the model's context, max_position_embeddings\)", said), said
 
 
 def test_console_spans_and_a_step_log_written_as_steps_end(served) -> None:
