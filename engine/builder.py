@@ -12,6 +12,7 @@ import torch
 import kernels
 from kernels import quant
 
+from engine import chat_templates
 from engine.admission import AdmissionPolicy, policy_for
 from engine.config import EMBEDDED_EMBEDDER, EngineConfig, RerankMode
 from engine.cuda_graphs import capture_sizes, cuda_graph_capture
@@ -57,11 +58,24 @@ class EngineParts:
     cpu_kernels: str  # the CPU path the quantized matmuls take ("avx512", "avx2", "portable"); "" when none do
 
 
+class _NoLengthWarning(logging.Filter):
+    """Drops transformers' "Token indices sequence length is longer than the specified maximum sequence length for
+    this model (... > 256). Running this sequence through the model will result in indexing errors": the engine
+    checks every input's length itself (refused or cut, as the request says) before a model sees it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Token indices sequence length is longer than")
+
+
+_LENGTH_WARNING = _NoLengthWarning()
+
+
 def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None = None,
                        settings: Settings | None = None) -> EngineParts:
     """`admission`: the policy the scheduler runs (None: the one config names). The one place an engine's admission
     policy is resolved (engine/admission.py policy_for), before anything slow is loaded. `settings`: the process
     settings (None: read from the environment here, once: engine/settings.py)."""
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(_LENGTH_WARNING)  # once: a set of filters
     settings = settings or Settings.from_env()
     quant.select_cpu_path(settings.cpu_isa, settings.quant_small_m)
     if config.num_threads:
@@ -81,6 +95,9 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     if config.chat_template is not None:
         tokenizer.chat_template = _chat_template(config.chat_template, tokenizer)
     hf_config = read_config(model_dir)
+    if not tokenizer.chat_template:
+        log.warning("the model has no chat template (a base model): chat requests are refused until one is given: "
+                    "%s", chat_templates.suggestion(hf_config.get("model_type")))
     args = DecoderArgs.from_hf_config(hf_config)
     weights = _load_weights(source, args, quantization, settings.cache_dir)
     model = build_decoder(args, weights, config.device, DTYPES[config.dtype],
@@ -116,6 +133,8 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                                         -(-max_model_len // config.block_size), cuda_graph_capture()):
             log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
                      runner.decode_graphs.sizes, time.monotonic() - started)
+    log.info("%s", describe_engine(config, runner.device, cpu_kernels, scorer.mode, embedder, max_model_len,
+                                   args.max_position_embeddings, max_model_len_by))
     return EngineParts(model_dir=str(model_dir), tokenizer=tokenizer, hf_config=hf_config, model_args=args,
                        model=model, max_model_len=max_model_len,
                        max_model_len_by=max_model_len_by, pool=pool, kv=kv, admission=policy,
@@ -123,6 +142,23 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                        eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
                        weight_bytes=weight_bytes(model), weight_format=weight_format(model),
                        cpu_kernels=cpu_kernels)
+
+
+def describe_engine(config: EngineConfig, device: torch.device, cpu_kernels: str, rerank_mode: RerankMode,
+                    embedder: Embedder | None, max_model_len: int, model_context: int, max_model_len_by: str) -> str:
+    """The start-up line that says what this engine runs on and what bounds it: device, threads, the C++ kernels'
+    CPU path, how reranks are scored (fusion: which two models), and the context length with what capped it."""
+    llm = Path(config.model).name if config.model else "SmolLM2-135M-Instruct"
+    scored_by = {RerankMode.LIKELIHOOD: f"{llm}'s query likelihood", RerankMode.JUDGE: f"{llm}'s yes/no judgement",
+                 RerankMode.CROSS_ENCODER: f"the cross-encoder {Path(str(config.reranker)).name}",
+                 RerankMode.FUSION: f"{embedder.name if embedder else 'the embedder'}'s cosine + {llm}'s query "
+                                    "likelihood"}[RerankMode(rerank_mode)]
+    where = f"device {device}" + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else "")
+    if device.type == "cpu":
+        where += f", CPU kernels {cpu_kernels}" if cpu_kernels else ", CPU kernels none (dense weights: torch matmuls)"
+    context = (f"context {max_model_len:,} tokens ({max_model_len_by})" if max_model_len == model_context else
+               f"context {max_model_len:,} of the model's {model_context:,} tokens, capped by {max_model_len_by}")
+    return f"{where}; rerank: {rerank_mode} ({scored_by}); {context}"
 
 
 def _shared_encoder(config: EngineConfig, settings: Settings) -> bool:
@@ -171,12 +207,10 @@ def _mark_markup_tokens_special(tokenizer) -> None:
 
 
 def _chat_template(given: str, tokenizer) -> str:
-    """The template text of a file's path or the template itself, checked by rendering one user turn: a template
-    that does not render is refused at start-up, not at the first chat."""
-    path = Path(given).expanduser()
-    text = path.read_text() if "{" not in given and path.is_file() else given
-    if "{" not in text:
-        raise ValueError(f"chat_template {given!r} is neither a file nor a Jinja template (--chat-template)")
+    """The template text of a shipped template's name (engine/chat_templates.py), a file's path or the template
+    itself, checked by rendering one user turn: a template that does not render is refused at start-up, not at the
+    first chat."""
+    text = chat_templates.template_text(given)
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=text, tokenize=False,
                                       add_generation_prompt=True)

@@ -61,11 +61,13 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int] | None = None,
-                    params: SamplingParams | None = None, *, messages: list[dict] | None = None) -> list[int]:
+                    params: SamplingParams | None = None, *, messages: list[dict] | None = None,
+                    chat: bool = False) -> list[int]:
         """Queue a generation; returns its prompt token ids. Raises ValueError naming the field for bad input;
-        nothing is queued then."""
+        nothing is queued then. `chat`: the prompt is token ids a chat template rendered (prompt_token_ids of
+        messages), so it stops at the template's end-of-turn tokens as a request with `messages` does."""
         self._check_new_id(request_id)
-        gen = self.intake.generation(request_id, prompt, params, messages)
+        gen = self.intake.generation(request_id, prompt, params, messages, chat=chat)
         self._requests[request_id] = gen
         for seq in gen.seqs:
             self.scheduler.add(seq)

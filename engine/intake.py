@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import xxhash
 
+from engine import chat_templates
 from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
 from engine.detokenizer import TextStream
 from engine.embed import EmbedJob, Embedder
@@ -62,9 +63,11 @@ class RequestIntake:
         self.embedder = embedder
         self.grammar_compiler = grammar_compiler  # called only for a request with structured_outputs
         self._arrivals = itertools.count()
+        # A chat stops at its template's end-of-turn tokens as at EOS (Gemma's <end_of_turn> is not its GGUF's EOS).
+        self.end_of_turn_ids = chat_templates.end_of_turn_ids(tokenizer, getattr(tokenizer, "chat_template", None))
 
     def generation(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams | None,
-                   messages: list[dict] | None) -> Generation:
+                   messages: list[dict] | None, chat: bool = False) -> Generation:
         """n sequences over the same prompt. Completion 0 prefills it; the others wait for that and share its full
         blocks. With prompt_logprobs, completion 0 scores every prompt position from 1 on, so a prefix the cache
         holds is recomputed for it (a cached position has no logits), never refused."""
@@ -72,6 +75,8 @@ class RequestIntake:
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         token_ids = self.prompt_token_ids(prompt, messages)
+        if (chat or messages is not None) and not params.ignore_eos:
+            params = self._stop_at_end_of_turn(params)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
@@ -97,6 +102,14 @@ class RequestIntake:
         streams = [TextStream(self.tokenizer, params.stop, params.min_tokens, params.skip_special_tokens)
                    for _ in seqs]
         return Generation(request_id, seqs, streams, finish_reasons=[None] * params.n)
+
+    def _stop_at_end_of_turn(self, params: SamplingParams) -> SamplingParams:
+        """A chat's params with the template's end-of-turn ids among its stop ids (masked under min_tokens and left
+        out with ignore_eos, as EOS is), as llama.cpp ends generation at a template's end-of-generation tokens."""
+        extra = [t for t in self.end_of_turn_ids if t not in params.stop_token_ids]
+        if not extra:
+            return params
+        return dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
 
     def _check_token_params(self, params: SamplingParams) -> None:
         vocab = self.vocab_size
@@ -232,7 +245,9 @@ class RequestIntake:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("each message needs a string role and string content")
         if not self.tokenizer.chat_template:
-            raise ValueError("messages: this model has no chat template (a base model); send a prompt instead")
+            raise ValueError("messages: this model has no chat template (a base model): start the server with "
+                             f"--chat-template NAME ({', '.join(chat_templates.names())}) or a Jinja file "
+                             "(EngineConfig.chat_template), or send a prompt instead")
         if tools and "tools" not in self.tokenizer.chat_template:
             raise ValueError("tools: this model's chat template has no tool format (give one that renders tools "
                              "with --chat-template)")

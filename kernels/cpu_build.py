@@ -38,8 +38,8 @@ def load_extension(name: str, sources: Sequence[Path], extra_cflags: list[str], 
     directory.mkdir(parents=True, exist_ok=True)
     building = not (directory / f"{name}.so").exists()
     if building:
-        log.info("compiling the CPU kernel %s (%.0f kB of C++) into %s: once per CPU and torch version, about a "
-                 "minute", name, sum(source.stat().st_size for source in sources) / 1e3, directory)
+        log.info("compiling the CPU kernel %s (%.0f kB of C++) into %s: once per CPU and torch version, one to "
+                 "several minutes (make venv does it ahead: python -m kernels.build)", name, sum(source.stat().st_size for source in sources) / 1e3, directory)
     started = time.monotonic()
     with open(directory / "tandem.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # waits for a live build by another process; released if it dies

@@ -9,10 +9,14 @@ The route is the HTTP path the door names in the request's metadata ("route"), o
 stream say. The status is what the door answered: gRPC's code name, HTTP's status for it. A request refused before
 the engine admitted it (an unknown model, too many documents, a full queue, draining; on HTTP also a body that does
 not parse, a wrong Content-Type, a missing token) gets its line too, `finish=rejected`, from `on_refused`.
+An error or a refusal says why, short (` reason="max_tokens is too large: ..."`, cut at REASON_CHARS). `model=` is
+the model the request named, else the one its kind is served by (the embedder for an embedding, the LLM for a chat
+or a rerank); a refused name is logged as given.
 `tandem serve --no-access-log` leaves this observer out.
 """
 from __future__ import annotations
 
+import json
 import logging
 
 import grpc
@@ -60,10 +64,28 @@ class AccessLog(Hooks):
         else:
             counts = (f"prompt_tokens={lc.prompt_tokens} completion_tokens={lc.completion_tokens} "
                       f"cached_tokens={lc.cached_tokens} ttft={lc.ttft_s:.3f}s")
-        self.log.info("%s %s model=%s status=%s finish=%s %s latency=%.3fs peer=%s", lc.metadata.get("door", "-"),
-                      route(lc), self.model_name, status(lc), lc.finish_reason, counts, lc.duration_s,
+        self.log.info("%s %s model=%s status=%s finish=%s%s %s latency=%.3fs peer=%s", lc.metadata.get("door", "-"),
+                      route(lc), self._model(lc), status(lc), lc.finish_reason, _reason(lc), counts, lc.duration_s,
                       lc.metadata.get("peer") or "-")
 
     def on_refused(self, lc: RequestLifecycle) -> None:
-        self.log.info("%s %s model=%s status=%s finish=rejected peer=%s", lc.metadata.get("door", "-"), route(lc),
-                      self.model_name, status(lc), lc.metadata.get("peer") or "-")
+        self.log.info("%s %s model=%s status=%s finish=rejected%s peer=%s", lc.metadata.get("door", "-"), route(lc),
+                      self._model(lc), status(lc), _reason(lc), lc.metadata.get("peer") or "-")
+
+    def _model(self, lc: RequestLifecycle) -> str:
+        """The model the request named, or the one its kind is served by (the core API puts it in the metadata);
+        the served LLM's name for a request refused before the core read it (an HTTP body that does not parse)."""
+        return lc.metadata.get("model") or self.model_name
+
+
+REASON_CHARS = 120  # an error's message is cut here in the log (the client got all of it)
+
+
+def _reason(lc: RequestLifecycle) -> str:
+    """` reason="..."`: what an error or a refusal told the client, on one line and short; "" without one."""
+    message = " ".join((lc.error_message or "").split())
+    if not message:
+        return ""
+    if len(message) > REASON_CHARS:
+        message = message[:REASON_CHARS - 3] + "..."
+    return " reason=" + json.dumps(message)

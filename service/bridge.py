@@ -222,12 +222,13 @@ class EngineBridge:
                               metadata=dict(metadata or {}), documents=len(inputs))
         return self._submit(command, lc, sink, timeout_ms)
 
-    def refused(self, client_id: str, kind: str, metadata: dict[str, str], error: str | None) -> None:
+    def refused(self, client_id: str, kind: str, metadata: dict[str, str], error: str | None,
+                message: str | None = None) -> None:
         """Tell the hooks of a request answered with an error before admission (`error`: its status code name;
-        None when the door's own status is in metadata["status"])."""
+        None when the door's own status is in metadata["status"]; `message`: what the client was told)."""
         now = time.monotonic()
         lc = RequestLifecycle(engine_id="", client_id=client_id, kind=kind, arrival=now, finished=now,
-                              finish_reason="rejected", error=error, metadata=dict(metadata))
+                              finish_reason="rejected", error=error, error_message=message, metadata=dict(metadata))
         self._emit("on_refused", lc)
 
     def abort(self, engine_id: str) -> None:
@@ -333,7 +334,7 @@ class EngineBridge:
         match command:
             case AddGeneration():
                 self._add(command.request_id, failures, lambda: engine.add_request(
-                    command.request_id, _prepared(command), command.params))
+                    command.request_id, _prepared(command), command.params, chat=command.messages is not None))
             case AddRerank():
                 self._add(command.request_id, failures, lambda: engine.add_rerank(
                     command.request_id, command.query, command.documents, command.params,
@@ -443,16 +444,16 @@ class EngineBridge:
         if handle is None:
             return
         reason = "deadline" if error.code is grpc.StatusCode.DEADLINE_EXCEEDED else "error"
-        self._close(engine_id, reason, error.code.name)
+        self._close(engine_id, reason, error.code.name, error.message)
         self._send(handle, error)
 
-    def _close(self, engine_id: str, reason: str, error: str | None = None) -> None:
+    def _close(self, engine_id: str, reason: str, error: str | None = None, message: str | None = None) -> None:
         handle = self._handles.pop(engine_id)
         self._waiting.discard(engine_id)
         if handle.timer is not None:
             handle.timer.cancel()
         lc = handle.lifecycle
-        lc.finished, lc.finish_reason, lc.error = time.monotonic(), reason, error
+        lc.finished, lc.finish_reason, lc.error, lc.error_message = time.monotonic(), reason, error, message
         if not self._handles:
             self._idle.set()
         self._emit("on_finish", lc)

@@ -25,8 +25,9 @@ _ENGINE_FLAGS = [
     ("--reranker", str, None, "cross-encoder directory (default: the LLM scores pairs, see --rerank-mode)"),
     ("--rerank-mode", str, None, "likelihood | fusion | judge | cross-encoder: how rerank pairs are scored (default: "
                                  "cross-encoder with --reranker, else fusion with an embedder, else likelihood)"),
-    ("--chat-template", str, None, "a Jinja chat template, or the path of a file holding one, replacing the "
-                                   "model's (or giving a base model one)"),
+    ("--chat-template", str, None, "a shipped template (gemma, llama3, chatml/qwen, mistral), a Jinja chat "
+                                   "template, or the path of a file holding one, replacing the model's (or giving a "
+                                   "base model one)"),
     ("--device", str, None, "cpu | cuda | cuda:N"),
     ("--dtype", str, None, "float32 | float16 | bfloat16; given without --quantization, the dense weights are "
                            "served in it"),

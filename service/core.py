@@ -364,12 +364,18 @@ class CoreAPI:
     def refused(self, kind: SeqKind | str, request_id: str, metadata: dict[str, str], error: ServiceError) -> None:
         """A request refused before the engine admitted it (by these checks, or by a door's own): the lifecycle
         hooks hear of it (the access log writes its line)."""
-        self.bridge.refused(request_id, str(kind), metadata, error.code.name)
+        self.bridge.refused(request_id, str(kind), metadata, error.code.name, error.message)
 
     def refused_at_door(self, kind: str, metadata: dict[str, str], status: str) -> None:
         """A request a door refused on its own terms (an HTTP body that does not parse, a wrong Content-Type, a
         missing token), with the status the door answered."""
         self.bridge.refused("", kind, {**metadata, "status": status}, None)
+
+    @staticmethod
+    def _named(metadata: dict[str, str], model: str, default: str) -> dict[str, str]:
+        """The request's metadata with the model it named (else the one its kind is served by), for the access log:
+        an embedding names the embedder, a refused name is logged as given."""
+        return {**metadata, "model": model or default}
 
     @contextlib.contextmanager
     def _admitting(self, kind: SeqKind, request_id: str, metadata: dict[str, str]) -> Iterator[None]:
@@ -383,6 +389,7 @@ class CoreAPI:
         """Admit every input (all or none: a refusal aborts those admitted before it and raises ServiceError);
         their outputs arrive through the returned stream."""
         stream = GenerationStream(self.bridge, self.limits.max_stream_buffer_bytes)
+        metadata = self._named(metadata, inputs[0].model if inputs else "", self.info.model)
         try:
             for index, inp in enumerate(inputs):
                 self._check_generate(inp)
@@ -424,6 +431,7 @@ class CoreAPI:
 
     async def rerank(self, inp: RerankInput, metadata: dict[str, str]) -> RerankOutcome:
         """Score inp's documents; raises ServiceError. Cancelling the await aborts the engine job."""
+        metadata = self._named(metadata, inp.model, self.info.model)
         with self._admitting(SeqKind.RERANK, inp.request_id, metadata):
             self._check_task(inp.model, Task.RERANK)
             self._check_reranker(inp.model)
@@ -468,6 +476,7 @@ class CoreAPI:
     async def embed(self, inp: EmbedInput, metadata: dict[str, str]) -> EmbedOutcome:
         """One vector per input; raises ServiceError. Cancelling the await aborts the engine job. A request naming
         another model is embedded by the one embedder anyway (as a rerank is scored), unless names are strict."""
+        metadata = self._named(metadata, inp.model, self.info.embedder)
         with self._admitting(SeqKind.EMBED, inp.request_id, metadata):
             if not self.info.embedder:
                 raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,

@@ -26,6 +26,7 @@ class RequestLifecycle:
     finished: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "rejected" | "deadline"
     error: str | None = None  # status code name when it ended with an error
+    error_message: str | None = None  # what it was told, when it ended with (or was refused with) an error
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0  # summed over the n completions of a generation

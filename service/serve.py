@@ -51,6 +51,8 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     from engine import LLMEngine  # torch only here, so client commands stay light
 
     try:
+        # Where spans go (OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_*): a bad setting fails before the model loads.
+        provider = tracer_provider_from_env()
         ports.check_free(server_config.host, _listeners(server_config, metrics_port))
         with phase(log, f"loading the model ({engine_config.model or 'embedded SmolLM2-135M-Instruct'})",
                    weights_size(engine_config.model)):
@@ -63,7 +65,6 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     # The name requests and responses use (service/core.py): the first --served-model-name, else the short id.
     model_name = (server_config.served_model_names or (short_name(str(engine.model_info()["model"])),))[0]
     metrics = Metrics()
-    provider = tracer_provider_from_env()  # None unless an OTLP endpoint is configured
     log.info("%s", describe_tracing(provider))
     tracing = TracingHooks(provider) if provider is not None else None
     tally = ShutdownTally()

@@ -15,12 +15,12 @@ if TYPE_CHECKING:
 
 
 class StepLog(Hooks):
-    """Appends each step record to a file as a JSON line; lines are flushed in blocks by the file's buffer and at
-    close."""
+    """Appends each step record to a file as a JSON line, written through as the step ends (line-buffered), so
+    `tail -f` and a reader beside the running server see every step at once, not in blocks or at exit."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        self._file: TextIO | None = self.path.open("a", encoding="utf-8", buffering=1)
 
     def on_step(self, record: "StepRecord") -> None:
         if self._file is not None:

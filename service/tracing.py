@@ -1,8 +1,12 @@
 """OpenTelemetry traces: a span per request and a span per engine step, linked to the requests it served.
 
-Configured by the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME,
-OTEL_TRACES_SAMPLER, OTEL_BSP_*). Spans are exported by a BatchSpanProcessor from its own thread,
-so neither the event loop nor the engine thread ever waits for the collector.
+Configured by the standard OTEL_* variables, read by the SDK's own configuration where it provides it:
+OTEL_TRACES_EXPORTER (`console`, `otlp`, `none`, or any exporter registered under the SDK's
+`opentelemetry_traces_exporter` entry points; comma-separated for several), OTEL_EXPORTER_OTLP_PROTOCOL (`grpc`, the
+default, or `http/protobuf`), OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, OTEL_BSP_*. With
+OTEL_TRACES_EXPORTER unset, spans go over OTLP when an endpoint is set and nowhere otherwise (no collector, no error
+every few seconds). Spans are exported by a BatchSpanProcessor from its own thread, so neither the event loop nor
+the engine thread ever waits for the collector (or the console).
 """
 from __future__ import annotations
 
@@ -27,29 +31,64 @@ def _ns(monotonic_s: float) -> int:
     return int(monotonic_s * 1e9) + _EPOCH_OFFSET_NS
 
 
-def tracer_provider_from_env(exporter: SpanExporter | None = None) -> TracerProvider | None:
-    """A provider exporting over OTLP/gRPC when an OTLP endpoint is configured (or an exporter given), else None."""
-    if exporter is None:
-        if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
-            return None
-        if not any(os.environ.get(v) for v in _ENDPOINT_VARS):
-            return None
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+# What each exporter entry point installs from, for the error when one is named and missing.
+_PACKAGE_OF_EXPORTER = {"otlp_proto_grpc": "opentelemetry-exporter-otlp-proto-grpc",
+                        "otlp_proto_http": "opentelemetry-exporter-otlp-proto-http"}
+_WHERE = {"console": "to the console (stdout)", "otlp_proto_grpc": "over OTLP/gRPC to {endpoint}",
+          "otlp_proto_http": "over OTLP/HTTP to {endpoint}"}
 
-        exporter = OTLPSpanExporter()  # endpoint, headers, TLS from OTEL_EXPORTER_OTLP_*
+
+def exporter_names() -> list[str]:
+    """The trace exporters the environment asks for, as the SDK's configuration names their entry points (`otlp`
+    becomes otlp_proto_grpc or otlp_proto_http by OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL); [] for none or
+    OTEL_SDK_DISABLED. With OTEL_TRACES_EXPORTER unset: OTLP when an endpoint is configured, else none."""
+    # The SDK's own reading of the variables (opentelemetry-sdk is pinned: these live in its _configuration module).
+    from opentelemetry.sdk._configuration import _get_exporter_entry_point, _get_exporter_names
+
+    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return []
+    try:
+        if not os.environ.get("OTEL_TRACES_EXPORTER", "").strip():
+            has_endpoint = any(os.environ.get(v) for v in _ENDPOINT_VARS)
+            return [_get_exporter_entry_point("otlp", "traces")] if has_endpoint else []
+        return _get_exporter_names("traces")
+    except RuntimeError as exc:  # an OTLP protocol the SDK does not know
+        raise ValueError(f"{exc} (OTEL_EXPORTER_OTLP_PROTOCOL: grpc or http/protobuf)") from None
+
+
+def _exporter(name: str) -> SpanExporter:
+    """The exporter registered under `name` in the SDK's opentelemetry_traces_exporter entry points, built from the
+    environment (endpoint, headers, TLS from OTEL_EXPORTER_OTLP_*). ValueError naming what to install when none is."""
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
+    if not found:
+        package = _PACKAGE_OF_EXPORTER.get(name)
+        hint = f"pip install {package}" if package else "console, otlp or none"
+        raise ValueError(f"OTEL_TRACES_EXPORTER: no trace exporter {name!r} is installed ({hint})")
+    return found[0].load()()
+
+
+def tracer_provider_from_env(exporter: SpanExporter | None = None) -> TracerProvider | None:
+    """A provider exporting to what the OTEL_* variables name (or to `exporter` when given), else None."""
+    exporters = [exporter] if exporter is not None else [_exporter(name) for name in exporter_names()]
+    if not exporters:
+        return None
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "tandem")})
     provider = TracerProvider(resource=resource)  # the sampler comes from OTEL_TRACES_SAMPLER
-    provider.add_span_processor(BatchSpanProcessor(exporter))
+    for each in exporters:
+        provider.add_span_processor(BatchSpanProcessor(each))
     return provider
 
 
 def describe_tracing(provider: TracerProvider | None) -> str:
     """Where spans go, for the start-up log."""
     if provider is None:
-        return ("tracing off: set OTEL_EXPORTER_OTLP_ENDPOINT (e.g. http://localhost:4317, Jaeger all-in-one) to "
-                "export a span per request and per engine step")
-    endpoint = next((os.environ[v] for v in _ENDPOINT_VARS if os.environ.get(v)), "the configured exporter")
-    return f"tracing: spans exported over OTLP/gRPC to {endpoint}"
+        return ("tracing off: set OTEL_TRACES_EXPORTER=console to print a span per request and per engine step, or "
+                "OTEL_EXPORTER_OTLP_ENDPOINT (e.g. http://localhost:4317, Jaeger all-in-one) to export them")
+    endpoint = next((os.environ[v] for v in _ENDPOINT_VARS if os.environ.get(v)), "the default endpoint")
+    where = [_WHERE.get(name, f"to the {name} exporter").format(endpoint=endpoint) for name in exporter_names()]
+    return "tracing: spans exported " + (" and ".join(where) or "to the configured exporter")
 
 
 class TracingHooks(Hooks):

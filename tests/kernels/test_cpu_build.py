@@ -31,3 +31,20 @@ def test_the_name_changes_with_the_sources_path(tmp_path) -> None:
     copy = tmp_path / "paged_decode.cpp"
     copy.write_bytes(cpu_decode._SOURCE.read_bytes())
     assert cpu_decode.extension_name(sources=[copy]) != cpu_decode.extension_name()
+
+
+def test_make_venv_builds_the_kernels_where_the_engine_loads_them() -> None:
+    """`python -m kernels.build` (the last step of the Makefile's venv recipe) leaves both modules where a later
+    engine start looks for them, so the first `tandem serve` compiles nothing."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    recipe = (root / "Makefile").read_text().split("$(STAMP): pyproject.toml Makefile\n")[1].split("\n\n")[0]
+    assert "$(PY) -m kernels.build" in recipe and recipe.index("kernels.build") < recipe.index("touch $(STAMP)")
+    done = subprocess.run([sys.executable, "-m", "kernels.build"], cwd=root, timeout=900, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "decode attention ready, quantized matmul ready (CPU path " in done.stdout, done.stdout
+    for module in (cpu_decode, quant):
+        name = module.extension_name()
+        assert (cpu_build.build_directory(name) / f"{name}.so").is_file()

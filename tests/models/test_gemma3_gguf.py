@@ -2,6 +2,8 @@
 512-token sliding window) through `LLM`, against transformers on the same file (tests/gemma.py)."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
@@ -13,7 +15,19 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def gemma_llm(gemma_gguf) -> LLM:
-    return LLM(EngineConfig(model=str(gemma_gguf)))
+    """The file as a user starts it, with no chat template; what the engine logged while it started is kept in
+    `startup_log`."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("tandem.engine")
+    logger.addHandler(handler)
+    try:
+        llm = LLM(EngineConfig(model=str(gemma_gguf)))
+    finally:
+        logger.removeHandler(handler)
+    llm.startup_log = [r.getMessage() for r in records]
+    return llm
 
 
 def test_the_file_is_served_from_its_blocks(gemma_llm) -> None:
@@ -72,6 +86,9 @@ def test_aborts_and_reranks_under_kv_pressure_leak_nothing(gemma_gguf, gemma_pro
 
 
 def test_chat_on_a_base_model_without_template_is_a_clear_error(gemma_llm) -> None:
-    with pytest.raises(ValueError, match="this model has no chat template"):
+    """Start-up says the file has no template and which shipped one to pass; a chat's error names the flag."""
+    said = [m for m in gemma_llm.startup_log if "no chat template" in m]
+    assert said and "--chat-template gemma" in said[0], gemma_llm.startup_log
+    with pytest.raises(ValueError, match="this model has no chat template.*--chat-template NAME \\(gemma, llama3"):
         gemma_llm.chat([{"role": "user", "content": "Hi"}], GREEDY)
     assert_no_leaks(gemma_llm)

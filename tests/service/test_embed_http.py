@@ -21,6 +21,8 @@ from tests.service.conftest import DOCUMENTS, MAX_DOCUMENTS
 from tests.service.harness import assert_all_blocks_free
 
 LONG = " ".join(DOCUMENTS * 12)  # over all-MiniLM-L6-v2's 256 tokens
+# What docs/embeddings.md promises for one input in differently packed steps: equal to 1e-5 per component.
+BATCHING_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +166,9 @@ def test_tei_embed_all_is_sentence_transformers_token_embeddings(http_url):
     for mine, st in zip(ours + cut, theirs):
         assert np.asarray(mine).shape == tuple(st.shape)  # [tokens][384], [CLS] and [SEP] included
         assert np.abs(np.asarray(mine) - st.numpy()).max() < 1e-4
-    assert np.array_equal(np.asarray(single[0]), np.asarray(ours[0]))
+    # One input alone and the same input in a batch of two ride differently packed steps: equal to float rounding
+    # (docs/embeddings.md states the tolerance; TEI and vLLM promise no bit-identity across batchings either).
+    assert np.abs(np.asarray(single[0]) - np.asarray(ours[0])).max() < BATCHING_ATOL
     assert refused.status_code == 400 and "at most 256" in refused.json()["error"]
     assert refused.json()["error_type"] == "Validation"
     assert extra.status_code == 400 and "normalize" in extra.json()["error"]

@@ -1,7 +1,7 @@
 """`tandem serve --model gemma-3-270m-q4_k_m.gguf` as a real process: greedy continuations through gRPC equal
 transformers' on the same file (the shared session reference of tests/gemma.py), and the model's info names it.
-The same process serves the operator's first-day flags: `--chat-template` gives the base model (its GGUF has no
-template) a chat, `--served-model-name` its aliases, and special tokens stay out of the text."""
+The same process serves the operator's first-day flags: `--chat-template gemma` (a template that ships) gives the base
+model (its GGUF has no template) a chat that stops at `<end_of_turn>`, `--served-model-name` its aliases, and special tokens stay out of the text."""
 from __future__ import annotations
 
 import asyncio
@@ -40,6 +40,7 @@ class _Serve:
             output.append(line)
             if line.startswith("tandem listening on "):
                 self.address = line.split()[-1]
+                self.output = output
                 return
 
     def stop(self) -> None:
@@ -54,14 +55,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-TEMPLATE = ROOT / "tests" / "service" / "data" / "gemma3_chat_template.jinja"
-
-
 @pytest.fixture(scope="module")
 def gemma_server(gemma_gguf):
     http_port = _free_port()
     server = _Serve("--model", str(gemma_gguf), "--host", "127.0.0.1", "--http-port", str(http_port),
-                    "--metrics-port", "-1", "--chat-template", str(TEMPLATE), "--served-model-name", "gemma", "gemma3")
+                    "--metrics-port", "-1", "--chat-template", "gemma", "--served-model-name", "gemma", "gemma3")
     server.http = f"http://127.0.0.1:{http_port}"
     yield server
     server.stop()
@@ -112,3 +110,29 @@ async def test_chat_template_makes_the_base_model_chat_without_special_tokens_in
     raw = await client.completions.create(**forced, extra_body={"skip_special_tokens": False})
     assert plain.choices[0].text == "" and plain.usage.completion_tokens == 3
     assert raw.choices[0].text == "<start_of_image>" * 3
+
+
+async def test_a_chat_stops_at_the_templates_end_of_turn_token(gemma_server) -> None:
+    """The GGUF declares EOS 1 only; its chat template closes a turn with <end_of_turn> (106). A chat ends there, as
+    llama.cpp ends at a template's end-of-generation token; a plain completion (no template) does not, and
+    ignore_eos keeps a chat going past it as past EOS. (logit_bias makes the base model write 106 at once.)"""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=gemma_server.http + "/v1", api_key="x")
+    forced = dict(model="gemma", max_tokens=6, temperature=0, logit_bias={"106": 100})
+    chat = await client.chat.completions.create(messages=[{"role": "user", "content": "Say hello."}], **forced)
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 1
+    assert chat.choices[0].message.content == ""
+    plain = await client.completions.create(prompt="Say hello.", **forced)
+    assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 6
+    ignoring = await client.chat.completions.create(messages=[{"role": "user", "content": "Say hello."}], **forced,
+                                                    extra_body={"ignore_eos": True})
+    assert ignoring.choices[0].finish_reason == "length" and ignoring.usage.completion_tokens == 6
+
+
+def test_start_up_says_what_capped_the_context(gemma_server) -> None:
+    """The file's context is 32,768 tokens; the default KV budget holds 29,120 of them, and start-up says so."""
+    said = "".join(gemma_server.output)
+    assert ("context 29,120 of the model's 32,768 tokens, capped by the KV cache (tandem serve --kv-cache-bytes / "
+            "--num-kv-blocks)") in said, said
+    assert "rerank: likelihood (gemma-3-270m-q4_k_m.gguf's query likelihood)" in said or "rerank: fusion" in said

@@ -160,7 +160,7 @@ async def test_sigterm_drains_in_flight_work_refuses_new_work_and_exits_zero(ser
     assert serve_proc.proc.wait(120) == 0
     said = "".join(serve_proc.output) + "".join(iter(serve_proc.lines.get, None))
     # Start-up said where traces and metrics go; the first signal said how to force the stop, the second did.
-    assert "tracing off: set OTEL_EXPORTER_OTLP_ENDPOINT" in said and "Prometheus metrics" in said
+    assert "tracing off: set OTEL_TRACES_EXPORTER=console" in said and "Prometheus metrics" in said
     assert "Press Ctrl-C again (or send SIGTERM again) to abort them and stop now" in said
     assert "second SIGTERM: aborting 1 in-flight requests and stopping now" in said
     # and the last line said how it ended ("inflight" may have finished before the first signal on a fast machine)
