@@ -11,7 +11,8 @@ Two policies:
 * `LatencyAdmission`, the default: while decodes ride in a step, every other kind of work fills only the headroom
   the step-time model predicts under the objective T (a fixed `tpot_target_s`, or, with None, `auto_factor` x the
   predicted step of the running decodes alone, floored at `min_target_s`: chats keep >= 80% of their speed).
-  Kinds at the most urgent priority split the headroom evenly, then each may take what the others left. One
+  Until the model is ready (calibrated at start-up, or after its first few steps) the fallback plans. Kinds at the
+  most urgent priority split the headroom evenly, then each may take what the others left. One
   minimum-progress rule replaces floors and caps: a kind that waits and got nothing gets its smallest unit when that
   unit fits under T by itself (the margin aside), or, having waited `progress_steps` steps or `progress_s` seconds,
   whatever it costs. Work declared more urgent than every decode is not held to the objective. With no decodes in
@@ -159,7 +160,7 @@ class LatencyAdmission(AdmissionPolicy):
 
     def limit_for(self, target_s: float) -> float:
         """The predicted step time admissions stay under: T less the model's error margin, scaled by the cadence
-        guard (0 until the model is ready: then only minimum progress rides beside decodes)."""
+        guard (0 until the model is ready)."""
         if not self.model.ready:
             return 0.0
         return self._scale() * target_s / (1.0 + self.model.margin())
@@ -177,7 +178,9 @@ class LatencyAdmission(AdmissionPolicy):
                                  record.target_s)
 
     def plan(self, view: StepView) -> Quota:
-        if view.decode_priority is None:  # nothing to protect (a fixed target is still reported)
+        if view.decode_priority is None or not self.model.ready:
+            # nothing to protect, or no prices yet (an engine not calibrated, in its first steps): plain budget
+            # filling (a fixed target is still reported)
             fixed = self.tpot_target_s
             return replace(self.fallback.plan(view), target_s=fixed,
                            limit_s=None if fixed is None else self.limit_for(fixed))

@@ -68,8 +68,9 @@ def hf_greedy(hf_model, tokenizer, prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    """The default engine (embedded model, CPU, fp32), shared by tests that leave it idle."""
-    return LLM()
+    """The default engine (embedded model, CPU, fp32), shared by tests that leave it idle; plain budget filling, as
+    make_llm's (a test of what a step holds must not depend on a step-time model fitted to this host's timing)."""
+    return LLM(EngineConfig(tpot_target_ms=None))
 
 
 def make_llm(admission=None, **overrides) -> LLM:
