@@ -16,6 +16,11 @@ class RerankMode(str, enum.Enum):
     # query likelihood and the embedder's cosine, each min-max scaled over the request's documents, then averaged
     # (engine/rerank/fusion.py): the default when an embedder is loaded and no cross-encoder is given
     FUSION = "fusion"
+    # the embedder's cosine alone: the query and every document are embedder rows, no LLM pair (engine/rerank/dense.py)
+    DENSE = "dense"
+    # the embedder's cosine for every document, then query likelihood for its top rerank_cascade_k only, fused with
+    # the cosine for those k as fusion does; the others keep the dense order below them (engine/rerank/cascade.py)
+    CASCADE = "cascade"
 
     def __str__(self) -> str:
         return self.value
@@ -24,6 +29,9 @@ class RerankMode(str, enum.Enum):
 
 
 _RERANK_MODES = tuple(m.value for m in RerankMode)
+_EMBEDDER_MODES = {RerankMode.FUSION: "fuses query likelihood with the embedder's cosine",
+                   RerankMode.DENSE: "scores by the embedder's cosine",
+                   RerankMode.CASCADE: "ranks by the embedder's cosine first"}
 DEFAULT_STEP_TOKENS_CPU = 512  # EngineConfig.max_num_batched_tokens when not given, by device
 DEFAULT_STEP_TOKENS_CUDA = 4096
 EMBEDDED_EMBEDDER = "all-MiniLM-L6-v2"  # EngineConfig.embedder naming the embedded embedding model
@@ -42,6 +50,8 @@ class EngineConfig:
     # (needs reranker=DIR); None: the default for what is loaded (cross-encoder when reranker is set, else fusion
     # when an embedder is, else likelihood).
     rerank_mode: RerankMode | None = None  # a RerankMode's value (a plain string) is taken too
+    # The cascade mode: how many of the dense top documents the LLM re-scores (the rest keep the dense order).
+    rerank_cascade_k: int = 8
     # A Jinja chat template (a file's path or the template itself) replacing the tokenizer's own, or giving a base
     # model (a GGUF without one) a template at all; None: the tokenizer's.
     chat_template: str | None = None
@@ -96,7 +106,7 @@ class EngineConfig:
             self.max_num_batched_tokens = DEFAULT_STEP_TOKENS_CUDA if str(self.device).startswith("cuda") \
                 else DEFAULT_STEP_TOKENS_CPU
         _positive(self, "block_size", "max_num_batched_tokens", "max_embed_batch_tokens", "max_num_seqs", "kv_cache_bytes",
-                  "max_rerank_documents", "priority_aging_steps")
+                  "max_rerank_documents", "priority_aging_steps", "rerank_cascade_k")
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
@@ -118,8 +128,8 @@ class EngineConfig:
         if self.reranker and self.rerank_mode not in (None, RerankMode.CROSS_ENCODER):
             raise ValueError(f"reranker={self.reranker!r} is a cross-encoder; rerank_mode {self.rerank_mode.value!r} "
                              "scores with the LLM: leave one of them unset")
-        if self.rerank_mode is RerankMode.FUSION and not self.embedder:
-            raise ValueError("rerank_mode 'fusion' fuses query likelihood with the embedder's cosine: it needs "
+        if self.rerank_mode in _EMBEDDER_MODES and not self.embedder:
+            raise ValueError(f"rerank_mode {self.rerank_mode.value!r} {_EMBEDDER_MODES[self.rerank_mode]}: it needs "
                              "embedder=... (tandem serve --embedder)")
         if self.cpu_activations not in ("float32", "int8"):
             raise ValueError(f"cpu_activations must be 'float32' or 'int8', got {self.cpu_activations!r}")

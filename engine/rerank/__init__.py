@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.config import EngineConfig, RerankMode
 from engine.rerank.job import RerankJob
 from engine.rerank.pairs import PairTemplate, PairTokens
-from engine.rerank.scorer import PairScorer
+from engine.rerank.scorer import PairPhase, PairScorer
 from engine.settings import Settings
 
 # The default mode for a causal LM: query likelihood measured best of the LLM-only modes on the retrieval-quality
@@ -14,7 +14,7 @@ from engine.settings import Settings
 DEFAULT_LLM_MODE = RerankMode.LIKELIHOOD
 DEFAULT_WITH_EMBEDDER = RerankMode.FUSION
 
-__all__ = ["PairScorer", "PairTemplate", "PairTokens", "RerankJob", "build_scorer", "default_mode",
+__all__ = ["PairPhase", "PairScorer", "PairTemplate", "PairTokens", "RerankJob", "build_scorer", "default_mode",
            "DEFAULT_LLM_MODE", "DEFAULT_WITH_EMBEDDER"]
 
 
@@ -49,6 +49,14 @@ def build_scorer(config: EngineConfig, tokenizer, model, settings: Settings, sha
         from engine.rerank.fusion import FusionScorer
 
         return FusionScorer(tokenizer)
+    if mode is RerankMode.DENSE:
+        from engine.rerank.dense import DenseScorer
+
+        return DenseScorer()
+    if mode is RerankMode.CASCADE:
+        from engine.rerank.cascade import CascadeScorer
+
+        return CascadeScorer(tokenizer, config.rerank_cascade_k)
     from engine.rerank.likelihood import LikelihoodScorer
 
     return LikelihoodScorer(tokenizer)
