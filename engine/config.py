@@ -45,10 +45,11 @@ class EngineConfig:
     # decoder.py: Llama, Mistral, Qwen2/3, Gemma 2/3); None: the embedded SmolLM2
     model: str | None = None
     reranker: str | None = None  # cross-encoder directory; None: the causal LM scores pairs (rerank_mode)
-    # How pairs are scored: "likelihood" (query likelihood), "fusion" (query likelihood fused with the embedder's
-    # cosine; needs an embedder), "judge" (yes/no prompt, for Qwen3-Reranker-style checkpoints) or "cross-encoder"
-    # (needs reranker=DIR); None: the default for what is loaded (cross-encoder when reranker is set, else fusion
-    # when an embedder is, else likelihood).
+    # How documents are scored: "dense" (the embedder's cosine alone), "cascade" (dense, then the LLM's query
+    # likelihood fused in for the dense top rerank_cascade_k), "fusion" (query likelihood fused with the embedder's
+    # cosine for every document; these three need an embedder), "likelihood" (query likelihood), "judge" (yes/no
+    # prompt, for Qwen3-Reranker-style checkpoints) or "cross-encoder" (needs reranker=DIR); None: the default for
+    # what is loaded (cross-encoder when reranker is set, else dense when an embedder is, else likelihood).
     rerank_mode: RerankMode | None = None  # a RerankMode's value (a plain string) is taken too
     # The cascade mode: how many of the dense top documents the LLM re-scores (the rest keep the dense order).
     rerank_cascade_k: int = 8
@@ -289,12 +290,18 @@ class RerankParams:
     return_documents: bool = False
     instruction: str | None = None  # None: the mode's default instruction (judge, likelihood)
     priority: int = 0
+    # Cut each document to its first N tokens before scoring (Cohere's max_tokens_per_doc), in the tokens of the model
+    # that reads it (the LLM's in a pair, the cross-encoder's, the embedder's), as it tokenizes the document anyway.
+    max_document_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.top_n is not None and (not _is_int(self.top_n) or self.top_n < 1):
             raise ValueError(f"top_n must be >= 1, got {self.top_n!r}")
         if self.truncate not in ("end", "none"):
             raise ValueError(f"truncate must be 'end' or 'none', got {self.truncate!r}")
+        if self.max_document_tokens is not None and (not _is_int(self.max_document_tokens)
+                                                     or self.max_document_tokens < 1):
+            raise ValueError(f"max_document_tokens must be >= 1, got {self.max_document_tokens!r}")
 
 
 def _is_int(x) -> bool:

@@ -167,7 +167,12 @@ class RequestIntake:
         if embedder is None:
             raise ValueError(f"the {self.scorer.mode} rerank mode needs an embedder, and this engine has none")
         params = EmbedParams(priority=job.params.priority)
-        rows = embedder.rows([job.query, *job.documents], None, params)
+        cut = job.params.max_document_tokens
+        if cut is None:
+            rows = embedder.rows([job.query, *job.documents], None, params)
+        else:  # the documents' own tokens cut to `cut` (each text still tokenized once)
+            ids = [list(d)[:cut] for d in embedder.tokenizer(job.documents, add_special_tokens=False).input_ids]
+            rows = embedder.rows([job.query], None, params) + embedder.rows(None, ids, params)
         if self.scorer.pair_phase is PairPhase.NEVER:
             self._describe_documents(job, rows[1:])
         job.rows = self._embed_sequences(job.request_id, rows, params, job.arrival_time,

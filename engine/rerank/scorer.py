@@ -103,4 +103,7 @@ class PairScorer(ABC):
         if not documents:
             return [], 0
         template = self.template(query, params)
-        return template.fit(self.document_ids(documents), limit, params.truncate, limit_by), len(template.prefix)
+        ids = self.document_ids(documents)
+        if params.max_document_tokens is not None:
+            ids = [d[:params.max_document_tokens] for d in ids]
+        return template.fit(ids, limit, params.truncate, limit_by), len(template.prefix)

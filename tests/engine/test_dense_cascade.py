@@ -9,6 +9,7 @@ import pytest
 from engine import LLM, EngineConfig, RerankParams, SamplingParams
 from engine.config import EMBEDDED_EMBEDDER
 from engine.embed.embedder import embedded_embedder_dir
+from engine.rerank import default_mode
 from engine.rerank.cascade import BELOW, cascade, top_k
 from engine.rerank.fusion import convex
 from engine.request import SeqKind
@@ -55,6 +56,12 @@ def test_cascade_arithmetic_by_hand():
     assert got[2] == pytest.approx(BELOW * (1 + 0.5) / 2) and got[0] == pytest.approx(BELOW * (1 + 0.1) / 2)
     assert min(got[1], got[3]) > max(got[0], got[2])  # the re-scored above the rest, the rest in dense order
     assert cascade([0.3, 0.1], [0.2, 0.4], 5) == pytest.approx([0.5 + 0.5 * f for f in convex([0.3, 0.1], [0.2, 0.4])])
+
+
+def test_the_default_with_an_embedder_is_dense_and_other_modes_are_one_setting_away():
+    assert default_mode(EngineConfig(embedder=EMBEDDED_EMBEDDER)) == "dense"  # as `tandem serve` starts
+    assert default_mode(EngineConfig(embedder=EMBEDDED_EMBEDDER, rerank_mode="fusion")) == "fusion"
+    assert default_mode(EngineConfig()) == "likelihood"  # no embedder: the LLM alone
 
 
 def test_dense_is_the_embedders_cosine_ranking_with_no_llm_pair(dense_llm, st_cosines):
@@ -158,3 +165,17 @@ def test_each_text_is_tokenized_once_per_tokenizer(mode, dense_llm, cascade_llm)
     assert sorted(counting_embedder.texts) == sorted([QUERY, *DOCS])  # the query once, each document once
     if mode == "cascade":  # the LLM's tokenizer: every document once (and the query inside the template)
         assert sorted(t for t in counting_llm.texts if t in DOCS) == sorted(DOCS)
+
+
+def test_max_document_tokens_cuts_each_document_in_the_tokens_of_the_model_reading_it(dense_llm, cascade_llm):
+    params = RerankParams(max_document_tokens=3, return_documents=True)
+    dense = dense_llm.rerank(QUERY, DOCS, params, ranked=True)
+    assert {r.document_tokens for r in dense} == {3} and not any(r.truncated for r in dense)
+    emb = dense_llm.engine.embedder.tokenizer
+    cut = [emb.decode(emb(d, add_special_tokens=False).input_ids[:3]) for d in DOCS]
+    by_index = {r.index: r.score for r in dense}
+    assert [by_index[i] for i in range(len(DOCS))] == pytest.approx(dense_llm.rerank(QUERY, cut), abs=1e-5)
+    cascade = cascade_llm.rerank(QUERY, DOCS, params, ranked=True)
+    assert {r.document_tokens for r in cascade} == {3}  # the LLM's tokens of the pairs
+    with pytest.raises(ValueError, match="max_document_tokens must be >= 1"):
+        RerankParams(max_document_tokens=0)

@@ -65,7 +65,7 @@ def _grpc(s: Served) -> tuple[list[tuple[int, float]], str]:
 
 
 def _http(s: Served) -> tuple[list[tuple[int, float]], str]:
-    with httpx.Client(base_url=s.http_url, timeout=120) as h:
+    with httpx.Client(base_url=s.http_url, timeout=1800) as h:
         r = h.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS})
     assert r.status_code == 200, r.text
     return [(x["index"], x["relevance_score"]) for x in r.json()["results"]], r.headers["x-tandem-rerank-mode"]
@@ -88,3 +88,44 @@ def test_each_door_ranks_by_the_mode_and_says_which(served_mode, st_cosines, doo
         assert set(order[:K]) == set(top_k(st_cosines, K))
         assert order[K:] == [i for i in dense if i not in order[:K]]
         assert min(score for _, score in ranked[:K]) > max(score for _, score in ranked[K:])
+
+
+class _Counting:
+    """Wraps a tokenizer: records every text it is called on (one call may take a batch)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.texts = inner, []
+
+    def __call__(self, text, *args, **kw):
+        self.texts.extend([text] if isinstance(text, str) else list(text))
+        return self.inner(text, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def times(self, document: str) -> int:
+        """Calls on the document or on a cut of it."""
+        return sum(1 for t in self.texts if t.strip() and document.startswith(t.strip()))
+
+
+def test_max_tokens_per_doc_tokenizes_each_document_once_per_model(served_mode):
+    """Cohere's max_tokens_per_doc cuts each document where the engine tokenizes it anyway: once by the LLM's
+    tokenizer (a cascade's pairs) and once by the embedder's, never first in the service and again in the engine."""
+    mode, s = served_mode
+    core, scorer, embedder = s.server.core, s.engine.scorer, s.engine.embedder
+    saved = core._tokenizer, getattr(scorer, "tokenizer", None), embedder.tokenizer
+    llm_tok, emb_tok = _Counting(saved[0]), _Counting(saved[2])
+    core._tokenizer = llm_tok
+    if saved[1] is not None:
+        scorer.tokenizer = llm_tok
+    embedder.tokenizer = emb_tok
+    try:
+        with httpx.Client(base_url=s.http_url, timeout=1800) as h:
+            r = h.post("/v2/rerank", json={"query": QUERY, "documents": DOCUMENTS, "max_tokens_per_doc": 5})
+    finally:
+        core._tokenizer, embedder.tokenizer = saved[0], saved[2]
+        if saved[1] is not None:
+            scorer.tokenizer = saved[1]
+    assert r.status_code == 200, r.text
+    assert [emb_tok.times(d) for d in DOCUMENTS] == [1] * len(DOCUMENTS)
+    assert [llm_tok.times(d) for d in DOCUMENTS] == [1 if mode == "cascade" else 0] * len(DOCUMENTS)
