@@ -24,7 +24,7 @@ _ENGINE_FLAGS = [
                            "Qwen2/3, Gemma 2/3 (default: embedded SmolLM2-135M)"),
     ("--reranker", str, None, "cross-encoder directory (default: the LLM scores pairs, see --rerank-mode)"),
     ("--rerank-mode", str, None, "dense | cascade | fusion | likelihood | judge | cross-encoder: how rerank "
-                                 "documents are scored (default: cross-encoder with --reranker, else fusion with an "
+                                 "documents are scored (default: cross-encoder with --reranker, else dense with an "
                                  "embedder, else likelihood)"),
     ("--rerank-cascade-k", int, None, "the cascade mode: how many of the embedder's top documents the LLM re-scores "
                                       "(default 8)"),
