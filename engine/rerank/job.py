@@ -36,9 +36,11 @@ class RerankJob:
     wait_for_first: bool = False  # later pairs wait for the first one queued (it fills their shared prefix)
 
     def release(self, indices: list[int]) -> list[Sequence]:
-        """Queue the held pairs of documents `indices` (in that order; the first fills the shared prefix the others
-        wait for) and drop the rest; returns the queued ones."""
-        pairs = [self.held[i] for i in indices]
+        """Queue the held pairs of documents `indices` and drop the rest; returns the queued ones, in document order.
+        The first of them fills the shared prefix the others wait for: it must be the one the scheduler's queue
+        (priority, then arrival: document order) offers first, or the queue's head would wait for a pair behind it
+        forever."""
+        pairs = [self.held[i] for i in sorted(indices)]
         for seq in pairs:
             seq.pair.wait_for = pairs[0] if self.wait_for_first and seq is not pairs[0] else None
         self.held = []

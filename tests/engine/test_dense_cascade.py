@@ -111,6 +111,26 @@ def test_cascade_rescores_only_the_dense_top_k_and_keeps_the_rest_in_dense_order
     assert_no_leaks(cascade_llm)
 
 
+def test_a_cascade_whose_dense_best_is_its_last_document_is_scored(cascade_llm, st_cosines):
+    """The queued pairs wait for the one that fills their shared prefix: it must be the queue's head (the earliest
+    arrival), not the dense best, or the head waits for a pair behind it forever."""
+    eng = cascade_llm.engine
+    docs = list(reversed(DOCS))  # the dense best (DOCS[0]) is now the last document
+    eng.add_rerank("rev", QUERY, docs)
+    job = eng._requests["rev"]
+    finished = []
+    for _ in range(200):  # a hang guard counted in steps: a few suffice
+        finished += [o for o in eng.step() if o.request_id == "rev" and o.finished]
+        if finished:
+            break
+    assert finished and finished[0].finish_reason == "stop"
+    first = job.pairs[0]
+    assert first.pair.wait_for is None and all(p.pair.wait_for is first for p in job.pairs[1:])
+    assert first.arrival == min(p.arrival for p in job.pairs)
+    assert set(_order(finished[0].scores)[:K]) == {len(DOCS) - 1 - i for i in top_k(st_cosines, K)}
+    assert_no_leaks(cascade_llm)
+
+
 def test_cascade_with_k_over_the_documents_orders_as_fusion():
     llm = _engine("cascade", rerank_cascade_k=len(DOCS))
     fusion = _engine("fusion")
