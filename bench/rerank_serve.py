@@ -12,6 +12,7 @@ the figures with the load beside them. Writes bench/results/rerank_serve.json (o
 
     python -m bench.rerank_serve                                  # dense, cascade, fusion; 2 threads (~5 minutes)
     python -m bench.rerank_serve --modes dense cascade --requests 20
+    python -m bench.rerank_serve --modes cascade --cascade-k 4
     python -m bench.rerank_serve --quick                          # wiring only
 """
 from __future__ import annotations
@@ -122,13 +123,17 @@ def main(argv: list[str] | None = None) -> dict:
                     help="per-mode override of --requests (fusion costs ~25 s a request on 2 idle cores)")
     ap.add_argument("--threads", type=int, default=2, help="tandem serve --num-threads")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--serve-args", nargs="*", default=[], help="more `tandem serve` flags, e.g. --rerank-cascade-k 4")
+    ap.add_argument("--cascade-k", type=int, default=None, help="tandem serve --rerank-cascade-k (default: its own)")
+    ap.add_argument("--serve-args", nargs="*", default=[],
+                    help="more `tandem serve` flags, as one quoted string each: --serve-args='--max-num-seqs=64'")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, to check the wiring (figures mean nothing)")
     ap.add_argument("--out", type=Path, default=RESULTS / "rerank_serve.json")
     args = ap.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
+    if args.cascade_k is not None:
+        args.serve_args = [*args.serve_args, f"--rerank-cascade-k={args.cascade_k}"]
     per_mode = dict(item.split("=", 1) for item in args.mode_requests)
     most = max([args.requests, *map(int, per_mode.values())])
     work = rerank_work(most + 1, args.docs, args.words, args.seed)
