@@ -582,6 +582,10 @@ def report(args, samples: dict[str, Sample], scores: dict, speed: dict, default:
             if rows:
                 vs_fusion[r] = {"rows": rows, "met": all(v["within_one_stderr"] for v in rows.values())}
         targets["vs_fusion"] = vs_fusion
+        if default in vs_fusion:  # issue #47's quality target for the default, in fusion's standard errors
+            targets["default_vs_fusion_stderrs"] = min(
+                (v["ndcg@10"] - v["fusion_ndcg@10"]) / v["fusion_stderr"] if v["fusion_stderr"] > 0 else 0.0
+                for v in vs_fusion[default]["rows"].values())
         targets["vs_fusion_goal"] = "nDCG@10 >= fusion's - one standard error of fusion's, every corpus and K"
 
     result = {

@@ -186,6 +186,7 @@ def test_quick_run_writes_every_ranker_and_corpus(tmp_path):
     cascade = t["vs_fusion"]["cascade"]  # issue #47: each mode against fusion, per corpus and K
     assert set(cascade["rows"]) == {f"{n}_k{k}" for n in CORPORA for k in result["ks"]}
     assert isinstance(cascade["met"], bool) and "dense" in t["vs_fusion"]
+    assert isinstance(t["default_vs_fusion_stderrs"], float)  # the default (dense) against fusion, worst case
 
 
 def test_scores_from_a_pair_file_stand_in_for_the_mode_and_are_tied_to_their_texts(tmp_path):
