@@ -23,12 +23,14 @@ the SmolLM2 tokenizer):
   retrieval model to compare with (each distinct document is embedded once, as an index would);
 * judge, likelihood: tandem's rerank modes on the embedded SmolLM2-135M-Instruct (yes/no judge; query likelihood);
   `default_mode` in the JSON names the one the engine picks when none is asked for;
-* fusion, rrf: query likelihood fused with the dense cosine per query, by the engine's own functions
-  (engine/rerank/fusion.py): `fusion` is the "fusion" rerank mode (each signal min-max scaled over the query's
-  candidates, then averaged with the fixed weight FUSION_WEIGHT), `rrf` reciprocal rank fusion (k=60) of the two.
-  They are computed from the two rankers' scores on the queries the likelihood ranker scored, so the likelihood runs
-  once; the engine's fusion mode itself scores the first --fusion-check queries and the JSON records how far its
-  scores are from the computed ones (its embedder is tandem's, the dense ranker's is transformers': same weights);
+* fusion, rrf, cascade: query likelihood fused with the dense cosine per query, by the engine's own functions
+  (engine/rerank/fusion.py, cascade.py): `fusion` is the "fusion" rerank mode (each signal min-max scaled over the
+  query's candidates, then averaged with the fixed weight FUSION_WEIGHT), `rrf` reciprocal rank fusion (k=60) of the
+  two, `cascade` the "cascade" rerank mode (the dense top --cascade-k fused as fusion does, the rest in dense order
+  below them; `cascade@k` for each extra k of --cascade-ks). They are computed from the two rankers' scores on the
+  queries the likelihood ranker scored, so the likelihood runs once. The engine's own dense, fusion and cascade modes
+  each score the first --fusion-check queries and the JSON records how far their scores are from the computed ones
+  (`{mode}_check`; the engine's embedder is tandem's, the dense ranker's is transformers': same weights);
 * cross-encoder: tandem's cross-encoder path on the MiniLM-L6 encoder with a SEEDED, untrained classification head
   (bench/models.py). It is a floor that shows the path runs, not a trained reranker: its figures say nothing about
   what a trained cross-encoder (e.g. ms-marco-MiniLM-L-6-v2) would score.
@@ -67,10 +69,13 @@ from bench.report import parse_bench_args, write_result
 from bench.score_pairs import corpus_digest, prefix_cache_use, read_json, write_json
 
 QUICK = dict(queries=2, ks=[2, 4], llm_queries=None, doc_tokens=16, query_tokens=12, corpora=list(CORPORA),
-             fusion_check=1)
+             fusion_check=1, cascade_k=2, cascade_ks=[3])
 LLM_MODES = ("judge", "likelihood")
-FUSIONS = ("fusion", "rrf")  # made from the dense and likelihood rankers' scores (engine/rerank/fusion.py)
+# made from the dense and likelihood rankers' scores (engine/rerank/fusion.py, cascade.py)
+FUSIONS = ("fusion", "rrf", "cascade")
 RANKERS = ("bm25", "random", "dense", *LLM_MODES, *FUSIONS, "cross-encoder")
+# The engine's rerank modes the benchmark computes from its rankers' scores, and checks against the engine itself.
+CHECKED_MODES = ("dense", "fusion", "cascade")
 METRICS = ("ndcg@10", "mrr@10", "recall@1")
 BM25_IMPL = "bm25s==0.3.16, method lucene (k1=1.5, b=0.75), English stop words, no stemming, full texts"
 
@@ -192,13 +197,15 @@ def make_llm(mode: str | None, args, cross_encoder_dir=None):
     from engine import LLM, EngineConfig
 
     kw = dict(max_num_batched_tokens=args.budget, kv_cache_bytes=256 * 2**20, num_threads=args.threads)
+    if mode == "cascade":
+        kw["rerank_cascade_k"] = args.cascade_k
     if mode == "cross-encoder":
         kw["reranker"] = str(cross_encoder_dir)
     elif mode is not None and "rerank_mode" in _config_fields():
         kw["rerank_mode"] = mode
     elif mode not in (None, "judge"):  # an engine from before the rerank modes: its LLM reranker is the judge
         return None
-    if mode in (None, "fusion") and "embedder" in _config_fields():
+    if mode in (None, *CHECKED_MODES) and "embedder" in _config_fields():
         from engine.config import EMBEDDED_EMBEDDER
 
         kw["embedder"] = EMBEDDED_EMBEDDER  # as `tandem serve` loads it by default
@@ -367,9 +374,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--doc-tokens", type=int, default=64, help="candidates are cut to this many tokens for rankers")
     ap.add_argument("--query-tokens", type=int, default=48, help="queries are cut to this many tokens")
     ap.add_argument("--budget", type=int, default=1024, help="tandem max_num_batched_tokens")
-    ap.add_argument("--skip", nargs="*", default=[], choices=[r for r in RANKERS if r not in ("bm25", *FUSIONS)])
+    ap.add_argument("--skip", nargs="*", default=[], choices=[r for r in RANKERS if r not in ("bm25", "rrf")],
+                    help="rankers not to score (fusion, cascade: only the engine's own check of them is skipped; "
+                         "they are computed whenever dense and likelihood are scored)")
     ap.add_argument("--fusion-check", type=int, default=5,
-                    help="queries per corpus the engine's fusion mode scores, to compare with the computed fusion")
+                    help="queries per corpus the engine's dense, fusion and cascade modes score, to compare with "
+                         "the rankers computed from the dense and likelihood scores")
+    ap.add_argument("--cascade-k", type=int, default=None,
+                    help="the cascade ranker's k (default: the engine's, EngineConfig.rerank_cascade_k)")
+    ap.add_argument("--cascade-ks", type=int, nargs="*", default=[],
+                    help="more cascade rankers, `cascade@k`, one per k (a sweep; the likelihood runs once)")
     ap.add_argument("--pairs-out", type=Path, default=None,
                     help="write the queries and candidate texts the LLM modes would score (for bench.score_pairs, "
                          "e.g. on a GPU) and stop")
@@ -380,6 +394,10 @@ def main(argv: list[str] | None = None) -> dict:
     args.llm_depth = max(args.ks) if args.llm_depth is None else min(args.llm_depth, max(args.ks))
     args.mode_queries = dict(_mode_queries(item) for item in args.mode_queries)
     args.scores_in = dict(_scores_in(item) for item in args.scores_in)
+    if args.cascade_k is None:
+        from engine import EngineConfig
+
+        args.cascade_k = EngineConfig().rerank_cascade_k
     t0 = time.perf_counter()
     load = [os.getloadavg()[0]]
     from transformers import AutoTokenizer
@@ -412,14 +430,18 @@ def main(argv: list[str] | None = None) -> dict:
         report(args, samples, scores, speed, None, unavailable, load, t0, complete=False)
     llm = make_llm(None, args)  # the default engine first: it says which mode is the default
     default = mode_of(llm)
-    fusion_check: dict[str, dict] = {}
-    if default == "fusion":  # computed from likelihood + dense below; the engine's own scores checked here
+    checks: dict[str, dict[str, dict]] = {}  # mode -> corpus -> the engine's own scores of the first queries
+    for mode in [m for m in CHECKED_MODES if m not in args.skip and args.fusion_check > 0]:
+        engine = llm if mode == default else make_llm(mode, args)
+        checks[mode] = {}
         for name, s in samples.items():
-            engine_scores, _ = score_all(s, lambda q, docs: llm.rerank(q, docs[:args.llm_depth]),
-                                         args.fusion_check, args.llm_depth)
-            fusion_check[name] = {"queries": len(engine_scores), "scores": engine_scores}
+            engine_scores, engine_speed = score_all(s, lambda q, docs: engine.rerank(q, docs[:args.llm_depth]),
+                                                    args.fusion_check, args.llm_depth)
+            checks[mode][name] = {"queries": len(engine_scores), "scores": engine_scores,
+                                  "pairs_s": engine_speed["pairs_s"]}
+        engine = None
     for mode in (default, *[m for m in (*LLM_MODES, "cross-encoder") if m != default]):
-        if mode == "fusion":
+        if mode in CHECKED_MODES:
             continue
         if mode in from_files:  # scored elsewhere (bench.score_pairs), checked against these texts at start
             for name in samples:
@@ -444,17 +466,19 @@ def main(argv: list[str] | None = None) -> dict:
                 if mode in LLM_MODES:
                     speed[name][mode] |= prefix_cache_use(records)
         if mode == "likelihood":
-            fuse(samples, scores, fusion_check)
+            fuse(samples, scores, args)
         load.append(os.getloadavg()[0])
         report(args, samples, scores, speed, default, unavailable, load, t0, complete=False)
     llm = None  # frees the last engine (not `del`: the rerank closure above names llm)
-    report(args, samples, scores, speed, default, unavailable, load, t0, complete=True, fusion_check=fusion_check)
+    compare_checks(samples, scores, checks)
+    report(args, samples, scores, speed, default, unavailable, load, t0, complete=True, checks=checks)
     return json.loads(args.out.read_text())
 
 
-def fuse(samples: dict[str, Sample], scores: dict, fusion_check: dict[str, dict]) -> None:
-    """The fusion rankers from the dense and likelihood scores, per query, by the engine's functions; and how far
-    the engine's fusion mode (where it scored queries) is from them."""
+def fuse(samples: dict[str, Sample], scores: dict, args) -> None:
+    """The fusion rankers (fusion, rrf, cascade and the cascade@k sweep) from the dense and likelihood scores, per
+    query, by the engine's functions."""
+    from engine.rerank.cascade import cascade
     from engine.rerank.fusion import convex, rrf
 
     for name in samples:
@@ -464,17 +488,38 @@ def fuse(samples: dict[str, Sample], scores: dict, fusion_check: dict[str, dict]
         pairs = [(lk, d[:len(lk)]) for lk, d in zip(sc["likelihood"], sc["dense"])]
         sc["fusion"] = [convex(lk, d) for lk, d in pairs]
         sc["rrf"] = [rrf(lk, d) for lk, d in pairs]
-        check = fusion_check.get(name)
-        if check:
-            got, want = check["scores"], sc["fusion"]
+        sc["cascade"] = [cascade(lk, d, args.cascade_k) for lk, d in pairs]
+        for k in args.cascade_ks:
+            sc[f"cascade@{k}"] = [cascade(lk, d, k) for lk, d in pairs]
+
+
+def compare_checks(samples: dict[str, Sample], scores: dict, checks: dict[str, dict[str, dict]]) -> None:
+    """How far each engine mode's own scores (of the first queries) are from the ranker computed from its parts:
+    the largest difference and on how many queries the order is the same."""
+    from engine.rerank.dense import unit_interval
+
+    for mode, per_corpus in checks.items():
+        for name, check in per_corpus.items():
+            want = scores[name].get(mode)
+            if want is None:
+                continue
+            got = check["scores"]
+            if mode == "dense":  # the engine reports the cosine in [0, 1]
+                want = [[unit_interval(c) for c in q[:len(g)]] for q, g in zip(want, got)]
             diffs = [abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)]
-            same = [rerank_order(list(range(len(g))), g) == rerank_order(list(range(len(w))), w)
+            same = [rerank_order(list(range(len(g))), g) == rerank_order(list(range(len(g))), w[:len(g)])
                     for g, w in zip(got, want)]
             check |= {"max_abs_diff": max(diffs, default=0.0), "same_order": sum(same)}
 
 
+def rankers_of(scores: dict) -> list[str]:
+    """RANKERS in their order, then any others scored (the cascade@k sweep)."""
+    extra = sorted({r for sc in scores.values() for r in sc} - set(RANKERS))
+    return [*RANKERS, *extra]
+
+
 def report(args, samples: dict[str, Sample], scores: dict, speed: dict, default: str | None, unavailable: list,
-           load: list[float], t0: float, complete: bool, fusion_check: dict | None = None) -> dict:
+           load: list[float], t0: float, complete: bool, checks: dict | None = None) -> dict:
     """The result JSON from the rankers scored so far; written to args.out (after each ranker, so that a long run
     that is stopped still leaves what it measured)."""
     corpora_out = {}
@@ -486,7 +531,7 @@ def report(args, samples: dict[str, Sample], scores: dict, speed: dict, default:
         out["common_queries"] = common
         for k in args.ks:
             row = {"bm25_recall": bm25_recall(s, k), "bm25": evaluate(s, None, k)}
-            ranked = [r for r in RANKERS if r in scores[name] and depth_of(scores[name][r]) >= min(
+            ranked = [r for r in rankers_of(scores) if r in scores[name] and depth_of(scores[name][r]) >= min(
                 k, min(len(c) for c in s.candidates))]
             row |= {r: evaluate(s, scores[name][r], k) for r in ranked}
             out[f"k{k}"] = row
@@ -517,6 +562,31 @@ def report(args, samples: dict[str, Sample], scores: dict, speed: dict, default:
             # the issue's target: the default at least BM25 + 0.03 and dense + 0.01 nDCG@10 on every corpus and K
             targets["goal"] = "default >= bm25 + 0.03 and >= dense + 0.01 nDCG@10, every corpus and K"
             targets["met"] = targets["vs_bm25_min"] >= 0.03 and targets["minus_dense_min"] >= 0.01
+    # Issue #47: every mode against fusion (the default before it), per corpus and K: nDCG@10 at least fusion's minus
+    # one standard error of fusion's nDCG@10 (`within_one_stderr`), and the paired difference.
+    if all("fusion" in sc for sc in scores.values()):
+        vs_fusion: dict = {}
+        for r in [r for r in rankers_of(scores) if r != "fusion" and all(r in sc for sc in scores.values())]:
+            rows = {}
+            for n, s in samples.items():
+                for k in [k for k in args.ks if k <= depth_of(scores[n]["fusion"])]:
+                    if depth_of(scores[n][r]) < k:
+                        continue
+                    m = min(len(scores[n][r]), len(scores[n]["fusion"]))
+                    mine, theirs = evaluate(s, scores[n][r], k, m), evaluate(s, scores[n]["fusion"], k, m)
+                    rows[f"{n}_k{k}"] = {
+                        "queries": m, "ndcg@10": mine["ndcg@10"], "fusion_ndcg@10": theirs["ndcg@10"],
+                        "fusion_stderr": theirs["ndcg@10_stderr"],
+                        "paired": paired_margin(s, scores[n][r][:m], scores[n]["fusion"][:m], k),
+                        "within_one_stderr": mine["ndcg@10"] >= theirs["ndcg@10"] - theirs["ndcg@10_stderr"]}
+            if rows:
+                vs_fusion[r] = {"rows": rows, "met": all(v["within_one_stderr"] for v in rows.values())}
+        targets["vs_fusion"] = vs_fusion
+        if default in vs_fusion:  # issue #47's quality target for the default, in fusion's standard errors
+            targets["default_vs_fusion_stderrs"] = min(
+                (v["ndcg@10"] - v["fusion_ndcg@10"]) / v["fusion_stderr"] if v["fusion_stderr"] > 0 else 0.0
+                for v in vs_fusion[default]["rows"].values())
+        targets["vs_fusion_goal"] = "nDCG@10 >= fusion's - one standard error of fusion's, every corpus and K"
 
     result = {
         "complete": complete,
@@ -534,9 +604,10 @@ def report(args, samples: dict[str, Sample], scores: dict, speed: dict, default:
         "mode_queries": args.mode_queries, "llm_depth": args.llm_depth,
         "doc_tokens": args.doc_tokens, "query_tokens": args.query_tokens, "budget": args.budget,
         "seed": args.seed, "threads": args.threads, "quick": args.quick,
-        "rankers": [r for r in RANKERS if r == "bm25" or any(r in sc for sc in scores.values())],
+        "rankers": [r for r in rankers_of(scores) if r == "bm25" or any(r in sc for sc in scores.values())],
         "unavailable_modes": unavailable, "default_mode": default,
-        "fusion_check": {n: {k: v for k, v in c.items() if k != "scores"} for n, c in (fusion_check or {}).items()},
+        **{f"{mode}_check": {n: {k: v for k, v in c.items() if k != "scores"} for n, c in per_corpus.items()}
+           for mode, per_corpus in (checks or {}).items()},
         "loadavg_1min_start": load[0], "loadavg_1min_max": max(load), "corpora": corpora_out, "targets": targets,
         "wall_s": time.perf_counter() - t0,
     }

@@ -16,6 +16,11 @@ class RerankMode(str, enum.Enum):
     # query likelihood and the embedder's cosine, each min-max scaled over the request's documents, then averaged
     # (engine/rerank/fusion.py): the default when an embedder is loaded and no cross-encoder is given
     FUSION = "fusion"
+    # the embedder's cosine alone: the query and every document are embedder rows, no LLM pair (engine/rerank/dense.py)
+    DENSE = "dense"
+    # the embedder's cosine for every document, then query likelihood for its top rerank_cascade_k only, fused with
+    # the cosine for those k as fusion does; the others keep the dense order below them (engine/rerank/cascade.py)
+    CASCADE = "cascade"
 
     def __str__(self) -> str:
         return self.value
@@ -24,6 +29,9 @@ class RerankMode(str, enum.Enum):
 
 
 _RERANK_MODES = tuple(m.value for m in RerankMode)
+_EMBEDDER_MODES = {RerankMode.FUSION: "fuses query likelihood with the embedder's cosine",
+                   RerankMode.DENSE: "scores by the embedder's cosine",
+                   RerankMode.CASCADE: "ranks by the embedder's cosine first"}
 DEFAULT_STEP_TOKENS_CPU = 512  # EngineConfig.max_num_batched_tokens when not given, by device
 DEFAULT_STEP_TOKENS_CUDA = 4096
 EMBEDDED_EMBEDDER = "all-MiniLM-L6-v2"  # EngineConfig.embedder naming the embedded embedding model
@@ -37,11 +45,14 @@ class EngineConfig:
     # decoder.py: Llama, Mistral, Qwen2/3, Gemma 2/3); None: the embedded SmolLM2
     model: str | None = None
     reranker: str | None = None  # cross-encoder directory; None: the causal LM scores pairs (rerank_mode)
-    # How pairs are scored: "likelihood" (query likelihood), "fusion" (query likelihood fused with the embedder's
-    # cosine; needs an embedder), "judge" (yes/no prompt, for Qwen3-Reranker-style checkpoints) or "cross-encoder"
-    # (needs reranker=DIR); None: the default for what is loaded (cross-encoder when reranker is set, else fusion
-    # when an embedder is, else likelihood).
+    # How documents are scored: "dense" (the embedder's cosine alone), "cascade" (dense, then the LLM's query
+    # likelihood fused in for the dense top rerank_cascade_k), "fusion" (query likelihood fused with the embedder's
+    # cosine for every document; these three need an embedder), "likelihood" (query likelihood), "judge" (yes/no
+    # prompt, for Qwen3-Reranker-style checkpoints) or "cross-encoder" (needs reranker=DIR); None: the default for
+    # what is loaded (cross-encoder when reranker is set, else dense when an embedder is, else likelihood).
     rerank_mode: RerankMode | None = None  # a RerankMode's value (a plain string) is taken too
+    # The cascade mode: how many of the dense top documents the LLM re-scores (the rest keep the dense order).
+    rerank_cascade_k: int = 8
     # A Jinja chat template (a file's path or the template itself) replacing the tokenizer's own, or giving a base
     # model (a GGUF without one) a template at all; None: the tokenizer's.
     chat_template: str | None = None
@@ -97,7 +108,7 @@ class EngineConfig:
             self.max_num_batched_tokens = DEFAULT_STEP_TOKENS_CUDA if str(self.device).startswith("cuda") \
                 else DEFAULT_STEP_TOKENS_CPU
         _positive(self, "block_size", "max_num_batched_tokens", "max_embed_batch_tokens", "max_num_seqs", "kv_cache_bytes",
-                  "max_rerank_documents", "priority_aging_steps")
+                  "max_rerank_documents", "priority_aging_steps", "rerank_cascade_k")
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
@@ -120,8 +131,8 @@ class EngineConfig:
         if self.reranker and self.rerank_mode not in (None, RerankMode.CROSS_ENCODER):
             raise ValueError(f"reranker={self.reranker!r} is a cross-encoder; rerank_mode {self.rerank_mode.value!r} "
                              "scores with the LLM: leave one of them unset")
-        if self.rerank_mode is RerankMode.FUSION and not self.embedder:
-            raise ValueError("rerank_mode 'fusion' fuses query likelihood with the embedder's cosine: it needs "
+        if self.rerank_mode in _EMBEDDER_MODES and not self.embedder:
+            raise ValueError(f"rerank_mode {self.rerank_mode.value!r} {_EMBEDDER_MODES[self.rerank_mode]}: it needs "
                              "embedder=... (tandem serve --embedder)")
         if self.cpu_activations not in ("float32", "int8"):
             raise ValueError(f"cpu_activations must be 'float32' or 'int8', got {self.cpu_activations!r}")
@@ -283,12 +294,18 @@ class RerankParams:
     return_documents: bool = False
     instruction: str | None = None  # None: the mode's default instruction (judge, likelihood)
     priority: int = 0
+    # Cut each document to its first N tokens before scoring (Cohere's max_tokens_per_doc), in the tokens of the model
+    # that reads it (the LLM's in a pair, the cross-encoder's, the embedder's), as it tokenizes the document anyway.
+    max_document_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.top_n is not None and (not _is_int(self.top_n) or self.top_n < 1):
             raise ValueError(f"top_n must be >= 1, got {self.top_n!r}")
         if self.truncate not in ("end", "none"):
             raise ValueError(f"truncate must be 'end' or 'none', got {self.truncate!r}")
+        if self.max_document_tokens is not None and (not _is_int(self.max_document_tokens)
+                                                     or self.max_document_tokens < 1):
+            raise ValueError(f"max_document_tokens must be >= 1, got {self.max_document_tokens!r}")
 
 
 def _is_int(x) -> bool:

@@ -252,7 +252,7 @@ class LLMEngine:
                     job.vectors[seq.index] = self.embedder.finish(vector, job.params)
                 job.remaining -= 1
                 if not job.remaining:
-                    outputs.append(self._done(job))
+                    self._ran_out(job, outputs)
                 continue
             if seq.kind is SeqKind.RERANK:
                 job = requests[seq.request_id]
@@ -265,7 +265,7 @@ class LLMEngine:
                 job.scores[index] = self.scorer.pair_score(score, job.span_logprobs[index])
                 job.remaining -= 1
                 if not job.remaining:
-                    outputs.append(self._done(job))
+                    self._ran_out(job, outputs)
                 continue
             if seq.status is not SequenceStatus.RUNNING or seq in finished:
                 continue  # its request failed earlier in this step
@@ -277,6 +277,15 @@ class LLMEngine:
             if token is not None:
                 outputs.append(self._append(gen, seq, token, lp, now, finished))
         return outputs
+
+    def _ran_out(self, job: RerankJob | EmbedJob, outputs: list[StepOutput]) -> None:
+        """Everything queued for `job` has run: queue its held pairs the scorer now chooses (the cascade's dense top
+        k, once its embedder rows are in), or else end it."""
+        if isinstance(job, RerankJob) and job.held:
+            for seq in job.release(self.scorer.chosen(job.vectors)):
+                self.scheduler.add(seq)
+            return
+        outputs.append(self._done(job))
 
     def _done(self, job: RerankJob | EmbedJob) -> StepOutput:
         """The final output of a rerank or embedding job whose last pair or row has run."""

@@ -17,7 +17,7 @@ from engine import chat_templates
 from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
 from engine.detokenizer import TextStream
 from engine.embed import EmbedJob, Embedder
-from engine.rerank import PairScorer, RerankJob
+from engine.rerank import PairPhase, PairScorer, RerankJob
 from engine.request import FinishReason, RerankPair, Sequence, SeqKind
 
 if TYPE_CHECKING:
@@ -141,39 +141,72 @@ class RequestIntake:
         if any(not isinstance(d, str) for d in documents):
             raise ValueError("documents must all be strings")
         job = RerankJob(request_id, query, list(documents), params, arrival_time=time.monotonic(),
-                        scores=[None] * len(documents), remaining=len(documents),
-                        span_logprobs=[[] for _ in documents])
+                        scores=[None] * len(documents), span_logprobs=[[] for _ in documents])
         scorer = self.scorer
-        limit, limit_by = self.rerank_limit()
-        pairs, shared = scorer.pairs(query, job.documents, params, limit, limit_by)
-        job.document_tokens = [p.document_tokens for p in pairs]
-        job.truncated = [p.truncated for p in pairs]
-        # Later pairs wait for the first when it fills at least one full block of their shared prefix.
-        wait = scorer.runs_on_llm and self.config.enable_prefix_caching and shared >= self.config.block_size
-        for i, pair in enumerate(pairs):
-            first = job.pairs[0] if job.pairs and wait else None
-            job.pairs.append(Sequence(
-                request_id=request_id, token_ids=pair.token_ids, num_prompt_tokens=len(pair.token_ids),
-                params=params, arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.RERANK,
-                priority=params.priority, uses_kv=scorer.runs_on_llm, logprob_start=pair.logprob_start,
-                pair=RerankPair(i, wait_for=first, token_type_ids=pair.token_type_ids),
-                stages=1 if scorer.runs_on_llm else scorer.stages))
+        if scorer.pair_phase is not PairPhase.NEVER:
+            self._rerank_pairs(job)
         if scorer.embeds:
             self._rerank_rows(job)
         return job
 
+    def _rerank_pairs(self, job: RerankJob) -> None:
+        """One prefill-only pair sequence per document: queued now, or held until the embedder rows have run
+        (PairPhase.AFTER_ROWS: the cascade queues the chosen ones, RerankJob.release)."""
+        scorer, params = self.scorer, job.params
+        limit, limit_by = self.rerank_limit()
+        pairs, shared = scorer.pairs(job.query, job.documents, params, limit, limit_by)
+        job.document_tokens = [p.document_tokens for p in pairs]
+        job.truncated = [p.truncated for p in pairs]
+        # Later pairs wait for the first when it fills at least one full block of their shared prefix.
+        wait = scorer.runs_on_llm and self.config.enable_prefix_caching and shared >= self.config.block_size
+        at_once = scorer.pair_phase is PairPhase.AT_ONCE
+        seqs = []
+        for i, pair in enumerate(pairs):
+            first = seqs[0] if seqs and wait and at_once else None
+            seqs.append(Sequence(
+                request_id=job.request_id, token_ids=pair.token_ids, num_prompt_tokens=len(pair.token_ids),
+                params=params, arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.RERANK,
+                priority=params.priority, uses_kv=scorer.runs_on_llm, logprob_start=pair.logprob_start,
+                pair=RerankPair(i, wait_for=first, token_type_ids=pair.token_type_ids),
+                stages=1 if scorer.runs_on_llm else scorer.stages))
+        if at_once:
+            job.pairs = seqs
+            job.remaining += len(seqs)
+        else:  # counted in `remaining` as release() queues the chosen ones
+            job.held, job.wait_for_first = seqs, wait
+
     def _rerank_rows(self, job: RerankJob) -> None:
-        """A fusing mode's embedder rows: the query's, then each document's (cut to the embedder's limit as an
-        embedding request's are), in the same steps as the pairs."""
+        """An embedding mode's rows: the query's, then each document's (cut to the embedder's limit as an embedding
+        request's are), in the same steps as any pairs. Where they alone score (the dense mode) they are what the
+        response's document_tokens and truncated describe, and truncate='none' refuses a document they would cut."""
         embedder = self.embedder
         if embedder is None:
             raise ValueError(f"the {self.scorer.mode} rerank mode needs an embedder, and this engine has none")
         params = EmbedParams(priority=job.params.priority)
-        rows = embedder.rows([job.query, *job.documents], None, params)
+        cut = job.params.max_document_tokens
+        if cut is None:
+            rows = embedder.rows([job.query, *job.documents], None, params)
+        else:  # the documents' own tokens cut to `cut` (each text still tokenized once)
+            ids = [list(d)[:cut] for d in embedder.tokenizer(job.documents, add_special_tokens=False).input_ids]
+            rows = embedder.rows([job.query], None, params) + embedder.rows(None, ids, params)
+        if self.scorer.pair_phase is PairPhase.NEVER:
+            self._describe_documents(job, rows[1:])
         job.rows = self._embed_sequences(job.request_id, rows, params, job.arrival_time,
                                          "a document has too many embedder tokens")
         job.vectors = [None] * len(rows)
         job.remaining += len(rows)
+
+    def _describe_documents(self, job: RerankJob, rows: list) -> None:
+        """document_tokens and truncated from the documents' embedder rows; ValueError for a cut one under
+        truncate='none'."""
+        specials = self.embedder.num_special_tokens
+        if job.params.truncate == "none":
+            cut = next((i for i, r in enumerate(rows) if r.truncated), None)
+            if cut is not None:
+                raise ValueError(f"documents[{cut}] is over the embedder's limit of {self.embedder.max_length} "
+                                 f"tokens ({self.embedder.name}): shorten it or use truncate='end'")
+        job.document_tokens = [len(r.token_ids) - specials for r in rows]
+        job.truncated = [r.truncated for r in rows]
 
     def _embed_sequences(self, request_id: str, rows: list, params: EmbedParams, arrival_time: float,
                          too_long: str) -> list[Sequence]:
@@ -227,7 +260,10 @@ class RequestIntake:
         """The most tokens one rerank pair (template, query and document) may have, and what sets that limit.
 
         A pair the LLM scores is prefilled in chunks across steps like a prompt, so it may fill the model's context;
-        a cross-encoder pair runs whole in one step, within its own max_position_embeddings and the step's budget."""
+        a cross-encoder pair runs whole in one step, within its own max_position_embeddings and the step's budget; a
+        mode without pairs (dense) sees a document through the embedder, within its limit."""
+        if self.scorer.pair_phase is PairPhase.NEVER and self.embedder is not None:
+            return self.embedder.max_length, f"the embedder {self.embedder.name}'s limit, special tokens included"
         if self.scorer.runs_on_llm:
             return self.max_model_len, self.max_model_len_by
         own = self.scorer.max_length

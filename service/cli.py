@@ -23,8 +23,11 @@ _ENGINE_FLAGS = [
     ("--model", str, None, "a GGUF file (or a folder holding one) or a Hugging Face directory: Llama, Mistral, "
                            "Qwen2/3, Gemma 2/3 (default: embedded SmolLM2-135M)"),
     ("--reranker", str, None, "cross-encoder directory (default: the LLM scores pairs, see --rerank-mode)"),
-    ("--rerank-mode", str, None, "likelihood | fusion | judge | cross-encoder: how rerank pairs are scored (default: "
-                                 "cross-encoder with --reranker, else fusion with an embedder, else likelihood)"),
+    ("--rerank-mode", str, None, "dense | cascade | fusion | likelihood | judge | cross-encoder: how rerank "
+                                 "documents are scored (default: cross-encoder with --reranker, else dense with an "
+                                 "embedder, else likelihood)"),
+    ("--rerank-cascade-k", int, None, "the cascade mode: how many of the embedder's top documents the LLM re-scores "
+                                      "(default 8)"),
     ("--chat-template", str, None, "a shipped template (gemma, llama3, chatml/qwen, mistral), a Jinja chat "
                                    "template, or the path of a file holding one, replacing the model's (or giving a "
                                    "base model one)"),

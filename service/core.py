@@ -5,7 +5,8 @@ Engine types in (`SamplingParams`, `RerankParams`, prompts, chat messages, token
 needs no engine (the model name, the document limit, an empty id or input) happens here, so a request is refused
 the same way whichever door it came through; what the engine refuses (a prompt too long, a bad schema) comes
 back as a `ServiceError` from the same place. Tokenizing never happens on the engine thread: the bridge's intake
-thread tokenizes prompts, chats and rerank pairs; `tokenize` and `max_tokens_per_doc` run on a worker thread.
+thread tokenizes prompts, chats and rerank pairs (and cuts documents to `max_tokens_per_doc` there); `tokenize` runs
+on a worker thread.
 
     core = await CoreAPI.load(bridge, limits)
     stream = core.generate([GenerateInput("a", params, prompt="Hi")], metadata)   # admitted, or ServiceError
@@ -20,7 +21,7 @@ import enum
 import json
 import os
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import grpc
@@ -440,13 +441,13 @@ class CoreAPI:
                               f"{self.limits.max_documents} per request (--max-documents); split the request")
             if inp.max_tokens_per_doc is not None and inp.max_tokens_per_doc < 1:
                 raise invalid(f"max_tokens_per_doc must be >= 1, got {inp.max_tokens_per_doc}")
-        documents = inp.documents
-        if inp.max_tokens_per_doc is not None:
-            documents = await asyncio.to_thread(_first_tokens, self._tokenizer, documents, inp.max_tokens_per_doc)
+        params = inp.params
+        if inp.max_tokens_per_doc is not None:  # cut where the engine tokenizes the documents anyway (once)
+            params = replace(params, max_document_tokens=inp.max_tokens_per_doc)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         with self._admitting(SeqKind.RERANK, inp.request_id, metadata):
             lc = self.bridge.submit_rerank(inp.request_id, lambda event: future.done() or future.set_result(event),
-                                           query=inp.query, documents=documents, params=inp.params,
+                                           query=inp.query, documents=inp.documents, params=params,
                                            timeout_ms=inp.timeout_ms, metadata=metadata)
         event = await self._final(future, lc, "rerank", inp.cut_hint)
         params = inp.params
@@ -580,10 +581,6 @@ def _check_roles(messages: list[dict[str, str]] | None) -> None:
 
 def _plain_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _first_tokens(tokenizer, texts: list[str], limit: int) -> list[str]:
-    return [tokenizer.decode(tokenizer(t, add_special_tokens=False)["input_ids"][:limit]) for t in texts]
 
 
 __all__ = ["CHAT_ROLES", "CoreAPI", "GRPC_CUT_HINT", "Task", "EmbedInput", "EmbedOutcome", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",

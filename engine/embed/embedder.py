@@ -91,6 +91,11 @@ class Embedder:
         return self.sentence.pooling
 
     @property
+    def num_special_tokens(self) -> int:
+        """The special tokens a row has around its text's own tokens."""
+        return len(self._pre) + len(self._post)
+
+    @property
     def stages(self) -> int:
         """Stages a row's forward is run in (one per encoder layer; one for a decoder embedder)."""
         return self._forward_in_stages.count

@@ -5,21 +5,22 @@ from __future__ import annotations
 from engine.config import EngineConfig, RerankMode
 from engine.rerank.job import RerankJob
 from engine.rerank.pairs import PairTemplate, PairTokens
-from engine.rerank.scorer import PairScorer
+from engine.rerank.scorer import PairPhase, PairScorer
 from engine.settings import Settings
 
 # The default mode for a causal LM: query likelihood measured best of the LLM-only modes on the retrieval-quality
-# benchmark, and its fusion with the embedder's cosine best of all when an embedder is loaded (bench/rerank_quality.py;
-# figures in docs/benchmarks.md "Rerank quality").
+# benchmark. With an embedder loaded: dense, which ranks within one standard error of fusion (the default before it)
+# on both corpora at 128-512 tokens for a fraction of the cost, no LLM pair (issue #47; bench/rerank_quality.py and
+# bench/rerank_serve.py, figures in docs/reranking.md "Choosing a mode").
 DEFAULT_LLM_MODE = RerankMode.LIKELIHOOD
-DEFAULT_WITH_EMBEDDER = RerankMode.FUSION
+DEFAULT_WITH_EMBEDDER = RerankMode.DENSE
 
-__all__ = ["PairScorer", "PairTemplate", "PairTokens", "RerankJob", "build_scorer", "default_mode",
+__all__ = ["PairPhase", "PairScorer", "PairTemplate", "PairTokens", "RerankJob", "build_scorer", "default_mode",
            "DEFAULT_LLM_MODE", "DEFAULT_WITH_EMBEDDER"]
 
 
 def default_mode(config: EngineConfig) -> RerankMode:
-    """The mode `config` runs: rerank_mode when set, else a cross-encoder when one is given, else fusion when an
+    """The mode `config` runs: rerank_mode when set, else a cross-encoder when one is given, else dense when an
     embedder is loaded, else query likelihood."""
     if config.rerank_mode is not None:
         return config.rerank_mode
@@ -49,6 +50,14 @@ def build_scorer(config: EngineConfig, tokenizer, model, settings: Settings, sha
         from engine.rerank.fusion import FusionScorer
 
         return FusionScorer(tokenizer)
+    if mode is RerankMode.DENSE:
+        from engine.rerank.dense import DenseScorer
+
+        return DenseScorer()
+    if mode is RerankMode.CASCADE:
+        from engine.rerank.cascade import CascadeScorer
+
+        return CascadeScorer(tokenizer, config.rerank_cascade_k)
     from engine.rerank.likelihood import LikelihoodScorer
 
     return LikelihoodScorer(tokenizer)

@@ -29,6 +29,24 @@ class RerankJob:
     # as the rows run (engine.py fills them); empty otherwise.
     rows: list[Sequence] = field(default_factory=list)
     vectors: list[torch.Tensor | None] = field(default_factory=list)
+    # A mode whose pairs wait for the embedder rows (the cascade, PairPhase.AFTER_ROWS): every document's pair, made
+    # with the request (so each document is tokenized once, off the engine thread) and not queued; release() moves
+    # the chosen ones to `pairs` once the rows have run.
+    held: list[Sequence] = field(default_factory=list)
+    wait_for_first: bool = False  # later pairs wait for the first one queued (it fills their shared prefix)
+
+    def release(self, indices: list[int]) -> list[Sequence]:
+        """Queue the held pairs of documents `indices` and drop the rest; returns the queued ones, in document order.
+        The first of them fills the shared prefix the others wait for: it must be the one the scheduler's queue
+        (priority, then arrival: document order) offers first, or the queue's head would wait for a pair behind it
+        forever."""
+        pairs = [self.held[i] for i in sorted(indices)]
+        for seq in pairs:
+            seq.pair.wait_for = pairs[0] if self.wait_for_first and seq is not pairs[0] else None
+        self.held = []
+        self.pairs.extend(pairs)
+        self.remaining += len(pairs)
+        return pairs
 
     @property
     def prompt_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """The one interface every rerank mode implements: pair tokens in, one relevance score per pair out."""
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
@@ -12,6 +13,15 @@ if TYPE_CHECKING:
 
     from engine.models.stages import Finish, StagedForward, StageWork
     from engine.request import Sequence
+
+
+class PairPhase(str, enum.Enum):
+    """When a request's documents get the pairs a scorer scores."""
+    AT_ONCE = "at-once"  # every document's pair is queued with the request
+    NEVER = "never"  # no pairs at all: the embedder rows alone score (the dense mode)
+    # every document's pair is made with the request, but only those chosen() once the embedder rows have run are
+    # queued (the cascade: the dense top k)
+    AFTER_ROWS = "after-rows"
 
 
 class PairScorer(ABC):
@@ -28,6 +38,12 @@ class PairScorer(ABC):
     # True: the request's query and documents also run through the embedder (KV-free rows in the same steps as the
     # pairs) and request_scores() combines both signals (the fusion mode).
     embeds: ClassVar[bool] = False
+    pair_phase: ClassVar[PairPhase] = PairPhase.AT_ONCE
+
+    def chosen(self, vectors: list[torch.Tensor]) -> list[int]:
+        """PairPhase.AFTER_ROWS: the documents whose pairs run, from the embedder's vectors (the query's first, then
+        each document's)."""
+        raise NotImplementedError(f"the {self.mode} mode queues its pairs with the request")
 
     @abstractmethod
     def template(self, query: str, params: RerankParams) -> PairTemplate:
@@ -87,4 +103,7 @@ class PairScorer(ABC):
         if not documents:
             return [], 0
         template = self.template(query, params)
-        return template.fit(self.document_ids(documents), limit, params.truncate, limit_by), len(template.prefix)
+        ids = self.document_ids(documents)
+        if params.max_document_tokens is not None:
+            ids = [d[:params.max_document_tokens] for d in ids]
+        return template.fit(ids, limit, params.truncate, limit_by), len(template.prefix)

@@ -157,9 +157,9 @@ def test_quick_run_writes_every_ranker_and_corpus(tmp_path):
     rq.main(["--quick", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["quick"] is True and not result["unavailable_modes"]
-    assert set(result["rankers"]) == set(rq.RANKERS)
+    assert set(result["rankers"]) == {*rq.RANKERS, "cascade@3"}
     assert set(result["corpora"]) == set(CORPORA)
-    assert result["default_mode"] == "fusion"  # the embedded models with the embedded embedder, as tandem serve
+    assert result["default_mode"] == "dense"  # the embedded models with the embedded embedder, as tandem serve
     for name, c in result["corpora"].items():
         for k in result["ks"]:
             row = c[f"k{k}"]
@@ -170,8 +170,10 @@ def test_quick_run_writes_every_ranker_and_corpus(tmp_path):
                 for metric in rq.METRICS:
                     assert 0 <= m[metric] <= 1 and m[f"{metric}_stderr"] >= 0
                 assert m["recall@1"] <= m["mrr@10"] + 1e-9 and m["mrr@10"] <= m["ndcg@10"] + 1e-9  # one relevant
-        check = result["fusion_check"][name]  # the engine's fusion mode = the fusion computed from its parts
-        assert check["queries"] == 1 and check["same_order"] == 1 and check["max_abs_diff"] < 1e-4
+        for mode in rq.CHECKED_MODES:  # the engine's own mode = the ranker computed from its parts
+            check = result[f"{mode}_check"][name]
+            assert check["queries"] == 1 and check["same_order"] == 1 and check["max_abs_diff"] < 1e-4, mode
+        assert "cascade@3" in c["k4"]  # the sweep's extra k
         for ranker in [r for r in rq.RANKERS[1:] if r not in rq.FUSIONS]:
             sp = c["speed"][ranker]
             assert sp["pairs"] == c["queries"] * max(result["ks"]) and sp["pairs_s"] > 0
@@ -181,6 +183,10 @@ def test_quick_run_writes_every_ranker_and_corpus(tmp_path):
     assert t["default_mode"] == result["default_mode"]
     assert set(t["per_k"]) == {f"k{k}" for k in result["ks"]}
     assert isinstance(t["met"], bool)
+    cascade = t["vs_fusion"]["cascade"]  # issue #47: each mode against fusion, per corpus and K
+    assert set(cascade["rows"]) == {f"{n}_k{k}" for n in CORPORA for k in result["ks"]}
+    assert isinstance(cascade["met"], bool) and "dense" in t["vs_fusion"]
+    assert isinstance(t["default_vs_fusion_stderrs"], float)  # the default (dense) against fusion, worst case
 
 
 def test_scores_from_a_pair_file_stand_in_for_the_mode_and_are_tied_to_their_texts(tmp_path):

@@ -118,7 +118,10 @@ def test_engine_config_rejects(field, value):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(rerank_mode="bm25"), "rerank_mode must be one of likelihood, judge, cross-encoder, fusion, got 'bm25'"),
+    (dict(rerank_mode="bm25"), "rerank_mode must be one of likelihood, judge, cross-encoder, fusion, dense, "
+                               "cascade, got 'bm25'"),
+    (dict(rerank_mode="dense"), "rerank_mode 'dense' scores by the embedder's cosine: it needs embedder="),
+    (dict(rerank_mode="cascade", embedder="e", rerank_cascade_k=0), "rerank_cascade_k must be an integer >= 1"),
     (dict(rerank_mode="cross-encoder"), "needs reranker=DIR"),
     (dict(rerank_mode="judge", reranker="/some/dir"), "leave one of them unset"),
 ])

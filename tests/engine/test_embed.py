@@ -120,7 +120,7 @@ def test_three_kinds_of_work_share_steps_and_records_count_embedding_rows(llm: L
     finally:
         engine.remove_observer(records.append)
     assert finished["e"].kind is SeqKind.EMBED and len(finished["e"].embeddings) == len(TEXTS)
-    # the rerank is fused (the default with an embedder): its query and two documents are embedder rows too
+    # the rerank (dense, the default with an embedder) is embedder rows too: its query and two documents
     fused_rows = engine.embedder.rows(["lighthouse", *TEXTS[:2]], None, EmbedParams())
     # a row that ran in stages costs a share of its tokens in each step (rounded up): at least its tokens in all
     assert finished["e"].prompt_tokens + sum(len(r.token_ids) for r in fused_rows) <= sum(

@@ -27,8 +27,9 @@ class EmbedCountingModel(CountingModel):
 def test_chats_pairs_and_embeddings_share_steps_under_the_target():
     target = LinearStepTime(EMBED_COEF).predict(StepShape(decode_rows=4, llm_rerank_tokens=60, embed_tokens=100))
     model = EmbedCountingModel()
+    # fusion: a rerank that is LLM pairs and embedder rows at once (the default with an embedder, dense, has no pairs)
     llm = make_llm(admission=LatencyAdmission(target, model=model), embedder=EMBEDDED_EMBEDDER,
-                   max_num_batched_tokens=512, num_kv_blocks=512)
+                   max_num_batched_tokens=512, num_kv_blocks=512, rerank_mode="fusion")
     engine = llm.engine
     records = record_steps(llm)
     start_chats(engine, GEN)
@@ -48,7 +49,7 @@ def test_chats_pairs_and_embeddings_share_steps_under_the_target():
     # Embedding tokens reach the model as their own feature, with the record's own shape.
     computed = [r for r in records if r.num_seqs]
     assert model.observed == [(StepShape.of_record(r), r.duration_s) for r in computed]
-    # ... the embedding request's rows and the fused rerank's (the default with an embedder: query and documents)
+    # ... the embedding request's rows and the fused rerank's (query and documents)
     fused_rows = engine.embedder.rows(["how do bees make honey", *DOCS], None, EmbedParams())
     assert sum(s.embed_tokens for s, _ in model.observed) == finished["emb"].prompt_tokens + sum(
         len(r.token_ids) for r in fused_rows)

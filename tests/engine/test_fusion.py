@@ -15,8 +15,8 @@ from tests.engine.test_rerank_llm import DOCS, QUERY, _hf_mean_logprob
 
 @pytest.fixture(scope="module")
 def fusion_llm() -> LLM:
-    """The embedded LLM with the embedded embedder and no mode asked for, as `tandem serve` starts."""
-    return LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, max_num_batched_tokens=256))
+    """The embedded LLM with the embedded embedder, as `tandem serve --rerank-mode fusion` starts."""
+    return LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, rerank_mode="fusion", max_num_batched_tokens=256))
 
 
 def test_fusion_arithmetic_by_hand():
@@ -31,7 +31,7 @@ def test_fusion_arithmetic_by_hand():
     assert rrf([1.0, 3.0], [3.0, 1.0], k=60) == pytest.approx([1 / 62 + 1 / 61, 1 / 61 + 1 / 62])
 
 
-def test_the_default_with_an_embedder_is_fusion_of_transformers_likelihood_and_sentence_transformers_cosine(
+def test_fusion_is_transformers_likelihood_fused_with_sentence_transformers_cosine(
         fusion_llm, hf_model):
     from sentence_transformers import SentenceTransformer
 

@@ -54,8 +54,10 @@ class Offline:
 
 
 def _offline() -> Offline:
+    # fusion, not the default (dense): the shared server's rerank tests are about LLM pairs (their limit, chunks, a
+    # cancel mid-flight) as well as embedder rows; the default is served in test_rerank_modes.py
     llm = LLM(EngineConfig(num_kv_blocks=NUM_KV_BLOCKS, max_rerank_documents=MAX_DOCUMENTS,
-                           embedder=EMBEDDED_EMBEDDER))
+                           embedder=EMBEDDED_EMBEDDER, rerank_mode="fusion"))
     return Offline(llm=llm, greedy=llm.generate(PROMPTS, GREEDY_8), long=llm.generate(PROMPTS[1], LONG_12)[0],
                    chat=llm.chat(CHAT, GREEDY_8)[0], scores=llm.rerank(QUERY, DOCUMENTS))
 

@@ -141,10 +141,13 @@ def test_engine_flags_reach_the_engine_config_and_unset_ones_keep_its_defaults(m
     assert config.max_rerank_documents == 12
     assert _engine_config("--enforce-eager", "false").enforce_eager is False
     assert _engine_config("--rerank-mode", "judge").rerank_mode == "judge"
+    cascade = _engine_config("--rerank-mode", "cascade", "--rerank-cascade-k", "5")
+    assert (cascade.rerank_mode, cascade.rerank_cascade_k) == ("cascade", 5)
     monkeypatch.setenv("TANDEM_RERANK_MODE", "likelihood")
     assert _engine_config().rerank_mode == "likelihood"
     monkeypatch.setenv("TANDEM_RERANK_MODE", "yesno")
-    with pytest.raises(ValueError, match="rerank_mode must be one of likelihood, judge, cross-encoder, fusion"):
+    with pytest.raises(ValueError, match="rerank_mode must be one of likelihood, judge, cross-encoder, fusion, "
+                                         "dense, cascade"):
         _engine_config()
     monkeypatch.delenv("TANDEM_RERANK_MODE")
     monkeypatch.setenv("TANDEM_ENFORCE_EAGER", "1")
@@ -157,7 +160,7 @@ def test_engine_flags_reach_the_engine_config_and_unset_ones_keep_its_defaults(m
 def test_unknown_rerank_mode_stops_serve_at_start_with_the_valid_modes(capsys):
     assert main(["serve", "--rerank-mode", "yesno", "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert "rerank_mode must be one of likelihood, judge, cross-encoder, fusion, got 'yesno'" in err
+    assert "rerank_mode must be one of likelihood, judge, cross-encoder, fusion, dense, cascade, got 'yesno'" in err
 
 
 def test_tpot_target_flag_and_variable_reach_the_engine_config(monkeypatch, capsys):

@@ -19,7 +19,7 @@ def co(http_url):
 def _grpc_scores(address: str, documents: list[str]) -> dict[int, float]:
     with Client(address) as c:
         results = c.rerank(QUERY, documents)
-    assert results.mode == "fusion"  # the default with the embedder loaded, and the response says so
+    assert results.mode == "fusion"  # the shared server's mode (conftest), and the response says so
     return {r.index: r.score for r in results}
 
 

@@ -1,6 +1,8 @@
-"""The latency objective where users meet it: `tandem serve` with default flags keeps a chat's pace beside a long
-rerank (issue #45). States, not timings: a chat that asks for more tokens than the rerank would need steps at plain
-budget filling finishes while the rerank is still running."""
+"""The latency objective where users meet it: `tandem serve` with the objective's default flags keeps a chat's pace
+beside a long rerank (issue #45). States, not timings: a chat that asks for more tokens than the rerank would need
+steps at plain budget filling finishes while the rerank is still running. The rerank is scored by the LLM
+(`--rerank-mode likelihood`): the default mode, dense, runs no LLM pair, and an 8,000-token document is cut to the
+embedder's 256 tokens."""
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +41,7 @@ async def _chat_beside_a_long_rerank(address: str) -> tuple[int, bool, list[str]
 
 
 def test_default_flags_keep_a_chat_going_while_a_long_rerank_runs():
-    proc = ServeProcess(env={})
+    proc = ServeProcess("--rerank-mode", "likelihood", env={})
     try:
         log = "".join(proc.output)
         assert "step-time model (" in log  # calibrated (or read from its cache) before the first request

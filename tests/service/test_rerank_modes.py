@@ -1,0 +1,131 @@
+"""The dense and cascade rerank modes through both doors (the gRPC client, HTTP /v1/rerank): dense ranks as
+sentence-transformers' cosine of all-MiniLM-L6-v2 does; the cascade has the LLM score only k pairs (the engine's step
+records count them) and keeps the other documents in dense order; each response names the mode that scored it."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from clients import Client
+from engine import LLM, EngineConfig
+from engine.config import EMBEDDED_EMBEDDER
+from engine.embed.embedder import embedded_embedder_dir
+from engine.rerank.cascade import top_k
+from service.server import ServerConfig
+from tests.service.harness import ServerThread
+
+K = 3
+QUERY = "How do bees make honey?"
+DOCUMENTS = ["Bees collect nectar from flowers and store it in their honey stomach.",
+             "The stock market fell three percent on Tuesday.",
+             "Worker bees fan their wings to evaporate water from nectar, turning it into honey.",
+             "A recipe for tomato soup with basil.",
+             "Honeybees live in colonies with a single queen.",
+             "Beekeepers harvest honey from the frames of a hive in late summer.",
+             "The train to Lyon leaves at nine."]
+
+
+class Served:
+    def __init__(self, mode: str) -> None:
+        config = EngineConfig(embedder=EMBEDDED_EMBEDDER, rerank_mode=mode, rerank_cascade_k=K, num_kv_blocks=256)
+        self.engine = LLM(config).engine
+        self.records: list = []
+        self.engine.add_observer(self.records.append)  # called on the engine thread, once per step
+        self.server = ServerThread(self.engine, ServerConfig(host="127.0.0.1", port=0))
+        self.http_url = self.server.add_http(self.server.server.config).url
+
+    def pairs_scored(self) -> int:
+        return sum(r.rerank_pairs_scored for r in list(self.records))
+
+
+@pytest.fixture(scope="module", params=["dense", "cascade"])
+def served_mode(request):
+    s = Served(request.param)
+    yield request.param, s
+    s.server.close()
+
+
+@pytest.fixture(scope="module")
+def st_cosines() -> list[float]:
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(embedded_embedder_dir()), device="cpu")
+    q, *d = st.encode([QUERY, *DOCUMENTS], normalize_embeddings=True)
+    return [float(q @ v) for v in d]
+
+
+def _dense_order(cosines: list[float]) -> list[int]:
+    return sorted(range(len(cosines)), key=lambda i: (-cosines[i], i))
+
+
+def _grpc(s: Served) -> tuple[list[tuple[int, float]], str]:
+    with Client(s.server.address) as c:
+        results = c.rerank(QUERY, DOCUMENTS)
+    return [(r.index, r.score) for r in results], results.mode
+
+
+def _http(s: Served) -> tuple[list[tuple[int, float]], str]:
+    with httpx.Client(base_url=s.http_url, timeout=1800) as h:
+        r = h.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS})
+    assert r.status_code == 200, r.text
+    return [(x["index"], x["relevance_score"]) for x in r.json()["results"]], r.headers["x-tandem-rerank-mode"]
+
+
+@pytest.mark.parametrize("door", [_grpc, _http], ids=["grpc", "http"])
+def test_each_door_ranks_by_the_mode_and_says_which(served_mode, st_cosines, door):
+    mode, s = served_mode
+    before = s.pairs_scored()
+    ranked, said = door(s)
+    assert said == mode
+    order = [i for i, _ in ranked]
+    dense = _dense_order(st_cosines)
+    if mode == "dense":  # the embedder's own cosine ranking, and its cosine in the score, with no LLM pair
+        assert order == dense
+        assert dict(ranked) == pytest.approx({i: (1 + c) / 2 for i, c in enumerate(st_cosines)}, abs=1e-5)
+        assert s.pairs_scored() == before
+    else:  # the LLM re-scored the dense top k only; the rest follow in dense order, below them
+        assert s.pairs_scored() - before == K  # records are emitted inside the step, before its outputs leave
+        assert set(order[:K]) == set(top_k(st_cosines, K))
+        assert order[K:] == [i for i in dense if i not in order[:K]]
+        assert min(score for _, score in ranked[:K]) > max(score for _, score in ranked[K:])
+
+
+class _Counting:
+    """Wraps a tokenizer: records every text it is called on (one call may take a batch)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.texts = inner, []
+
+    def __call__(self, text, *args, **kw):
+        self.texts.extend([text] if isinstance(text, str) else list(text))
+        return self.inner(text, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def times(self, document: str) -> int:
+        """Calls on the document or on a cut of it."""
+        return sum(1 for t in self.texts if t.strip() and document.startswith(t.strip()))
+
+
+def test_max_tokens_per_doc_tokenizes_each_document_once_per_model(served_mode):
+    """Cohere's max_tokens_per_doc cuts each document where the engine tokenizes it anyway: once by the LLM's
+    tokenizer (a cascade's pairs) and once by the embedder's, never first in the service and again in the engine."""
+    mode, s = served_mode
+    core, scorer, embedder = s.server.core, s.engine.scorer, s.engine.embedder
+    saved = core._tokenizer, getattr(scorer, "tokenizer", None), embedder.tokenizer
+    llm_tok, emb_tok = _Counting(saved[0]), _Counting(saved[2])
+    core._tokenizer = llm_tok
+    if saved[1] is not None:
+        scorer.tokenizer = llm_tok
+    embedder.tokenizer = emb_tok
+    try:
+        with httpx.Client(base_url=s.http_url, timeout=1800) as h:
+            r = h.post("/v2/rerank", json={"query": QUERY, "documents": DOCUMENTS, "max_tokens_per_doc": 5})
+    finally:
+        core._tokenizer, embedder.tokenizer = saved[0], saved[2]
+        if saved[1] is not None:
+            scorer.tokenizer = saved[1]
+    assert r.status_code == 200, r.text
+    assert [emb_tok.times(d) for d in DOCUMENTS] == [1] * len(DOCUMENTS)
+    assert [llm_tok.times(d) for d in DOCUMENTS] == [1 if mode == "cascade" else 0] * len(DOCUMENTS)
