@@ -152,7 +152,10 @@ def describe_engine(config: EngineConfig, device: torch.device, cpu_kernels: str
     scored_by = {RerankMode.LIKELIHOOD: f"{llm}'s query likelihood", RerankMode.JUDGE: f"{llm}'s yes/no judgement",
                  RerankMode.CROSS_ENCODER: f"the cross-encoder {Path(str(config.reranker)).name}",
                  RerankMode.FUSION: f"{embedder.name if embedder else 'the embedder'}'s cosine + {llm}'s query "
-                                    "likelihood"}[RerankMode(rerank_mode)]
+                                    "likelihood",
+                 RerankMode.DENSE: f"{embedder.name if embedder else 'the embedder'}'s cosine",
+                 RerankMode.CASCADE: f"{embedder.name if embedder else 'the embedder'}'s cosine, then {llm}'s query "
+                                     f"likelihood fused for its top {config.rerank_cascade_k}"}[RerankMode(rerank_mode)]
     where = f"device {device}" + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else "")
     if device.type == "cpu":
         where += f", CPU kernels {cpu_kernels}" if cpu_kernels else ", CPU kernels none (dense weights: torch matmuls)"

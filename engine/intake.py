@@ -187,7 +187,8 @@ class RequestIntake:
         if cut is None:
             rows = embedder.rows([job.query, *job.documents], None, params)
         else:  # the documents' own tokens cut to `cut` (each text still tokenized once)
-            ids = [list(d)[:cut] for d in embedder.tokenizer(job.documents, add_special_tokens=False).input_ids]
+            ids = [embedder.with_special_tokens(list(d)[:cut])
+                   for d in embedder.tokenizer(job.documents, add_special_tokens=False).input_ids]
             rows = embedder.rows([job.query], None, params) + embedder.rows(None, ids, params)
         if self.scorer.pair_phase is PairPhase.NEVER:
             self._describe_documents(job, rows[1:])

@@ -125,6 +125,11 @@ class Embedder:
             out.append(EmbedRow(pre + list(ids) + post, cut))
         return out
 
+    def with_special_tokens(self, ids: list[int]) -> list[int]:
+        """A text's own token ids between the model's special tokens, as `rows` puts a text's (token-id input is
+        taken as given, so a caller that cut a text's ids wraps them here)."""
+        return [*self._pre, *ids, *self._post]
+
     def check_dimensions(self, params: EmbedParams) -> None:
         d = params.dimensions
         if d is None or d == self.dim:
