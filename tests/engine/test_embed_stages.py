@@ -96,11 +96,11 @@ def test_forget_drops_a_rows_kept_states():
     assert emb.num_partial_rows == 0
 
 
-def _objective_llm(target_shape: StepShape):
+def _objective_llm(target_shape: StepShape, **kw):
     target = LinearStepTime(EMBED_COEF).predict(target_shape)
     model = EmbedCountingModel()
     llm = make_llm(admission=LatencyAdmission(target, model=model), embedder=EMBEDDED_EMBEDDER,
-                   max_num_batched_tokens=512, num_kv_blocks=512)
+                   max_num_batched_tokens=512, num_kv_blocks=512, **kw)
     return llm, model, target
 
 
@@ -159,7 +159,9 @@ def test_embeddings_progress_beside_decodes_while_an_earlier_rerank_job_still_ha
     # request behind a long LLM-scored rerank job still gets a layer a step, not a wait for the whole job.
     from tests.engine.test_latency_objective import DOCS
 
-    llm, model, target = _objective_llm(StepShape(decode_rows=4, llm_rerank_tokens=8, embed_tokens=12))
+    # LLM-scored pairs (the default mode with an embedder, dense, makes none)
+    llm, model, target = _objective_llm(StepShape(decode_rows=4, llm_rerank_tokens=8, embed_tokens=12),
+                                        rerank_mode="likelihood")
     engine, records = llm.engine, record_steps(llm)
     start_chats(engine, GEN)
     engine.add_rerank("job", "how do bees make honey", DOCS * 3)
