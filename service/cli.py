@@ -114,7 +114,7 @@ _SERVER_FLAGS = [
 ]
 # `tandem serve --help` groups the flags by subject (argparse groups, in this order).
 _GROUPS = [
-    ("model", "what is served", ["--model", "--reranker", "--rerank-mode", "--embedder", "--chat-template",
+    ("model", "what is served", ["--model", "--reranker", "--rerank-mode", "--rerank-cascade-k", "--embedder", "--chat-template",
                                  "--device", "--dtype", "--quantization", "--cpu-activations"]),
     ("engine", "memory, context and scheduling", [
         "--kv-cache-bytes", "--num-kv-blocks", "--max-model-len", "--block-size", "--max-num-batched-tokens",
