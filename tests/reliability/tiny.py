@@ -73,6 +73,9 @@ def shared_tokenizer() -> Iterator[None]:
 
 
 def tiny_engine(model_dir: Path, **config) -> LLMEngine:
+    """Plain budget filling unless `config` names an objective: what a step holds must not depend on a step-time
+    model fitted to this host's timing (a hypothesis state machine replays its rules and needs the same states)."""
+    config.setdefault("tpot_target_ms", None)
     return LLMEngine(EngineConfig(model=str(model_dir), **config))
 
 

@@ -42,7 +42,7 @@ class FakeEngine:
     def remove_observer(self, fn) -> None:
         self.observers.remove(fn)
 
-    def prompt_token_ids(self, prompt, messages=None) -> list[int]:
+    def prompt_token_ids(self, prompt, messages=None, tools=None) -> list[int]:
         """Called on the bridge's intake thread, never the engine's."""
         self.intake_thread_ids.add(threading.get_ident())
         if not prompt:
@@ -52,7 +52,7 @@ class FakeEngine:
     def prepare_rerank(self, request_id, query, documents, params=None):
         raise ValueError("this fake engine does not rerank")
 
-    def add_request(self, request_id, prompt=None, params=None) -> None:
+    def add_request(self, request_id, prompt=None, params=None, *, chat=False) -> None:
         self.thread_ids.add(threading.get_ident())
         assert isinstance(prompt, list), "the bridge hands the engine token ids, tokenized off its thread"
         self.live[request_id] = params.max_tokens
