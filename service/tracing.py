@@ -159,11 +159,12 @@ class TracingHooks(Hooks):
                         "tandem.step.embed_rows_done": record.embed_rows_done})
         if record.cpu_kernels:
             span.set_attribute("tandem.step.cpu_kernels", record.cpu_kernels)
-        if record.predicted_s is not None:  # a latency objective sized this step (--tpot-target-ms)
+        if record.predicted_s is not None:  # the latency objective's model priced this step
             span.set_attributes({"tandem.step.predicted_s": record.predicted_s,
                                  "tandem.step.prediction_error": record.prediction_error or 0.0,
-                                 "tandem.step.target_s": record.target_s,
-                                 "tandem.step.limit_s": record.limit_s or 0.0})
+                                 "tandem.step.planned": record.planned})
+        if record.target_s is not None:  # the T its decodes were held to (none in a step without decodes, auto)
+            span.set_attributes({"tandem.step.target_s": record.target_s, "tandem.step.limit_s": record.limit_s or 0.0})
         span.end(end_time=_ns(record.start_time + record.duration_s))
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
