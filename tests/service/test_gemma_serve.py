@@ -135,4 +135,4 @@ def test_start_up_says_what_capped_the_context(gemma_server) -> None:
     said = "".join(gemma_server.output)
     assert ("context 29,120 of the model's 32,768 tokens, capped by the KV cache (tandem serve --kv-cache-bytes / "
             "--num-kv-blocks)") in said, said
-    assert "rerank: likelihood (gemma-3-270m-q4_k_m.gguf's query likelihood)" in said or "rerank: fusion" in said
+    assert "rerank: dense (all-MiniLM-L6-v2's cosine)" in said  # the default with the embedded embedder

@@ -85,8 +85,8 @@ def served(tmp_path_factory):
 
 def test_start_up_says_device_threads_kernels_rerank_mode_and_context(served) -> None:
     said = "".join(served.output)
-    assert re.search(r"tandem.engine: device cpu, \d+ threads, CPU kernels (avx512|avx2|portable); rerank: fusion "
-                     r"\(all-MiniLM-L6-v2's cosine \+ SmolLM2-135M-Instruct's query likelihood\); context 8,192 "
+    assert re.search(r"tandem.engine: device cpu, \d+ threads, CPU kernels (avx512|avx2|portable); rerank: dense "
+                     r"\(all-MiniLM-L6-v2's cosine\); context 8,192 "
                      r"tokens \(the model's context, max_position_embeddings\)", said), said
 
 
