@@ -241,7 +241,7 @@ def _plus(shape: StepShape, kind: TokenKind, tokens: int) -> StepShape:
     return replace(shape, **{kind.value: getattr(shape, kind.value) + tokens})
 
 
-def scoring_kind(seq: "Sequence") -> TokenKind:
+def work_kind(seq: "Sequence") -> TokenKind:
     """The kind of work a sequence is, as the planner prices it."""
     if seq.kind is SeqKind.GENERATE:
         return TokenKind.PREFILL

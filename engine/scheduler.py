@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import time
 from collections.abc import Callable
 
-from engine.admission import AdmissionPolicy, StepView, Waiting, scoring_kind
+from engine.admission import AdmissionPolicy, StepView, Waiting, work_kind
 from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.kv_cache import NO_PREFIX, CachedPrefix, KVCacheManager
@@ -175,7 +175,7 @@ class Scheduler:
         heads: dict[TokenKind, tuple[tuple[int, int], Sequence, int]] = {}  # kind -> (key, head, tokens)
 
         def offer(key: tuple[int, int], seq: Sequence, tokens: int) -> None:
-            kind = scoring_kind(seq)
+            kind = work_kind(seq)
             old = heads.get(kind)
             if old is None:
                 heads[kind] = (key, seq, tokens)
@@ -207,7 +207,7 @@ class Scheduler:
 
     def _note_progress(self, view: StepView, batch: Batch, now: float) -> None:
         """Per kind that waited: steps in a row it got nothing, and since when (the policy's minimum progress)."""
-        rode = {scoring_kind(s) for s, n in zip(batch.seqs, batch.num_new_tokens)
+        rode = {work_kind(s) for s, n in zip(batch.seqs, batch.num_new_tokens)
                 if not (s.kind is SeqKind.GENERATE and n == 1 and s.num_output_tokens)}
         progress = {}
         for w in view.waiting:
@@ -251,16 +251,16 @@ class Scheduler:
         return used
 
     def _scoring_head(self, scoring: list[Sequence], batch: Batch, kind: TokenKind | None = None) -> Sequence | None:
-        """The sequence the next scoring tokens go to (of `kind` only, when given: admission.scoring_kind): the most
+        """The sequence the next scoring tokens go to (of `kind` only, when given: admission.work_kind): the most
         urgent of the running ones not yet in this step (part-way through: a pair's KV so far, a row's stages so far)
         and the two scoring queues' heads; at equal priority the running one."""
         waiting, best = None, None
         for queue in (self.waiting_rerank, self.waiting_embed):
             key, head = queue.peek_keyed(self.num_steps)
-            if head is not None and (kind is None or scoring_kind(head) is kind) and (best is None or key < best):
+            if head is not None and (kind is None or work_kind(head) is kind) and (best is None or key < best):
                 waiting, best = head, key
         for seq in scoring:  # running is sorted by (priority, arrival)
-            if kind is not None and scoring_kind(seq) is not kind:
+            if kind is not None and work_kind(seq) is not kind:
                 continue
             if seq.num_computed_tokens < seq.num_tokens and not _in_batch(seq, batch):
                 if waiting is None or seq.priority <= waiting.priority:
@@ -273,7 +273,7 @@ class Scheduler:
         first (`_scoring_head`). An LLM-scored pair is chunked like a prompt; an encoder row (cross-encoder pair,
         embedding input) runs whole or its next stages (Sequence.stages_within). `seats`
         bounds the pairs this call serves, running ones included (each holds a seat). `kind`: only work of that kind
-        (admission.scoring_kind), the most urgent of it first."""
+        (admission.work_kind), the most urgent of it first."""
         scoring = [s for s in self.running if s.kind is not SeqKind.GENERATE]  # part-way through
         used = 0
         while used < budget and (seats is None or seats > 0):
