@@ -19,9 +19,8 @@ from __future__ import annotations
 import json
 import logging
 
-import grpc
 
-from service.errors import ServiceError
+from service.errors import ErrorKind, ServiceError
 from service.lifecycle import Hooks, RequestLifecycle
 
 log = logging.getLogger("tandem.access")
@@ -50,7 +49,7 @@ def status(lc: RequestLifecycle) -> str:
         return "200"
     from service.http.errors import HttpError  # starlette only where the HTTP door runs
 
-    return str(HttpError.from_service(ServiceError(grpc.StatusCode[lc.error], "")).status)
+    return str(HttpError.from_service(ServiceError(ErrorKind.named(lc.error), "")).status)
 
 
 class AccessLog(Hooks):

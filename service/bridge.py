@@ -33,11 +33,10 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-import grpc
 
 from engine.errors import InputTooLong
 from engine.request import FinishReason, SeqKind
-from service.errors import ServiceError, draining
+from service.errors import ErrorKind, ServiceError, draining
 from service.lifecycle import LifecycleHooks, RequestLifecycle
 
 if TYPE_CHECKING:
@@ -245,7 +244,7 @@ class EngineBridge:
         if self.draining or self._thread is None:
             raise draining()
         if len(self._waiting) >= self.max_waiting:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise ServiceError(ErrorKind.RESOURCE_EXHAUSTED,
                                f"server is at capacity: {len(self._waiting)} requests are waiting for the engine "
                                f"(limit {self.max_waiting}, --max-waiting); retry with backoff or use another replica")
         return f"{kind.value[0]}{next(self._ids)}"
@@ -364,11 +363,11 @@ class EngineBridge:
             add()
             self._live.add(request_id)
         except ValueError as exc:
-            failures.append((request_id, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
+            failures.append((request_id, ServiceError(ErrorKind.INVALID_ARGUMENT, str(exc),
                                                       too_long=isinstance(exc, InputTooLong))))
         except Exception as exc:  # a bug, not bad input: fail this request, keep serving
             log.exception("add %s failed", request_id)
-            failures.append((request_id, ServiceError(grpc.StatusCode.INTERNAL, f"could not admit: {exc!r}")))
+            failures.append((request_id, ServiceError(ErrorKind.INTERNAL, f"could not admit: {exc!r}")))
 
     def _step(self, failures: list[tuple[str, ServiceError]]) -> list:
         try:
@@ -377,7 +376,7 @@ class EngineBridge:
             log.exception("engine step raised")
             for engine_id in list(self._live):
                 self.engine.abort(engine_id)
-                failures.append((engine_id, ServiceError(grpc.StatusCode.INTERNAL, f"engine step failed: {exc!r}")))
+                failures.append((engine_id, ServiceError(ErrorKind.INTERNAL, f"engine step failed: {exc!r}")))
             self._live.clear()
             return []
         for out in outputs:
@@ -432,9 +431,9 @@ class EngineBridge:
             return
         if handle.expired:  # aborted by its timer, or finished after its deadline before the timer ran
             self._finish_error(out.request_id, ServiceError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"request exceeded its timeout_ms of {handle.timeout_ms} ms"))
+                ErrorKind.DEADLINE_EXCEEDED, f"request exceeded its timeout_ms of {handle.timeout_ms} ms"))
         elif out.finish_reason is FinishReason.ERROR:
-            self._finish_error(out.request_id, ServiceError(grpc.StatusCode.INTERNAL, out.error or "engine error"))
+            self._finish_error(out.request_id, ServiceError(ErrorKind.INTERNAL, out.error or "engine error"))
         else:
             self._close(out.request_id, out.finish_reason)
             self._send(handle, out)
@@ -443,8 +442,8 @@ class EngineBridge:
         handle = self._handles.get(engine_id)
         if handle is None:
             return
-        reason = "deadline" if error.code is grpc.StatusCode.DEADLINE_EXCEEDED else "error"
-        self._close(engine_id, reason, error.code.name, error.message)
+        reason = "deadline" if error.kind is ErrorKind.DEADLINE_EXCEEDED else "error"
+        self._close(engine_id, reason, error.kind.name, error.message)
         self._send(handle, error)
 
     def _close(self, engine_id: str, reason: str, error: str | None = None, message: str | None = None) -> None:

@@ -24,12 +24,11 @@ from collections import deque
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-import grpc
 
 from engine.config import MAX_LOGPROBS, MAX_N, EmbedParams, RerankParams, SamplingParams
 from engine.outputs import RerankResult, StepOutput, rank_scores
 from engine.request import FinishReason, SeqKind
-from service.errors import ServiceError, invalid
+from service.errors import ErrorKind, ServiceError, invalid
 from service.lifecycle import RequestLifecycle
 from service.tokens import TokenTexts, build_token_texts
 from service.tool_calls import ToolPlan, ToolSettings
@@ -230,7 +229,7 @@ class GenerationStream:
         dropped = len(self._events)
         self._events.clear()
         self._buffered = 0
-        error = ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+        error = ServiceError(ErrorKind.RESOURCE_EXHAUSTED,
                              f"stream buffer full: the client did not read {dropped} queued responses (over "
                              f"{self._max_bytes} bytes, --max-stream-buffer-bytes); its requests were cancelled. "
                              "Read responses as they come")
@@ -347,7 +346,7 @@ class CoreAPI:
 
     def check_model(self, model: str) -> None:
         if model not in self._accepted:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND,
+            raise ServiceError(ErrorKind.NOT_FOUND,
                                f"model {model!r} is not served by this replica; it serves "
                                f"{list(self.info.served_names)} (leave model empty for the default)")
 
@@ -365,7 +364,7 @@ class CoreAPI:
     def refused(self, kind: SeqKind | str, request_id: str, metadata: dict[str, str], error: ServiceError) -> None:
         """A request refused before the engine admitted it (by these checks, or by a door's own): the lifecycle
         hooks hear of it (the access log writes its line)."""
-        self.bridge.refused(request_id, str(kind), metadata, error.code.name, error.message)
+        self.bridge.refused(request_id, str(kind), metadata, error.kind.name, error.message)
 
     def refused_at_door(self, kind: str, metadata: dict[str, str], status: str) -> None:
         """A request a door refused on its own terms (an HTTP body that does not parse, a wrong Content-Type, a
@@ -466,10 +465,10 @@ class CoreAPI:
                 self.bridge.abort(lc.engine_id)
         if isinstance(event, ServiceError):
             if event.too_long:
-                raise ServiceError(event.code, f"{event.message} or {cut_hint}") from None
+                raise ServiceError(event.kind, f"{event.message} or {cut_hint}") from None
             raise event
         if event.finish_reason is FinishReason.ABORT:  # aborted by the server (drain timeout)
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{what} aborted: the server is shutting down; retry")
+            raise ServiceError(ErrorKind.UNAVAILABLE, f"{what} aborted: the server is shutting down; retry")
         return event
 
     # ---- embeddings ------------------------------------------------------------------------------
@@ -480,12 +479,12 @@ class CoreAPI:
         metadata = self._named(metadata, inp.model, self.info.embedder)
         with self._admitting(SeqKind.EMBED, inp.request_id, metadata):
             if not self.info.embedder:
-                raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                raise ServiceError(ErrorKind.FAILED_PRECONDITION,
                                    "this server has no embedding model (tandem serve --embedder DIR, or leave the "
                                    "default: the embedded all-MiniLM-L6-v2)")
             self._check_task(inp.model, Task.EMBED)
             if self._strict and inp.model not in ("", self.info.embedder):
-                raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                raise ServiceError(ErrorKind.NOT_FOUND,
                                    f"model {inp.model!r} is not an embedding model of this replica; it embeds with "
                                    f"{self.info.embedder!r} (leave model empty for it)")
             if not inp.inputs:

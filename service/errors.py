@@ -62,28 +62,50 @@ accepted and each request on them gets UNAVAILABLE; health reports NOT_SERVING.
 """
 from __future__ import annotations
 
-import grpc
+import enum
+
+
+class ErrorKind(enum.Enum):
+    """What kind of refusal, door-neutral: the core API and the bridge say this and nothing grpc- or HTTP-shaped.
+    The gRPC door answers with the status code of the same name, the HTTP door with its status
+    (service/http/errors.py). The values are google.rpc.Code numbers, what a `tandem.v1.RequestError` carries."""
+    CANCELLED = 1
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    UNAUTHENTICATED = 16
+
+    @classmethod
+    def named(cls, name: str) -> "ErrorKind":
+        """The kind of a status name (an access-log field): INTERNAL for a name no refusal of ours carries."""
+        return cls.__members__.get(name, cls.INTERNAL)
 
 
 class ServiceError(Exception):
-    """A refusal with the status code to answer it with."""
+    """A refusal with the kind to answer it with."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, too_long: bool = False) -> None:
+    def __init__(self, kind: ErrorKind, message: str, *, too_long: bool = False) -> None:
         super().__init__(message)
-        self.code = code
+        self.kind = kind
         self.message = message
         # An input over a limit that its request asked not to cut: the core API adds how to ask for the cut, in
         # the spelling of the API the request came through.
         self.too_long = too_long
 
     def __repr__(self) -> str:
-        return f"ServiceError({self.code.name}, {self.message!r})"
+        return f"ServiceError({self.kind.name}, {self.message!r})"
 
 
 def invalid(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    return ServiceError(ErrorKind.INVALID_ARGUMENT, message)
 
 
 def draining() -> ServiceError:
-    return ServiceError(grpc.StatusCode.UNAVAILABLE, "server is draining (shutting down); retry on another replica")
+    return ServiceError(ErrorKind.UNAVAILABLE, "server is draining (shutting down); retry on another replica")
 

@@ -19,7 +19,7 @@ from engine.request import FinishReason, SeqKind
 from proto import tandem_pb2 as pb
 from service.core import CoreAPI, GenerateEvent, GenerateInput, RerankInput, RerankOutcome, Usage, json_schema
 from service.core import EmbedInput, EmbedOutcome
-from service.errors import ServiceError, invalid
+from service.errors import ErrorKind, ServiceError, invalid
 from service.handlers import Unparseable
 from service.session import StreamSession
 
@@ -33,8 +33,13 @@ def _statuses(fn: Callable) -> Callable:
         try:
             return await fn(self, request, context)
         except ServiceError as exc:
-            await context.abort(exc.code, exc.message)
+            await context.abort(status_code(exc.kind), exc.message)
     return handler
+
+
+def status_code(kind: ErrorKind) -> grpc.StatusCode:
+    """This door's status for a refusal's kind: the gRPC code of the same name."""
+    return grpc.StatusCode[kind.name]
 
 
 def _parsed(message: Any) -> Any:
@@ -111,7 +116,7 @@ class TandemServicer:
         abort = session.live.get(client_id)
         if abort is None:
             session.send(_generate_error(client_id, ServiceError(
-                grpc.StatusCode.NOT_FOUND,
+                ErrorKind.NOT_FOUND,
                 f"cancel: no live request {client_id!r} on this stream (it finished already or never started)")))
             return
         abort()
@@ -156,7 +161,7 @@ class TandemServicer:
         if not client_id:
             error = invalid("request_id must be a non-empty string")
         elif client_id in session.live:
-            error = ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+            error = ServiceError(ErrorKind.ALREADY_EXISTS,
                                  f"request_id {client_id!r} is already live on this stream; ids must be unique "
                                  "among a stream's unfinished requests (the earlier request goes on)")
         if error is not None:
@@ -338,7 +343,7 @@ def _token_logprobs(logprobs: Logprobs | None, chosen: int | None = None) -> pb.
 
 
 def _request_error(error: ServiceError) -> pb.RequestError:
-    return pb.RequestError(code=error.code.value[0], message=error.message)  # the google.rpc.Code number
+    return pb.RequestError(code=error.kind.value, message=error.message)  # the google.rpc.Code number
 
 
 def _generate_error(client_id: str, error: ServiceError) -> pb.GenerateServerMessage:

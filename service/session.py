@@ -5,10 +5,9 @@ import asyncio
 from collections import deque
 from typing import Any, AsyncIterator, Callable
 
-import grpc
 
 from service.core import DEFAULT_MAX_BUFFER_BYTES
-from service.errors import ServiceError
+from service.errors import ErrorKind, ServiceError
 
 _END = object()
 _MESSAGE_OVERHEAD = 64  # bytes counted per queued message on top of its serialized size (the Python object)
@@ -125,7 +124,7 @@ class StreamSession:
         self.closed()  # what was queued is dropped, never written
         self.buffered_bytes = 0
         self._put(_Failure(ServiceError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            ErrorKind.RESOURCE_EXHAUSTED,
             f"stream buffer full: the client did not read {queued} queued responses "
             f"(over {self.max_buffer_bytes} bytes, --max-stream-buffer-bytes); every request on this stream "
             "was cancelled. Read responses as they come, or spread requests over more streams")), 0)

@@ -39,3 +39,29 @@ def test_the_doors_reach_the_engine_only_through_the_core_api():
     """Neither door holds the bridge or calls into the engine: no door module imports service.bridge."""
     for module in HTTP_DOOR + GRPC_DOOR:
         assert "service.bridge" not in _imports(module), module
+
+
+def _top_level_packages(module: str) -> set[str]:
+    """Every package a module imports, third-party ones too (function-local imports included)."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("module", ["service.core", "service.bridge", "service.errors", "service.lifecycle",
+                                    "service.access_log"])
+def test_the_core_api_says_what_went_wrong_without_grpc(module):
+    """A refusal's kind is door-neutral (service.errors.ErrorKind): the core never names a gRPC status, and the HTTP
+    door maps kinds to statuses without importing grpc."""
+    assert "grpc" not in _top_level_packages(module)
+
+
+@pytest.mark.parametrize("module", HTTP_DOOR)
+def test_the_http_door_does_not_import_grpc(module):
+    assert "grpc" not in _top_level_packages(module)

@@ -1,6 +1,6 @@
 """HTTP statuses for the service's status codes, and each API's own error body.
 
-| gRPC code (service/errors.py) | HTTP | OpenAI `error.type`      |
+| ErrorKind (service/errors.py) | HTTP | OpenAI `error.type`      |
 |-------------------------------|------|--------------------------|
 | INVALID_ARGUMENT              | 400  | invalid_request_error    |
 | UNAUTHENTICATED               | 401  | authentication_error     |
@@ -20,12 +20,9 @@ from __future__ import annotations
 import enum
 import json
 
-import grpc
+from service.errors import ErrorKind, ServiceError
 
-from service.errors import ServiceError
-
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
-S = grpc.StatusCode
+S = ErrorKind
 _STATUS = {S.INVALID_ARGUMENT: 400, S.UNAUTHENTICATED: 401, S.PERMISSION_DENIED: 403, S.NOT_FOUND: 404,
            S.ALREADY_EXISTS: 409, S.RESOURCE_EXHAUSTED: 429, S.DEADLINE_EXCEEDED: 504, S.UNAVAILABLE: 503,
            S.CANCELLED: 499, S.FAILED_PRECONDITION: 400}
@@ -56,16 +53,11 @@ class HttpError(Exception):
 
     @classmethod
     def from_service(cls, error: ServiceError) -> "HttpError":
-        status = _STATUS.get(error.code, 500)
-        code = "model_not_found" if error.code is S.NOT_FOUND and error.message.startswith("model ") else None
-        if error.code is S.RESOURCE_EXHAUSTED:
+        status = _STATUS.get(error.kind, 500)
+        code = "model_not_found" if error.kind is S.NOT_FOUND and error.message.startswith("model ") else None
+        if error.kind is S.RESOURCE_EXHAUSTED:
             code = "rate_limit_exceeded"
         return cls(status, error.message, code=code, from_core=True)
-
-    @classmethod
-    def from_code(cls, code_number: int, message: str) -> "HttpError":
-        """From a tandem.v1 RequestError (a google.rpc.Code number and a message)."""
-        return cls.from_service(ServiceError(_CODES.get(code_number, S.INTERNAL), message))
 
     def body(self, shape: Shape) -> dict:
         if shape is Shape.COHERE:

@@ -5,14 +5,13 @@ import asyncio
 import dataclasses
 import threading
 
-import grpc
 import pytest
 
 from engine import SamplingParams
 from engine.outputs import StepOutput, StepRecord
 from engine.request import FinishReason, SeqKind
 from service.bridge import EngineBridge
-from service.errors import ServiceError
+from service.errors import ErrorKind, ServiceError
 from tests.service.harness import Recorder
 
 
@@ -130,7 +129,7 @@ async def test_outputs_arrive_in_order_on_the_loop_and_the_engine_stays_on_one_t
 async def test_value_error_becomes_invalid_argument(bridge):
     lc, events, done = await _generate(bridge, "bad", prompt="")
     await done.wait()
-    assert events[0].code is grpc.StatusCode.INVALID_ARGUMENT and events[0].message == "prompt must not be empty"
+    assert events[0].kind is ErrorKind.INVALID_ARGUMENT and events[0].message == "prompt must not be empty"
     assert lc.finish_reason == "error" and lc.error == "INVALID_ARGUMENT"
     assert bridge.recorder.finished["bad"] == [lc]
 
@@ -140,7 +139,7 @@ async def test_waiting_queue_full_is_resource_exhausted_until_it_drains(bridge):
     first = [await _generate(bridge, f"w{i}") for i in range(2)]
     with pytest.raises(ServiceError) as info:
         await _generate(bridge, "over")
-    assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-waiting" in info.value.message
+    assert info.value.kind is ErrorKind.RESOURCE_EXHAUSTED and "--max-waiting" in info.value.message
     bridge.engine.running.set()
     for _, _, done in first:
         await done.wait()
@@ -153,7 +152,7 @@ async def test_timeout_aborts_in_the_engine_and_reports_deadline_exceeded(bridge
     bridge.engine.running.clear()
     lc, events, done = await _generate(bridge, "slow", max_tokens=100, timeout_ms=20)
     await done.wait()
-    assert events[-1].code is grpc.StatusCode.DEADLINE_EXCEEDED and "timeout_ms of 20 ms" in events[-1].message
+    assert events[-1].kind is ErrorKind.DEADLINE_EXCEEDED and "timeout_ms of 20 ms" in events[-1].message
     assert lc.finish_reason == "deadline"
     assert (await bridge.stats())["live"] == 0  # the engine dropped it
 
@@ -180,7 +179,7 @@ async def test_a_result_that_reaches_the_loop_after_its_deadline_is_deadline_exc
         threading.Event().wait(0.005)
     await done.wait()
     assert [type(e) for e in events] == [ServiceError], events  # no token after the deadline either
-    assert events[0].code is grpc.StatusCode.DEADLINE_EXCEEDED and "timeout_ms of 50 ms" in events[0].message
+    assert events[0].kind is ErrorKind.DEADLINE_EXCEEDED and "timeout_ms of 50 ms" in events[0].message
     assert lc.finish_reason == "deadline" and not bridge._handles
     assert (await bridge.stats())["live"] == 0
 
@@ -190,7 +189,7 @@ async def test_draining_refuses_new_work_and_wait_idle_returns_when_done(bridge)
     bridge.draining = True
     with pytest.raises(ServiceError) as info:
         await _generate(bridge, "late")
-    assert info.value.code is grpc.StatusCode.UNAVAILABLE
+    assert info.value.kind is ErrorKind.UNAVAILABLE
     await bridge.wait_idle()
     assert done.is_set() and events[-1].finish_reason == "length"
 

@@ -11,6 +11,8 @@ import pytest
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
 from tests.service.conftest import MAX_DOCUMENTS, MAX_MESSAGE_BYTES, MAX_MODEL_LEN, UNENDING
+from service.errors import ErrorKind
+from service.servicer import status_code
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 
@@ -143,3 +145,11 @@ async def _check(served, case: Case) -> None:
         # the server keeps serving: a fresh call on the same channel works end to end
         results = (await stub.Rerank(pb.RerankRequest(query="capital of France", documents=["Paris"]))).results
         assert [r.index for r in results] == [0]
+
+
+@pytest.mark.parametrize("kind", list(ErrorKind))
+def test_each_kind_of_refusal_is_the_grpc_status_of_its_name_and_number(kind):
+    """The core's door-neutral kinds reach gRPC clients as the status of the same name, and a RequestError on a
+    stream carries the same google.rpc.Code number."""
+    code = status_code(kind)
+    assert code.name == kind.name and code.value[0] == kind.value
