@@ -23,6 +23,7 @@ from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.kv_cache import NO_PREFIX, CachedPrefix, KVCacheManager
 from engine.request import Sequence, SequenceStatus, SeqKind
+from engine.staged_states import StagedStates
 from engine.step_time import StepShape, TokenKind
 
 __all__ = ["Batch", "Scheduler", "WaitQueue"]
@@ -86,10 +87,12 @@ class WaitQueue:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: AdmissionPolicy,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, staged: StagedStates | None = None) -> None:
         """`policy`: how much of each kind of work a step takes (engine/builder.py resolves it from the config);
-        `clock`: how long a kind of work has waited (a fake one in the simulator)."""
+        `clock`: how long a kind of work has waited (a fake one in the simulator); `staged`: the encoder rows'
+        states between their stages (None: a new, empty one), freed here wherever KV blocks are."""
         self.kv = kv
+        self.staged = staged if staged is not None else StagedStates()
         self.budget = config.max_num_batched_tokens
         self.embed_budget = config.max_embed_batch_tokens  # a step of embedding rows alone (the policy may widen to it)
         self.clock = clock
@@ -116,13 +119,14 @@ class Scheduler:
         self._queue_of(seq).push(seq, self.num_steps)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Take a sequence out of the scheduler for good and return its blocks."""
+        """Take a sequence out of the scheduler for good and return its blocks (an encoder row: its staged states)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif not seq.status.finished:
             self._queue_of(seq).remove(seq)
         if seq.block_table:
             self.kv.free(seq)
+        self.staged.free(seq)
         seq.status = status
 
     @property
@@ -347,7 +351,9 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: Batch) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
+        self.staged.free(seq)  # an encoder row part-way through its stages starts again from its first
         seq.num_computed_tokens = 0
+        seq.stages_done = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(seq)
@@ -355,8 +361,9 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
 
     def preempt(self, seq: Sequence) -> None:
-        """Take a running sequence's blocks back now and queue it again to recompute (what a decode short of a block
-        does to the lowest-priority, newest running sequence; the engine calls it only in tests)."""
+        """Take a running sequence's blocks (an encoder row's staged states) back now and queue it again to recompute
+        (what a decode short of a block does to the lowest-priority, newest running sequence; the engine calls it
+        only in tests)."""
         self._preempt(seq, Batch())
 
     def update(self, batch: Batch, finished: Mapping[Sequence, SequenceStatus]) -> None:
