@@ -27,7 +27,7 @@ Request = Generation | RerankJob | EmbedJob
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, admission: AdmissionPolicy | None = None) -> None:
-        """`admission`: how a step's leftover budget goes to prompts and rerank pairs (engine/admission.py); None:
+        """`admission`: how a step's leftover budget goes to prompts and scoring work (engine/admission.py); None:
         the policy the config names (tpot_target_ms, else rerank_share; engine/builder.py resolves it)."""
         self.config = config = config or EngineConfig()
         parts = build_engine_parts(config, admission)
@@ -103,7 +103,7 @@ class LLMEngine:
     def add_embed(self, request_id: str, inputs: list[str] | list[list[int]], params: EmbedParams | None = None,
                   *, prepared: EmbedJob | None = None) -> None:
         """Queue an embedding request: one prefill-only, KV-free row per input, run whole by the embedder in the
-        same steps as generation and reranking (scheduled from the same queue as rerank pairs). Its one output
+        same steps as generation and reranking (its own scoring queue, in one priority order with rerank pairs'). Its one output
         carries `embeddings`. `prepared`: the job prepare_embed made of these arguments (else it is made here)."""
         self._check_new_id(request_id)
         job = prepared if prepared is not None else self.intake.embed(request_id, inputs, params)

@@ -1,7 +1,7 @@
 """Iteration-level scheduling: each step, one ragged batch under a token budget.
 
 Order: running decodes (one token each), then chunked-prefill continuations of prompts, then what the admission
-policy gives out: prompt admissions and rerank tokens (pairs the LLM scores continue in chunks, exactly like prompts,
+policy gives out: prompt admissions and scoring tokens (pairs the LLM scores continue in chunks, exactly like prompts,
 before new pairs are admitted; a cross-encoder pair or an embedding row runs whole or a few of its layers a step). A
 sequence's whole prompt (a pair's whole text)
 gets its blocks at admission, so only decodes grow; a decode that finds no free block
@@ -273,11 +273,11 @@ class Scheduler:
         return waiting
 
     def _admit_scoring(self, batch: Batch, budget: int, seats: int | None, kind: TokenKind | None = None) -> int:
-        """Scoring tokens, at most `budget` of them: the next chunk of each running pair, then new pairs, most urgent
-        first (`_scoring_head`). An LLM-scored pair is chunked like a prompt; an encoder row (cross-encoder pair,
-        embedding input) runs whole or its next stages (Sequence.stages_within). `seats`
-        bounds the pairs this call serves, running ones included (each holds a seat). `kind`: only work of that kind
-        (admission.work_kind), the most urgent of it first."""
+        """Scoring tokens (rerank pairs and embedding rows), at most `budget` of them: the next chunk (stages) of each
+        running pair (row), then new ones, most urgent first (`_scoring_head`). An LLM-scored pair is chunked like a
+        prompt; an encoder row (cross-encoder pair, embedding input) runs whole or its next stages
+        (Sequence.stages_within). `seats` bounds the pairs and rows this call serves, running ones included (each
+        holds a seat). `kind`: only work of that kind (admission.work_kind), the most urgent of it first."""
         scoring = [s for s in self.running if s.kind is not SeqKind.GENERATE]  # part-way through
         used = 0
         while used < budget and (seats is None or seats > 0):
