@@ -30,6 +30,7 @@ from engine.rerank import PairScorer, build_scorer, default_mode
 from engine.runner import DTYPES, ModelRunner
 from engine.scheduler import Scheduler
 from engine.settings import Settings
+from engine.staged_states import StagedStates
 
 log = logging.getLogger("tandem.engine")
 
@@ -46,6 +47,7 @@ class EngineParts:
     max_model_len_by: str  # what sets max_model_len (the model, the config, or the KV pool), named in errors
     pool: BlockPool
     kv: KVCacheManager
+    staged: StagedStates  # encoder rows' states between their stages: the scheduler frees them, the runner fills them
     admission: AdmissionPolicy  # the scheduler's; the engine asks it for step-time predictions and feeds it records
     scheduler: Scheduler
     scorer: PairScorer
@@ -120,6 +122,7 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
         max_model_len_by = "the KV cache (tandem serve --kv-cache-bytes / --num-kv-blocks)"
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, config.block_size, config.enable_prefix_caching)
+    staged = StagedStates()
     shared = _shared_encoder(config, settings)
     scorer = build_scorer(config, tokenizer, model, settings, shared=shared)
     embedder = (Embedder.load(config.embedder, config.device, config.dtype, settings,
@@ -137,8 +140,8 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                                    args.max_position_embeddings, max_model_len_by))
     return EngineParts(model_dir=str(model_dir), tokenizer=tokenizer, hf_config=hf_config, model_args=args,
                        model=model, max_model_len=max_model_len,
-                       max_model_len_by=max_model_len_by, pool=pool, kv=kv, admission=policy,
-                       scheduler=Scheduler(config, kv, policy), scorer=scorer, embedder=embedder, runner=runner,
+                       max_model_len_by=max_model_len_by, pool=pool, kv=kv, staged=staged, admission=policy,
+                       scheduler=Scheduler(config, kv, policy, staged=staged), scorer=scorer, embedder=embedder, runner=runner,
                        eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
                        weight_bytes=weight_bytes(model), weight_format=weight_format(model),
                        cpu_kernels=cpu_kernels)

@@ -73,15 +73,17 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
-    # Share of the step's token budget and of its free seats that rerank pairs get while generation waits or
-    # decodes (always at least one pair); 1.0: rerank first, generation gets the leftovers.
+    # Share of the step's token budget and of its free seats that scoring work (rerank pairs and embedding rows: the
+    # name predates embeddings) gets while generation waits or decodes, with the objective off (always at least one
+    # pair or row); 1.0: scoring first, generation gets the leftovers.
     rerank_share: float = 0.5
     # The latency objective (engine/admission.py LatencyAdmission), on by default: while decodes run, each step admits
     # the other work a step-time model predicts keeps it under T ms: "auto" (T = 1.25x the predicted step of the
     # running decodes alone), a number of ms, or None (off: plain budget filling, rerank_share decides).
     # (Another AdmissionPolicy object is given beside the config: LLMEngine(config, admission=...).)
     tpot_target_ms: float | Literal["auto"] | None = "auto"
-    max_rerank_documents: int = 1000
+    max_rerank_documents: int = 1000  # documents of one rerank request (tandem serve --max-documents)
+    max_embed_inputs: int = 1000  # inputs of one embedding request (tandem serve --max-embed-inputs)
     priority_aging_steps: int = 64  # a waiting request gains one priority level per this many steps
     scheduling: Literal["continuous", "static"] = "continuous"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
@@ -108,7 +110,7 @@ class EngineConfig:
             self.max_num_batched_tokens = DEFAULT_STEP_TOKENS_CUDA if str(self.device).startswith("cuda") \
                 else DEFAULT_STEP_TOKENS_CPU
         _positive(self, "block_size", "max_num_batched_tokens", "max_embed_batch_tokens", "max_num_seqs", "kv_cache_bytes",
-                  "max_rerank_documents", "priority_aging_steps", "rerank_cascade_k")
+                  "max_rerank_documents", "max_embed_inputs", "priority_aging_steps", "rerank_cascade_k")
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):

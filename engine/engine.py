@@ -27,7 +27,7 @@ Request = Generation | RerankJob | EmbedJob
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, admission: AdmissionPolicy | None = None) -> None:
-        """`admission`: how a step's leftover budget goes to prompts and rerank pairs (engine/admission.py); None:
+        """`admission`: how a step's leftover budget goes to prompts and scoring work (engine/admission.py); None:
         the policy the config names (tpot_target_ms, else rerank_share; engine/builder.py resolves it)."""
         self.config = config = config or EngineConfig()
         parts = build_engine_parts(config, admission)
@@ -39,6 +39,7 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.pool = parts.pool
         self.kv = parts.kv
+        self.staged = parts.staged  # encoder rows' states between their stages (the scheduler frees them)
         self.admission = parts.admission
         self.scheduler = parts.scheduler
         self.scorer = parts.scorer
@@ -102,7 +103,7 @@ class LLMEngine:
     def add_embed(self, request_id: str, inputs: list[str] | list[list[int]], params: EmbedParams | None = None,
                   *, prepared: EmbedJob | None = None) -> None:
         """Queue an embedding request: one prefill-only, KV-free row per input, run whole by the embedder in the
-        same steps as generation and reranking (scheduled from the same queue as rerank pairs). Its one output
+        same steps as generation and reranking (its own scoring queue, in one priority order with rerank pairs'). Its one output
         carries `embeddings`. `prepared`: the job prepare_embed made of these arguments (else it is made here)."""
         self._check_new_id(request_id)
         job = prepared if prepared is not None else self.intake.embed(request_id, inputs, params)
@@ -163,6 +164,8 @@ class LLMEngine:
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free,
             "kv_blocks_cached": self.pool.num_cached,
+            "staged_rows": len(self.staged),  # encoder rows part-way through their stages, and their states' bytes
+            "staged_bytes": self.staged.num_bytes,
             "block_size": self.config.block_size,
             "num_running": len(self.scheduler.running),
             "num_waiting": self.scheduler.num_waiting,
@@ -216,7 +219,7 @@ class LLMEngine:
         forward_s = 0.0
         if batch.seqs:
             try:
-                result = self.runner.run(batch)
+                result = self.runner.run(batch, self.staged)
             except Exception as exc:  # one bad step fails its own requests, not the engine
                 log.exception("model step failed")
                 outputs.extend(self._fail_batch(batch, f"model step failed: {exc!r}"))
@@ -361,11 +364,9 @@ class LLMEngine:
         return outputs
 
     def _let_go(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End a sequence before it finished its work: the scheduler frees its blocks, the runner whatever it kept
-        of it between steps (an encoder row's states between its stages)."""
+        """End a sequence before it finished its work: the scheduler frees its blocks (an encoder row: its states
+        between its stages)."""
         self.scheduler.finish(seq, status)
-        if not seq.uses_kv:
-            self.runner.forget(seq)
 
     def _emit_record(self, batch: Batch, start: float, forward_s: float, predicted_s: float | None) -> None:
         policy = self.admission

@@ -234,8 +234,8 @@ class RequestIntake:
             raise ValueError("this engine has no embedder (EngineConfig.embedder; tandem serve --embedder)")
         if not isinstance(inputs, (list, tuple)) or not inputs:
             raise ValueError("input must be a non-empty list of strings or of token id lists")
-        if len(inputs) > self.config.max_rerank_documents:
-            raise ValueError(f"input has {len(inputs)} items; at most {self.config.max_rerank_documents} per request")
+        if len(inputs) > self.config.max_embed_inputs:
+            raise ValueError(f"input has {len(inputs)} items; max_embed_inputs is {self.config.max_embed_inputs}")
         texts = ids = None
         if all(isinstance(t, str) for t in inputs):
             if any(not t for t in inputs):

@@ -10,12 +10,13 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import Capture, DecodeGraphs, try_capture
 from engine.embed import Embedder
-from engine.models.stages import StageWork
+from engine.models.stages import StageResult, StageWork
 from engine.models.decoder import DecoderForCausalLM
 from engine.rerank.scorer import PairScorer
 from engine.request import Sequence, SeqKind
 from engine.sampling import sample_sequences, top_logprobs
 from engine.scheduler import Batch
+from engine.staged_states import StagedStates
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -139,7 +140,10 @@ class ModelRunner:
             logprob_rows=lp_rows, logprob_targets=lp_targets, logprob_owners=lp_owners)
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> RunnerOutput:
+    def run(self, batch: Batch, staged: StagedStates) -> RunnerOutput:
+        """One forward over `batch`. `staged`: the encoder rows' hidden states between their stages (its owner is
+        the scheduler's): a row that runs its next stages takes its states out of it, a row with stages left puts
+        its new ones back."""
         out = RunnerOutput.empty(len(batch))
         llm_rows = [i for i, s in enumerate(batch.seqs) if s.uses_kv]
         # pairs the scorer's own model runs (a cross-encoder), rows the embedder runs
@@ -148,11 +152,12 @@ class ModelRunner:
         clock = ForwardClock(self.device)
         if llm_rows:
             self._run_llm(batch, llm_rows, out, clock)
-        pairs = ([batch.seqs[i] for i in own_rows], [batch.stages[i] for i in own_rows])
-        work = [StageWork(_row_key(batch.seqs[i]), batch.seqs[i].token_ids, *batch.stages[i],
-                          all_tokens=batch.seqs[i].params.all_tokens) for i in embed_rows]
-        own_scores: list = []
-        vectors: list = []
+        pairs = ([batch.seqs[i] for i in own_rows], [batch.stages[i] for i in own_rows],
+                 [_states_in(batch.seqs[i], batch.stages[i], staged) for i in own_rows])
+        work = [StageWork(batch.seqs[i].token_ids, *batch.stages[i], all_tokens=batch.seqs[i].params.all_tokens,
+                          state=_states_in(batch.seqs[i], batch.stages[i], staged)) for i in embed_rows]
+        own_scores: list[StageResult] = []
+        vectors: list[StageResult] = []
         if own_rows and embed_rows and self.shared_encoder:  # one encoder: both kinds' rows in one forward
             with clock:
                 own_scores, vectors = self.scorer.staged.run_parts(
@@ -164,20 +169,12 @@ class ModelRunner:
             if embed_rows:
                 with clock:
                     vectors = self.embedder.run_stages(work)
-        for i, score in zip(own_rows, own_scores):
-            out.scores[i] = score  # None: the pair has stages left
-        for i, vector in zip(embed_rows, vectors):
-            out.embeddings[i] = vector  # None: the row has stages left
+        for i, result in zip(own_rows, own_scores):
+            _keep_or_take(batch.seqs[i], result, staged, out.scores, i)  # a score, or the pair has stages left
+        for i, result in zip(embed_rows, vectors):
+            _keep_or_take(batch.seqs[i], result, staged, out.embeddings, i)  # a vector, or the row has stages left
         out.forward_s = clock.seconds()
         return out
-
-    def forget(self, seq: Sequence) -> None:
-        """Drop what was kept of an embedding row or a cross-encoder pair between its stages (it was aborted or
-        failed part-way)."""
-        if seq.kind is SeqKind.EMBED and self.embedder is not None:
-            self.embedder.forget(_row_key(seq))
-        elif seq.kind is SeqKind.RERANK and not seq.uses_kv:
-            self.scorer.forget(seq)
 
     def _run_llm(self, batch: Batch, rows: list[int], out: RunnerOutput, clock: ForwardClock) -> None:
         """Fills `out` for the LLM rows; model forwards are timed on `clock`."""
@@ -278,6 +275,14 @@ class ForwardClock:
         return self._seconds
 
 
-def _row_key(seq: Sequence) -> tuple[str, int]:
-    """An embedding row's name across steps: its request and its place in it."""
-    return seq.request_id, seq.index
+def _states_in(row: Sequence, stages: tuple[int, int], staged: StagedStates) -> torch.Tensor | None:
+    """The hidden states an encoder row's stages this step start from (None at its first stage)."""
+    return staged.take(row) if stages[0] > 0 else None
+
+
+def _keep_or_take(row: Sequence, result: StageResult, staged: StagedStates, outputs: list, i: int) -> None:
+    """A row whose last stage ran: its output into outputs[i]; one with stages left: its new states kept."""
+    if result.done:
+        outputs[i] = result.output
+    else:
+        staged.put(row, result.state)

@@ -1,7 +1,7 @@
 """Iteration-level scheduling: each step, one ragged batch under a token budget.
 
 Order: running decodes (one token each), then chunked-prefill continuations of prompts, then what the admission
-policy gives out: prompt admissions and rerank tokens (pairs the LLM scores continue in chunks, exactly like prompts,
+policy gives out: prompt admissions and scoring tokens (pairs the LLM scores continue in chunks, exactly like prompts,
 before new pairs are admitted; a cross-encoder pair or an embedding row runs whole or a few of its layers a step). A
 sequence's whole prompt (a pair's whole text)
 gets its blocks at admission, so only decodes grow; a decode that finds no free block
@@ -23,6 +23,7 @@ from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.kv_cache import NO_PREFIX, CachedPrefix, KVCacheManager
 from engine.request import Sequence, SequenceStatus, SeqKind
+from engine.staged_states import StagedStates
 from engine.step_time import StepShape, TokenKind
 
 __all__ = ["Batch", "Scheduler", "WaitQueue"]
@@ -86,10 +87,12 @@ class WaitQueue:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: AdmissionPolicy,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, staged: StagedStates | None = None) -> None:
         """`policy`: how much of each kind of work a step takes (engine/builder.py resolves it from the config);
-        `clock`: how long a kind of work has waited (a fake one in the simulator)."""
+        `clock`: how long a kind of work has waited (a fake one in the simulator); `staged`: the encoder rows'
+        states between their stages (None: a new, empty one), freed here wherever KV blocks are."""
         self.kv = kv
+        self.staged = staged if staged is not None else StagedStates()
         self.budget = config.max_num_batched_tokens
         self.embed_budget = config.max_embed_batch_tokens  # a step of embedding rows alone (the policy may widen to it)
         self.clock = clock
@@ -116,13 +119,14 @@ class Scheduler:
         self._queue_of(seq).push(seq, self.num_steps)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Take a sequence out of the scheduler for good and return its blocks."""
+        """Take a sequence out of the scheduler for good and return its blocks (an encoder row: its staged states)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif not seq.status.finished:
             self._queue_of(seq).remove(seq)
         if seq.block_table:
             self.kv.free(seq)
+        self.staged.free(seq)
         seq.status = status
 
     @property
@@ -269,11 +273,11 @@ class Scheduler:
         return waiting
 
     def _admit_scoring(self, batch: Batch, budget: int, seats: int | None, kind: TokenKind | None = None) -> int:
-        """Scoring tokens, at most `budget` of them: the next chunk of each running pair, then new pairs, most urgent
-        first (`_scoring_head`). An LLM-scored pair is chunked like a prompt; an encoder row (cross-encoder pair,
-        embedding input) runs whole or its next stages (Sequence.stages_within). `seats`
-        bounds the pairs this call serves, running ones included (each holds a seat). `kind`: only work of that kind
-        (admission.work_kind), the most urgent of it first."""
+        """Scoring tokens (rerank pairs and embedding rows), at most `budget` of them: the next chunk (stages) of each
+        running pair (row), then new ones, most urgent first (`_scoring_head`). An LLM-scored pair is chunked like a
+        prompt; an encoder row (cross-encoder pair, embedding input) runs whole or its next stages
+        (Sequence.stages_within). `seats` bounds the pairs and rows this call serves, running ones included (each
+        holds a seat). `kind`: only work of that kind (admission.work_kind), the most urgent of it first."""
         scoring = [s for s in self.running if s.kind is not SeqKind.GENERATE]  # part-way through
         used = 0
         while used < budget and (seats is None or seats > 0):
@@ -347,7 +351,9 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: Batch) -> None:
         self.running.remove(seq)
         self.kv.free(seq)
+        self.staged.free(seq)  # an encoder row part-way through its stages starts again from its first
         seq.num_computed_tokens = 0
+        seq.stages_done = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(seq)
@@ -355,8 +361,9 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
 
     def preempt(self, seq: Sequence) -> None:
-        """Take a running sequence's blocks back now and queue it again to recompute (what a decode short of a block
-        does to the lowest-priority, newest running sequence; the engine calls it only in tests)."""
+        """Take a running sequence's blocks (an encoder row's staged states) back now and queue it again to recompute
+        (what a decode short of a block does to the lowest-priority, newest running sequence; the engine calls it
+        only in tests)."""
         self._preempt(seq, Batch())
 
     def update(self, batch: Batch, finished: Mapping[Sequence, SequenceStatus]) -> None:

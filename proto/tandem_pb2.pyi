@@ -371,15 +371,17 @@ class ModelInfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., reranker: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., replica: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., rerank_mode: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., rerank_max_pair_tokens: _Optional[int] = ..., rerank_limit_by: _Optional[str] = ..., cpu_kernels: _Optional[str] = ..., embedder: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., embedder_max_tokens: _Optional[int] = ..., embedder_matryoshka: _Optional[bool] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_waiting", "max_documents", "max_message_bytes", "max_n", "max_logprobs")
+    __slots__ = ("max_waiting", "max_documents", "max_message_bytes", "max_n", "max_logprobs", "max_embed_inputs")
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
     MAX_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_N_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MAX_EMBED_INPUTS_FIELD_NUMBER: _ClassVar[int]
     max_waiting: int
     max_documents: int
     max_message_bytes: int
     max_n: int
     max_logprobs: int
-    def __init__(self, max_waiting: _Optional[int] = ..., max_documents: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
+    max_embed_inputs: int
+    def __init__(self, max_waiting: _Optional[int] = ..., max_documents: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_embed_inputs: _Optional[int] = ...) -> None: ...

@@ -48,8 +48,9 @@ _ENGINE_FLAGS = [
     ("--num-kv-blocks", int, None, "KV blocks (overrides --kv-cache-bytes)"),
     ("--max-model-len", int, None, "context length cap"),
     ("--block-size", int, None, "tokens per KV block"),
-    ("--rerank-share", float, None, "share of a step's token budget and free seats rerank pairs get while "
-                                     "generation waits or decodes"),
+    ("--rerank-share", float, None, "share of a step's token budget and free seats scoring work (rerank pairs "
+                                     "and embedding rows) gets while generation waits or decodes, with "
+                                     "--tpot-target-ms off"),
     ("--tpot-target-ms", "objective", None, "latency objective T, on by default: while chats decode, other work "
                                              "(prompts, rerank pairs, embeddings) fills only the headroom a "
                                              "step-time model calibrated at start-up predicts keeps each step under "
@@ -72,6 +73,7 @@ _SERVER_FLAGS = [
                                   "/health (0 or off: off; docs/http.md)"),
     ("--max-waiting", int, 256, "requests that may wait for the engine before RESOURCE_EXHAUSTED"),
     ("--max-documents", int, 1000, "documents per rerank request"),
+    ("--max-embed-inputs", int, 1000, "inputs (texts or token id lists) per embedding request"),
     ("--max-message-bytes", "bytes", 4 * 2**20, "largest client message"),
     ("--drain-timeout", float, 30.0, "seconds in-flight work gets after SIGTERM or Ctrl-C (a second one aborts it "
                                      "at once)"),
@@ -123,7 +125,7 @@ _GROUPS = [
     ("ports", "where it listens: gRPC on --port, HTTP on --http-port, Prometheus on --metrics-port", [
         "--host", "--port", "--http-port", "--metrics-port", "--replica"]),
     ("requests", "what one request may ask for, and how names and tools are read", [
-        "--max-waiting", "--max-documents", "--max-message-bytes", "--max-stream-buffer-bytes",
+        "--max-waiting", "--max-documents", "--max-embed-inputs", "--max-message-bytes", "--max-stream-buffer-bytes",
         "--served-model-name", "--strict-model-names", "--enable-auto-tool-choice", "--tool-call-parser"]),
     ("security", "TLS and bearer tokens (both doors)", ["--tls-cert", "--tls-key", "--tls-client-ca",
                                                         "--auth-token", "--auth-scoped-tokens"]),
@@ -256,6 +258,7 @@ def build_server_config(args: argparse.Namespace):
     from service.server import ServerConfig  # imports the engine (torch): only when serving
 
     fields = dict(host=args.host, port=args.port, max_documents=args.max_documents,
+                  max_embed_inputs=args.max_embed_inputs,
                   max_message_bytes=args.max_message_bytes, drain_timeout_s=args.drain_timeout,
                   drain_grace_s=args.drain_grace, tls_cert=args.tls_cert, tls_key=args.tls_key,
                   tls_client_ca=args.tls_client_ca, auth_token=args.auth_token,
@@ -291,7 +294,7 @@ def build_engine_config(args: argparse.Namespace):
     fields["embedder"] = serve_embedder(args.embedder)
     if fields.get("tpot_target_ms") == "off":
         fields["tpot_target_ms"] = None
-    return EngineConfig(**fields, max_rerank_documents=args.max_documents)
+    return EngineConfig(**fields, max_rerank_documents=args.max_documents, max_embed_inputs=args.max_embed_inputs)
 
 
 def serve_embedder(flag: str | None) -> str | None:

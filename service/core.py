@@ -43,7 +43,8 @@ DEFAULT_MAX_BUFFER_BYTES = 16 * 2**20
 @dataclass(frozen=True, slots=True)
 class Limits:
     """What one request may ask for, whichever door it came through."""
-    max_documents: int = 1000
+    max_documents: int = 1000  # documents of one rerank request (--max-documents)
+    max_embed_inputs: int = 1000  # inputs of one embedding request (--max-embed-inputs)
     max_message_bytes: int = 4 * 2**20
     max_stream_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES  # responses a gRPC stream may queue unread
 
@@ -83,6 +84,7 @@ class ModelInfo:
     cpu_kernels: str = ""
     max_waiting: int = 0
     max_documents: int = 0
+    max_embed_inputs: int = 0
     max_message_bytes: int = 0
     max_n: int = MAX_N
     max_logprobs: int = MAX_LOGPROBS
@@ -311,7 +313,8 @@ class CoreAPI:
         known = {f.name for f in fields(ModelInfo)}
         info = ModelInfo(**{k: v for k, v in engine_info.items() if k in known and k not in ("model", "served_names")},
                          model=served[0], served_names=served, max_waiting=bridge.max_waiting,
-                         max_documents=limits.max_documents, max_message_bytes=limits.max_message_bytes)
+                         max_documents=limits.max_documents, max_embed_inputs=limits.max_embed_inputs,
+                         max_message_bytes=limits.max_message_bytes)
         # Without --served-model-name the path as given still names the model (clients written against it keep
         # working); it is not listed.
         return cls(bridge, limits, info, texts, tokenizer, names, aliases=() if names.served else (given,), tools=tools)
@@ -489,9 +492,9 @@ class CoreAPI:
                                    f"{self.info.embedder!r} (leave model empty for it)")
             if not inp.inputs:
                 raise invalid("input must not be empty: give one or more texts (or token id lists)")
-            if len(inp.inputs) > self.limits.max_documents:
+            if len(inp.inputs) > self.limits.max_embed_inputs:
                 raise invalid(f"input has {len(inp.inputs)} items; this server takes at most "
-                              f"{self.limits.max_documents} per request (--max-documents); split the request")
+                              f"{self.limits.max_embed_inputs} per request (--max-embed-inputs); split the request")
             future: asyncio.Future = asyncio.get_running_loop().create_future()
             lc = self.bridge.submit_embed(inp.request_id, lambda event: future.done() or future.set_result(event),
                                           inputs=inp.inputs, params=inp.params, timeout_ms=inp.timeout_ms,

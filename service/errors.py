@@ -38,6 +38,7 @@ refuses). Tests: tests/service/test_errors.py walks this table.
 | empty rerank query                                     | INVALID_ARGUMENT   | `query must be a non-empty string`                               |
 | zero documents                                         | INVALID_ARGUMENT   | `documents must be a non-empty list of strings`                  |
 | more documents than --max-documents                    | INVALID_ARGUMENT   | `documents has N items; this server takes at most M per request` |
+| more embedding inputs than --max-embed-inputs          | INVALID_ARGUMENT   | `input has N items; this server takes at most M per request` |
 | top_n < 1                                              | INVALID_ARGUMENT   | `top_n must be >= 1, got 0`                                      |
 | document too long with truncate NONE                   | INVALID_ARGUMENT   | `documents[i] with the query is N tokens, over the rerank pair limit of M ...; shorten it or set truncate to TRUNCATE_END` (HTTP: each API's own spelling, e.g. TEI's `truncate: true`) |
 | bytes that are not a valid message, e.g. invalid UTF-8 in chat content (*stream*) | INVALID_ARGUMENT | `could not parse tandem.v1.X: string fields must be valid UTF-8 ...` |

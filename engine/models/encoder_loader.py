@@ -13,7 +13,7 @@ from engine.models.bert import (FAMILIES, EncoderArgs, SequenceClassifier, build
                                use_kernels)
 from engine.models.loader import load_state_dict
 from engine.models.modernbert import ModernBertArgs, ModernBertForSequenceClassification, embed_tokens, run_layers
-from engine.models.stages import Finish, Stages, StagedForward, StageWork
+from engine.models.stages import Finish, Stages, StagedForward, StageResult, StageWork
 
 Pair = tuple[list[int], list[int]]  # (input_ids, token_type_ids) of one tokenized (query, document) pair
 
@@ -172,18 +172,10 @@ class CrossEncoder:
         """Pairs' stages as a part of a forward shared with an embedder's rows (StagedForward.run_parts)."""
         return work, self._finish
 
-    def score_stages(self, work: list[StageWork]) -> list[float | None]:
-        """Per pair, the stages it has this step (pairs with the same stages packed together): the score of each
-        pair whose last stage ran, None for the others (their states kept until their next stages or `forget`)."""
+    def score_stages(self, work: list[StageWork]) -> list[StageResult]:
+        """Per pair, the stages it has this step from the states it brings (pairs with the same stages packed
+        together): the score of each pair whose last stage ran as its output, the new states of the others."""
         return self._forward_in_stages.run(work, self._finish)
-
-    def forget(self, key: tuple[str, int]) -> None:
-        """Drop a pair's kept states (it was aborted or failed between its stages)."""
-        self._forward_in_stages.forget(key)
-
-    @property
-    def num_partial_pairs(self) -> int:
-        return self._forward_in_stages.num_partial_rows
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",

@@ -1,7 +1,8 @@
 """An encoder's forward in stages (one per layer), so that a row (an embedding input, a cross-encoder pair) can run a
 few layers a step beside decodes and carry its hidden states to the next step. Attention is bidirectional but only
 within a layer: a row's states after layer k are all layer k + 1 needs, so rows may be packed differently in every
-step and the result is the whole forward's."""
+step and the result is the whole forward's. The forward keeps nothing between steps: a row's states go out with
+its result and come back with its next work (engine/staged_states.py owns them meanwhile)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -31,13 +32,26 @@ class Stages:
 
 @dataclass(frozen=True, slots=True)
 class StageWork:
-    """What one step runs of one row: stages start..stop-1; `key` names the row across steps."""
-    key: tuple[str, int]
+    """What one step runs of one row: stages start..stop-1, from `state` (the row's hidden states after its stage
+    start - 1, as the last step's StageResult gave them; None when start is 0: the row begins from its tokens)."""
     token_ids: list[int]
     start: int
     stop: int
     token_type_ids: list[int] | None = None
     all_tokens: bool = False  # an embedding row that wants every token's state (TEI /embed_all), not a pooled one
+    state: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StageResult:
+    """What one step's stages made of one row: `output` (what `finish` gives) once its last stage ran, else `state`,
+    its hidden states for its next stages (the caller keeps them: engine/staged_states.py)."""
+    output: Any = None
+    state: torch.Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.state is None
 
 
 # (the last stage's output of a group, its cu_seqlens, its rows' lengths, the group's work items) -> one result per
@@ -46,48 +60,40 @@ Finish = Callable[[torch.Tensor, torch.Tensor, list[int], list[StageWork]], list
 
 
 class StagedForward:
-    """Runs rows' stages step by step and keeps each unfinished row's hidden states (the one owner of them)."""
+    """Runs rows' stages step by step; stateless: a row's hidden states between its stages come in with its work
+    (StageWork.state) and go out with its result (StageResult.state), and whoever schedules the row keeps them."""
 
     def __init__(self, stages: Stages, device: torch.device) -> None:
         self.stages = stages
         self.device = device
-        self._partial: dict[tuple[str, int], torch.Tensor] = {}
 
     @property
     def count(self) -> int:
         return self.stages.count
 
-    @property
-    def num_partial_rows(self) -> int:
-        """Rows part-way through their stages (their states held here)."""
-        return len(self._partial)
-
-    def forget(self, key: tuple[str, int]) -> None:
-        """Drop a row's kept states (it was aborted or failed between its stages)."""
-        self._partial.pop(key, None)
-
-    def run(self, work: list[StageWork], finish: Finish) -> list[Any]:
+    def run(self, work: list[StageWork], finish: Finish) -> list[StageResult]:
         """Per row, the stages it has this step; rows with the same stages run packed together, longest first (the
-        attention kernel batches runs of similar length). A row whose last stage ran gets `finish`'s result for it
-        (its kept states dropped); the others None (their states kept under their key until their next stages)."""
+        attention kernel batches runs of similar length). A row whose last stage ran gets `finish`'s result for it;
+        the others their new hidden states."""
         return self.run_parts([(work, finish)])[0]
 
     @torch.inference_mode()
-    def run_parts(self, parts: list[tuple[list[StageWork], Finish]]) -> list[list[Any]]:
+    def run_parts(self, parts: list[tuple[list[StageWork], Finish]]) -> list[list[StageResult]]:
         """`run` for rows of several heads over this one encoder (a cross-encoder's pairs and an embedder's inputs
         when they are the same model): rows with the same stages run packed together whatever their head, and each
         part's finished rows are finished by its own `finish`. One list of results per part, in its rows' order."""
         work = [w for rows, _ in parts for w in rows]
         part_of = [p for p, (rows, _) in enumerate(parts) for _ in rows]
         firsts = [sum(len(rows) for rows, _ in parts[:p]) for p in range(len(parts))]
-        out: list[Any] = [None] * len(work)
+        out: list[StageResult | None] = [None] * len(work)
         groups: dict[tuple[int, int], list[int]] = {}
         for i, w in enumerate(work):
             if not 0 <= w.start < w.stop <= self.stages.count:
-                raise ValueError(f"row {w.key}: stages {w.start}..{w.stop} of {self.stages.count}")
+                raise ValueError(f"row {i}: stages {w.start}..{w.stop} of {self.stages.count}")
+            if (w.start > 0) != (w.state is not None):
+                raise ValueError(f"row {i}: starts at stage {w.start} "
+                                 + ("without the states its earlier stages made" if w.start else "with states"))
             groups.setdefault((w.start, w.stop), []).append(i)
-        if len({w.key for w in work}) < len(work):
-            raise ValueError("two rows of one step share a key (their kept states would mix)")
         for (start, stop), members in groups.items():
             members.sort(key=lambda i: -len(work[i].token_ids))
             lens = [len(work[i].token_ids) for i in members]
@@ -102,18 +108,18 @@ class StagedForward:
                                          dtype=torch.int64, device=self.device)
                 x = self.stages.begin(ids, types, cu)
             else:
-                x = torch.cat([self._partial.pop(work[i].key) for i in members])
+                x = torch.cat([work[i].state for i in members])
             x = self.stages.run(x, cu, start, stop)
             if stop < self.stages.count:
                 for i, part in zip(members, x.split(lens)):
-                    self._partial[work[i].key] = part
+                    out[i] = StageResult(state=part)
                 continue
             x = self.stages.end(x, cu)
             heads = sorted({part_of[i] for i in members})
             if len(heads) == 1:
                 results = parts[heads[0]][1](x, cu, lens, [work[i] for i in members])
                 for i, result in zip(members, results):
-                    out[i] = result
+                    out[i] = StageResult(result)
                 continue
             states = x.split(lens)  # rows of several heads: each head finishes its own rows, packed apart
             for p in heads:
@@ -122,7 +128,7 @@ class StagedForward:
                 results = parts[p][1](torch.cat([states[j] for j in mine]), _cu_seqlens(sub_lens, self.device),
                                       sub_lens, [work[members[j]] for j in mine])
                 for j, result in zip(mine, results):
-                    out[members[j]] = result
+                    out[members[j]] = StageResult(result)
         return [out[firsts[p]:firsts[p] + len(rows)] for p, (rows, _) in enumerate(parts)]
 
 

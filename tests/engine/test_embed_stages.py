@@ -1,6 +1,6 @@
 """Embedding rows in stages: an encoder row runs a few layers a step when a step has no room for it whole (beside
-decodes under a latency objective), the embedder keeps its hidden states in between, and the vectors are those of
-the whole forward. The step-time model is injected with fixed coefficients: what is admitted does not depend on
+decodes under a latency objective), its hidden states in between are kept by the engine's StagedStates (the forward
+itself is stateless), and the vectors are those of the whole forward. The step-time model is injected with fixed coefficients: what is admitted does not depend on
 this machine's speed. No wall-clock asserts."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from engine.admission import LatencyAdmission
 from engine.config import EMBEDDED_EMBEDDER
 from engine.embed import Embedder
 from engine.models.stages import StageWork
-from engine.request import SeqKind, Sequence
+from engine.request import SeqKind, Sequence, SequenceStatus
 from engine.step_time import LinearStepTime, StepShape
 from tests.engine.conftest import assert_no_leaks, make_llm, record_steps, run_to_end, start_chats
 from tests.engine.test_embed import TEXTS, _modernbert_dir
@@ -52,19 +52,22 @@ def _staged_equals_whole(emb: Embedder, texts: list[str], tol: float) -> None:
     # Every row in its own steps: row i runs i % 3 + 1 stages at a time, packed with whichever rows share its stages.
     done = [0] * len(rows)
     got: list[torch.Tensor | None] = [None] * len(rows)
+    kept: dict[int, torch.Tensor] = {}  # each unfinished row's states, between its steps: the caller's, not emb's
     while any(d < emb.stages for d in done):
         work, idx = [], []
         for i, r in enumerate(rows):
             if done[i] < emb.stages:
                 stop = min(emb.stages, done[i] + i % 3 + 1)
-                work.append(StageWork(("job", i), r, done[i], stop))
+                work.append(StageWork(r, done[i], stop, state=kept.pop(i, None)))
                 idx.append(i)
                 done[i] = stop
-        for i, out in zip(idx, emb.run_stages(work)):
-            if out is not None:
-                got[i] = out
-        assert emb.num_partial_rows == sum(d < emb.stages for d in done)
-    assert emb.num_partial_rows == 0
+        for i, result in zip(idx, emb.run_stages(work)):
+            assert result.done == (done[i] == emb.stages)
+            if result.done:
+                got[i] = result.output
+            else:
+                kept[i] = result.state
+    assert not kept
     assert (torch.stack(got) - torch.stack(whole)).abs().max().item() <= tol
 
 
@@ -87,13 +90,19 @@ def test_a_modernbert_embedders_rows_in_stages_give_the_whole_forwards_vectors(t
     _staged_equals_whole(emb, TEXTS, 1e-4)
 
 
-def test_forget_drops_a_rows_kept_states():
+def test_the_staged_forward_keeps_nothing_a_row_brings_its_states_and_gets_them_back():
     emb = Embedder.load(EMBEDDED_EMBEDDER)
     row = emb.rows(TEXTS[:1], None, EmbedParams())[0].token_ids
-    assert emb.run_stages([StageWork(("a", 0), row, 0, 2)]) == [None]
-    assert emb.num_partial_rows == 1
-    emb.forget(("a", 0))
-    assert emb.num_partial_rows == 0
+    first = emb.run_stages([StageWork(row, 0, 2)])[0]
+    assert not first.done and first.output is None and first.state.shape[0] == len(row)
+    again = emb.run_stages([StageWork(row, 0, 2)])[0]  # the same work twice: the same states (nothing was kept)
+    assert torch.equal(first.state, again.state)
+    with pytest.raises(ValueError, match="without the states"):
+        emb.run_stages([StageWork(row, 2, 4)])  # a later stage needs the states the earlier ones made
+    rest = emb.run_stages([StageWork(row, 2, emb.stages, state=first.state)])[0]
+    assert rest.done and rest.state is None
+    whole = emb.run([row], [False])[0]
+    assert (rest.output - whole).abs().max().item() <= 1e-5
 
 
 def _objective_llm(target_shape: StepShape, **kw):
@@ -111,8 +120,7 @@ def test_beside_decodes_rows_too_big_for_the_headroom_run_a_layer_a_step_and_eve
     start_chats(engine, GEN)
     engine.add_embed("emb", TEXTS)
     finished = run_to_end(engine)
-    assert_no_leaks(llm)
-    assert engine.embedder.num_partial_rows == 0
+    assert_no_leaks(llm)  # no row's states left in the engine's StagedStates either
     assert len(finished["emb"].embeddings) == len(TEXTS)
     decoding = [r for r in records if r.decode_tokens == 4]
     staged = [r for r in decoding if r.embed_rows]
@@ -132,14 +140,52 @@ def test_an_embedding_aborted_between_its_stages_frees_its_kept_states():
     engine = llm.engine
     start_chats(engine, GEN)
     engine.add_embed("emb", TEXTS)
-    while not engine.embedder.num_partial_rows:  # a row is part-way through its layers
+    while not len(engine.staged):  # a row is part-way through its layers
         engine.step()
+    assert engine.stats()["staged_bytes"] > 0
     assert engine.abort("emb")
-    assert engine.embedder.num_partial_rows == 0
+    assert len(engine.staged) == 0 and engine.staged.num_bytes == 0
     while engine.has_unfinished():
         engine.step()
     assert_no_leaks(llm)
-    assert engine.embedder.num_partial_rows == 0
+
+
+def test_rows_that_finish_their_stages_leave_no_states_and_the_held_bytes_are_the_rows_states():
+    llm, _, _ = _objective_llm(StepShape(decode_rows=4, embed_tokens=12))
+    engine = llm.engine
+    start_chats(engine, GEN)
+    engine.add_embed("emb", TEXTS)
+    held = 0
+    while engine.has_unfinished():
+        engine.step()
+        rows = [s for s in engine.scheduler.running if s.kind is SeqKind.EMBED and s.stages_done]
+        assert {id(s) for s in rows} == {id(s) for s in engine.scheduler.running if s in engine.staged}
+        hidden = engine.embedder.dim * 4  # float32 states, [tokens, dim] per row
+        assert engine.staged.num_bytes == sum(s.num_tokens * hidden for s in rows)
+        held = max(held, len(engine.staged))
+    assert held  # rows were held part-way, and each one's states went with its last stage
+    assert_no_leaks(llm)
+
+
+def test_a_row_preempted_between_its_stages_drops_its_states_and_starts_again_to_the_same_vector():
+    llm, _, _ = _objective_llm(StepShape(decode_rows=4, embed_tokens=12))
+    engine = llm.engine
+    start_chats(engine, GEN)
+    engine.add_embed("emb", TEXTS[:1])
+    while not len(engine.staged):
+        engine.step()
+    row = next(s for s in engine.scheduler.running if s.kind is SeqKind.EMBED)
+    assert 0 < row.stages_done < row.stages and row in engine.staged
+    engine.scheduler.preempt(row)  # what a decode short of a block does to a running sequence
+    assert len(engine.staged) == 0 and engine.staged.num_bytes == 0
+    assert row.stages_done == 0 and row.status is SequenceStatus.PREEMPTED
+    finished = run_to_end(engine)
+    assert_no_leaks(llm)
+    emb = engine.embedder
+    want = Embedder.finish(emb.run([emb.rows(TEXTS[:1], None, EmbedParams())[0].token_ids], [False])[0],
+                           EmbedParams())
+    got = torch.tensor(finished["emb"].embeddings[0])
+    assert torch.nn.functional.cosine_similarity(got, torch.tensor(want), dim=0).item() > 0.99999
 
 
 @pytest.mark.parametrize("budget", [64, 130])

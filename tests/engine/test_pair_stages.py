@@ -1,6 +1,6 @@
 """Cross-encoder pairs in stages, as embedding rows are (tests/engine/test_embed_stages.py): a pair runs a few layers a
-step when a step has no room for it whole, the cross-encoder keeps its hidden states in between, and its score is the
-whole forward's. Fixed step-time coefficients; no wall-clock asserts."""
+step when a step has no room for it whole, its hidden states in between are kept by the engine's StagedStates (the
+forward itself is stateless), and its score is the whole forward's. Fixed step-time coefficients; no wall-clock asserts."""
 from __future__ import annotations
 
 import pytest
@@ -23,18 +23,22 @@ def _staged_equals_whole(ce: CrossEncoder, distinct: bool = True) -> None:
     pairs, _ = CrossEncoderScorer(ce).pairs(QUERY, DOCS[:7], RerankParams(), ce.max_length)
     whole = ce.score([(p.token_ids, p.token_type_ids) for p in pairs])
     done, got = [0] * len(pairs), [None] * len(pairs)
+    kept = {}  # each unfinished pair's states between its steps: the caller's, not the cross-encoder's
     while any(d < ce.stages for d in done):
         work, idx = [], []
         for i, p in enumerate(pairs):
             if done[i] < ce.stages:
                 stop = min(ce.stages, done[i] + i % 2 + 1)  # pairs at different depths in the same step
-                work.append(StageWork(("job", i), p.token_ids, done[i], stop, p.token_type_ids))
+                work.append(StageWork(p.token_ids, done[i], stop, p.token_type_ids, state=kept.pop(i, None)))
                 idx.append(i)
                 done[i] = stop
-        for i, score in zip(idx, ce.score_stages(work)):
-            if score is not None:
-                got[i] = score
-    assert ce.num_partial_pairs == 0
+        for i, result in zip(idx, ce.score_stages(work)):
+            assert result.done == (done[i] == ce.stages)
+            if result.done:
+                got[i] = result.output
+            else:
+                kept[i] = result.state
+    assert not kept
     assert got == pytest.approx(whole, abs=1e-5)
     if distinct:
         assert max(whole) - min(whole) > 1e-4  # the pairs score differently: a mix-up between pairs would show
@@ -75,8 +79,7 @@ def test_beside_decodes_pairs_too_big_for_the_headroom_run_a_layer_a_step_within
     start_chats(engine, GEN)
     engine.add_rerank("job", QUERY, DOCS[:3])
     scores = run_to_end(engine)["job"].scores
-    assert_no_leaks(llm)
-    assert engine.scorer.encoder.num_partial_pairs == 0
+    assert_no_leaks(llm)  # no pair's states left in the engine's StagedStates either
     decoding = [r for r in records if r.decode_tokens == 4 and r.rerank_pairs]
     assert len(decoding) >= 6 and all(r.rerank_pairs_scored < r.rerank_pairs or r.cross_encoder_tokens < 27
                                       for r in decoding)
@@ -92,10 +95,29 @@ def test_a_rerank_aborted_between_its_pairs_stages_frees_their_kept_states(minil
     engine = llm.engine
     start_chats(engine, GEN)
     engine.add_rerank("job", QUERY, DOCS[:3])
-    while not engine.scorer.encoder.num_partial_pairs:
+    while not len(engine.staged):
         engine.step()
+    assert engine.stats()["staged_bytes"] > 0
     assert engine.abort("job")
-    assert engine.scorer.encoder.num_partial_pairs == 0
+    assert len(engine.staged) == 0 and engine.staged.num_bytes == 0
     while engine.has_unfinished():
         engine.step()
     assert_no_leaks(llm)
+
+
+def test_a_pair_preempted_between_its_stages_drops_its_states_and_scores_as_the_whole_forward(minilm_dir):
+    llm, _ = _objective_llm(minilm_dir, 12)
+    engine = llm.engine
+    start_chats(engine, GEN)
+    engine.add_rerank("job", QUERY, DOCS[:2])
+    while not len(engine.staged):
+        engine.step()
+    pair = next(s for s in engine.scheduler.running if s in engine.staged)
+    assert 0 < pair.stages_done < pair.stages
+    engine.scheduler.preempt(pair)
+    assert pair not in engine.staged and pair.stages_done == 0
+    scores = run_to_end(engine)["job"].scores
+    assert_no_leaks(llm)
+    ce = engine.scorer.encoder
+    pairs, _ = engine.scorer.pairs(QUERY, DOCS[:2], RerankParams(), ce.max_length)
+    assert scores == pytest.approx(ce.score([(p.token_ids, p.token_type_ids) for p in pairs]), abs=1e-5)

@@ -373,7 +373,7 @@ def _run_prompt(llm, ids: list[int], params: SamplingParams, chunks: list[int], 
         for n in chunks:
             batch = Batch()
             batch.add(seq, n)
-            out = eng.runner.run(batch)
+            out = eng.runner.run(batch, eng.staged)
             # The runner returns a row's prompt log-probabilities in its output; the engine appends them to the
             # request (as here) and the scheduler advances the sequence.
             got.values.extend(out.prompt_logprobs[0] or [])

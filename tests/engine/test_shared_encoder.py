@@ -74,7 +74,7 @@ def test_one_encoder_serves_both_in_one_forward_with_the_results_of_each_alone(b
     want_scores, want = alone
     llm = LLM(EngineConfig(reranker=str(both_dir), embedder=str(both_dir), max_num_batched_tokens=512))
     engine = llm.engine
-    assert engine.runner.shared_encoder and engine.embedder.staged is engine.scorer.staged  # one owner of states
+    assert engine.runner.shared_encoder and engine.embedder.staged is engine.scorer.staged  # one forward
     calls = _embedding_calls(llm)
     records = []
     engine.add_observer(records.append)
@@ -92,13 +92,13 @@ def test_one_encoder_serves_both_in_one_forward_with_the_results_of_each_alone(b
     assert any(r.rerank_tokens and r.embed_rows for r in records), "no step carried pairs and embedding rows"
     assert outs["r"].scores == pytest.approx(want_scores, abs=1e-5)
     assert (torch.tensor(outs["e"].embeddings) - want).abs().max().item() <= 1e-5
-    assert engine.scorer.encoder.staged.num_partial_rows == 0
+    assert len(engine.staged) == 0 and engine.staged.num_bytes == 0
     assert_no_leaks(llm)
 
 
 def test_pairs_and_rows_in_stages_beside_a_chat_share_each_stage(both_dir: Path, alone) -> None:
-    """A small budget: rows and pairs run a few layers a step beside a decode; their kept states live in the one
-    staged forward, and an abort part-way drops them."""
+    """A small budget: rows and pairs run a few layers a step beside a decode; their kept states live in the
+    engine's one StagedStates, and an abort part-way drops them."""
     want_scores, want = alone
     llm = LLM(EngineConfig(reranker=str(both_dir), embedder=str(both_dir), max_num_batched_tokens=48))
     engine = llm.engine
@@ -120,7 +120,7 @@ def test_pairs_and_rows_in_stages_beside_a_chat_share_each_stage(both_dir: Path,
     assert any(r.embed_rows and r.rerank_tokens for r in records), "no step carried pairs and embedding rows"
     assert outs["r"].scores == pytest.approx(want_scores, abs=1e-5)
     assert (torch.tensor(outs["e"].embeddings) - want).abs().max().item() <= 1e-5
-    assert engine.scorer.encoder.staged.num_partial_rows == 0
+    assert len(engine.staged) == 0 and engine.staged.num_bytes == 0
     assert_no_leaks(llm)
 
 

@@ -34,6 +34,8 @@ DOCUMENTS = ["Paris is the capital and largest city of France.",
              "Berlin is the capital of Germany.",
              "France is a country in Western Europe."]
 MAX_DOCUMENTS = 8
+# More than MAX_DOCUMENTS: an embedding of MAX_DOCUMENTS + 1 inputs passes where a rerank of as many documents does not
+MAX_EMBED_INPUTS = 12
 MAX_MESSAGE_BYTES = 256 * 1024
 NUM_KV_BLOCKS = 512
 MAX_MODEL_LEN = 8192  # the embedded SmolLM2's context (NUM_KV_BLOCKS * 16 tokens hold it); `served` checks it
@@ -57,6 +59,7 @@ def _offline() -> Offline:
     # fusion, not the default (dense): the shared server's rerank tests are about LLM pairs (their limit, chunks, a
     # cancel mid-flight) as well as embedder rows; the default is served in test_rerank_modes.py
     llm = LLM(EngineConfig(num_kv_blocks=NUM_KV_BLOCKS, max_rerank_documents=MAX_DOCUMENTS,
+                           max_embed_inputs=MAX_EMBED_INPUTS,
                            embedder=EMBEDDED_EMBEDDER, rerank_mode="fusion"))
     return Offline(llm=llm, greedy=llm.generate(PROMPTS, GREEDY_8), long=llm.generate(PROMPTS[1], LONG_12)[0],
                    chat=llm.chat(CHAT, GREEDY_8)[0], scores=llm.rerank(QUERY, DOCUMENTS))
@@ -75,6 +78,7 @@ def served(offline: Offline) -> ServerThread:
     """A server on an ephemeral localhost port over the offline LLM's engine (the LLM is not used after this)."""
     assert offline.llm.engine.max_model_len == MAX_MODEL_LEN
     server = ServerThread(offline.llm.engine, ServerConfig(host="127.0.0.1", port=0, max_documents=MAX_DOCUMENTS,
+                                                           max_embed_inputs=MAX_EMBED_INPUTS,
                                                            max_message_bytes=MAX_MESSAGE_BYTES))
     yield server
     server.close()

@@ -48,7 +48,7 @@ def test_serve_help_groups_the_flags_and_shows_their_defaults(capsys):
         assert f"\n{group}\n" in out, group
     default = EngineConfig()
     for flag, shown in (("--port", "50051"), ("--http-port", "8000"), ("--metrics-port", "9464"),
-                        ("--max-documents", "1000"), ("--drain-timeout", "30.0"),
+                        ("--max-documents", "1000"), ("--max-embed-inputs", "1000"), ("--drain-timeout", "30.0"),
                         ("--kv-cache-bytes", "1GiB"), ("--max-num-seqs", str(default.max_num_seqs)),
                         ("--block-size", str(default.block_size)), ("--max-model-len", "the model's own context")):
         help_text = text[text.index(flag + " " + flag[2:].replace("-", "_").upper(), text.index("options:")):]
@@ -61,7 +61,8 @@ def test_unset_flags_keep_the_server_config_defaults():
 
 
 def test_flags_set_every_server_config_field():
-    config = _config("--host", "0.0.0.0", "--port", "6000", "--max-documents", "7", "--max-message-bytes", "1MiB",
+    config = _config("--host", "0.0.0.0", "--port", "6000", "--max-documents", "7", "--max-embed-inputs", "9",
+                     "--max-message-bytes", "1MiB",
                      "--drain-timeout", "9", "--drain-grace", "2.5", "--tls-cert", "c.pem", "--tls-key", "k.pem",
                      "--tls-client-ca", "ca.pem", "--auth-token", "t", "--auth-scoped-tokens",
                      "a=Rerank, RerankStream; b=Generate", "--replica", "r1", "--max-stream-buffer-bytes", "2MiB",
@@ -70,6 +71,7 @@ def test_flags_set_every_server_config_field():
                      "--served-model-name", "smol", "chat,tiny", "--strict-model-names",
                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     assert (config.host, config.port, config.max_documents, config.max_message_bytes) == ("0.0.0.0", 6000, 7, 2**20)
+    assert config.max_embed_inputs == 9 and config.limits().max_embed_inputs == 9
     assert (config.drain_timeout_s, config.drain_grace_s) == (9.0, 2.5)
     assert (config.tls_cert, config.tls_key, config.tls_client_ca) == ("c.pem", "k.pem", "ca.pem")
     assert config.auth_token == "t" and config.replica == "r1"
@@ -136,9 +138,9 @@ def test_engine_flags_reach_the_engine_config_and_unset_ones_keep_its_defaults(m
     assert _engine_config().embedder == EMBEDDED_EMBEDDER  # tandem serve embeds unless told --embedder none
     assert _engine_config("--embedder", "/models/e5").embedder == "/models/e5"
     config = _engine_config("--max-num-seqs", "7", "--kv-cache-bytes", "64MiB", "--enforce-eager", "--max-documents",
-                            "12")
+                            "12", "--max-embed-inputs", "5")
     assert (config.max_num_seqs, config.kv_cache_bytes, config.enforce_eager) == (7, 64 * 2**20, True)
-    assert config.max_rerank_documents == 12
+    assert (config.max_rerank_documents, config.max_embed_inputs) == (12, 5)
     assert _engine_config("--enforce-eager", "false").enforce_eager is False
     assert _engine_config("--rerank-mode", "judge").rerank_mode == "judge"
     cascade = _engine_config("--rerank-mode", "cascade", "--rerank-cascade-k", "5")

@@ -15,7 +15,7 @@ from engine.config import EMBEDDED_EMBEDDER
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
 from service.cli import build_parser
-from tests.service.conftest import DOCUMENTS, MAX_DOCUMENTS
+from tests.service.conftest import DOCUMENTS, MAX_DOCUMENTS, MAX_EMBED_INPUTS
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_the_cli_prints_one_vector_per_line(served, reference):
 @pytest.mark.parametrize("request_, message", [
     (pb.EmbedRequest(), "input must not be empty"),
     (pb.EmbedRequest(texts=["a"], token_ids=[pb.TokenIds(ids=[1])]), "either texts or token_ids"),
-    (pb.EmbedRequest(texts=["a"] * (MAX_DOCUMENTS + 1)), "--max-documents"),
+    (pb.EmbedRequest(texts=["a"] * (MAX_EMBED_INPUTS + 1)), "--max-embed-inputs"),
     (pb.EmbedRequest(texts=["a"], dimensions=8), "not trained for shortened vectors"),
     (pb.EmbedRequest(texts=[""]), "empty strings"),
     (pb.EmbedRequest(texts=[" ".join(DOCUMENTS * 12)], truncate=pb.TRUNCATE_NONE), "takes at most 256"),
@@ -71,3 +71,15 @@ def test_token_ids_over_grpc_are_the_models_exact_input(served, offline, referen
         r = pb_grpc.TandemStub(channel).Embed(pb.EmbedRequest(token_ids=[pb.TokenIds(ids=ids)]))
     assert np.abs(np.asarray(r.embeddings[0].values) - reference[0]).max() < 1e-6
     assert r.model == EMBEDDED_EMBEDDER and r.usage.prompt_tokens == len(ids)  # nothing added
+
+
+def test_an_embedding_of_more_inputs_than_max_documents_passes_while_a_rerank_of_as_many_does_not(served):
+    # --max-documents bounds rerank documents only; embedding inputs have --max-embed-inputs (here larger)
+    n = MAX_DOCUMENTS + 1
+    assert n <= MAX_EMBED_INPUTS
+    with grpc.insecure_channel(served.address) as channel:
+        stub = pb_grpc.TandemStub(channel)
+        assert len(stub.Embed(pb.EmbedRequest(texts=["a"] * n)).embeddings) == n
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Rerank(pb.RerankRequest(query="q", documents=["d"] * n))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "--max-documents" in err.value.details()

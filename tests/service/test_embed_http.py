@@ -17,7 +17,7 @@ from engine.config import EMBEDDED_EMBEDDER, EmbedParams
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
 from service.core import EmbedInput
-from tests.service.conftest import DOCUMENTS, MAX_DOCUMENTS
+from tests.service.conftest import DOCUMENTS, MAX_DOCUMENTS, MAX_EMBED_INPUTS
 from tests.service.harness import assert_all_blocks_free
 
 LONG = " ".join(DOCUMENTS * 12)  # over all-MiniLM-L6-v2's 256 tokens
@@ -88,7 +88,7 @@ def test_tei_embed_and_cohere_embed(http_url, reference):
 @pytest.mark.parametrize("body, message", [
     ({"input": []}, "input must not be empty"),
     ({"input": ""}, "empty strings"),
-    ({"input": ["a"] * (MAX_DOCUMENTS + 1)}, "--max-documents"),
+    ({"input": ["a"] * (MAX_EMBED_INPUTS + 1)}, "--max-embed-inputs"),
     ({"input": "a", "dimensions": 8}, "not trained for shortened vectors"),
     ({"input": [[10 ** 9]]}, "token ids in"),
     ({"input": LONG, "truncate": False}, "takes at most 256"),
@@ -107,14 +107,14 @@ def test_tei_and_cohere_bad_inputs_get_their_own_error_shapes(http_url):
         prompt = h.post("/embed", json={"inputs": ["a"], "prompt_name": "query"})
         empty = h.post("/embed", json={"inputs": []})
         cohere_type = h.post("/v2/embed", json={"texts": ["a"], "embedding_types": ["binary"]})
-        cohere_many = h.post("/v2/embed", json={"texts": ["a"] * (MAX_DOCUMENTS + 1)})
+        cohere_many = h.post("/v2/embed", json={"texts": ["a"] * (MAX_EMBED_INPUTS + 1)})
         cohere_none = h.post("/v2/embed", json={"texts": [LONG], "truncate": "NONE"})
     assert "send truncate: true to cut it" in too_long.json()["error"]  # TEI's own spelling (a boolean)
     assert 'send truncate: "END"' in cohere_none.json()["message"]  # Cohere's
     for r, message in ((too_long, "takes at most 256"), (prompt, "prompt_name"), (empty, "must not be empty")):
         assert r.status_code == 400 and message in r.json()["error"], r.text
         assert r.json()["error_type"] == "Validation"
-    for r, message in ((cohere_type, "binary"), (cohere_many, "--max-documents"), (cohere_none, "at most 256")):
+    for r, message in ((cohere_type, "binary"), (cohere_many, "--max-embed-inputs"), (cohere_none, "at most 256")):
         assert r.status_code == 400 and message in r.json()["message"], r.text
 
 
@@ -200,3 +200,14 @@ def test_strict_model_names_refuse_another_model_for_embeddings(served, http_url
         own = h.post("/v1/embeddings", json={"input": "a", "model": EMBEDDED_EMBEDDER})
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     assert own.status_code == 200
+
+
+def test_an_embedding_of_more_inputs_than_max_documents_passes_while_a_rerank_of_as_many_does_not(http_url):
+    # --max-documents bounds rerank documents only; embedding inputs have --max-embed-inputs (here larger)
+    n = MAX_DOCUMENTS + 1
+    assert n <= MAX_EMBED_INPUTS
+    with httpx.Client(base_url=http_url) as h:
+        embedded = h.post("/v1/embeddings", json={"input": ["a"] * n})
+        reranked = h.post("/v1/rerank", json={"query": "q", "documents": ["d"] * n})
+    assert embedded.status_code == 200 and len(embedded.json()["data"]) == n, embedded.text
+    assert reranked.status_code == 400 and "--max-documents" in reranked.text, reranked.text
