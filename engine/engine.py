@@ -291,7 +291,7 @@ class LLMEngine:
         """The final output of a rerank or embedding job whose last pair or row has run."""
         del self._requests[job.request_id]
         if isinstance(job, RerankJob):
-            job.scores = self.scorer.request_scores(job.scores, job.vectors if job.rows else None)
+            job.scores = job.pooled_scores(self.scorer.request_scores(job.scores, job.vectors if job.rows else None))
         return _final_output(job, FinishReason.STOP)
 
     def _append(self, gen: Generation, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float,
@@ -477,6 +477,7 @@ def _final_output(req: Request, reason: FinishReason, error: str | None = None) 
                           error=error, scores=list(req.scores) if reason is FinishReason.STOP else None,
                           document_tokens=list(req.document_tokens) if reason is FinishReason.STOP else None,
                           truncated=list(req.truncated) if reason is FinishReason.STOP else None,
+                          windows=list(req.windows) if reason is FinishReason.STOP else None,
                           prompt_tokens=req.prompt_tokens, cached_tokens=req.cached_tokens,
                           arrival_time=req.arrival_time,
                           queue_time_s=min(started) - req.arrival_time if started else None)

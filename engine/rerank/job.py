@@ -34,6 +34,19 @@ class RerankJob:
     # the chosen ones to `pairs` once the rows have run.
     held: list[Sequence] = field(default_factory=list)
     wait_for_first: bool = False  # later pairs wait for the first one queued (it fills their shared prefix)
+    # Long documents in windows: per unit (pair or embedder row after the query's), the document it scores; empty when
+    # every document is one unit. `scores` and `span_logprobs` are per unit until pooled (pooled_scores).
+    units: list[int] = field(default_factory=list)
+    windows: list[int] = field(default_factory=list)  # per document: the windows (units) it was scored as
+
+    def pooled_scores(self, unit_scores: list[float]) -> list[float]:
+        """Per document: the best of its windows' scores (max pooling); the scores as they are without windows."""
+        if not self.units:
+            return unit_scores
+        best = [float("-inf")] * len(self.documents)
+        for doc, score in zip(self.units, unit_scores):
+            best[doc] = max(best[doc], score)
+        return best
 
     def release(self, indices: list[int]) -> list[Sequence]:
         """Queue the held pairs of documents `indices` and drop the rest; returns the queued ones, in document order.
