@@ -147,12 +147,10 @@ class RequestIntake:
                         windows=[1] * len(documents))
         scorer = self.scorer
         windows = self.max_windows(params)
-        if windows > 1 and scorer.pair_phase is not PairPhase.NEVER and scorer.embeds:
-            raise ValueError(f"max_windows: the {scorer.mode} rerank mode scores a document whole (its LLM pair and "
-                             "its embedder row would window it differently); send max_windows 1 or use the dense, "
-                             "cross-encoder, likelihood or judge mode")
         if scorer.pair_phase is not PairPhase.NEVER:
-            self._rerank_pairs(job, windows)
+            # fusion and cascade: windows are the embedder's (its rows); their LLM pair reads the document whole (cut
+            # at the context, as without windows), one pair per document
+            self._rerank_pairs(job, 1 if scorer.embeds else windows)
         if scorer.embeds:
             self._rerank_rows(job, windows)
         return job
@@ -161,15 +159,7 @@ class RequestIntake:
         """The most windows a document of this request may be scored as."""
         return params.max_windows if params.max_windows is not None else self.config.rerank_max_windows
 
-    @staticmethod
-    def _window_units(job: RerankJob, documents: list[int], windows: list[int]) -> None:
-        """Size the job's per-unit state when documents were split into windows (a unit: one window's pair or
-        row, `documents` its document per unit); the engine pools the units' scores per document (the max)."""
-        job.windows = windows
-        if len(documents) != len(job.documents):
-            job.units = documents
-            job.scores = [None] * len(documents)
-            job.span_logprobs = [[] for _ in documents]
+
 
     def _rerank_pairs(self, job: RerankJob, max_windows: int = 1) -> None:
         """One prefill-only pair sequence per document (per window of a long one): queued now, or held until the
@@ -181,7 +171,11 @@ class RequestIntake:
         firsts = [p for j, p in enumerate(pairs) if j == 0 or pairs[j - 1].document != p.document]
         job.document_tokens = [p.document_tokens for p in firsts]
         job.truncated = [p.truncated for p in firsts]
-        self._window_units(job, [p.document for p in pairs], [p.windows for p in firsts])
+        job.windows = [p.windows for p in firsts]
+        if len(pairs) != len(job.documents):  # windows: scores per pair, pooled per document when the job ends
+            job.pair_units = [p.document for p in pairs]
+            job.scores = [None] * len(pairs)
+            job.span_logprobs = [[] for _ in pairs]
         # Later pairs wait for the first when it fills at least one full block of their shared prefix.
         wait = scorer.runs_on_llm and self.config.enable_prefix_caching and shared >= self.config.block_size
         at_once = scorer.pair_phase is PairPhase.AT_ONCE
@@ -209,7 +203,7 @@ class RequestIntake:
             raise ValueError(f"the {self.scorer.mode} rerank mode needs an embedder, and this engine has none")
         params = EmbedParams(priority=job.params.priority)
         cut = job.params.max_document_tokens
-        if max_windows > 1:  # the dense mode (fusion and cascade refuse windows): a long document in windows
+        if max_windows > 1:  # a long document in windows of the embedder's limit
             rows = embedder.rows([job.query], None, params) + self._window_rows(job, max_windows, cut, params)
         elif cut is None:
             rows = embedder.rows([job.query, *job.documents], None, params)
@@ -225,18 +219,20 @@ class RequestIntake:
         job.remaining += len(rows)
 
     def _window_rows(self, job: RerankJob, max_windows: int, cut: int | None, params: EmbedParams) -> list:
-        """The dense mode's document rows when documents may be windowed: each document's embedder tokens (cut to
-        `cut` first) as up to `max_windows` overlapping windows of the embedder's limit, one row each; describes the
-        documents (tokens covered, cut past the last window, windows) on the job."""
+        """The document rows when documents may be windowed: each document's embedder tokens (cut to `cut` first)
+        as up to `max_windows` overlapping windows of the embedder's limit, one row each; the job's windows, and in
+        the dense mode (where the rows alone score) its documents' tokens covered and cuts, truncate='none' refusing
+        one that needs more windows."""
         embedder = self.embedder
         room = embedder.max_length - embedder.num_special_tokens
         overlap = self.config.rerank_window_overlap
+        alone = self.scorer.pair_phase is PairPhase.NEVER
         ids = []
         units, windows, covered_tokens, truncated = [], [], [], []
         for i, doc in enumerate(embedder.tokenizer(job.documents, add_special_tokens=False).input_ids):
             doc = list(doc)[:cut] if cut is not None else list(doc)
             parts, cut_off = split_windows(doc, room, overlap, max_windows)
-            if cut_off and job.params.truncate == "none":
+            if cut_off and job.params.truncate == "none" and alone:
                 raise InputTooLong(f"documents[{i}] is over {max_windows} windows of the embedder's limit of "
                                    f"{embedder.max_length} tokens ({embedder.name}): shorten it, send more "
                                    "max_windows or use truncate='end'")
@@ -245,8 +241,11 @@ class RequestIntake:
             windows.append(len(parts))
             covered_tokens.append(covered(parts, room, overlap))
             truncated.append(cut_off)
-        job.document_tokens, job.truncated = covered_tokens, truncated
-        self._window_units(job, units, windows)
+        if alone:
+            job.document_tokens, job.truncated = covered_tokens, truncated
+        job.windows = windows
+        if len(units) != len(job.documents):
+            job.row_units = units
         return embedder.rows(None, ids, params)
 
     def _describe_documents(self, job: RerankJob, rows: list) -> None:

@@ -3,7 +3,8 @@ and the cross-encoder mode (512 positions): a document whose relevant passage is
 score of its best window, as the reference libraries compute each window (sentence-transformers' forward of the
 window's ids for the embedder, transformers' sequence classifier for the cross-encoder); the window count is right
 offline and through both doors (gRPC max_windows / RerankResult.windows; HTTP Cohere max_chunks_per_doc and TEI
-max_windows, "windows" on each result); without windows the document is cut as before."""
+max_windows, "windows" on each result); without windows the document is cut as before. The cascade (as fusion)
+windows its embedder rows only."""
 from __future__ import annotations
 
 import math
@@ -161,7 +162,22 @@ def test_cross_encoder_long_document_scores_as_its_best_window(tmp_path):
         server.close()
 
 
-def test_fusion_refuses_windows():
-    llm = LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, rerank_mode="fusion", tpot_target_ms=None, num_kv_blocks=64))
-    with pytest.raises(ValueError, match="max_windows: the fusion rerank mode"):
-        llm.rerank(QUERY, ["a document"], RerankParams(max_windows=2))
+def test_cascade_reads_the_best_windows_cosine_and_scores_one_llm_pair_a_document(st):
+    """Fusion and cascade window the embedder's rows (their cosine is the best window's); the LLM pair reads the
+    document whole. With k = 1 the documents the LLM does not re-score keep 0.499 x (1 + cos) / 2, so the long
+    document's score shows the cosine it was given."""
+    from engine.rerank.cascade import BELOW
+
+    llm = LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, rerank_mode="cascade", rerank_cascade_k=1,
+                           tpot_target_ms=None, num_kv_blocks=256))
+    records = []
+    llm.engine.add_observer(records.append)
+    doc = long_document(30)
+    ref = st_dense_scores(st, doc)
+    docs = ["How do bees make honey? Bees make honey from flower nectar.", doc]
+    got = {r.index: r for r in llm.rerank(QUERY, docs, RerankParams(max_windows=8), ranked=True)}
+    assert got[0].score >= 0.5 > got[1].score  # the short document is the dense top 1, re-scored by the LLM
+    assert got[1].windows == len(ref) and abs(got[1].score - BELOW * max(ref)) <= 1e-4
+    assert sum(r.rerank_pairs_scored for r in records) == 1
+    cut = {r.index: r for r in llm.rerank(QUERY, docs, RerankParams(), ranked=True)}
+    assert cut[1].windows == 1 and abs(cut[1].score - BELOW * ref[0]) <= 1e-4
