@@ -47,6 +47,9 @@ class CohereRerank(_Model):
         for i, d in enumerate(self.documents):
             if isinstance(d, TextDocument):
                 refuse_extras(d, f"documents[{i}].")
+        if self.max_chunks_per_doc is not None and self.max_chunks_per_doc < 1:
+            raise HttpError(400, f"max_chunks_per_doc must be >= 1, got {self.max_chunks_per_doc}",
+                            param="max_chunks_per_doc")
         params = _params(top_n=None if self.top_n is None else _int32(self.top_n, "top_n"),
                          truncate="none" if self.truncate is False else "end",
                          return_documents=default_return_documents if self.return_documents is None

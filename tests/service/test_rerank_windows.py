@@ -118,7 +118,7 @@ def test_dense_windows_through_both_doors(dense, st):
     for results, key in ((cohere.json()["results"], "relevance_score"), (tei.json(), "score")):
         by = {x["index"]: x for x in results}
         assert by[1]["windows"] == len(ref) and abs(by[1][key] - max(ref)) <= 1e-4 and by[0]["windows"] == 1
-    assert bad.status_code == 400 and "max_windows" in bad.text
+    assert bad.status_code == 400 and "max_chunks_per_doc must be >= 1" in bad.text
 
 
 # ---- cross-encoder: MiniLM under a seeded classifier head, 512 positions -----------------------------------------
