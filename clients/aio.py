@@ -183,6 +183,8 @@ class AsyncClient:
         regex, choice); unset ones take the server's defaults. With n > 1 the deltas of the n completions
         interleave, told apart by `Delta.index`; `Delta.logprobs` / `Delta.prompt_logprobs` are filled when asked.
 
+        max_windows: a document longer than the reranker's window is scored as up to this many overlapping windows,
+        its score the best window's (`.windows` on each result says how many); None: the server's setting.
         routing_key: sent as x-tandem-prefix (default: for messages, a hash of the system prompt and first user
         turn, which every later turn of the chat shares; for a prompt or token ids, none).
 
@@ -254,7 +256,7 @@ class AsyncClient:
     async def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
                      return_documents: bool = False, truncate: str = "end", instruction: str | None = None,
                      priority: int = 0, model: str = "", timeout: float | None = None,
-                     routing_key: str | None = None) -> RerankResults:
+                     routing_key: str | None = None, max_windows: int | None = None) -> RerankResults:
         """Scores sorted highest first (.index into documents, .score, .document if return_documents).
 
         routing_key: sent as x-tandem-prefix (default: a hash of instruction and query, so later batches of
@@ -265,7 +267,8 @@ class AsyncClient:
             raise ValueError(f"truncate must be 'end' or 'none', got {truncate!r}")
         request = pb.RerankRequest(query=query, documents=list(documents), top_n=top_n,
                                    return_documents=return_documents, instruction=instruction, priority=priority,
-                                   model=model, truncate=pb.TRUNCATE_NONE if truncate == "none" else pb.TRUNCATE_END)
+                                   model=model, truncate=pb.TRUNCATE_NONE if truncate == "none" else pb.TRUNCATE_END,
+                                   max_windows=max_windows)
         key = prefix_key(instruction or "", query) if routing_key is None else routing_key
         metadata = self._metadata + ((("x-tandem-prefix", key),) if key else ())
 
@@ -276,7 +279,7 @@ class AsyncClient:
 
         response, replica = await self._with_retries(call, timeout)
         results = RerankResults(RerankResult(r.index, r.score, r.document if r.HasField("document") else None,
-                                             r.document_tokens, r.truncated)
+                                             r.document_tokens, r.truncated, r.windows or 1)
                                 for r in response.results)
         results.usage = Usage.from_proto(response.usage)
         results.replica = replica

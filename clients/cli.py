@@ -53,6 +53,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     rr.add_argument("--top-n", type=int, default=None)
     rr.add_argument("--instruction", default=None, help="replace the default relevance instruction")
     rr.add_argument("--truncate", choices=("end", "none"), default="end")
+    rr.add_argument("--max-windows", type=int, default=None,
+                    help="score a long document as up to N overlapping windows, its best (default: the server's)")
     rr.add_argument("--json", action="store_true", help="print the results as JSON (whole documents)")
     rr.add_argument("--full", action="store_true",
                     help=f"print each document whole (default: its first {EXCERPT_CHARS} characters on one line)")
@@ -258,14 +260,17 @@ def _chat(args: argparse.Namespace, out: TextIO) -> int:
 def _rerank(args: argparse.Namespace, out: TextIO) -> int:
     with _client(args) as client:
         results = client.rerank(args.query, args.documents, top_n=args.top_n, return_documents=True,
-                                instruction=args.instruction, truncate=args.truncate, timeout=args.timeout)
+                                instruction=args.instruction, truncate=args.truncate, timeout=args.timeout,
+                                max_windows=args.max_windows)
     if args.json:
         out.write(json.dumps([{"index": r.index, "score": r.score, "document": r.document,
-                               "document_tokens": r.document_tokens, "truncated": r.truncated}
+                               "document_tokens": r.document_tokens, "truncated": r.truncated,
+                               "windows": r.windows}
                               for r in results]) + "\n")
     else:
         for r in results:
             mark = f"  [truncated to {r.document_tokens} tokens]" if r.truncated else ""
+            mark += f"  [best of {r.windows} windows]" if r.windows > 1 else ""
             out.write(f"{r.score:.4f}  [{r.index}]  {r.document if args.full else excerpt(r.document)}{mark}\n")
     return 0
 

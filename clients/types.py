@@ -84,6 +84,7 @@ class RerankResult:
     document: str | None = None  # set when return_documents=True
     document_tokens: int = 0  # the document's tokens the score saw (all of them unless truncated)
     truncated: bool = False  # the server cut the document to fit its rerank pair limit (truncate="end")
+    windows: int = 1  # overlapping windows the server scored the document as (max_windows), its score the best
 
 
 class RerankResults(list):

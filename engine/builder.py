@@ -27,6 +27,7 @@ from engine.models.loader import ModelSource, load_state_dict, read_config, reso
 from engine.models.quantized import quantize_state_int8, resolve_quantization, weight_bytes, weight_format
 from kernels.quant import QuantWeight
 from engine.rerank import PairScorer, build_scorer, default_mode
+from engine.rerank.recipes import resolve as resolve_recipe
 from engine.runner import DTYPES, ModelRunner
 from engine.scheduler import Scheduler
 from engine.settings import Settings
@@ -152,7 +153,9 @@ def describe_engine(config: EngineConfig, device: torch.device, cpu_kernels: str
     """The start-up line that says what this engine runs on and what bounds it: device, threads, the C++ kernels'
     CPU path, how reranks are scored (fusion: which two models), and the context length with what capped it."""
     llm = Path(config.model).name if config.model else "SmolLM2-135M-Instruct"
-    scored_by = {RerankMode.LIKELIHOOD: f"{llm}'s query likelihood", RerankMode.JUDGE: f"{llm}'s yes/no judgement",
+    judge = (f"{llm} by the {resolve_recipe(config.rerank_recipe, config.rerank_template, config.model)[0]} reranker "
+             "recipe") if RerankMode(rerank_mode) is RerankMode.JUDGE else ""
+    scored_by = {RerankMode.LIKELIHOOD: f"{llm}'s query likelihood", RerankMode.JUDGE: judge,
                  RerankMode.CROSS_ENCODER: f"the cross-encoder {Path(str(config.reranker)).name}",
                  RerankMode.FUSION: f"{embedder.name if embedder else 'the embedder'}'s cosine + {llm}'s query "
                                     "likelihood",

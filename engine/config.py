@@ -29,6 +29,21 @@ class RerankMode(str, enum.Enum):
 
 
 _RERANK_MODES = tuple(m.value for m in RerankMode)
+
+
+class RerankRecipe(str, enum.Enum):
+    """The judge mode's LLM reranker recipe (engine/rerank/recipes.py)."""
+    QWEN3 = "qwen3"  # Qwen3-Reranker's model card
+    MXBAI_V2 = "mxbai-v2"  # mixedbread's mxbai-rerank-v2 (the mxbai-rerank library)
+    TEMPLATE = "template"  # rerank_template: any other model
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+RERANK_RECIPES = tuple(r.value for r in RerankRecipe)
 _EMBEDDER_MODES = {RerankMode.FUSION: "fuses query likelihood with the embedder's cosine",
                    RerankMode.DENSE: "scores by the embedder's cosine",
                    RerankMode.CASCADE: "ranks by the embedder's cosine first"}
@@ -53,6 +68,19 @@ class EngineConfig:
     rerank_mode: RerankMode | None = None  # a RerankMode's value (a plain string) is taken too
     # The cascade mode: how many of the dense top documents the LLM re-scores (the rest keep the dense order).
     rerank_cascade_k: int = 8
+    # The judge mode's LLM reranker recipe (engine/rerank/recipes.py): "qwen3" (Qwen3-Reranker), "mxbai-v2"
+    # (mxbai-rerank-v2) or "template" (rerank_template); None: read from the model directory (a rerank_template.json
+    # in it, or a name that says Qwen3-Reranker / mxbai-rerank-v2), else qwen3. A recipe given or found makes judge
+    # the default mode.
+    rerank_recipe: RerankRecipe | None = None  # a RerankRecipe's value (a plain string) is taken too
+    # The template recipe's template: the path of a JSON file or the JSON itself ({"template": "...{query}...
+    # {document}...", "classifier_from_token": ["no", "yes"], "instruction": ..., "add_special_tokens": ...}).
+    rerank_template: str | None = None
+    # Long documents (every mode but fusion and cascade): how many overlapping windows of the reranker's window a
+    # document may be scored as (its score: the best window's); 1: one window, the document cut at its end
+    # (truncate="end") as TEI and vLLM do. A request's max_windows (Cohere's max_chunks_per_doc) overrides it.
+    rerank_max_windows: int = 1
+    rerank_window_overlap: int = 80  # tokens two windows share (Jina's reranker v2 overlaps 80); at most half a window
     # A Jinja chat template (a file's path or the template itself) replacing the tokenizer's own, or giving a base
     # model (a GGUF without one) a template at all; None: the tokenizer's.
     chat_template: str | None = None
@@ -110,7 +138,10 @@ class EngineConfig:
             self.max_num_batched_tokens = DEFAULT_STEP_TOKENS_CUDA if str(self.device).startswith("cuda") \
                 else DEFAULT_STEP_TOKENS_CPU
         _positive(self, "block_size", "max_num_batched_tokens", "max_embed_batch_tokens", "max_num_seqs", "kv_cache_bytes",
-                  "max_rerank_documents", "max_embed_inputs", "priority_aging_steps", "rerank_cascade_k")
+                  "max_rerank_documents", "max_embed_inputs", "priority_aging_steps", "rerank_cascade_k",
+                  "rerank_max_windows")
+        if not _is_int(self.rerank_window_overlap) or self.rerank_window_overlap < 0:
+            raise ValueError(f"rerank_window_overlap must be an integer >= 0, got {self.rerank_window_overlap!r}")
         for name in ("num_kv_blocks", "max_model_len", "num_threads"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
@@ -128,6 +159,14 @@ class EngineConfig:
             if self.rerank_mode not in _RERANK_MODES:
                 raise ValueError(f"rerank_mode must be one of {', '.join(_RERANK_MODES)}, got {self.rerank_mode!r}")
             self.rerank_mode = RerankMode(self.rerank_mode)
+        if self.rerank_recipe is not None:
+            if self.rerank_recipe not in RERANK_RECIPES:
+                raise ValueError(f"rerank_recipe must be one of {', '.join(RERANK_RECIPES)}, got "
+                                 f"{self.rerank_recipe!r}")
+            self.rerank_recipe = RerankRecipe(self.rerank_recipe)
+        if (self.rerank_recipe is not None or self.rerank_template) and self.rerank_mode not in (None, RerankMode.JUDGE):
+            raise ValueError(f"rerank_recipe / rerank_template are the judge mode's; rerank_mode is "
+                             f"{self.rerank_mode.value!r}")
         if self.rerank_mode is RerankMode.CROSS_ENCODER and not self.reranker:
             raise ValueError("rerank_mode 'cross-encoder' needs reranker=DIR (a sequence-classification model)")
         if self.reranker and self.rerank_mode not in (None, RerankMode.CROSS_ENCODER):
@@ -299,6 +338,10 @@ class RerankParams:
     # Cut each document to its first N tokens before scoring (Cohere's max_tokens_per_doc), in the tokens of the model
     # that reads it (the LLM's in a pair, the cross-encoder's, the embedder's), as it tokenizes the document anyway.
     max_document_tokens: int | None = None
+    # A document longer than the reranker's window is scored as up to this many overlapping windows, its score the
+    # best window's (Cohere v1's max_chunks_per_doc); past them it is cut (truncate="end") or refused ("none").
+    # None: the engine's rerank_max_windows (1 unless the server says otherwise).
+    max_windows: int | None = None
 
     def __post_init__(self) -> None:
         if self.top_n is not None and (not _is_int(self.top_n) or self.top_n < 1):
@@ -308,6 +351,8 @@ class RerankParams:
         if self.max_document_tokens is not None and (not _is_int(self.max_document_tokens)
                                                      or self.max_document_tokens < 1):
             raise ValueError(f"max_document_tokens must be >= 1, got {self.max_document_tokens!r}")
+        if self.max_windows is not None and (not _is_int(self.max_windows) or self.max_windows < 1):
+            raise ValueError(f"max_windows must be >= 1, got {self.max_windows!r}")
 
 
 def _is_int(x) -> bool:

@@ -285,7 +285,7 @@ class LLMEngine:
         """Everything queued for `job` has run: queue its held pairs the scorer now chooses (the cascade's dense top
         k, once its embedder rows are in), or else end it."""
         if isinstance(job, RerankJob) and job.held:
-            for seq in job.release(self.scorer.chosen(job.vectors)):
+            for seq in job.release(self.scorer.chosen(job.pooled_vectors())):
                 self.scheduler.add(seq)
             return
         outputs.append(self._done(job))
@@ -294,7 +294,7 @@ class LLMEngine:
         """The final output of a rerank or embedding job whose last pair or row has run."""
         del self._requests[job.request_id]
         if isinstance(job, RerankJob):
-            job.scores = self.scorer.request_scores(job.scores, job.vectors if job.rows else None)
+            job.scores = self.scorer.request_scores(job.pooled_scores(), job.pooled_vectors() if job.rows else None)
         return _final_output(job, FinishReason.STOP)
 
     def _append(self, gen: Generation, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float,
@@ -478,6 +478,7 @@ def _final_output(req: Request, reason: FinishReason, error: str | None = None) 
                           error=error, scores=list(req.scores) if reason is FinishReason.STOP else None,
                           document_tokens=list(req.document_tokens) if reason is FinishReason.STOP else None,
                           truncated=list(req.truncated) if reason is FinishReason.STOP else None,
+                          windows=list(req.windows) if reason is FinishReason.STOP else None,
                           prompt_tokens=req.prompt_tokens, cached_tokens=req.cached_tokens,
                           arrival_time=req.arrival_time,
                           queue_time_s=min(started) - req.arrival_time if started else None)

@@ -17,7 +17,9 @@ from engine import chat_templates
 from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
 from engine.detokenizer import TextStream
 from engine.embed import EmbedJob, Embedder
+from engine.errors import InputTooLong
 from engine.rerank import PairPhase, PairScorer, RerankJob
+from engine.rerank.pairs import covered, split_windows
 from engine.request import FinishReason, RerankPair, Sequence, SeqKind
 
 if TYPE_CHECKING:
@@ -141,22 +143,39 @@ class RequestIntake:
         if any(not isinstance(d, str) for d in documents):
             raise ValueError("documents must all be strings")
         job = RerankJob(request_id, query, list(documents), params, arrival_time=time.monotonic(),
-                        scores=[None] * len(documents), span_logprobs=[[] for _ in documents])
+                        scores=[None] * len(documents), span_logprobs=[[] for _ in documents],
+                        windows=[1] * len(documents))
         scorer = self.scorer
+        windows = self.max_windows(params)
         if scorer.pair_phase is not PairPhase.NEVER:
-            self._rerank_pairs(job)
+            # fusion and cascade: windows are the embedder's (its rows); their LLM pair reads the document whole (cut
+            # at the context, as without windows), one pair per document
+            self._rerank_pairs(job, 1 if scorer.embeds else windows)
         if scorer.embeds:
-            self._rerank_rows(job)
+            self._rerank_rows(job, windows)
         return job
 
-    def _rerank_pairs(self, job: RerankJob) -> None:
-        """One prefill-only pair sequence per document: queued now, or held until the embedder rows have run
-        (PairPhase.AFTER_ROWS: the cascade queues the chosen ones, RerankJob.release)."""
+    def max_windows(self, params: RerankParams) -> int:
+        """The most windows a document of this request may be scored as."""
+        return params.max_windows if params.max_windows is not None else self.config.rerank_max_windows
+
+
+
+    def _rerank_pairs(self, job: RerankJob, max_windows: int = 1) -> None:
+        """One prefill-only pair sequence per document (per window of a long one): queued now, or held until the
+        embedder rows have run (PairPhase.AFTER_ROWS: the cascade queues the chosen ones, RerankJob.release)."""
         scorer, params = self.scorer, job.params
         limit, limit_by = self.rerank_limit()
-        pairs, shared = scorer.pairs(job.query, job.documents, params, limit, limit_by)
-        job.document_tokens = [p.document_tokens for p in pairs]
-        job.truncated = [p.truncated for p in pairs]
+        pairs, shared = scorer.pairs(job.query, job.documents, params, limit, limit_by, max_windows,
+                                     self.config.rerank_window_overlap)
+        firsts = [p for j, p in enumerate(pairs) if j == 0 or pairs[j - 1].document != p.document]
+        job.document_tokens = [p.document_tokens for p in firsts]
+        job.truncated = [p.truncated for p in firsts]
+        job.windows = [p.windows for p in firsts]
+        if len(pairs) != len(job.documents):  # windows: scores per pair, pooled per document when the job ends
+            job.pair_units = [p.document for p in pairs]
+            job.scores = [None] * len(pairs)
+            job.span_logprobs = [[] for _ in pairs]
         # Later pairs wait for the first when it fills at least one full block of their shared prefix.
         wait = scorer.runs_on_llm and self.config.enable_prefix_caching and shared >= self.config.block_size
         at_once = scorer.pair_phase is PairPhase.AT_ONCE
@@ -175,7 +194,7 @@ class RequestIntake:
         else:  # counted in `remaining` as release() queues the chosen ones
             job.held, job.wait_for_first = seqs, wait
 
-    def _rerank_rows(self, job: RerankJob) -> None:
+    def _rerank_rows(self, job: RerankJob, max_windows: int = 1) -> None:
         """An embedding mode's rows: the query's, then each document's (cut to the embedder's limit as an embedding
         request's are), in the same steps as any pairs. Where they alone score (the dense mode) they are what the
         response's document_tokens and truncated describe, and truncate='none' refuses a document they would cut."""
@@ -184,18 +203,50 @@ class RequestIntake:
             raise ValueError(f"the {self.scorer.mode} rerank mode needs an embedder, and this engine has none")
         params = EmbedParams(priority=job.params.priority)
         cut = job.params.max_document_tokens
-        if cut is None:
+        if max_windows > 1:  # a long document in windows of the embedder's limit
+            rows = embedder.rows([job.query], None, params) + self._window_rows(job, max_windows, cut, params)
+        elif cut is None:
             rows = embedder.rows([job.query, *job.documents], None, params)
         else:  # the documents' own tokens cut to `cut` (each text still tokenized once)
             ids = [embedder.with_special_tokens(list(d)[:cut])
                    for d in embedder.tokenizer(job.documents, add_special_tokens=False).input_ids]
             rows = embedder.rows([job.query], None, params) + embedder.rows(None, ids, params)
-        if self.scorer.pair_phase is PairPhase.NEVER:
+        if self.scorer.pair_phase is PairPhase.NEVER and max_windows == 1:
             self._describe_documents(job, rows[1:])
         job.rows = self._embed_sequences(job.request_id, rows, params, job.arrival_time,
                                          "a document has too many embedder tokens")
         job.vectors = [None] * len(rows)
         job.remaining += len(rows)
+
+    def _window_rows(self, job: RerankJob, max_windows: int, cut: int | None, params: EmbedParams) -> list:
+        """The document rows when documents may be windowed: each document's embedder tokens (cut to `cut` first)
+        as up to `max_windows` overlapping windows of the embedder's limit, one row each; the job's windows, and in
+        the dense mode (where the rows alone score) its documents' tokens covered and cuts, truncate='none' refusing
+        one that needs more windows."""
+        embedder = self.embedder
+        room = embedder.max_length - embedder.num_special_tokens
+        overlap = self.config.rerank_window_overlap
+        alone = self.scorer.pair_phase is PairPhase.NEVER
+        ids = []
+        units, windows, covered_tokens, truncated = [], [], [], []
+        for i, doc in enumerate(embedder.tokenizer(job.documents, add_special_tokens=False).input_ids):
+            doc = list(doc)[:cut] if cut is not None else list(doc)
+            parts, cut_off = split_windows(doc, room, overlap, max_windows)
+            if cut_off and job.params.truncate == "none" and alone:
+                raise InputTooLong(f"documents[{i}] is over {max_windows} windows of the embedder's limit of "
+                                   f"{embedder.max_length} tokens ({embedder.name}): shorten it, send more "
+                                   "max_windows or use truncate='end'")
+            ids += [embedder.with_special_tokens(p) for p in parts]
+            units += [i] * len(parts)
+            windows.append(len(parts))
+            covered_tokens.append(covered(parts, room, overlap))
+            truncated.append(cut_off)
+        if alone:
+            job.document_tokens, job.truncated = covered_tokens, truncated
+        job.windows = windows
+        if len(units) != len(job.documents):
+            job.row_units = units
+        return embedder.rows(None, ids, params)
 
     def _describe_documents(self, job: RerankJob, rows: list) -> None:
         """document_tokens and truncated from the documents' embedder rows; ValueError for a cut one under

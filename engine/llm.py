@@ -47,7 +47,7 @@ class LLM:
             return final.scores
         params = params or RerankParams()
         return rank_scores(final.scores, documents, params.top_n, params.return_documents, final.document_tokens,
-                           final.truncated)
+                           final.truncated, final.windows)
 
     def embed(self, texts: str | list[str] | list[list[int]], params: EmbedParams | None = None
               ) -> list[list[float]]:

@@ -32,6 +32,7 @@ class StepOutput:
     scores: list[float] | None = None  # rerank: one per document, input order, only when finished
     document_tokens: list[int] | None = None  # rerank, with scores: per document, its tokens the score saw
     truncated: list[bool] | None = None  # rerank, with scores: per document, whether it was cut to fit the limit
+    windows: list[int] | None = None  # rerank, with scores: per document, the windows it was scored as (its best)
     # embed: one vector per input, input order, only when finished (`truncated` then says which inputs were cut)
     embeddings: list[list[float]] | None = None
     prompt_tokens: int = 0
@@ -75,15 +76,17 @@ class RerankResult:
     document: str | None = None  # with RerankParams(return_documents=True)
     document_tokens: int = 0  # the document's tokens the score saw
     truncated: bool = False  # the document was cut at its end to fit the rerank pair limit (truncate="end")
+    windows: int = 1  # overlapping windows the document was scored as, its score the best of theirs (max_windows)
 
 
 def rank_scores(scores: list[float], documents: list[str], top_n: int | None, return_documents: bool,
-                document_tokens: list[int] | None = None, truncated: list[bool] | None = None
-                ) -> list[RerankResult]:
+                document_tokens: list[int] | None = None, truncated: list[bool] | None = None,
+                windows: list[int] | None = None) -> list[RerankResult]:
     """Highest score first (ties keep input order), at most top_n."""
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:top_n]
     return [RerankResult(i, scores[i], documents[i] if return_documents else None,
-                         document_tokens[i] if document_tokens else 0, bool(truncated and truncated[i]))
+                         document_tokens[i] if document_tokens else 0, bool(truncated and truncated[i]),
+                         windows[i] if windows else 1)
             for i in order]
 
 

@@ -223,7 +223,7 @@ class RequestError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
-    __slots__ = ("query", "documents", "top_n", "return_documents", "truncate", "instruction", "priority", "model", "request_id")
+    __slots__ = ("query", "documents", "top_n", "return_documents", "truncate", "instruction", "priority", "model", "request_id", "max_windows")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +233,7 @@ class RerankRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     query: str
     documents: _containers.RepeatedScalarFieldContainer[str]
     top_n: int
@@ -242,21 +243,24 @@ class RerankRequest(_message.Message):
     priority: int
     model: str
     request_id: str
-    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., instruction: _Optional[str] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    max_windows: int
+    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., instruction: _Optional[str] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ..., max_windows: _Optional[int] = ...) -> None: ...
 
 class RerankResult(_message.Message):
-    __slots__ = ("index", "score", "document", "document_tokens", "truncated")
+    __slots__ = ("index", "score", "document", "document_tokens", "truncated", "windows")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     DOCUMENT_FIELD_NUMBER: _ClassVar[int]
     DOCUMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
     index: int
     score: float
     document: str
     document_tokens: int
     truncated: bool
-    def __init__(self, index: _Optional[int] = ..., score: _Optional[float] = ..., document: _Optional[str] = ..., document_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
+    windows: int
+    def __init__(self, index: _Optional[int] = ..., score: _Optional[float] = ..., document: _Optional[str] = ..., document_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ..., windows: _Optional[int] = ...) -> None: ...
 
 class RerankResponse(_message.Message):
     __slots__ = ("request_id", "results", "usage", "mode")

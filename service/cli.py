@@ -28,6 +28,16 @@ _ENGINE_FLAGS = [
                                  "embedder, else likelihood)"),
     ("--rerank-cascade-k", int, None, "the cascade mode: how many of the embedder's top documents the LLM re-scores "
                                       "(default 8)"),
+    ("--rerank-recipe", str, None, "qwen3 | mxbai-v2 | template: the judge mode's LLM reranker recipe (default: "
+                                   "what the model directory says, else qwen3; naming one makes judge the default "
+                                   "mode)"),
+    ("--rerank-template", str, None, "the template recipe: a JSON file or JSON text with template ({query}, "
+                                     "{document}, {instruction} slots), classifier_from_token, instruction"),
+    ("--rerank-max-windows", int, None, "a document longer than the reranker's window is scored as up to N "
+                                        "overlapping windows, its score the best one's (default 1: cut, as "
+                                        "TEI/vLLM; a request's max_windows / max_chunks_per_doc overrides it)"),
+    ("--rerank-window-overlap", int, None, "tokens two windows of a long document share (default 80, at most half "
+                                           "a window)"),
     ("--chat-template", str, None, "a shipped template (gemma, llama3, chatml/qwen, mistral), a Jinja chat "
                                    "template, or the path of a file holding one, replacing the model's (or giving a "
                                    "base model one)"),
@@ -116,8 +126,9 @@ _SERVER_FLAGS = [
 ]
 # `tandem serve --help` groups the flags by subject (argparse groups, in this order).
 _GROUPS = [
-    ("model", "what is served", ["--model", "--reranker", "--rerank-mode", "--rerank-cascade-k", "--embedder", "--chat-template",
-                                 "--device", "--dtype", "--quantization", "--cpu-activations"]),
+    ("model", "what is served", ["--model", "--reranker", "--rerank-mode", "--rerank-cascade-k", "--rerank-recipe",
+                                 "--rerank-template", "--rerank-max-windows", "--rerank-window-overlap", "--embedder",
+                                 "--chat-template", "--device", "--dtype", "--quantization", "--cpu-activations"]),
     ("engine", "memory, context and scheduling", [
         "--kv-cache-bytes", "--num-kv-blocks", "--max-model-len", "--block-size", "--max-num-batched-tokens",
         "--max-embed-batch-tokens", "--max-num-seqs", "--rerank-share", "--tpot-target-ms", "--num-threads",

@@ -454,7 +454,7 @@ class CoreAPI:
         event = await self._final(future, lc, "rerank", inp.cut_hint)
         params = inp.params
         results = rank_scores(event.scores, inp.documents, params.top_n, params.return_documents,
-                              event.document_tokens, event.truncated)
+                              event.document_tokens, event.truncated, event.windows)
         return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode)
 
     async def _final(self, future: asyncio.Future, lc: RequestLifecycle, what: str, cut_hint: str) -> StepOutput:

@@ -287,7 +287,8 @@ def rerank_input(req: pb.RerankRequest) -> RerankInput:
                               truncate="none" if req.truncate == pb.TRUNCATE_NONE else "end",
                               return_documents=req.return_documents,
                               instruction=req.instruction if req.HasField("instruction") else None,
-                              priority=req.priority)
+                              priority=req.priority,
+                              max_windows=req.max_windows if req.HasField("max_windows") else None)
     except ValueError as exc:
         raise invalid(str(exc)) from None
     return RerankInput(req.request_id, req.query, list(req.documents), params, model=req.model)
@@ -352,7 +353,7 @@ def _generate_error(client_id: str, error: ServiceError) -> pb.GenerateServerMes
 
 def rerank_response(outcome: RerankOutcome) -> pb.RerankResponse:
     results = [pb.RerankResult(index=r.index, score=r.score, document=r.document, document_tokens=r.document_tokens,
-                               truncated=r.truncated) for r in outcome.results]
+                               truncated=r.truncated, windows=r.windows) for r in outcome.results]
     return pb.RerankResponse(request_id=outcome.request_id, results=results, usage=_usage(outcome.usage),
                              mode=str(outcome.mode))
 

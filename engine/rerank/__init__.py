@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.config import EngineConfig, RerankMode
 from engine.rerank.job import RerankJob
 from engine.rerank.pairs import PairTemplate, PairTokens
+from engine.rerank.recipes import recipe_from_dir, resolve
 from engine.rerank.scorer import PairPhase, PairScorer
 from engine.settings import Settings
 
@@ -20,12 +21,15 @@ __all__ = ["PairPhase", "PairScorer", "PairTemplate", "PairTokens", "RerankJob",
 
 
 def default_mode(config: EngineConfig) -> RerankMode:
-    """The mode `config` runs: rerank_mode when set, else a cross-encoder when one is given, else dense when an
-    embedder is loaded, else query likelihood."""
+    """The mode `config` runs: rerank_mode when set, else a cross-encoder when one is given, else the judge when a
+    reranker recipe is named or the model directory declares one (an LLM reranker), else dense when an embedder is
+    loaded, else query likelihood."""
     if config.rerank_mode is not None:
         return config.rerank_mode
     if config.reranker:
         return RerankMode.CROSS_ENCODER
+    if config.rerank_recipe is not None or config.rerank_template or recipe_from_dir(config.model) is not None:
+        return RerankMode.JUDGE  # an LLM reranker: the model is there to rerank by its recipe
     return DEFAULT_WITH_EMBEDDER if config.embedder else DEFAULT_LLM_MODE
 
 
@@ -45,7 +49,8 @@ def build_scorer(config: EngineConfig, tokenizer, model, settings: Settings, sha
     if mode is RerankMode.JUDGE:
         from engine.rerank.judge import JudgeScorer
 
-        return JudgeScorer(tokenizer, model)
+        recipe, template = resolve(config.rerank_recipe, config.rerank_template, config.model)
+        return JudgeScorer(tokenizer, model, recipe, template)
     if mode is RerankMode.FUSION:
         from engine.rerank.fusion import FusionScorer
 

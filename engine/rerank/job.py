@@ -34,6 +34,37 @@ class RerankJob:
     # the chosen ones to `pairs` once the rows have run.
     held: list[Sequence] = field(default_factory=list)
     wait_for_first: bool = False  # later pairs wait for the first one queued (it fills their shared prefix)
+    # Long documents in windows: per pair, the document it scores (`scores` and `span_logprobs` are per pair), and per
+    # embedder row after the query's, the document it embeds (`vectors` are per row); empty: one per document.
+    pair_units: list[int] = field(default_factory=list)
+    row_units: list[int] = field(default_factory=list)
+    windows: list[int] = field(default_factory=list)  # per document: the windows it was scored as
+
+    def pooled_scores(self) -> list[float | None]:
+        """Per document: the best of its pairs' scores (max pooling)."""
+        if not self.pair_units:
+            return self.scores
+        best: list[float | None] = [None] * len(self.documents)
+        for doc, score in zip(self.pair_units, self.scores):
+            if score is not None:
+                best[doc] = score if best[doc] is None else max(best[doc], score)
+        return best
+
+    def pooled_vectors(self) -> list[torch.Tensor]:
+        """The query's vector, then per document its window's vector nearest the query (highest cosine: a
+        window-pooled cosine, max pooling, for every mode that reads the cosine)."""
+        if not self.row_units:
+            return self.vectors
+        import torch
+
+        query, rows = self.vectors[0], self.vectors[1:]
+        unit = torch.nn.functional.normalize(torch.stack(list(self.vectors)).float(), dim=-1)
+        cos = (unit[1:] @ unit[0]).tolist()
+        best: list[int | None] = [None] * len(self.documents)
+        for r, doc in enumerate(self.row_units):
+            if best[doc] is None or cos[r] > cos[best[doc]]:
+                best[doc] = r
+        return [query] + [rows[r] for r in best]
 
     def release(self, indices: list[int]) -> list[Sequence]:
         """Queue the held pairs of documents `indices` and drop the rest; returns the queued ones, in document order.

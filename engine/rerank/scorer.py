@@ -96,14 +96,15 @@ class PairScorer(ABC):
         then each document's) has run; the pairs' own scores in every mode but fusion."""
         return pair_scores
 
-    def pairs(self, query: str, documents: list[str], params: RerankParams, limit: int, limit_by: str = ""
-              ) -> tuple[list[PairTokens], int]:
-        """Every pair within `limit` tokens (set by `limit_by`, named in errors), and the length of the prefix they
-        share."""
+    def pairs(self, query: str, documents: list[str], params: RerankParams, limit: int, limit_by: str = "",
+              max_windows: int = 1, overlap: int = 0) -> tuple[list[PairTokens], int]:
+        """Every pair within `limit` tokens (set by `limit_by`, named in errors): one per document, or one per window
+        of a document longer than that (up to `max_windows`, `overlap` tokens shared); and the length of the prefix
+        they share."""
         if not documents:
             return [], 0
         template = self.template(query, params)
         ids = self.document_ids(documents)
         if params.max_document_tokens is not None:
             ids = [d[:params.max_document_tokens] for d in ids]
-        return template.fit(ids, limit, params.truncate, limit_by), len(template.prefix)
+        return template.fit(ids, limit, params.truncate, limit_by, max_windows, overlap), len(template.prefix)

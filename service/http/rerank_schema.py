@@ -13,7 +13,6 @@ from service.http.errors import HttpError
 from service.http.openai_schema import refuse_extras
 
 _UNSUPPORTED = {"rank_fields": "documents are plain text (a string or {\"text\": ...})",
-                "max_chunks_per_doc": "documents are scored whole (cut at the end with truncation)",
                 "raw_scores": "scores are in [0, 1] (see docs/http.md)",
                 "truncation_direction": "documents are cut at the end only"}
 
@@ -37,6 +36,7 @@ class CohereRerank(_Model):
     top_n: int | None = None
     return_documents: bool | None = None
     max_tokens_per_doc: int | None = None
+    max_chunks_per_doc: int | None = None  # Cohere v1's: a long document as up to N windows, scored as its best
     # tandem's own
     instruction: str | None = None
     priority: int | None = None
@@ -47,11 +47,15 @@ class CohereRerank(_Model):
         for i, d in enumerate(self.documents):
             if isinstance(d, TextDocument):
                 refuse_extras(d, f"documents[{i}].")
+        if self.max_chunks_per_doc is not None and self.max_chunks_per_doc < 1:
+            raise HttpError(400, f"max_chunks_per_doc must be >= 1, got {self.max_chunks_per_doc}",
+                            param="max_chunks_per_doc")
         params = _params(top_n=None if self.top_n is None else _int32(self.top_n, "top_n"),
                          truncate="none" if self.truncate is False else "end",
                          return_documents=default_return_documents if self.return_documents is None
                          else self.return_documents,
-                         instruction=self.instruction, priority=_int32(self.priority or 0, "priority"))
+                         instruction=self.instruction, priority=_int32(self.priority or 0, "priority"),
+                         max_windows=self.max_chunks_per_doc)
         return RerankInput(uuid.uuid4().hex, self.query, self.texts(), params, model=self.model,
                            max_tokens_per_doc=self.max_tokens_per_doc,
                            cut_hint="send truncate: true (or leave it out) to cut it at its end")
@@ -68,6 +72,9 @@ class TeiRerank(_Model):
     raw_scores: bool | None = None
     return_text: bool | None = None
     truncation_direction: str | None = None
+    # tandem's own (TEI has neither): the judge's instruction, and a long document as up to N windows (its best)
+    instruction: str | None = None
+    max_windows: int | None = None
 
     def to_input(self) -> RerankInput:
         if self.truncation_direction not in (None, "Right", "right"):
@@ -77,7 +84,8 @@ class TeiRerank(_Model):
             raise HttpError(400, f"raw_scores is not supported: {_UNSUPPORTED['raw_scores']}", param="raw_scores")
         refuse_extras(self)
         return RerankInput(uuid.uuid4().hex, self.query, list(self.texts),
-                           _params(truncate="end" if self.truncate else "none", return_documents=bool(self.return_text)),
+                           _params(truncate="end" if self.truncate else "none", return_documents=bool(self.return_text),
+                                   instruction=self.instruction, max_windows=self.max_windows),
                            cut_hint=TEI_CUT_HINT)
 
 
@@ -112,7 +120,7 @@ def cohere_response(outcome: RerankOutcome, *, model: str) -> dict:
     """Cohere's fields (id, results, meta) plus Jina's (model, usage, document as {text})."""
     results = []
     for r in outcome.results:
-        item = {"index": r.index, "relevance_score": r.score}
+        item = {"index": r.index, "relevance_score": r.score, "windows": r.windows}
         if r.document is not None:
             item["document"] = {"text": r.document}
         results.append(item)
@@ -126,7 +134,7 @@ def cohere_response(outcome: RerankOutcome, *, model: str) -> dict:
 def tei_response(outcome: RerankOutcome) -> list[dict]:
     out = []
     for r in outcome.results:
-        item = {"index": r.index, "score": r.score}
+        item = {"index": r.index, "score": r.score, "windows": r.windows}
         if r.document is not None:
             item["text"] = r.document
         out.append(item)

@@ -145,6 +145,11 @@ def test_engine_flags_reach_the_engine_config_and_unset_ones_keep_its_defaults(m
     assert _engine_config("--rerank-mode", "judge").rerank_mode == "judge"
     cascade = _engine_config("--rerank-mode", "cascade", "--rerank-cascade-k", "5")
     assert (cascade.rerank_mode, cascade.rerank_cascade_k) == ("cascade", 5)
+    recipe = _engine_config("--rerank-recipe", "mxbai-v2", "--rerank-max-windows", "4", "--rerank-window-overlap", "32")
+    assert (recipe.rerank_recipe, recipe.rerank_max_windows, recipe.rerank_window_overlap) == ("mxbai-v2", 4, 32)
+    assert _engine_config("--rerank-template", '{"template": "{query} {document}"}').rerank_template.startswith("{")
+    with pytest.raises(ValueError, match="rerank_recipe must be one of qwen3, mxbai-v2, template"):
+        _engine_config("--rerank-recipe", "bge")
     monkeypatch.setenv("TANDEM_RERANK_MODE", "likelihood")
     assert _engine_config().rerank_mode == "likelihood"
     monkeypatch.setenv("TANDEM_RERANK_MODE", "yesno")

@@ -3,6 +3,7 @@ excerpts, one-line start-up errors, the metrics port's 404, and the threading en
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -100,6 +101,19 @@ def test_rerank_prints_an_excerpt_unless_full(served):
     assert " ".join(long_doc.split()).startswith(shown[:-1])
     code, out = _cli("rerank", "--target", served.address, "--full", "--query", "capital of France", *docs)
     assert code == 0 and long_doc in out
+
+
+def test_rerank_max_windows_reaches_the_server_and_each_result_says_its_windows(served):
+    long_doc = "The committee discussed road repairs. " * 80 + "Paris is the capital of France."  # > 256 tokens
+    code, out = _cli("rerank", "--target", served.address, "--json", "--max-windows", "6", "--query",
+                     "capital of France", long_doc, "Bananas.")
+    windows = {r["index"]: r["windows"] for r in json.loads(out)}
+    assert code == 0 and windows[1] == 1 and 2 <= windows[0] <= 6
+    code, out = _cli("rerank", "--target", served.address, "--query", "capital of France", "--max-windows", "6",
+                     long_doc)
+    assert code == 0 and f"[best of {windows[0]} windows]" in out
+    code, out = _cli("rerank", "--target", served.address, "--json", "--query", "capital of France", long_doc)
+    assert code == 0 and json.loads(out)[0]["windows"] == 1  # the server's default: cut
 
 
 def _status(url: str) -> tuple[int, bytes]:

@@ -89,7 +89,7 @@ def test_the_cli_marks_truncated_documents(monkeypatch):
     monkeypatch.setattr(cli, "_client", lambda args: Fake())
     out = io.StringIO()
     args = argparse.Namespace(query="q", documents=["long ...", "short"], top_n=None, instruction=None,
-                              truncate="end", timeout=None, json=False, full=False)
+                              truncate="end", timeout=None, json=False, full=False, max_windows=None)
     assert cli._rerank(args, out) == 0
     lines = out.getvalue().splitlines()
     assert lines[0].endswith("short") and lines[1].endswith("long ...  [truncated to 300 tokens]")
