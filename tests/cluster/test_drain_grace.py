@@ -18,7 +18,7 @@ from tests.cluster.harness import REPLICA_ENV, ROOT, SERVE_ARGS, TANDEM
 
 def _health(url: str) -> int:
     try:
-        with urllib.request.urlopen(url, timeout=5) as reply:
+        with urllib.request.urlopen(url, timeout=120) as reply:  # a guard, not a speed bound
             return reply.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -36,7 +36,7 @@ def graced():
     yield proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/healthz"
     if proc.poll() is None:
         proc.kill()
-    proc.wait(30)
+    proc.wait(120)
 
 
 async def test_sigterm_reports_not_serving_first_and_serves_through_the_grace(graced):
@@ -59,4 +59,4 @@ async def test_sigterm_reports_not_serving_first_and_serves_through_the_grace(gr
     # "server is draining" if the call arrived before the transport closed; after, grpc's own UNAVAILABLE, or
     # CANCELLED for a call the closing server was already holding
     assert refused.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-    assert proc.wait(60) == 0
+    assert proc.wait(600) == 0  # a guard: a loaded host may take a while to close
