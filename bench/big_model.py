@@ -12,7 +12,7 @@ benchmarks serve, by one name (`--model-size`).
   (bench/llama_server.py builds and caches both tools). The HF directory is removed once the F16 file exists.
 
     ~/.cache/tandem/bench-models/smollm2-1.7b-random-s0/
-        f16.gguf  q4_k_m.gguf  q8_0.gguf
+        smollm2-1.7b-random-s0.F16.gguf  smollm2-1.7b-random-s0.Q4_K_M.gguf  smollm2-1.7b-random-s0.Q8_0.gguf
 
 `python -m bench.big_model --model-size 1.7b --quant q4_k_m [--parity]` makes (or finds) the file and prints its
 path; `--parity` also checks tandem's log-probabilities and greedy tokens on it against transformers loading the same
@@ -23,6 +23,7 @@ the converter and the quantizer), the parity ~5 minutes and ~10 GB of memory (tr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -119,6 +120,7 @@ def random_tensor(name: str, size: tuple[int, ...], seed: int, index: int, dtype
     return (torch.randn(size, generator=g) * STD).to(dtype)
 
 
+@functools.cache
 def embedded_tokenizer():
     """The embedded SmolLM2-135M-Instruct's tokenizer (read from its GGUF file; no network)."""
     from transformers import AutoTokenizer
@@ -200,7 +202,7 @@ def made_gguf(quant: Quant | None, shape: Shape = SMOLLM2_1P7B, seed: int = 0, d
 
     directory = directory or made_dir(shape, seed)
     directory.mkdir(parents=True, exist_ok=True)
-    f16 = directory / "f16.gguf"
+    f16 = directory / f"{directory.name}.F16.gguf"
     if not f16.is_file():
         with tempfile.TemporaryDirectory(prefix="hf-", dir=directory) as tmp:
             print(f"big_model: writing the random HF model into {tmp}", file=sys.stderr, flush=True)
@@ -210,7 +212,7 @@ def made_gguf(quant: Quant | None, shape: Shape = SMOLLM2_1P7B, seed: int = 0, d
             convert_to_gguf(hf, f16, source_tree() / "convert_hf_to_gguf.py")
     if quant is None:
         return f16
-    out = directory / f"{quant.value}.gguf"
+    out = directory / f"{directory.name}.{quant.value.upper()}.gguf"
     if not out.is_file():
         print(f"big_model: quantizing to {out} (llama.cpp's llama-quantize)", file=sys.stderr, flush=True)
         quantize(f16, out, quant, llama_tools().quantize)
@@ -233,7 +235,8 @@ def model_file(size: ModelSize | str, quant: Quant | str = Quant.Q4_K_M, seed: i
 
 def parity(path: Path, prompts: list[list[int]], new_tokens: int = 16) -> dict:
     """tandem (in process, its default CPU path) against transformers on the same GGUF file: each prompt token's
-    log-probability (max and mean |difference|) and greedy tokens (identical share, first difference)."""
+    log-probability (max and mean |difference|) and greedy tokens (identical share, first difference); transformers'
+    greedy tokens in `reference_tokens`."""
     from transformers import AutoModelForCausalLM
 
     from engine import LLM, EngineConfig, SamplingParams
@@ -245,7 +248,7 @@ def parity(path: Path, prompts: list[list[int]], new_tokens: int = 16) -> dict:
     ours_tokens = [list(o.token_ids) for o in outs]
     del llm, outs
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    diffs, firsts = [], []
+    diffs, firsts, refs = [], [], []
     with torch.inference_mode():
         for ids, lp, toks in zip(prompts, ours_lp, ours_tokens):
             x = torch.tensor([ids])
@@ -253,10 +256,12 @@ def parity(path: Path, prompts: list[list[int]], new_tokens: int = 16) -> dict:
             diffs += [abs(a - b) for a, b in zip(lp, ref)]
             y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+            refs.append(y)
             firsts.append(next((i for i, (a, b) in enumerate(zip(toks, y)) if a != b), None))
     return {"prompt_logprob_abs_diff_max": max(diffs), "prompt_logprob_abs_diff_mean": sum(diffs) / len(diffs),
             "greedy_identical_share": sum(f is None for f in firsts) / len(firsts), "first_difference": firsts,
-            "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts], "new_tokens": new_tokens}
+            "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts], "new_tokens": new_tokens,
+            "reference_tokens": refs}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -287,6 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = windows(token_pool(tokenizer, 20_000), [args.prompt_tokens] * args.prompts,
                           random.Random(args.seed))
         result["vs_transformers"] = parity(path, prompts, args.new_tokens)
+        result["vs_transformers"].pop("reference_tokens")
         quant = f"_{args.quant}" if "quant" in result else ""
         write_result(result, RESULTS / f"big_model_parity_{args.model_size}{quant}.json")
     return result
