@@ -343,9 +343,9 @@ def render_table(result: dict) -> str:
              f"--isa {result['isa']}, {result['threads']} threads, commit {result['commit'] or '?'}, load average "
              f"{result['loadavg'][0]:.1f}{' (contended)' if result['contended'] else ''}; CPU {cpu.get('model', '?')}, "
              f"flags {' '.join(cpu.get('vector_flags', []))}", "",
-             "| tok/s | tandem | " + " | ".join(f"llama-server {b}" for b in builds)
-             + " | tandem / faster build | faster build |",
-             "|---|---:|" + "---:|" * len(builds) + "---:|---|"]
+             _row(["tok/s", "tandem"] + [f"llama-server {b}" for b in builds]
+                  + ["tandem / faster build", "faster build"]),
+             _row(["---"] + ["---:"] * (len(builds) + 2) + ["---"])]
     labels = {k: label for k, label, _ in FIGURES}
     labels["batch1"] += f" ({s['batch1_prompt_tokens']} + {s['new_tokens']} tokens, median of 3)"
     labels["decode"] += f" ({s['new_tokens']} tokens)"
@@ -359,23 +359,27 @@ def render_table(result: dict) -> str:
         cells = [f"{rates[TANDEM]:.1f}" if TANDEM in rates else "-"]
         cells += [f"{rates[peer_name(b)]:.1f}" if peer_name(b) in rates else "-" for b in builds]
         cells += [f"**{cmp['ratio']:.2f}x**", cmp["faster_build"]] if cmp else ["-", "-"]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append(_row([label] + cells))
     if "bandwidth" in result:
         bw, per = result["bandwidth"], result["decode_bytes_per_token"]
         shares = result["decode_bandwidth_share"]
-        lines.append(f"| batch-1 decode, share of read bandwidth ({per['bytes'] / 1e9:.3f} GB/token, "
-                     f"{bw['gbps']:.1f} GB/s) | {shares.get(TANDEM, float('nan')):.0%} | "
-                     + " | ".join(f"{shares[peer_name(b)]:.0%}" if peer_name(b) in shares else "-" for b in builds)
-                     + " | | |")
+        lines.append(_row([f"batch-1 decode, share of read bandwidth ({per['bytes'] / 1e9:.3f} GB/token, "
+                           f"{bw['gbps']:.1f} GB/s)"]
+                          + [f"{shares[n]:.0%}" if n in shares else "-" for n in [TANDEM] + [peer_name(b) for b in builds]]
+                          + ["", ""]))
     q = result.get("vs_transformers", {})
     if q:
-        lines.append(f"| batch-1 tokens identical to transformers ({s['new_tokens']} tokens) | "
-                     + " | ".join(_identity(q.get(n)) for n in [TANDEM] + [peer_name(b) for b in builds]) + " | | |")
+        lines.append(_row([f"batch-1 tokens identical to transformers ({s['new_tokens']} tokens)"]
+                          + [_identity(q.get(n)) for n in [TANDEM] + [peer_name(b) for b in builds]] + ["", ""]))
     if "logit_parity" in result:
         lp = result["logit_parity"]
         lines += ["", f"tandem's prompt log-probabilities against transformers on the file (in process): max "
                   f"|difference| {lp['prompt_logprob_abs_diff_max']:.2g}, mean {lp['prompt_logprob_abs_diff_mean']:.2g}"]
     return "\n".join(lines)
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def _identity(q: dict | None) -> str:
@@ -474,7 +478,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "bandwidth" in extra:
         extra["decode_bandwidth_share"] = bandwidth_shares(figures, extra["decode_bytes_per_token"]["bytes"],
                                                            extra["bandwidth"]["gbps"])
-    result = {"benchmark": "cpu_peer", "model": str(model_path.name), "model_size": args.model_size,
+    size = args.model_size or (None if args.model else ModelSize.SMOLLM2_135M.value)
+    result = {"benchmark": "cpu_peer", "model": str(model_path.name), "model_size": size,
               "quant": args.quant if args.model_size == ModelSize.SMOLLM2_1P7B else None,
               "threads": args.threads, "isa": args.isa, "builds": [b.value for b in builds], "cpu": cpu,
               "commit": git_commit(),

@@ -174,3 +174,7 @@ def test_the_table_shows_every_build_the_ratio_and_the_conditions() -> None:
     assert "60%" in rows[4] and "2/3 (first difference at 3)" in rows[5]
     result["skipped"] = {"llama_cpp_avx512": "exited with -4"}  # a build that did not start has no column
     assert "llama-server avx512" not in render_table(result)
+    for skipped in ({"llama_cpp_avx512": "x"}, {"llama_cpp_avx512": "x", "llama_cpp_avx2": "y"}, {}):
+        result["skipped"] = skipped
+        rows = [line for line in render_table(result).splitlines() if line.startswith("|")]
+        assert len({line.count("|") for line in rows}) == 1, rows  # every row has the header's columns
