@@ -67,8 +67,9 @@ $(BENCH_STAMP): $(STAMP)
 	  echo "llama-cpp-python did not install: bench.single reports the reason and skips llama.cpp" >&2
 	touch $(BENCH_STAMP)
 
-# llama.cpp's own llama-server (bench/llama_server.py): built once from the llama-cpp-python sdist's vendored
-# source into ~/.cache/tandem (several minutes); if the build fails, bench.cpu_peer skips that peer and says why.
+# llama.cpp's own llama-server and llama-quantize (bench/llama_server.py): its avx2 build, and its avx512 build on an
+# AVX-512 CPU, built once from the llama-cpp-python sdist's vendored source into ~/.cache/tandem (several minutes
+# each); if a build fails, bench.cpu_peer skips that peer and says why.
 bench: $(BENCH_STAMP)
 	$(PY) -m bench.llama_server
 	$(PY) -m bench
