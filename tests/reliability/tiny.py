@@ -104,7 +104,8 @@ class ScriptedRunner:
         self.violations: list[str] = []  # assertions that failed inside run()
         self.pool = None  # the engine's BlockPool, when set: a block two sequences hold is never written
 
-    def run(self, batch: Batch) -> RunnerOutput:
+    def run(self, batch: Batch, staged=None) -> RunnerOutput:
+        # `staged`: the engine's staged encoder states (engine/staged_states.py); these tiny models have no encoder rows.
         # The engine turns any exception of a step into failed requests: keep our own findings visible.
         try:
             return self._run(batch)
@@ -168,10 +169,10 @@ class FaultyRunner:
         else:
             setattr(self._inner, name, value)
 
-    def run(self, batch: Batch) -> RunnerOutput:
+    def run(self, batch: Batch, staged=None) -> RunnerOutput:
         error = self.fail_when(batch)
         if error is not None:
             with self._lock:
                 self.failed_batches.append(sorted({s.request_id for s in batch.seqs}))
             raise error
-        return self._inner.run(batch)
+        return self._inner.run(batch, staged)
