@@ -34,7 +34,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 
-from engine.errors import InputTooLong
+from engine.errors import InputTooLong, NotLoaded
 from engine.request import FinishReason, SeqKind
 from service.errors import ErrorKind, ServiceError, draining
 from service.lifecycle import LifecycleHooks, RequestLifecycle
@@ -358,10 +358,12 @@ class EngineBridge:
 
     def _add(self, request_id: str, failures: list[tuple[str, ServiceError]], add: Callable[[], None]) -> None:
         """Run add() (engine.add_request / add_rerank): a ValueError (bad input) fails the request with
-        INVALID_ARGUMENT, anything else with INTERNAL."""
+        INVALID_ARGUMENT, NotLoaded (no embedder) with FAILED_PRECONDITION, anything else with INTERNAL."""
         try:
             add()
             self._live.add(request_id)
+        except NotLoaded as exc:
+            failures.append((request_id, ServiceError(ErrorKind.FAILED_PRECONDITION, str(exc))))
         except ValueError as exc:
             failures.append((request_id, ServiceError(ErrorKind.INVALID_ARGUMENT, str(exc),
                                                       too_long=isinstance(exc, InputTooLong))))

@@ -1,10 +1,12 @@
 """The core API: the one typed, async interface both doors call (the shape of vLLM's EngineClient, TEI's Infer).
 
 Engine types in (`SamplingParams`, `RerankParams`, prompts, chat messages, token ids), engine types out
-(`StepOutput`, `RerankResult`) plus the small dataclasses below; never protobuf, never JSON. Every check that
-needs no engine (the model name, the document limit, an empty id or input) happens here, so a request is refused
-the same way whichever door it came through; what the engine refuses (a prompt too long, a bad schema) comes
-back as a `ServiceError` from the same place. Tokenizing never happens on the engine thread: the bridge's intake
+(`StepOutput`, `RerankResult`) plus the small dataclasses below; never protobuf, never JSON. What a request names
+(the model, its task, chat roles) is checked here, so a request is refused the same way whichever door it came
+through; what it carries (an empty input, the document and input counts of --max-documents and --max-embed-inputs,
+no embedder loaded, a prompt too long, a bad schema) is the engine intake's to check, once (engine/intake.py), and
+comes back as a `ServiceError` from the same place (the bridge turns the engine's ValueError into INVALID_ARGUMENT,
+its NotLoaded into FAILED_PRECONDITION). Tokenizing never happens on the engine thread: the bridge's intake
 thread tokenizes prompts, chats and rerank pairs (and cuts documents to `max_tokens_per_doc` there); `tokenize` runs
 on a worker thread.
 
@@ -42,9 +44,8 @@ DEFAULT_MAX_BUFFER_BYTES = 16 * 2**20
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What one request may ask for, whichever door it came through."""
-    max_documents: int = 1000  # documents of one rerank request (--max-documents)
-    max_embed_inputs: int = 1000  # inputs of one embedding request (--max-embed-inputs)
+    """What one request may ask for, whichever door it came through. (The document and input counts of one rerank
+    or embedding request are the engine's: EngineConfig.max_rerank_documents and max_embed_inputs.)"""
     max_message_bytes: int = 4 * 2**20
     max_stream_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES  # responses a gRPC stream may queue unread
 
@@ -311,9 +312,10 @@ class CoreAPI:
         given = str(engine_info["model"])  # the path as the operator gave it (or the embedded model's name)
         served = tuple(dict.fromkeys(names.served)) or (short_name(given),)
         known = {f.name for f in fields(ModelInfo)}
+        config = bridge.engine.config  # the engine checks these counts (engine/intake.py); ModelInfo tells them
         info = ModelInfo(**{k: v for k, v in engine_info.items() if k in known and k not in ("model", "served_names")},
                          model=served[0], served_names=served, max_waiting=bridge.max_waiting,
-                         max_documents=limits.max_documents, max_embed_inputs=limits.max_embed_inputs,
+                         max_documents=config.max_rerank_documents, max_embed_inputs=config.max_embed_inputs,
                          max_message_bytes=limits.max_message_bytes)
         # Without --served-model-name the path as given still names the model (clients written against it keep
         # working); it is not listed.
@@ -407,13 +409,9 @@ class CoreAPI:
         return stream
 
     def _check_generate(self, inp: GenerateInput) -> None:
-        if not inp.request_id:
-            raise invalid("request_id must be a non-empty string")
+        """What the request names; its input (none, both, empty) is the engine intake's to check."""
         self._check_task(inp.model, Task.GENERATE)
         self.check_model(inp.model)
-        if (inp.prompt is None) == (inp.messages is None):
-            raise invalid("request has no input: set prompt, messages or token_ids" if inp.prompt is None
-                          else "give either prompt or messages, not both")
         _check_roles(inp.messages)
 
     def tool_plan(self, tools: list[dict] | None, tool_choice: str | dict | None,
@@ -438,9 +436,6 @@ class CoreAPI:
         with self._admitting(SeqKind.RERANK, inp.request_id, metadata):
             self._check_task(inp.model, Task.RERANK)
             self._check_reranker(inp.model)
-            if len(inp.documents) > self.limits.max_documents:
-                raise invalid(f"documents has {len(inp.documents)} items; this server takes at most "
-                              f"{self.limits.max_documents} per request (--max-documents); split the request")
             if inp.max_tokens_per_doc is not None and inp.max_tokens_per_doc < 1:
                 raise invalid(f"max_tokens_per_doc must be >= 1, got {inp.max_tokens_per_doc}")
         params = inp.params
@@ -481,20 +476,11 @@ class CoreAPI:
         another model is embedded by the one embedder anyway (as a rerank is scored), unless names are strict."""
         metadata = self._named(metadata, inp.model, self.info.embedder)
         with self._admitting(SeqKind.EMBED, inp.request_id, metadata):
-            if not self.info.embedder:
-                raise ServiceError(ErrorKind.FAILED_PRECONDITION,
-                                   "this server has no embedding model (tandem serve --embedder DIR, or leave the "
-                                   "default: the embedded all-MiniLM-L6-v2)")
             self._check_task(inp.model, Task.EMBED)
-            if self._strict and inp.model not in ("", self.info.embedder):
+            if self._strict and self.info.embedder and inp.model not in ("", self.info.embedder):
                 raise ServiceError(ErrorKind.NOT_FOUND,
                                    f"model {inp.model!r} is not an embedding model of this replica; it embeds with "
                                    f"{self.info.embedder!r} (leave model empty for it)")
-            if not inp.inputs:
-                raise invalid("input must not be empty: give one or more texts (or token id lists)")
-            if len(inp.inputs) > self.limits.max_embed_inputs:
-                raise invalid(f"input has {len(inp.inputs)} items; this server takes at most "
-                              f"{self.limits.max_embed_inputs} per request (--max-embed-inputs); split the request")
             future: asyncio.Future = asyncio.get_running_loop().create_future()
             lc = self.bridge.submit_embed(inp.request_id, lambda event: future.done() or future.set_result(event),
                                           inputs=inp.inputs, params=inp.params, timeout_ms=inp.timeout_ms,

@@ -47,8 +47,6 @@ class OpenAIEmbed(_Model):
             inputs = [inputs]
         elif inputs and all(isinstance(t, int) for t in inputs):
             inputs = [inputs]  # one input given as token ids
-        if not inputs:
-            raise HttpError(400, "input must not be empty", param="input")
         params = _params(dimensions=self.dimensions, truncate=self.truncate is not False,
                          priority=self.priority or 0)
         return EmbedInput(uuid.uuid4().hex, list(inputs), params, model=self.model,

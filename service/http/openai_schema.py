@@ -315,8 +315,6 @@ class ChatRequest(_Sampling):
         params = self.sampling(max_tokens=max_tokens, logprobs=logprobs,
                                tool_format=tools.structured_outputs() if tools is not None else None)
         messages = template_messages([m.chat(i) for i, m in enumerate(self.messages)])
-        if not messages:
-            raise HttpError(400, "messages must be a non-empty list of {role, content}", param="messages")
         return [GenerateInput("0", params, messages=messages, model=self.model,
                               tools=tools.template_tools if tools is not None else None)]
 

@@ -211,8 +211,7 @@ async def test_an_unreachable_or_hung_collector_does_not_hold_up_serving(tiny_mo
 def small_buffer_server(tiny_model_dir):
     engine = tiny_engine(tiny_model_dir, num_kv_blocks=256, block_size=16, max_num_batched_tokens=512,
                          max_rerank_documents=8)
-    server = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0, max_documents=8,
-                                               max_stream_buffer_bytes=256 * 1024))
+    server = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0, max_stream_buffer_bytes=256 * 1024))
     yield server
     server.close()
 
@@ -243,3 +242,4 @@ async def test_a_client_that_stops_reading_fails_its_own_stream_not_the_others(s
         assert "stream buffer full" in info.value.details() and "--max-stream-buffer-bytes" in info.value.details()
         assert received < sent  # the rest were dropped, not held
     assert_all_blocks_free(await server.idle_stats())
+
