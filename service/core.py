@@ -47,7 +47,8 @@ class Limits:
     """What one request may ask for, whichever door it came through. (The document and input counts of one rerank
     or embedding request are the engine's: EngineConfig.max_rerank_documents and max_embed_inputs.)"""
     max_message_bytes: int = 4 * 2**20
-    max_stream_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES  # responses a gRPC stream may queue unread
+    # responses one stream (a gRPC stream, an HTTP response) may hold unread: its one bounded channel
+    max_stream_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,9 +191,14 @@ class GenerationStream:
 
     The engine never waits for a reader, so events queue here until read, bounded: when the unread events exceed
     `max_buffer_bytes` (their size as text, tokens and log-probabilities), every request of the stream is aborted
-    (its KV blocks freed), what was queued is dropped, and each unfinished input ends with RESOURCE_EXHAUSTED."""
+    (its KV blocks freed), what was queued is dropped, and each unfinished input ends with RESOURCE_EXHAUSTED.
 
-    def __init__(self, bridge: "EngineBridge", max_buffer_bytes: int) -> None:
+    A stream is bounded in one place only. With `max_buffer_bytes` None this one counts nothing: its reader moves
+    each event on as it arrives into a bounded channel of its own, which is then the stream's only buffer and its
+    overflow the only overflow (the gRPC door's StreamSession, one per gRPC stream, whatever its requests). Events
+    wait here then only between the engine's hand-off and the reader's next turn on the loop (one step's worth)."""
+
+    def __init__(self, bridge: "EngineBridge", max_buffer_bytes: int | None) -> None:
         self._bridge = bridge
         self._max_bytes = max_buffer_bytes
         self._events: deque[tuple[GenerateEvent, int]] = deque()
@@ -214,8 +220,8 @@ class GenerationStream:
                 item = GenerateEvent(index, request_id, event, usage=Usage.of(self._lifecycles[index]))
             else:
                 item = GenerateEvent(index, request_id, event)
-            size = _size(item)
-            if self._events and self._buffered + size > self._max_bytes:
+            size = 0 if self._max_bytes is None else _size(item)
+            if size and self._events and self._buffered + size > self._max_bytes:
                 self._overflow()
                 return
             self._events.append((item, size))
@@ -390,10 +396,13 @@ class CoreAPI:
             self.refused(kind, request_id, metadata, exc)
             raise
 
-    def generate(self, inputs: Sequence[GenerateInput], metadata: dict[str, str]) -> GenerationStream:
+    def generate(self, inputs: Sequence[GenerateInput], metadata: dict[str, str], *,
+                 relayed: bool = False) -> GenerationStream:
         """Admit every input (all or none: a refusal aborts those admitted before it and raises ServiceError);
-        their outputs arrive through the returned stream."""
-        stream = GenerationStream(self.bridge, self.limits.max_stream_buffer_bytes)
+        their outputs arrive through the returned stream, bounded by --max-stream-buffer-bytes. `relayed`: the
+        caller moves each event at once into a bounded channel of its own (the gRPC door's stream session), which
+        is then the one bound, so the returned stream counts nothing (GenerationStream)."""
+        stream = GenerationStream(self.bridge, None if relayed else self.limits.max_stream_buffer_bytes)
         metadata = self._named(metadata, inputs[0].model if inputs else "", self.info.model)
         try:
             for index, inp in enumerate(inputs):
