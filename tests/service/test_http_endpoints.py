@@ -118,10 +118,12 @@ async def test_each_refused_request_reaches_the_lifecycle_hooks_once_whichever_d
     assert r.status_code == 415
     async with grpc.aio.insecure_channel(served.address) as channel:
         with pytest.raises(grpc.aio.AioRpcError):
-            await pb_grpc.TandemStub(channel).Rerank(pb.RerankRequest(query="q", documents=["d"] * 100))
+            # core: the chat model's name does not embed (too many documents is the engine's, after admission)
+            await pb_grpc.TandemStub(channel).Embed(pb.EmbedRequest(texts=["a"], model=served.core.info.model))
     new = refused[before:]
     got = [(lc.metadata.get("door"), lc.metadata.get("route", lc.kind), lc.metadata.get("status", lc.error))
            for lc in new]
     assert got == [("http", "/v1/chat/completions", "NOT_FOUND"), ("http", "/v1/chat/completions", "400"),
-                   ("http", "/v2/rerank", "415"), ("grpc", "rerank", "INVALID_ARGUMENT")]
+                   ("http", "/v2/rerank", "415"), ("grpc", "embed", "INVALID_ARGUMENT")]
     assert all(lc.finish_reason == "rejected" for lc in new)
+
