@@ -14,14 +14,22 @@ on a worker thread.
     stream = core.generate([GenerateInput("a", params, prompt="Hi")], metadata)   # admitted, or ServiceError
     async for event in stream: ...                                                # GenerateEvent per output
     outcome = await core.rerank(RerankInput("r", query, documents, RerankParams()), metadata)
+
+One request id: the core mints it (`new_request_id`, unique in the process) for every request it admits, and the
+engine, its step records, the spans, the lifecycle hooks and the HTTP responses' ids (`chatcmpl-<id>`, a rerank's or
+embedding's `id`) all use it (`GenerationStream.ids`, `RerankOutcome.id`, `EmbedOutcome.id`). A gRPC client's own
+`request_id` stays what it was: that stream's key, echoed in that door's responses (the inputs' `request_id`; the
+HTTP door sets none).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import enum
+import itertools
 import json
 import os
+import uuid
 from collections import deque
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -40,6 +48,15 @@ if TYPE_CHECKING:
     from service.bridge import EngineBridge
 
 DEFAULT_MAX_BUFFER_BYTES = 16 * 2**20
+
+_PROCESS_TAG = uuid.uuid4().hex[:8]  # ids of different processes (restarts, replicas) differ
+_REQUEST_NUMBERS = itertools.count()
+
+
+def new_request_id(kind: SeqKind) -> str:
+    """The one id of a request, unique in the process: its kind's letter, a number, this process's tag
+    (`g12-3fa9c2d1`)."""
+    return f"{kind.value[0]}{next(_REQUEST_NUMBERS)}-{_PROCESS_TAG}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +121,7 @@ class GenerateInput:
     `params.max_tokens` None (the request set none, through either door): the rest of the context, max_model_len
     minus the prompt's tokens, filled in once the prompt is tokenized (vLLM's default); a value set too large is
     refused, never clamped."""
-    request_id: str  # the client's id (unique per gRPC stream; the HTTP door numbers its prompts)
+    request_id: str  # the gRPC client's id (its stream's key; "" from the HTTP door); not the request's id
     params: SamplingParams
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
@@ -159,10 +176,11 @@ class GenerateEvent:
 
 @dataclass(frozen=True, slots=True)
 class RerankOutcome:
-    request_id: str
+    request_id: str  # the client's (RerankInput.request_id)
     results: list[RerankResult]  # highest score first, cut to top_n
     usage: Usage
     mode: str  # the rerank mode that scored it
+    id: str = ""  # the request's one id (new_request_id): what the engine, spans and HTTP responses call it
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +201,7 @@ class EmbedOutcome:
     truncated: list[bool]  # per input: cut to the embedder's limit
     usage: Usage
     model: str  # the embedder's id
+    id: str = ""  # the request's one id (new_request_id)
 
 
 class GenerationStream:
@@ -249,7 +268,8 @@ class GenerationStream:
         self._wakeup.set()
 
     @property
-    def engine_ids(self) -> list[str]:
+    def ids(self) -> list[str]:
+        """Each input's one request id (new_request_id), input order."""
         return [lc.engine_id for lc in self._lifecycles]
 
     def abort(self) -> None:
@@ -407,7 +427,8 @@ class CoreAPI:
         try:
             for index, inp in enumerate(inputs):
                 self._check_generate(inp)
-                lc = self.bridge.submit_generate(inp.request_id, stream.sink(index, inp.request_id),
+                lc = self.bridge.submit_generate(new_request_id(SeqKind.GENERATE), inp.request_id,
+                                                 stream.sink(index, inp.request_id),
                                                  params=inp.params, prompt=inp.prompt, messages=inp.messages,
                                                  tools=inp.tools, timeout_ms=inp.timeout_ms, metadata=metadata)
                 stream._admitted(inp.request_id, lc)
@@ -452,14 +473,15 @@ class CoreAPI:
             params = replace(params, max_document_tokens=inp.max_tokens_per_doc)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         with self._admitting(SeqKind.RERANK, inp.request_id, metadata):
-            lc = self.bridge.submit_rerank(inp.request_id, lambda event: future.done() or future.set_result(event),
+            lc = self.bridge.submit_rerank(new_request_id(SeqKind.RERANK), inp.request_id,
+                                           lambda event: future.done() or future.set_result(event),
                                            query=inp.query, documents=inp.documents, params=params,
                                            timeout_ms=inp.timeout_ms, metadata=metadata)
         event = await self._final(future, lc, "rerank", inp.cut_hint)
         params = inp.params
         results = rank_scores(event.scores, inp.documents, params.top_n, params.return_documents,
                               event.document_tokens, event.truncated)
-        return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode)
+        return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode, id=lc.engine_id)
 
     async def _final(self, future: asyncio.Future, lc: RequestLifecycle, what: str, cut_hint: str) -> StepOutput:
         """The one final output of an admitted rerank or embed job; cancelling the await (the client left, its
@@ -491,11 +513,13 @@ class CoreAPI:
                                    f"model {inp.model!r} is not an embedding model of this replica; it embeds with "
                                    f"{self.info.embedder!r} (leave model empty for it)")
             future: asyncio.Future = asyncio.get_running_loop().create_future()
-            lc = self.bridge.submit_embed(inp.request_id, lambda event: future.done() or future.set_result(event),
+            lc = self.bridge.submit_embed(new_request_id(SeqKind.EMBED), inp.request_id,
+                                          lambda event: future.done() or future.set_result(event),
                                           inputs=inp.inputs, params=inp.params, timeout_ms=inp.timeout_ms,
                                           metadata=metadata)
         event = await self._final(future, lc, "embed", inp.cut_hint)
-        return EmbedOutcome(inp.request_id, event.embeddings, event.truncated, Usage.of(lc), self.info.embedder)
+        return EmbedOutcome(inp.request_id, event.embeddings, event.truncated, Usage.of(lc), self.info.embedder,
+                            id=lc.engine_id)
 
     # ---- tokens ----------------------------------------------------------------------------------
 
@@ -580,5 +604,5 @@ def _plain_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-__all__ = ["CHAT_ROLES", "CoreAPI", "GRPC_CUT_HINT", "Task", "EmbedInput", "EmbedOutcome", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
+__all__ = ["new_request_id", "CHAT_ROLES", "CoreAPI", "GRPC_CUT_HINT", "Task", "EmbedInput", "EmbedOutcome", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
            "Names", "RerankInput", "RerankOutcome", "Usage", "json_schema", "short_name"]

@@ -127,3 +127,17 @@ async def test_each_refused_request_reaches_the_lifecycle_hooks_once_whichever_d
                    ("http", "/v2/rerank", "415"), ("grpc", "embed", "INVALID_ARGUMENT")]
     assert all(lc.finish_reason == "rejected" for lc in new)
 
+
+def test_one_request_id_names_an_http_request_in_its_response_the_engine_and_the_spans(served, http_url):
+    """The core mints one id per request; the HTTP responses' ids are it (chatcmpl-<id>, a rerank's id), and so are
+    the engine's request id and the lifecycle the spans and step links read. No id of the door's own."""
+    with httpx.Client(base_url=http_url) as h:
+        chat = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        rerank = h.post("/v2/rerank", json={"query": "bees", "documents": ["honey", "stone"]})
+    assert chat.status_code == 200 and rerank.status_code == 200, (chat.text, rerank.text)
+    chat_id = chat.json()["id"].removeprefix("chatcmpl-")
+    (generated,) = served.recorder.wait_finished(lambda lc: lc.engine_id == chat_id)
+    (reranked,) = served.recorder.wait_finished(lambda lc: lc.engine_id == rerank.json()["id"])
+    assert (generated.kind, generated.client_id) == ("generate", "")
+    assert (reranked.kind, reranked.client_id) == ("rerank", "")
+    assert chat_id != rerank.json()["id"]
