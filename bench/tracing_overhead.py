@@ -42,10 +42,11 @@ async def _round(engine: LLMEngine, tracing: bool, requests: int, tokens: int) -
         done = loop.create_future()
         sink = _resolve_when_finished(done)
         if i % 8 == 7:
-            bridge.submit_rerank(f"r{i}", sink, query="how do bees make honey",
-                                 documents=[f"doc {j} about bees and honey" for j in range(16)], params=RerankParams())
+            bridge.submit_rerank(f"r{i}", f"r{i}", sink, query="how do bees make honey",
+                                 documents=[f"doc {j} about bees and honey" for j in range(16)],
+                                 params=RerankParams())
         else:
-            bridge.submit_generate(f"g{i}", sink, params=params, prompt=f"Tell me fact number {i} about bees.")
+            bridge.submit_generate(f"g{i}", f"g{i}", sink, params=params, prompt=f"Tell me fact number {i} about bees.")
         pending.append(done)
     await asyncio.gather(*pending)
     wall = time.perf_counter() - start

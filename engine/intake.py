@@ -1,6 +1,9 @@
 """Request intake: check and tokenize what a caller submits, before anything reaches the scheduler.
 
-Every check raises ValueError naming the field, so the service can answer INVALID_ARGUMENT and nothing is queued.
+Every check raises ValueError naming the field, so the service can answer INVALID_ARGUMENT and nothing is queued
+(NotLoaded, a ValueError, where the engine lacks what the request needs: FAILED_PRECONDITION). These checks are the
+only ones: the service's core API and its doors do not repeat them (an empty input, the document and input counts,
+no embedder), they pass what the engine says on.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from engine import chat_templates
 from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
 from engine.detokenizer import TextStream
 from engine.embed import EmbedJob, Embedder
-from engine.errors import InputTooLong
+from engine.errors import InputTooLong, NotLoaded
 from engine.rerank import PairPhase, PairScorer, RerankJob
 from engine.rerank.pairs import covered, split_windows
 from engine.request import FinishReason, RerankPair, Sequence, SeqKind
@@ -138,8 +141,9 @@ class RequestIntake:
         if not isinstance(documents, (list, tuple)) or not documents:
             raise ValueError("documents must be a non-empty list of strings")
         if len(documents) > self.config.max_rerank_documents:
-            raise ValueError(f"documents has {len(documents)} items; max_rerank_documents is "
-                             f"{self.config.max_rerank_documents}")
+            raise ValueError(f"documents has {len(documents)} items; this server takes at most "
+                             f"{self.config.max_rerank_documents} per request (--max-documents, "
+                             "EngineConfig.max_rerank_documents); split the request")
         if any(not isinstance(d, str) for d in documents):
             raise ValueError("documents must all be strings")
         job = RerankJob(request_id, query, list(documents), params, arrival_time=time.monotonic(),
@@ -282,11 +286,15 @@ class RequestIntake:
             raise ValueError("params must be an EmbedParams")
         embedder = self.embedder
         if embedder is None:
-            raise ValueError("this engine has no embedder (EngineConfig.embedder; tandem serve --embedder)")
-        if not isinstance(inputs, (list, tuple)) or not inputs:
-            raise ValueError("input must be a non-empty list of strings or of token id lists")
+            raise NotLoaded("this server has no embedding model (tandem serve --embedder DIR, or leave the default: "
+                            "the embedded all-MiniLM-L6-v2; EngineConfig.embedder)")
+        if not isinstance(inputs, (list, tuple)):
+            raise ValueError("input must be a list of strings or of token id lists")
+        if not inputs:
+            raise ValueError("input must not be empty: give one or more texts (or token id lists)")
         if len(inputs) > self.config.max_embed_inputs:
-            raise ValueError(f"input has {len(inputs)} items; max_embed_inputs is {self.config.max_embed_inputs}")
+            raise ValueError(f"input has {len(inputs)} items; this server takes at most {self.config.max_embed_inputs}"
+                             " per request (--max-embed-inputs, EngineConfig.max_embed_inputs); split the request")
         texts = ids = None
         if all(isinstance(t, str) for t in inputs):
             if any(not t for t in inputs):
@@ -363,6 +371,8 @@ class RequestIntake:
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
             return list(prompt)
+        if prompt is None:
+            raise ValueError("request has no input: set prompt, messages or token_ids")
         raise ValueError("prompt must be a string or a list of token ids")
 
 

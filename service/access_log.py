@@ -7,8 +7,9 @@
 
 The route is the HTTP path the door names in the request's metadata ("route"), or for gRPC the method its kind and
 stream say. The status is what the door answered: gRPC's code name, HTTP's status for it. A request refused before
-the engine admitted it (an unknown model, too many documents, a full queue, draining; on HTTP also a body that does
-not parse, a wrong Content-Type, a missing token) gets its line too, `finish=rejected`, from `on_refused`.
+the engine admitted it (an unknown model, a full queue, draining; on HTTP also a body that does not parse, a wrong
+Content-Type, a missing token) gets its line too, `finish=rejected`, from `on_refused`; one the engine's intake
+refuses (an empty input, too many documents, a prompt too long) ends `finish=error` with the same status.
 An error or a refusal says why, short (` reason="max_tokens is too large: ..."`, cut at REASON_CHARS). `model=` is
 the model the request named, else the one its kind is served by (the embedder for an embedding, the LLM for a chat
 or a rerank); a refused name is logged as given.

@@ -24,7 +24,6 @@ bounded by the engine itself (max_num_seqs, the KV pool).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
@@ -34,7 +33,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 
-from engine.errors import InputTooLong
+from engine.errors import InputTooLong, NotLoaded
 from engine.request import FinishReason, SeqKind
 from service.errors import ErrorKind, ServiceError, draining
 from service.lifecycle import LifecycleHooks, RequestLifecycle
@@ -123,7 +122,6 @@ class EngineBridge:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # to the engine thread, from the intake thread
         self._intake: queue.SimpleQueue = queue.SimpleQueue()  # every command, in order, from the loop
         self._intake_thread: threading.Thread | None = None
-        self._ids = itertools.count()
         self._handles: dict[str, _Handle] = {}  # loop only
         self._waiting: set[str] = set()  # loop only: admitted, not yet served by a step
         self._records: list["StepRecord"] = []  # engine thread only
@@ -191,32 +189,35 @@ class EngineBridge:
 
     # ---- requests (loop side) --------------------------------------------------------------------
 
-    def submit_generate(self, client_id: str, sink: Sink, *, params: "SamplingParams",
+    def submit_generate(self, request_id: str, client_id: str, sink: Sink, *, params: "SamplingParams",
                         prompt: str | list[int] | None = None, messages: list[dict] | None = None,
                         tools: list[dict] | None = None, timeout_ms: int = 0,
                         metadata: dict[str, str] | None = None) -> RequestLifecycle:
-        """Admit a generation; its outputs (or a ServiceError) go to sink on the loop. Raises ServiceError."""
-        command = AddGeneration(self._next_id(SeqKind.GENERATE), params, prompt=prompt, messages=messages,
-                                tools=tools)
+        """Admit a generation under `request_id` (the core API's, unique in the process); its outputs (or a
+        ServiceError) go to sink on the loop. Raises ServiceError."""
+        self._check_room()
+        command = AddGeneration(request_id, params, prompt=prompt, messages=messages, tools=tools)
         lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.GENERATE.value,
                               metadata=dict(metadata or {}), completions=params.n)
         return self._submit(command, lc, sink, timeout_ms)
 
-    def submit_rerank(self, client_id: str, sink: Sink, *, query: str, documents: list[str],
+    def submit_rerank(self, request_id: str, client_id: str, sink: Sink, *, query: str, documents: list[str],
                       params: "RerankParams", timeout_ms: int = 0,
                       metadata: dict[str, str] | None = None) -> RequestLifecycle:
         """Admit a rerank job; one StepOutput with scores (or a ServiceError) goes to sink. Raises ServiceError."""
-        command = AddRerank(self._next_id(SeqKind.RERANK), query=query, documents=documents, params=params)
+        self._check_room()
+        command = AddRerank(request_id, query=query, documents=documents, params=params)
         lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.RERANK.value,
                               metadata=dict(metadata or {}), documents=len(documents))
         return self._submit(command, lc, sink, timeout_ms)
 
-    def submit_embed(self, client_id: str, sink: Sink, *, inputs: list[str] | list[list[int]],
+    def submit_embed(self, request_id: str, client_id: str, sink: Sink, *, inputs: list[str] | list[list[int]],
                      params: "EmbedParams", timeout_ms: int = 0,
                      metadata: dict[str, str] | None = None) -> RequestLifecycle:
         """Admit an embedding job; one StepOutput with embeddings (or a ServiceError) goes to sink. Raises
         ServiceError."""
-        command = AddEmbed(self._next_id(SeqKind.EMBED), inputs=inputs, params=params)
+        self._check_room()
+        command = AddEmbed(request_id, inputs=inputs, params=params)
         lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.EMBED.value,
                               metadata=dict(metadata or {}), documents=len(inputs))
         return self._submit(command, lc, sink, timeout_ms)
@@ -239,15 +240,14 @@ class EngineBridge:
         for engine_id in list(self._handles):
             self.abort(engine_id)
 
-    def _next_id(self, kind: SeqKind) -> str:
-        """The engine id of a new request of this kind, once the bridge may admit one. Raises ServiceError."""
+    def _check_room(self) -> None:
+        """Whether the bridge may admit a request now. Raises ServiceError."""
         if self.draining or self._thread is None:
             raise draining()
         if len(self._waiting) >= self.max_waiting:
             raise ServiceError(ErrorKind.RESOURCE_EXHAUSTED,
                                f"server is at capacity: {len(self._waiting)} requests are waiting for the engine "
                                f"(limit {self.max_waiting}, --max-waiting); retry with backoff or use another replica")
-        return f"{kind.value[0]}{next(self._ids)}"
 
     def _submit(self, command: AddGeneration | AddRerank | AddEmbed, lc: RequestLifecycle, sink: Sink,
                 timeout_ms: int) -> RequestLifecycle:
@@ -358,10 +358,12 @@ class EngineBridge:
 
     def _add(self, request_id: str, failures: list[tuple[str, ServiceError]], add: Callable[[], None]) -> None:
         """Run add() (engine.add_request / add_rerank): a ValueError (bad input) fails the request with
-        INVALID_ARGUMENT, anything else with INTERNAL."""
+        INVALID_ARGUMENT, NotLoaded (no embedder) with FAILED_PRECONDITION, anything else with INTERNAL."""
         try:
             add()
             self._live.add(request_id)
+        except NotLoaded as exc:
+            failures.append((request_id, ServiceError(ErrorKind.FAILED_PRECONDITION, str(exc))))
         except ValueError as exc:
             failures.append((request_id, ServiceError(ErrorKind.INVALID_ARGUMENT, str(exc),
                                                       too_long=isinstance(exc, InputTooLong))))

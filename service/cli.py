@@ -268,9 +268,7 @@ def build_server_config(args: argparse.Namespace):
     """The ServerConfig of parsed `tandem serve` flags; a flag left unset (None) keeps ServerConfig's default."""
     from service.server import ServerConfig  # imports the engine (torch): only when serving
 
-    fields = dict(host=args.host, port=args.port, max_documents=args.max_documents,
-                  max_embed_inputs=args.max_embed_inputs,
-                  max_message_bytes=args.max_message_bytes, drain_timeout_s=args.drain_timeout,
+    fields = dict(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, drain_timeout_s=args.drain_timeout,
                   drain_grace_s=args.drain_grace, tls_cert=args.tls_cert, tls_key=args.tls_key,
                   tls_client_ca=args.tls_client_ca, auth_token=args.auth_token,
                   auth_scoped_tokens=args.auth_scoped_tokens, replica=args.replica,

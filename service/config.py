@@ -13,8 +13,6 @@ class ServerConfig:
     (service/cli.py; each flag also reads TANDEM_<FLAG>); a flag left unset keeps the default here."""
     host: str = "127.0.0.1"
     port: int = 50051  # 0: an ephemeral port (TandemServer.address tells which)
-    max_documents: int = 1000  # documents of one rerank request
-    max_embed_inputs: int = 1000  # inputs (texts or token id lists) of one embedding request
     max_message_bytes: int = 4 * 2**20
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight work may take before it is aborted
     # SIGTERM: health (gRPC and /healthz) says NOT_SERVING this long before new work is refused, so load
@@ -43,7 +41,8 @@ class ServerConfig:
     max_concurrent_streams: int | None = None
     # The HTTP door (service/http/) on the same host, started by `tandem serve` (service/serve.py): None off, 0 an
     # ephemeral port (on the command line, --http-port 0 means off). It shares TLS, bearer tokens,
-    # max_message_bytes (its body limit), max_documents, max_embed_inputs and max_stream_buffer_bytes with gRPC.
+    # max_message_bytes (its body limit) and max_stream_buffer_bytes with gRPC (and the engine's document and input
+    # counts, --max-documents and --max-embed-inputs, which EngineConfig holds).
     http_port: int | None = 8000
     # What a request's `model` may say (service/core.py Names): --served-model-name, --strict-model-names.
     served_model_names: tuple[str, ...] = ()
@@ -58,8 +57,8 @@ class ServerConfig:
             raise ValueError("TLS needs both a certificate and a key (--tls-cert and --tls-key)")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("mutual TLS (--tls-client-ca) needs the server's own --tls-cert and --tls-key")
-        if self.max_documents < 1 or self.max_embed_inputs < 1 or self.max_message_bytes < 1024:
-            raise ValueError("max_documents and max_embed_inputs must be >= 1 and max_message_bytes >= 1024")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.max_stream_buffer_bytes < 1024:
             raise ValueError(f"max_stream_buffer_bytes must be >= 1024, got {self.max_stream_buffer_bytes}")
         if self.drain_grace_s < 0 or self.keepalive_time_s <= 0 or self.keepalive_timeout_s <= 0:
@@ -89,8 +88,7 @@ class ServerConfig:
 
     def limits(self) -> Limits:
         """What one request may ask for, through either door."""
-        return Limits(max_documents=self.max_documents, max_embed_inputs=self.max_embed_inputs,
-                      max_message_bytes=self.max_message_bytes,
+        return Limits(max_message_bytes=self.max_message_bytes,
                       max_stream_buffer_bytes=self.max_stream_buffer_bytes)
 
     def grpc_options(self) -> list[tuple[str, int]]:

@@ -1,10 +1,12 @@
 """The core API: the one typed, async interface both doors call (the shape of vLLM's EngineClient, TEI's Infer).
 
 Engine types in (`SamplingParams`, `RerankParams`, prompts, chat messages, token ids), engine types out
-(`StepOutput`, `RerankResult`) plus the small dataclasses below; never protobuf, never JSON. Every check that
-needs no engine (the model name, the document limit, an empty id or input) happens here, so a request is refused
-the same way whichever door it came through; what the engine refuses (a prompt too long, a bad schema) comes
-back as a `ServiceError` from the same place. Tokenizing never happens on the engine thread: the bridge's intake
+(`StepOutput`, `RerankResult`) plus the small dataclasses below; never protobuf, never JSON. What a request names
+(the model, its task, chat roles) is checked here, so a request is refused the same way whichever door it came
+through; what it carries (an empty input, the document and input counts of --max-documents and --max-embed-inputs,
+no embedder loaded, a prompt too long, a bad schema) is the engine intake's to check, once (engine/intake.py), and
+comes back as a `ServiceError` from the same place (the bridge turns the engine's ValueError into INVALID_ARGUMENT,
+its NotLoaded into FAILED_PRECONDITION). Tokenizing never happens on the engine thread: the bridge's intake
 thread tokenizes prompts, chats and rerank pairs (and cuts documents to `max_tokens_per_doc` there); `tokenize` runs
 on a worker thread.
 
@@ -12,14 +14,22 @@ on a worker thread.
     stream = core.generate([GenerateInput("a", params, prompt="Hi")], metadata)   # admitted, or ServiceError
     async for event in stream: ...                                                # GenerateEvent per output
     outcome = await core.rerank(RerankInput("r", query, documents, RerankParams()), metadata)
+
+One request id: the core mints it (`new_request_id`, unique in the process) for every request it admits, and the
+engine, its step records, the spans, the lifecycle hooks and the HTTP responses' ids (`chatcmpl-<id>`, a rerank's or
+embedding's `id`) all use it (`GenerationStream.ids`, `RerankOutcome.id`, `EmbedOutcome.id`). A gRPC client's own
+`request_id` stays what it was: that stream's key, echoed in that door's responses (the inputs' `request_id`; the
+HTTP door sets none).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import enum
+import itertools
 import json
 import os
+import uuid
 from collections import deque
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
@@ -39,14 +49,23 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_BUFFER_BYTES = 16 * 2**20
 
+_PROCESS_TAG = uuid.uuid4().hex[:8]  # ids of different processes (restarts, replicas) differ
+_REQUEST_NUMBERS = itertools.count()
+
+
+def new_request_id(kind: SeqKind) -> str:
+    """The one id of a request, unique in the process: its kind's letter, a number, this process's tag
+    (`g12-3fa9c2d1`)."""
+    return f"{kind.value[0]}{next(_REQUEST_NUMBERS)}-{_PROCESS_TAG}"
+
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What one request may ask for, whichever door it came through."""
-    max_documents: int = 1000  # documents of one rerank request (--max-documents)
-    max_embed_inputs: int = 1000  # inputs of one embedding request (--max-embed-inputs)
+    """What one request may ask for, whichever door it came through. (The document and input counts of one rerank
+    or embedding request are the engine's: EngineConfig.max_rerank_documents and max_embed_inputs.)"""
     max_message_bytes: int = 4 * 2**20
-    max_stream_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES  # responses a gRPC stream may queue unread
+    # responses one stream (a gRPC stream, an HTTP response) may hold unread: its one bounded channel
+    max_stream_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +121,7 @@ class GenerateInput:
     `params.max_tokens` None (the request set none, through either door): the rest of the context, max_model_len
     minus the prompt's tokens, filled in once the prompt is tokenized (vLLM's default); a value set too large is
     refused, never clamped."""
-    request_id: str  # the client's id (unique per gRPC stream; the HTTP door numbers its prompts)
+    request_id: str  # the gRPC client's id (its stream's key; "" from the HTTP door); not the request's id
     params: SamplingParams
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
@@ -157,10 +176,11 @@ class GenerateEvent:
 
 @dataclass(frozen=True, slots=True)
 class RerankOutcome:
-    request_id: str
+    request_id: str  # the client's (RerankInput.request_id)
     results: list[RerankResult]  # highest score first, cut to top_n
     usage: Usage
     mode: str  # the rerank mode that scored it
+    id: str = ""  # the request's one id (new_request_id): what the engine, spans and HTTP responses call it
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +201,7 @@ class EmbedOutcome:
     truncated: list[bool]  # per input: cut to the embedder's limit
     usage: Usage
     model: str  # the embedder's id
+    id: str = ""  # the request's one id (new_request_id)
 
 
 class GenerationStream:
@@ -189,9 +210,14 @@ class GenerationStream:
 
     The engine never waits for a reader, so events queue here until read, bounded: when the unread events exceed
     `max_buffer_bytes` (their size as text, tokens and log-probabilities), every request of the stream is aborted
-    (its KV blocks freed), what was queued is dropped, and each unfinished input ends with RESOURCE_EXHAUSTED."""
+    (its KV blocks freed), what was queued is dropped, and each unfinished input ends with RESOURCE_EXHAUSTED.
 
-    def __init__(self, bridge: "EngineBridge", max_buffer_bytes: int) -> None:
+    A stream is bounded in one place only. With `max_buffer_bytes` None this one counts nothing: its reader moves
+    each event on as it arrives into a bounded channel of its own, which is then the stream's only buffer and its
+    overflow the only overflow (the gRPC door's StreamSession, one per gRPC stream, whatever its requests). Events
+    wait here then only between the engine's hand-off and the reader's next turn on the loop (one step's worth)."""
+
+    def __init__(self, bridge: "EngineBridge", max_buffer_bytes: int | None) -> None:
         self._bridge = bridge
         self._max_bytes = max_buffer_bytes
         self._events: deque[tuple[GenerateEvent, int]] = deque()
@@ -213,8 +239,8 @@ class GenerationStream:
                 item = GenerateEvent(index, request_id, event, usage=Usage.of(self._lifecycles[index]))
             else:
                 item = GenerateEvent(index, request_id, event)
-            size = _size(item)
-            if self._events and self._buffered + size > self._max_bytes:
+            size = 0 if self._max_bytes is None else _size(item)
+            if size and self._events and self._buffered + size > self._max_bytes:
                 self._overflow()
                 return
             self._events.append((item, size))
@@ -242,7 +268,8 @@ class GenerationStream:
         self._wakeup.set()
 
     @property
-    def engine_ids(self) -> list[str]:
+    def ids(self) -> list[str]:
+        """Each input's one request id (new_request_id), input order."""
         return [lc.engine_id for lc in self._lifecycles]
 
     def abort(self) -> None:
@@ -311,9 +338,10 @@ class CoreAPI:
         given = str(engine_info["model"])  # the path as the operator gave it (or the embedded model's name)
         served = tuple(dict.fromkeys(names.served)) or (short_name(given),)
         known = {f.name for f in fields(ModelInfo)}
+        config = bridge.engine.config  # the engine checks these counts (engine/intake.py); ModelInfo tells them
         info = ModelInfo(**{k: v for k, v in engine_info.items() if k in known and k not in ("model", "served_names")},
                          model=served[0], served_names=served, max_waiting=bridge.max_waiting,
-                         max_documents=limits.max_documents, max_embed_inputs=limits.max_embed_inputs,
+                         max_documents=config.max_rerank_documents, max_embed_inputs=config.max_embed_inputs,
                          max_message_bytes=limits.max_message_bytes)
         # Without --served-model-name the path as given still names the model (clients written against it keep
         # working); it is not listed.
@@ -388,15 +416,19 @@ class CoreAPI:
             self.refused(kind, request_id, metadata, exc)
             raise
 
-    def generate(self, inputs: Sequence[GenerateInput], metadata: dict[str, str]) -> GenerationStream:
+    def generate(self, inputs: Sequence[GenerateInput], metadata: dict[str, str], *,
+                 relayed: bool = False) -> GenerationStream:
         """Admit every input (all or none: a refusal aborts those admitted before it and raises ServiceError);
-        their outputs arrive through the returned stream."""
-        stream = GenerationStream(self.bridge, self.limits.max_stream_buffer_bytes)
+        their outputs arrive through the returned stream, bounded by --max-stream-buffer-bytes. `relayed`: the
+        caller moves each event at once into a bounded channel of its own (the gRPC door's stream session), which
+        is then the one bound, so the returned stream counts nothing (GenerationStream)."""
+        stream = GenerationStream(self.bridge, None if relayed else self.limits.max_stream_buffer_bytes)
         metadata = self._named(metadata, inputs[0].model if inputs else "", self.info.model)
         try:
             for index, inp in enumerate(inputs):
                 self._check_generate(inp)
-                lc = self.bridge.submit_generate(inp.request_id, stream.sink(index, inp.request_id),
+                lc = self.bridge.submit_generate(new_request_id(SeqKind.GENERATE), inp.request_id,
+                                                 stream.sink(index, inp.request_id),
                                                  params=inp.params, prompt=inp.prompt, messages=inp.messages,
                                                  tools=inp.tools, timeout_ms=inp.timeout_ms, metadata=metadata)
                 stream._admitted(inp.request_id, lc)
@@ -407,13 +439,9 @@ class CoreAPI:
         return stream
 
     def _check_generate(self, inp: GenerateInput) -> None:
-        if not inp.request_id:
-            raise invalid("request_id must be a non-empty string")
+        """What the request names; its input (none, both, empty) is the engine intake's to check."""
         self._check_task(inp.model, Task.GENERATE)
         self.check_model(inp.model)
-        if (inp.prompt is None) == (inp.messages is None):
-            raise invalid("request has no input: set prompt, messages or token_ids" if inp.prompt is None
-                          else "give either prompt or messages, not both")
         _check_roles(inp.messages)
 
     def tool_plan(self, tools: list[dict] | None, tool_choice: str | dict | None,
@@ -438,9 +466,6 @@ class CoreAPI:
         with self._admitting(SeqKind.RERANK, inp.request_id, metadata):
             self._check_task(inp.model, Task.RERANK)
             self._check_reranker(inp.model)
-            if len(inp.documents) > self.limits.max_documents:
-                raise invalid(f"documents has {len(inp.documents)} items; this server takes at most "
-                              f"{self.limits.max_documents} per request (--max-documents); split the request")
             if inp.max_tokens_per_doc is not None and inp.max_tokens_per_doc < 1:
                 raise invalid(f"max_tokens_per_doc must be >= 1, got {inp.max_tokens_per_doc}")
         params = inp.params
@@ -448,14 +473,15 @@ class CoreAPI:
             params = replace(params, max_document_tokens=inp.max_tokens_per_doc)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         with self._admitting(SeqKind.RERANK, inp.request_id, metadata):
-            lc = self.bridge.submit_rerank(inp.request_id, lambda event: future.done() or future.set_result(event),
+            lc = self.bridge.submit_rerank(new_request_id(SeqKind.RERANK), inp.request_id,
+                                           lambda event: future.done() or future.set_result(event),
                                            query=inp.query, documents=inp.documents, params=params,
                                            timeout_ms=inp.timeout_ms, metadata=metadata)
         event = await self._final(future, lc, "rerank", inp.cut_hint)
         params = inp.params
         results = rank_scores(event.scores, inp.documents, params.top_n, params.return_documents,
                               event.document_tokens, event.truncated, event.windows)
-        return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode)
+        return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode, id=lc.engine_id)
 
     async def _final(self, future: asyncio.Future, lc: RequestLifecycle, what: str, cut_hint: str) -> StepOutput:
         """The one final output of an admitted rerank or embed job; cancelling the await (the client left, its
@@ -481,26 +507,19 @@ class CoreAPI:
         another model is embedded by the one embedder anyway (as a rerank is scored), unless names are strict."""
         metadata = self._named(metadata, inp.model, self.info.embedder)
         with self._admitting(SeqKind.EMBED, inp.request_id, metadata):
-            if not self.info.embedder:
-                raise ServiceError(ErrorKind.FAILED_PRECONDITION,
-                                   "this server has no embedding model (tandem serve --embedder DIR, or leave the "
-                                   "default: the embedded all-MiniLM-L6-v2)")
             self._check_task(inp.model, Task.EMBED)
-            if self._strict and inp.model not in ("", self.info.embedder):
+            if self._strict and self.info.embedder and inp.model not in ("", self.info.embedder):
                 raise ServiceError(ErrorKind.NOT_FOUND,
                                    f"model {inp.model!r} is not an embedding model of this replica; it embeds with "
                                    f"{self.info.embedder!r} (leave model empty for it)")
-            if not inp.inputs:
-                raise invalid("input must not be empty: give one or more texts (or token id lists)")
-            if len(inp.inputs) > self.limits.max_embed_inputs:
-                raise invalid(f"input has {len(inp.inputs)} items; this server takes at most "
-                              f"{self.limits.max_embed_inputs} per request (--max-embed-inputs); split the request")
             future: asyncio.Future = asyncio.get_running_loop().create_future()
-            lc = self.bridge.submit_embed(inp.request_id, lambda event: future.done() or future.set_result(event),
+            lc = self.bridge.submit_embed(new_request_id(SeqKind.EMBED), inp.request_id,
+                                          lambda event: future.done() or future.set_result(event),
                                           inputs=inp.inputs, params=inp.params, timeout_ms=inp.timeout_ms,
                                           metadata=metadata)
         event = await self._final(future, lc, "embed", inp.cut_hint)
-        return EmbedOutcome(inp.request_id, event.embeddings, event.truncated, Usage.of(lc), self.info.embedder)
+        return EmbedOutcome(inp.request_id, event.embeddings, event.truncated, Usage.of(lc), self.info.embedder,
+                            id=lc.engine_id)
 
     # ---- tokens ----------------------------------------------------------------------------------
 
@@ -585,5 +604,5 @@ def _plain_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-__all__ = ["CHAT_ROLES", "CoreAPI", "GRPC_CUT_HINT", "Task", "EmbedInput", "EmbedOutcome", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
+__all__ = ["new_request_id", "CHAT_ROLES", "CoreAPI", "GRPC_CUT_HINT", "Task", "EmbedInput", "EmbedOutcome", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
            "Names", "RerankInput", "RerankOutcome", "Usage", "json_schema", "short_name"]

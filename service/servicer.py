@@ -2,7 +2,9 @@
 
 Generate and RerankStream multiplex many requests on one stream (a `StreamSession`: client id -> live request,
 and a bounded outbox of messages); each admitted request is pumped from the core API into the session by a task
-of its own. Rerank, Embed and ModelInfo are unary.
+of its own. The session's outbox is the stream's one bounded channel (--max-stream-buffer-bytes, one overflow path):
+a pump moves each event into it as the engine hands it over, so a generation's core stream is a relay that counts
+nothing (CoreAPI.generate(relayed=True)). Rerank, Embed and ModelInfo are unary.
 """
 from __future__ import annotations
 
@@ -95,7 +97,7 @@ class TandemServicer:
         client_id = req.request_id
         try:
             self._check_new_id(session, client_id, SeqKind.GENERATE, meta)
-            stream = self.core.generate([generate_input(req)], meta)
+            stream = self.core.generate([generate_input(req)], meta, relayed=True)
         except ServiceError as exc:
             session.send(_generate_error(client_id, exc))
             return

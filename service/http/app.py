@@ -200,10 +200,11 @@ async def _completions(door: Door, request: Request) -> Response:
 
 async def _generate(door: Door, request: Request, body, inputs: list[GenerateInput], out: Completion) -> Response:
     timeout_ms = _timeout_ms(request)
-    meta = {**door.meta(request), "stream": out.response_id}  # the id the client sees names the request span
+    meta = door.meta(request)
     if body.user:
         meta["user"] = body.user
     stream = door.core.generate([dataclasses.replace(inp, timeout_ms=timeout_ms) for inp in inputs], meta)
+    out.id = stream.ids[0]  # the request's one id (of its first prompt, with several): chatcmpl-<id>
     watcher = asyncio.ensure_future(_disconnected(request))
     streaming = False  # once the StreamingResponse owns the stream, its generator aborts what is left
     try:

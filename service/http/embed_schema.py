@@ -3,7 +3,6 @@ API's EmbedInput, and its EmbedOutcome back to each shape. The vectors are the g
 from __future__ import annotations
 
 import base64
-import uuid
 from typing import Literal, Union
 
 import numpy as np
@@ -47,11 +46,9 @@ class OpenAIEmbed(_Model):
             inputs = [inputs]
         elif inputs and all(isinstance(t, int) for t in inputs):
             inputs = [inputs]  # one input given as token ids
-        if not inputs:
-            raise HttpError(400, "input must not be empty", param="input")
         params = _params(dimensions=self.dimensions, truncate=self.truncate is not False,
                          priority=self.priority or 0)
-        return EmbedInput(uuid.uuid4().hex, list(inputs), params, model=self.model,
+        return EmbedInput("", list(inputs), params, model=self.model,
                           cut_hint="send truncate: true (or leave it out) to cut it at its end")
 
 
@@ -90,7 +87,7 @@ class TeiEmbed(_Model):
         inputs = [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
         params = _params(normalize=self.normalize, truncate=bool(self.truncate), truncation_direction=direction,
                          dimensions=self.dimensions)
-        return EmbedInput(uuid.uuid4().hex, inputs, params, cut_hint=TEI_CUT_HINT)
+        return EmbedInput("", inputs, params, cut_hint=TEI_CUT_HINT)
 
 
 class TeiEmbedAll(_Model):
@@ -144,7 +141,7 @@ class CohereEmbed(_Model):
         refuse_extras(self)
         params = _params(truncate=truncate != "NONE", truncation_direction="left" if truncate == "START" else "right",
                          dimensions=self.output_dimension)
-        return EmbedInput(uuid.uuid4().hex, list(self.texts), params, model=self.model,
+        return EmbedInput("", list(self.texts), params, model=self.model,
                           cut_hint='send truncate: "END" (or "START", or leave it out) to cut it')
 
     @property
@@ -165,7 +162,7 @@ def cohere_response(outcome: EmbedOutcome, body: CohereEmbed) -> dict:
         else:
             q = np.clip(np.rint(vectors * 127), -127, 127).astype(np.int32)
             by_type[t] = (q if t == "int8" else q + 128).tolist()
-    return {"id": uuid.uuid4().hex, "embeddings": by_type, "texts": list(body.texts or []),
+    return {"id": outcome.id, "embeddings": by_type, "texts": list(body.texts or []),
             "response_type": "embeddings_by_type",
             "meta": {"api_version": {"version": "2"},
                      "billed_units": {"input_tokens": outcome.usage.prompt_tokens}}}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from engine.outputs import Logprobs
@@ -39,7 +38,7 @@ class Completion:
     top_logprobs: int | None  # None: no logprobs asked for
     include_usage: bool = False
     tools: ToolPlan | None = None  # the request's tool use: its output is read back as tool calls
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    id: str = ""  # the request's one id (the core's, GenerationStream.ids): the response's is chatcmpl-<id>
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
     usage: dict = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0})

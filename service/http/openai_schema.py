@@ -315,9 +315,7 @@ class ChatRequest(_Sampling):
         params = self.sampling(max_tokens=max_tokens, logprobs=logprobs,
                                tool_format=tools.structured_outputs() if tools is not None else None)
         messages = template_messages([m.chat(i) for i, m in enumerate(self.messages)])
-        if not messages:
-            raise HttpError(400, "messages must be a non-empty list of {role, content}", param="messages")
-        return [GenerateInput("0", params, messages=messages, model=self.model,
+        return [GenerateInput("", params, messages=messages, model=self.model,
                               tools=tools.template_tools if tools is not None else None)]
 
 
@@ -343,7 +341,7 @@ class CompletionRequest(_Sampling):
             if not isinstance(prompt, str) and any(t < 0 or t >= 2**32 for t in prompt):
                 raise HttpError(400, "prompt token ids must be integers >= 0 (and in the vocabulary)",
                                 param="prompt")
-        return [GenerateInput(str(i), params, prompt=prompt, model=self.model) for i, prompt in enumerate(prompts)]
+        return [GenerateInput("", params, prompt=prompt, model=self.model) for prompt in prompts]
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

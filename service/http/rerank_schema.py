@@ -2,7 +2,6 @@
 and its RerankOutcome back to each shape. Scores are the gRPC Rerank's, unchanged."""
 from __future__ import annotations
 
-import uuid
 from typing import Union
 
 from pydantic import BaseModel, ConfigDict
@@ -56,7 +55,7 @@ class CohereRerank(_Model):
                          else self.return_documents,
                          instruction=self.instruction, priority=_int32(self.priority or 0, "priority"),
                          max_windows=self.max_chunks_per_doc)
-        return RerankInput(uuid.uuid4().hex, self.query, self.texts(), params, model=self.model,
+        return RerankInput("", self.query, self.texts(), params, model=self.model,
                            max_tokens_per_doc=self.max_tokens_per_doc,
                            cut_hint="send truncate: true (or leave it out) to cut it at its end")
 
@@ -83,7 +82,7 @@ class TeiRerank(_Model):
         if self.raw_scores:
             raise HttpError(400, f"raw_scores is not supported: {_UNSUPPORTED['raw_scores']}", param="raw_scores")
         refuse_extras(self)
-        return RerankInput(uuid.uuid4().hex, self.query, list(self.texts),
+        return RerankInput("", self.query, list(self.texts),
                            _params(truncate="end" if self.truncate else "none", return_documents=bool(self.return_text),
                                    instruction=self.instruction, max_windows=self.max_windows),
                            cut_hint=TEI_CUT_HINT)
@@ -125,7 +124,7 @@ def cohere_response(outcome: RerankOutcome, *, model: str) -> dict:
             item["document"] = {"text": r.document}
         results.append(item)
     tokens = outcome.usage.prompt_tokens
-    return {"id": uuid.uuid4().hex, "model": model, "results": results,
+    return {"id": outcome.id, "model": model, "results": results,
             "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1},
                      "tokens": {"input_tokens": tokens, "output_tokens": 0}},
             "usage": {"total_tokens": tokens, "prompt_tokens": tokens}}

@@ -100,7 +100,7 @@ def test_bad_inputs_name_the_field(llm: LLM) -> None:
 
 
 def test_without_an_embedder_embed_says_how_to_load_one() -> None:
-    with pytest.raises(ValueError, match="no embedder"):
+    with pytest.raises(ValueError, match="no embedding model"):
         LLM().embed(["x"])
 
 

@@ -211,8 +211,7 @@ async def test_an_unreachable_or_hung_collector_does_not_hold_up_serving(tiny_mo
 def small_buffer_server(tiny_model_dir):
     engine = tiny_engine(tiny_model_dir, num_kv_blocks=256, block_size=16, max_num_batched_tokens=512,
                          max_rerank_documents=8)
-    server = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0, max_documents=8,
-                                               max_stream_buffer_bytes=256 * 1024))
+    server = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0, max_stream_buffer_bytes=256 * 1024))
     yield server
     server.close()
 
@@ -242,4 +241,42 @@ async def test_a_client_that_stops_reading_fails_its_own_stream_not_the_others(s
         assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "stream buffer full" in info.value.details() and "--max-stream-buffer-bytes" in info.value.details()
         assert received < sent  # the rest were dropped, not held
+    assert_all_blocks_free(await server.idle_stats())
+
+
+async def test_a_generate_stream_that_stops_reading_is_bounded_once_and_frees_every_request(small_buffer_server):
+    """A Generate stream has one bounded channel (the session's outbox, --max-stream-buffer-bytes): the core's stream
+    behind each of its requests only relays. A client that writes requests and never reads fails its own stream
+    with RESOURCE_EXHAUSTED through that one path (never a per-request RESOURCE_EXHAUSTED from a second buffer),
+    every request on it ends and frees its KV blocks, and the engine goes back to idle while the client has read
+    nothing."""
+    server = small_buffer_server
+    ids = [42 + i for i in range(300)]
+    # each response carries 300 prompt positions x 20 log-probabilities (~60 KB): 2.4 MB in all, far more than the
+    # 256 KiB buffer plus the transport's window (64 KiB: the stalled client's window does not grow)
+    sent = 40
+    async with grpc.aio.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)]) as stalled_channel, \
+            grpc.aio.insecure_channel(server.address) as channel:
+        stalled = pb_grpc.TandemStub(stalled_channel).Generate()
+        for i in range(sent):
+            request = pb.GenerateRequest(request_id=f"big{i}", params=pb.SamplingParams(
+                max_tokens=1, prompt_logprobs=20, ignore_eos=True))
+            request.token_ids.ids.extend(ids)
+            await stalled.write(pb.GenerateClientMessage(request=request))
+        # the last request admitted has ended (cut off, or, a failure, finished); idle_stats below waits for the rest
+        await asyncio.to_thread(server.recorder.wait_finished, lambda lc: lc.client_id == f"big{sent - 1}")
+        last = await _run_stream(pb_grpc.TandemStub(channel), [_gen(f"other{j}", 8) for j in range(4)])
+        assert all(m.final.finish_reason == pb.FINISH_REASON_LENGTH for m in last.values())
+        stats = await server.idle_stats()
+        assert_all_blocks_free(stats)
+        assert (stats["num_running"], stats["num_waiting"]) == (0, 0)
+        received = []
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            while (reply := await stalled.read()) is not grpc.aio.EOF:
+                received.append(reply)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "stream buffer full" in info.value.details() and "every request on this stream" in info.value.details()
+        assert len(received) < sent  # one response each (max_tokens=1), had nothing been dropped
+        assert not [r for r in received if r.WhichOneof("kind") == "error"
+                    and r.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]
     assert_all_blocks_free(await server.idle_stats())

@@ -288,8 +288,8 @@ class Tally:
 def fuzz_server(tiny_model_dir):
     engine = tiny_engine(tiny_model_dir, num_kv_blocks=512, block_size=16, max_num_batched_tokens=256,
                          max_num_seqs=32, max_model_len=96, max_rerank_documents=MAX_DOCUMENTS)
-    server = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0, max_documents=MAX_DOCUMENTS,
-                                               max_message_bytes=MAX_MESSAGE_BYTES), max_waiting=4096)
+    server = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES),
+                          max_waiting=4096)
     yield server
     server.close()
 

@@ -47,7 +47,7 @@ def _shape_ok(path: str, status: int, text: str) -> bool:
 def door(tiny_model_dir):
     engine = tiny_engine(tiny_model_dir, num_kv_blocks=512, block_size=16, max_num_batched_tokens=256,
                          max_num_seqs=32, max_model_len=96, max_rerank_documents=16)
-    config = ServerConfig(host="127.0.0.1", port=0, max_documents=16, max_message_bytes=MAX_BODY,
+    config = ServerConfig(host="127.0.0.1", port=0, max_message_bytes=MAX_BODY,
                           max_stream_buffer_bytes=4096)
     server = ServerThread(engine, config, max_waiting=4096)
     http = server.add_http(config)

@@ -71,7 +71,7 @@ def pki(tmp_path_factory) -> dict:
 def secure_server(tiny_model_dir, pki):
     engine = tiny_engine(tiny_model_dir, num_kv_blocks=128, block_size=16, max_rerank_documents=MAX_DOCUMENTS)
     d: Path = pki["dir"]
-    plain = ServerConfig(host="127.0.0.1", port=0, max_documents=MAX_DOCUMENTS, max_message_bytes=MAX_MESSAGE_BYTES)
+    plain = ServerConfig(host="127.0.0.1", port=0, max_message_bytes=MAX_MESSAGE_BYTES)
     server = ServerThread(engine, plain)
     tls = server.add_server(ServerConfig(host="127.0.0.1", port=0, tls_cert=str(d / "server.crt"),
                                          tls_key=str(d / "server.key"), auth_token=FULL,

@@ -77,8 +77,7 @@ def offline() -> Offline:
 def served(offline: Offline) -> ServerThread:
     """A server on an ephemeral localhost port over the offline LLM's engine (the LLM is not used after this)."""
     assert offline.llm.engine.max_model_len == MAX_MODEL_LEN
-    server = ServerThread(offline.llm.engine, ServerConfig(host="127.0.0.1", port=0, max_documents=MAX_DOCUMENTS,
-                                                           max_embed_inputs=MAX_EMBED_INPUTS,
+    server = ServerThread(offline.llm.engine, ServerConfig(host="127.0.0.1", port=0,
                                                            max_message_bytes=MAX_MESSAGE_BYTES))
     yield server
     server.close()

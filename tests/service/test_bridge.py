@@ -110,7 +110,7 @@ def _collect(events: list, done: asyncio.Event):
 
 async def _generate(bridge: EngineBridge, client_id: str, max_tokens: int = 3, prompt: str = "hi", **kw):
     events, done = [], asyncio.Event()
-    lc = bridge.submit_generate(client_id, _collect(events, done), prompt=prompt,
+    lc = bridge.submit_generate(f"id-{client_id}", client_id, _collect(events, done), prompt=prompt,
                                 params=SamplingParams(max_tokens=max_tokens), **kw)
     return lc, events, done
 

@@ -70,8 +70,7 @@ def test_flags_set_every_server_config_field():
                      "--max-connection-age", "600", "--max-concurrent-streams", "8", "--http-port", "8081",
                      "--served-model-name", "smol", "chat,tiny", "--strict-model-names",
                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    assert (config.host, config.port, config.max_documents, config.max_message_bytes) == ("0.0.0.0", 6000, 7, 2**20)
-    assert config.max_embed_inputs == 9 and config.limits().max_embed_inputs == 9
+    assert (config.host, config.port, config.max_message_bytes) == ("0.0.0.0", 6000, 2**20)
     assert (config.drain_timeout_s, config.drain_grace_s) == (9.0, 2.5)
     assert (config.tls_cert, config.tls_key, config.tls_client_ca) == ("c.pem", "k.pem", "ca.pem")
     assert config.auth_token == "t" and config.replica == "r1"

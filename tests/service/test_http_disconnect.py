@@ -18,7 +18,8 @@ def _body(max_tokens: int, stream: bool = True) -> dict:
 
 
 def _lifecycle(served, stream_id: str):
-    found = [lc for lcs in served.recorder.finished.values() for lc in lcs if lc.metadata.get("stream") == stream_id]
+    # the response's id is the request's one id, the engine's and the lifecycle's (chatcmpl-<id>)
+    found = [lc for lcs in served.recorder.finished.values() for lc in lcs if stream_id == f"chatcmpl-{lc.engine_id}"]
     assert len(found) == 1, stream_id
     return found[0]
 

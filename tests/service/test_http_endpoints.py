@@ -118,10 +118,26 @@ async def test_each_refused_request_reaches_the_lifecycle_hooks_once_whichever_d
     assert r.status_code == 415
     async with grpc.aio.insecure_channel(served.address) as channel:
         with pytest.raises(grpc.aio.AioRpcError):
-            await pb_grpc.TandemStub(channel).Rerank(pb.RerankRequest(query="q", documents=["d"] * 100))
+            # core: the chat model's name does not embed (too many documents is the engine's, after admission)
+            await pb_grpc.TandemStub(channel).Embed(pb.EmbedRequest(texts=["a"], model=served.core.info.model))
     new = refused[before:]
     got = [(lc.metadata.get("door"), lc.metadata.get("route", lc.kind), lc.metadata.get("status", lc.error))
            for lc in new]
     assert got == [("http", "/v1/chat/completions", "NOT_FOUND"), ("http", "/v1/chat/completions", "400"),
-                   ("http", "/v2/rerank", "415"), ("grpc", "rerank", "INVALID_ARGUMENT")]
+                   ("http", "/v2/rerank", "415"), ("grpc", "embed", "INVALID_ARGUMENT")]
     assert all(lc.finish_reason == "rejected" for lc in new)
+
+
+def test_one_request_id_names_an_http_request_in_its_response_the_engine_and_the_spans(served, http_url):
+    """The core mints one id per request; the HTTP responses' ids are it (chatcmpl-<id>, a rerank's id), and so are
+    the engine's request id and the lifecycle the spans and step links read. No id of the door's own."""
+    with httpx.Client(base_url=http_url) as h:
+        chat = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        rerank = h.post("/v2/rerank", json={"query": "bees", "documents": ["honey", "stone"]})
+    assert chat.status_code == 200 and rerank.status_code == 200, (chat.text, rerank.text)
+    chat_id = chat.json()["id"].removeprefix("chatcmpl-")
+    (generated,) = served.recorder.wait_finished(lambda lc: lc.engine_id == chat_id)
+    (reranked,) = served.recorder.wait_finished(lambda lc: lc.engine_id == rerank.json()["id"])
+    assert (generated.kind, generated.client_id) == ("generate", "")
+    assert (reranked.kind, reranked.client_id) == ("rerank", "")
+    assert chat_id != rerank.json()["id"]

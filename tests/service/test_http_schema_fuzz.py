@@ -39,7 +39,7 @@ def live(tmp_path_factory):
     # hypothesis and schemathesis state is in the process (it left a one-time step of 10-18 MiB in the soak's RSS).
     engine = tiny_engine(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-fuzz")), num_kv_blocks=256, block_size=16, max_num_batched_tokens=256,
                          max_num_seqs=32, max_model_len=96, max_rerank_documents=16)
-    config = ServerConfig(host="127.0.0.1", port=0, max_documents=16, max_message_bytes=64 * 1024,
+    config = ServerConfig(host="127.0.0.1", port=0, max_message_bytes=64 * 1024,
                           served_model_names=("tiny",), strict_model_names=True)
     server = ServerThread(engine, config, max_waiting=512)
     http = server.add_http(config)

@@ -24,8 +24,7 @@ def served():
     # the default rerank mode beside an embedder (dense): documents are embedder rows, no LLM pair
     engine = LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, num_kv_blocks=64, max_rerank_documents=MAX_DOCUMENTS,
                               max_embed_inputs=MAX_EMBED_INPUTS)).engine
-    server = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0, max_documents=MAX_DOCUMENTS,
-                                               max_embed_inputs=MAX_EMBED_INPUTS))
+    server = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0))
     server.http_url = server.add_http(server.server.config).url
     yield server
     server.close()
@@ -61,8 +60,8 @@ def test_grpc_an_embedding_over_max_embed_inputs_is_invalid_argument_and_a_reran
 
 def test_the_engine_bounds_each_kind_by_its_own_limit(served):
     engine = served.bridge.engine
-    with pytest.raises(ValueError, match="max_embed_inputs is 3"):
+    with pytest.raises(ValueError, match="at most 3 per request .--max-embed-inputs"):
         engine.prepare_embed("e", ["a"] * N)
     assert len(engine.prepare_rerank("r", "q", ["d"] * N).documents) == N
-    with pytest.raises(ValueError, match="max_rerank_documents is 6"):
+    with pytest.raises(ValueError, match="at most 6 per request .--max-documents"):
         engine.prepare_rerank("r", "q", ["d"] * (MAX_DOCUMENTS + 1))
