@@ -34,6 +34,9 @@ DOCUMENTS = ["Paris is the capital and largest city of France.",
              "Berlin is the capital of Germany.",
              "France is a country in Western Europe."]
 MAX_DOCUMENTS = 8
+# An HTTP client's timeout in these tests: a guard against a hang, never a speed bound (httpx's default 5 s failed
+# on a loaded host).
+GUARD_S = 300.0
 # More than MAX_DOCUMENTS: an embedding of MAX_DOCUMENTS + 1 inputs passes where a rerank of as many documents does not
 MAX_EMBED_INPUTS = 12
 MAX_MESSAGE_BYTES = 256 * 1024

@@ -17,7 +17,7 @@ from engine.config import EMBEDDED_EMBEDDER, EmbedParams
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
 from service.core import EmbedInput
-from tests.service.conftest import DOCUMENTS, MAX_DOCUMENTS, MAX_EMBED_INPUTS
+from tests.service.conftest import DOCUMENTS, GUARD_S, MAX_DOCUMENTS, MAX_EMBED_INPUTS
 from tests.service.harness import assert_all_blocks_free
 
 LONG = " ".join(DOCUMENTS * 12)  # over all-MiniLM-L6-v2's 256 tokens
@@ -68,7 +68,7 @@ def test_models_lists_the_embedder_as_its_own_model(oa, served):
 
 
 def test_tei_embed_and_cohere_embed(http_url, reference):
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         tei = h.post("/embed", json={"inputs": DOCUMENTS}).json()
         single = h.post("/embed", json={"inputs": DOCUMENTS[0]}).json()
         raw = h.post("/embed", json={"inputs": DOCUMENTS[:1], "normalize": False}).json()
@@ -95,14 +95,14 @@ def test_tei_embed_and_cohere_embed(http_url, reference):
     ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
 ])
 def test_openai_bad_inputs_get_openai_errors(http_url, body, message):
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         r = h.post("/v1/embeddings", json=body)
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"] and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_tei_and_cohere_bad_inputs_get_their_own_error_shapes(http_url):
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         too_long = h.post("/embed", json={"inputs": [LONG]})  # TEI's default: no truncation
         prompt = h.post("/embed", json={"inputs": ["a"], "prompt_name": "query"})
         empty = h.post("/embed", json={"inputs": []})
@@ -119,7 +119,7 @@ def test_tei_and_cohere_bad_inputs_get_their_own_error_shapes(http_url):
 
 
 def test_an_unknown_model_is_embedded_by_the_one_embedder_unless_names_are_strict(http_url, served):
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         r = h.post("/v1/embeddings", json={"input": "a", "model": "text-embedding-3-small"})
     assert r.status_code == 200 and r.json()["model"] == "text-embedding-3-small"
 
@@ -157,7 +157,7 @@ def test_tei_embed_all_is_sentence_transformers_token_embeddings(http_url):
 
     ref = SentenceTransformer(str(embedded_embedder_dir()), device="cpu")
     theirs = ref.encode(DOCUMENTS[:2] + [LONG], output_value="token_embeddings")
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         ours = h.post("/embed_all", json={"inputs": DOCUMENTS[:2]}).json()
         single = h.post("/embed_all", json={"inputs": DOCUMENTS[0]}).json()
         cut = h.post("/embed_all", json={"inputs": [LONG], "truncate": True}).json()
@@ -175,7 +175,7 @@ def test_tei_embed_all_is_sentence_transformers_token_embeddings(http_url):
 
 
 def test_the_openapi_description_has_the_embedding_routes(http_url):
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         paths = h.get("/openapi.json").json()["paths"]
     assert {"/v1/embeddings", "/embed", "/embed_all", "/v2/embed"} <= set(paths)
 
@@ -183,7 +183,7 @@ def test_the_openapi_description_has_the_embedding_routes(http_url):
 def test_a_server_without_an_embedder_says_so_through_each_door(served, http_url, monkeypatch):
     monkeypatch.setattr(served.core, "info", dataclasses.replace(served.core.info, embedder=""))
     monkeypatch.setattr(served.bridge.engine.intake, "embedder", None)  # the engine's intake is what refuses
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         openai_ = h.post("/v1/embeddings", json={"input": "a"})
         tei = h.post("/embed", json={"inputs": "a"})
     assert openai_.status_code == 400 and "--embedder" in openai_.json()["error"]["message"]
@@ -196,7 +196,7 @@ def test_a_server_without_an_embedder_says_so_through_each_door(served, http_url
 
 def test_strict_model_names_refuse_another_model_for_embeddings(served, http_url, monkeypatch):
     monkeypatch.setattr(served.core, "_strict", True)
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         other = h.post("/v1/embeddings", json={"input": "a", "model": "text-embedding-3-small"})
         own = h.post("/v1/embeddings", json={"input": "a", "model": EMBEDDED_EMBEDDER})
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
@@ -207,7 +207,7 @@ def test_an_embedding_of_more_inputs_than_max_documents_passes_while_a_rerank_of
     # --max-documents bounds rerank documents only; embedding inputs have --max-embed-inputs (here larger)
     n = MAX_DOCUMENTS + 1
     assert n <= MAX_EMBED_INPUTS
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         embedded = h.post("/v1/embeddings", json={"input": ["a"] * n})
         reranked = h.post("/v1/rerank", json={"query": "q", "documents": ["d"] * n})
     assert embedded.status_code == 200 and len(embedded.json()["data"]) == n, embedded.text

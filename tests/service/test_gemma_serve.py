@@ -18,6 +18,7 @@ import pytest
 
 from clients import AsyncClient
 from tests.gemma import MAX_TOKENS, check_greedy
+from tests.service.conftest import GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,7 +100,7 @@ async def test_chat_template_makes_the_base_model_chat_without_special_tokens_in
     chat = await client.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "Say hello."}],
                                                 max_tokens=24, temperature=0)
     assert chat.choices[0].message.content and chat.usage.prompt_tokens > 5
-    async with httpx.AsyncClient(base_url=gemma_server.http) as http:
+    async with httpx.AsyncClient(base_url=gemma_server.http, timeout=GUARD_S) as http:
         rendered = (await http.post("/tokenize", json={
             "model": "gemma", "messages": [{"role": "user", "content": "Say hello."}]})).json()
     assert rendered["tokens"][:2] == [2, 105] and rendered["count"] == chat.usage.prompt_tokens  # <bos><start_of_turn>

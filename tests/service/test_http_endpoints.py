@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.service.conftest import CHAT, DOCUMENTS, QUERY
+from tests.service.conftest import CHAT, DOCUMENTS, GUARD_S, QUERY
 
 NAME = "SmolLM2-135M-Instruct"
 
@@ -131,7 +131,7 @@ async def test_each_refused_request_reaches_the_lifecycle_hooks_once_whichever_d
 def test_one_request_id_names_an_http_request_in_its_response_the_engine_and_the_spans(served, http_url):
     """The core mints one id per request; the HTTP responses' ids are it (chatcmpl-<id>, a rerank's id), and so are
     the engine's request id and the lifecycle the spans and step links read. No id of the door's own."""
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         chat = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
         rerank = h.post("/v2/rerank", json={"query": "bees", "documents": ["honey", "stone"]})
     assert chat.status_code == 200 and rerank.status_code == 200, (chat.text, rerank.text)

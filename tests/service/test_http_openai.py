@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.service.conftest import CHAT, MAX_MESSAGE_BYTES, MAX_MODEL_LEN, PROMPTS
+from tests.service.conftest import CHAT, GUARD_S, MAX_MESSAGE_BYTES, MAX_MODEL_LEN, PROMPTS
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                            "sunny": {"type": "boolean"}},
@@ -199,7 +199,7 @@ def test_a_model_named_for_another_task_is_refused(client, http_url, served):
     with pytest.raises(openai.BadRequestError) as chat:
         client.chat.completions.create(model=embedder, messages=CHAT, max_tokens=2)
     assert "does not generate" in chat.value.message
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         tei = h.post("/embed", json={"inputs": "hello"})  # no model field: the embedder
         cohere_ = h.post("/v2/rerank", json={"query": "q", "documents": ["d"], "model": embedder})
     assert tei.status_code == 200

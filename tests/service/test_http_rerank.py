@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from clients import Client
-from tests.service.conftest import DOCUMENTS, MAX_DOCUMENTS, QUERY
+from tests.service.conftest import DOCUMENTS, GUARD_S, MAX_DOCUMENTS, QUERY
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def test_http_scores_equal_grpc_rerank(served, http_url, co, offline):
     grpc_scores = _grpc_scores(served.address, DOCUMENTS)
     r = co.rerank(model=str(served.core.info.model), query=QUERY, documents=DOCUMENTS)
     assert {x.index: x.relevance_score for x in r.results} == pytest.approx(grpc_scores, abs=1e-6)
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         tei_r = h.post("/rerank", json={"query": QUERY, "texts": DOCUMENTS})
         v1_r = h.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS})
     assert tei_r.headers["x-tandem-rerank-mode"] == v1_r.headers["x-tandem-rerank-mode"] == "fusion"
@@ -48,7 +48,7 @@ def test_cohere_v2_client_top_n_sorted(co):
 
 def test_v1_shape_with_jina_fields(http_url):
     docs = [DOCUMENTS[0], {"text": DOCUMENTS[1]}, DOCUMENTS[2]]
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         body = h.post("/v1/rerank", json={"model": "", "query": QUERY, "documents": docs, "top_n": 3}).json()
         quiet = h.post("/v2/rerank", json={"query": QUERY, "documents": docs}).json()
     results = body["results"]
@@ -59,7 +59,7 @@ def test_v1_shape_with_jina_fields(http_url):
 
 
 def test_tei_shape(http_url):
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         r = h.post("/rerank", json={"query": QUERY, "texts": DOCUMENTS, "return_text": True, "truncate": True})
         assert r.status_code == 200
         items = r.json()
@@ -73,7 +73,7 @@ def test_tei_shape(http_url):
 
 
 def test_cohere_errors(http_url):
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         cases = [({"documents": DOCUMENTS}, 400, "query is required"),
                  ({"query": "", "documents": DOCUMENTS}, 400, "query must be a non-empty string"),
                  ({"query": QUERY, "documents": ["d"] * (MAX_DOCUMENTS + 1)}, 400, "--max-documents"),
@@ -88,7 +88,7 @@ def test_an_over_long_document_is_refused_naming_each_apis_own_truncate(served, 
     """A document too long with truncation off: each API's refusal says how to ask for the cut in its own spelling
     (TEI's `truncate` is a boolean: `truncate: true`, never another API's `truncate='end'`)."""
     long = ["word " * 9000]
-    with httpx.Client(base_url=http_url) as h:
+    with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         tei = h.post("/rerank", json={"query": QUERY, "texts": long})  # TEI's default: truncate false
         cohere_ = h.post("/v2/rerank", json={"query": QUERY, "documents": long, "truncate": False})
     assert tei.status_code == 400 and tei.json()["error_type"] == "Validation"

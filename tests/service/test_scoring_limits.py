@@ -14,6 +14,7 @@ from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
 from service.server import ServerConfig
 from tests.service.harness import ServerThread
+from tests.service.conftest import GUARD_S
 
 MAX_DOCUMENTS, MAX_EMBED_INPUTS = 6, 3
 N = MAX_EMBED_INPUTS + 1  # over the embedding limit, under the rerank one
@@ -31,7 +32,7 @@ def served():
 
 
 def test_http_an_embedding_over_max_embed_inputs_is_refused_naming_it_and_a_rerank_of_as_many_passes(served):
-    with httpx.Client(base_url=served.http_url) as h:
+    with httpx.Client(base_url=served.http_url, timeout=GUARD_S) as h:
         refused = h.post("/v1/embeddings", json={"input": ["a"] * N})
         tei = h.post("/embed", json={"inputs": ["a"] * N})
         reranked = h.post("/v1/rerank", json={"query": "q", "documents": [f"d {i}" for i in range(N)]})
