@@ -36,7 +36,8 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.cpu_peer import agreement, cpu_identity, hf_greedy, token_pool, windows
+from bench.cpu_peer import agreement, cpu_identity, hf_greedy
+from bench.datasets import token_pool, windows
 from bench.report import parse_bench_args, write_result
 
 QUICK = dict(text_tokens=64, chunk=32, new_tokens=8, prompts=1)

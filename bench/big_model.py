@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.parity:
         import random
 
-        from bench.cpu_peer import token_pool, windows
+        from bench.datasets import token_pool, windows
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

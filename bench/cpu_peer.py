@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.big_model import ModelSize, Quant
+from bench.datasets import token_pool, windows
 from bench.llama_server import SWITCHES, Build, LlamaServer, PeerUnavailable, host_builds
 from bench.report import RESULTS, parse_bench_args, rotated, write_result
 from bench.serve import Spawned
@@ -107,26 +108,6 @@ def cpu_identity() -> dict:
     flags = (fields.get("flags") or fields.get("Features") or "").split()
     return {"model": fields.get("model name", ""), "vector_flags": sorted(f for f in flags
                                                                            if f.startswith(_VECTOR_FLAG_PREFIXES))}
-
-
-def token_pool(tokenizer, need: int) -> list[int]:
-    """AlpacaEval instructions and answers, tokenized back to back: the text the prompt windows are cut from."""
-    from bench.datasets import alpaca_eval
-
-    ids: list[int] = []
-    for row in alpaca_eval():
-        ids += tokenizer(row["instruction"] + "\n" + row["output"] + "\n", add_special_tokens=False)["input_ids"]
-        if len(ids) >= need:
-            break
-    return ids
-
-
-def windows(pool: list[int], lengths: list[int], rng: random.Random) -> list[list[int]]:
-    out = []
-    for n in lengths:
-        start = rng.randrange(0, len(pool) - n)
-        out.append(pool[start:start + n])
-    return out
 
 
 class TandemPeer:
@@ -255,7 +236,8 @@ async def measure(args, model_path: Path, tokenizer, builds: list[Build], skippe
         for i, ids in enumerate(b1_prompts):
             runs = await phase(peers, [ids], [args.new_tokens], 1, first=i)
             for name, [(_, [(toks, times, start)])] in runs.items():
-                assert len(toks) == args.new_tokens, (name, len(toks))
+                if len(toks) != args.new_tokens:  # llama-server's stream came short once at 1.7B (31 of 32):
+                    out.setdefault("short_streams", []).append({"system": name, "prompt": i, "tokens": len(toks)})
                 per_prompt[name].append({"tok_s_incl_prefill": len(toks) / (times[-1] - start),
                                          "decode_tok_s": (len(times) - 1) / max(1e-9, times[-1] - times[0]),
                                          "ttft_s": times[0] - start})

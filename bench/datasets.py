@@ -136,3 +136,21 @@ def healthbench_corpus() -> RetrievalCorpus:
 
 
 CORPORA = {"alpaca_eval": alpaca_eval_corpus, "healthbench": healthbench_corpus}
+
+
+def token_pool(tokenizer, need: int) -> list[int]:
+    """AlpacaEval instructions and answers, tokenized back to back: the text the prompt windows are cut from."""
+    ids: list[int] = []
+    for row in alpaca_eval():
+        ids += tokenizer(row["instruction"] + "\n" + row["output"] + "\n", add_special_tokens=False)["input_ids"]
+        if len(ids) >= need:
+            break
+    return ids
+
+
+def windows(pool: list[int], lengths: list[int], rng: random.Random) -> list[list[int]]:
+    out = []
+    for n in lengths:
+        start = rng.randrange(0, len(pool) - n)
+        out.append(pool[start:start + n])
+    return out
