@@ -49,6 +49,7 @@ from pathlib import Path
 
 from bench.big_model import ModelSize, Quant
 from bench.datasets import token_pool, windows
+from bench.host import cpu_identity
 from bench.llama_server import SWITCHES, Build, LlamaServer, PeerUnavailable, host_builds
 from bench.report import RESULTS, parse_bench_args, rotated, write_result
 from bench.serve import Spawned
@@ -90,24 +91,6 @@ FIGURES = (("batch1", "batch 1 incl. prefill, tok/s", "median_tok_s_incl_prefill
 
 def peer_name(build: Build | str) -> str:
     return f"{LLAMA}_{Build(build).value}"
-
-
-_VECTOR_FLAG_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "amx", "bmi", "neon", "asimd", "sve")
-
-
-def cpu_identity() -> dict:
-    """The CPU's model name and the vector-unit flags the kernels of either system may use (/proc/cpuinfo, Linux)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            key, sep, value = line.partition(":")
-            if sep:
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return {}
-    flags = (fields.get("flags") or fields.get("Features") or "").split()
-    return {"model": fields.get("model name", ""), "vector_flags": sorted(f for f in flags
-                                                                           if f.startswith(_VECTOR_FLAG_PREFIXES))}
 
 
 class TandemPeer:

@@ -298,7 +298,7 @@ if __name__ == "__main__":
     ap.add_argument("--source-only", action="store_true", help="only extract the source tree (no compile)")
     args = ap.parse_args()
     if args.build is None:
-        from bench.cpu_peer import cpu_identity
+        from bench.host import cpu_identity
 
         args.build = host_builds(cpu_identity().get("vector_flags", []))
     try:
