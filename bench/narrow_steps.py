@@ -32,7 +32,7 @@ def measure(threads: int, pair_tokens: list[int], steps: int) -> dict:
     from engine.config import RerankParams, SamplingParams
     from kernels import quant
 
-    out: dict = {"threads": threads, "isa": quant.cpu_isa().label, "rows": {}}
+    out: dict = {"threads": threads, "rows": {}}
     for k in [0, *pair_tokens]:
         engine = LLMEngine(EngineConfig(rerank_mode="likelihood", tpot_target_ms=None, num_threads=threads,
                                         max_num_batched_tokens=8 + k, embedder=None))
@@ -55,6 +55,7 @@ def measure(threads: int, pair_tokens: list[int], steps: int) -> dict:
         out["rows"][k] = {"steps": len(timed),
                           "step_ms": 1e3 * statistics.median(r.duration_s for r in timed) if timed else None,
                           "forward_ms": 1e3 * statistics.median(r.forward_s for r in timed) if timed else None}
+    out["isa"] = quant.cpu_isa().label  # after an engine chose its path (TANDEM_CPU_ISA): not before
     base = out["rows"][0]["step_ms"]
     for k, row in out["rows"].items():
         if k and row["step_ms"] and base:
