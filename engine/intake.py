@@ -23,7 +23,7 @@ from engine.embed import EmbedJob, Embedder
 from engine.errors import InputTooLong, NotLoaded
 from engine.rerank import PairPhase, PairScorer, RerankJob
 from engine.rerank.pairs import covered, split_windows
-from engine.request import FinishReason, RerankPair, Sequence, SeqKind
+from engine.request import FinishReason, RerankPair, RowExec, Sequence, SeqKind
 
 if TYPE_CHECKING:
     from engine.structured import GrammarCompiler
@@ -189,7 +189,7 @@ class RequestIntake:
             seqs.append(Sequence(
                 request_id=job.request_id, token_ids=pair.token_ids, num_prompt_tokens=len(pair.token_ids),
                 params=params, arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.RERANK,
-                priority=params.priority, uses_kv=scorer.runs_on_llm, logprob_start=pair.logprob_start,
+                priority=params.priority, execution=RowExec.CAUSAL if scorer.runs_on_llm else RowExec.ENCODER, logprob_start=pair.logprob_start,
                 pair=RerankPair(i, wait_for=first, token_type_ids=pair.token_type_ids),
                 stages=1 if scorer.runs_on_llm else scorer.stages))
         if at_once:
@@ -271,7 +271,7 @@ class RequestIntake:
         stage: it runs whole)."""
         seqs = [Sequence(request_id=request_id, token_ids=row.token_ids, num_prompt_tokens=len(row.token_ids),
                          params=params, arrival=next(self._arrivals), arrival_time=arrival_time, kind=SeqKind.EMBED,
-                         priority=params.priority, uses_kv=False, index=i, stages=self.embedder.stages)
+                         priority=params.priority, execution=RowExec.ENCODER, index=i, stages=self.embedder.stages)
                 for i, row in enumerate(rows)]
         if any(seq.stage_tokens(1) > self.budget for seq in seqs):
             what = "one layer of it" if self.embedder.stages > 1 else "it runs whole and"
