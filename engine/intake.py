@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -21,37 +20,13 @@ from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParam
 from engine.detokenizer import TextStream
 from engine.embed import EmbedJob, Embedder
 from engine.errors import InputTooLong, NotLoaded
+from engine.generation import Generation
 from engine.rerank import PairPhase, PairScorer, RerankJob
 from engine.rerank.pairs import covered, split_windows
-from engine.request import FinishReason, RerankPair, RowExec, Sequence, SeqKind
+from engine.request import RerankPair, RowExec, Sequence, SeqKind
 
 if TYPE_CHECKING:
     from engine.structured import GrammarCompiler
-
-
-@dataclass(slots=True, eq=False)
-class Generation:
-    """A live generation request: its n completions (sequences, index order) and their text streams."""
-    request_id: str
-    seqs: list[Sequence]
-    streams: list[TextStream]
-    num_done: int = 0  # completions that have finished
-    first_token_time: float | None = None  # of the request: its first token of any completion
-    sent_first: bool = False  # the request's first output went out (it carries prompt_logprobs)
-    finish_reasons: list[FinishReason | None] = field(default_factory=list)
-    # With prompt_logprobs: completion 0's prompt token log-probabilities from position 1 on, as its chunks compute
-    # them, and per position the top alternatives (token id -> raw log-probability).
-    prompt_logprobs: list[float] = field(default_factory=list)
-    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
-
-    @property
-    def seq(self) -> Sequence:
-        """Completion 0: it prefills the prompt, computes prompt log-probabilities and carries the usage."""
-        return self.seqs[0]
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(s.num_output_tokens for s in self.seqs)
 
 
 class RequestIntake:
