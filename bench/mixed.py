@@ -53,6 +53,7 @@ from bench.report import parse_bench_args, percentile, step_series, write_result
 from bench.rerank import StepLog, linear_params, matmul_peak_gflops
 from engine import LLM, EngineConfig, RerankParams, SamplingParams
 from engine.admission import AdmissionPolicy, LatencyAdmission
+from engine.outputs import TokenDelta
 
 QUICK = dict(requests=4, max_output_tokens=8, queries=2, docs=6, min_doc_tokens=16, max_doc_tokens=64,
              rerank_shares=[0.5], wide_requests=8, wide_tokens=4)
@@ -67,11 +68,11 @@ TARGET_RERANK_RATIO = 0.8
 
 def token_times(events) -> dict[str, list[float]]:
     """Per generation request, the time of each of its tokens. `events`: (step end time, that step's outputs);
-    every token of a StepOutput is stamped with its step's end time. Rerank outputs are ignored."""
+    every token of a TokenDelta is stamped with its step's end time. Rerank and embedding outputs are ignored."""
     times: dict[str, list[float]] = {}
     for t, outputs in events:
         for out in outputs:
-            if out.kind == "generate" and out.new_token_ids:
+            if isinstance(out, TokenDelta) and out.new_token_ids:
                 times.setdefault(out.request_id, []).extend([t] * len(out.new_token_ids))
     return times
 

@@ -2,7 +2,9 @@
 from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams, StructuredOutputsParams
 from engine.engine import LLMEngine
 from engine.llm import LLM
-from engine.outputs import CompletionOutput, RequestOutput, RerankResult, StepOutput, StepRecord
+from engine.outputs import (CompletionOutput, EmbedOutput, RequestOutput, RerankOutput, RerankResult, StepOutput,
+                            StepRecord, TokenDelta)
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RerankParams", "EmbedParams", "StructuredOutputsParams",
-           "CompletionOutput", "RequestOutput", "RerankResult", "StepOutput", "StepRecord"]
+           "CompletionOutput", "RequestOutput", "RerankResult", "StepOutput", "TokenDelta", "RerankOutput", "EmbedOutput",
+           "StepRecord"]

@@ -28,12 +28,10 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from engine.batch import Batch
 from engine.cadence import CadenceGuard
 from engine.config import EngineConfig
-from engine.request import SeqKind
 from engine.step_time import OnlineStepTime, StepShape, TokenKind
 
 if TYPE_CHECKING:
     from engine.outputs import StepRecord
-    from engine.request import Sequence
     from engine.step_time import LinearStepTime
 
 SCORING_KINDS = (TokenKind.LLM_RERANK, TokenKind.CROSS_ENCODER, TokenKind.EMBED)
@@ -239,15 +237,6 @@ def _seats(free: int, kinds: int) -> int:
 def _plus(shape: StepShape, kind: TokenKind, tokens: int) -> StepShape:
     """`shape` with `tokens` more of `kind`."""
     return replace(shape, **{kind.value: getattr(shape, kind.value) + tokens})
-
-
-def work_kind(seq: "Sequence") -> TokenKind:
-    """The kind of work a sequence is, as the planner prices it."""
-    if seq.kind is SeqKind.GENERATE:
-        return TokenKind.PREFILL
-    if seq.kind is SeqKind.EMBED:
-        return TokenKind.EMBED
-    return TokenKind.LLM_RERANK if seq.uses_kv else TokenKind.CROSS_ENCODER
 
 
 AUTO = "auto"

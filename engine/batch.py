@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import Sequence, SeqKind
+from engine.request import RowExec, Sequence
+from engine.step_time import TokenKind, work_kind
 
 
 @dataclass(slots=True)
@@ -38,21 +39,21 @@ class Batch:
         """`n` tokens of `seq`; an encoder row gives the stages it runs (n is then what they cost; default: the rest)."""
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
-        if stages is None and (seq.kind is SeqKind.EMBED or seq.staged):
+        if stages is None and seq.execution is RowExec.ENCODER:
             stages = (seq.stages_done, seq.stages)  # the rest of its forward
         self.stages.append(stages)
-        if seq.kind is SeqKind.EMBED:
+        kind = work_kind(seq)
+        if kind is TokenKind.EMBED:
             self.num_embed_rows += 1
             self.num_embed_tokens += n
             if stages[1] == seq.stages:
                 self.num_embed_rows_done += 1
-            return
-        if seq.kind is SeqKind.RERANK:
+        elif kind is not TokenKind.PREFILL:  # a rerank pair, in the LLM or in the cross-encoder
             self.num_rerank_pairs += 1
             if seq.ends_with(n, stages):
                 self.num_rerank_pairs_scored += 1
             self.num_rerank_tokens += n
-            if not seq.uses_kv:
+            if kind is TokenKind.CROSS_ENCODER:
                 self.num_cross_encoder_tokens += n
         elif n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1:
             self.num_decode_tokens += 1

@@ -10,19 +10,17 @@ from engine.batch import Batch
 from engine.builder import build_engine_parts
 from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
 from engine.embed import EmbedJob
-from engine.intake import Generation, RequestIntake
-from engine.detokenizer import TextStream
-from engine.outputs import Logprobs, StepOutput, StepRecord
+from engine.intake import RequestIntake
+from engine.jobs import Job, JobContext, RowResult, StepEffects
+from engine.outputs import StepOutput, StepRecord
 from engine.rerank import RerankJob
-from engine.request import FinishReason, Sequence, SequenceStatus, SeqKind
+from engine.request import FinishReason, Sequence, SequenceStatus
 from engine.runner import RunnerOutput
 
 if TYPE_CHECKING:
     from engine.structured import GrammarCompiler
 
 log = logging.getLogger("tandem.engine")
-
-Request = Generation | RerankJob | EmbedJob
 
 
 class LLMEngine:
@@ -54,7 +52,8 @@ class LLMEngine:
         self.intake = RequestIntake(config, self.tokenizer, self.model_args.vocab_size, self.max_model_len,
                                     self.scheduler.budget, self.scorer, self._grammar_compiler,
                                     max_model_len_by=parts.max_model_len_by, embedder=parts.embedder)
-        self._requests: dict[str, Request] = {}
+        self.job_context = JobContext(self.scorer, self.embedder, self.eos_token_ids, self.max_model_len)
+        self._requests: dict[str, Job] = {}
         self._pending: list[StepOutput] = []  # final outputs of aborts, handed out with the next step
         self._observers: list[Callable[[StepRecord], None]] = []
         self._steps = 0
@@ -69,9 +68,7 @@ class LLMEngine:
         messages), so it stops at the template's end-of-turn tokens as a request with `messages` does."""
         self._check_new_id(request_id)
         gen = self.intake.generation(request_id, prompt, params, messages, chat=chat)
-        self._requests[request_id] = gen
-        for seq in gen.seqs:
-            self.scheduler.add(seq)
+        self._queue(gen)
         return list(gen.seq.token_ids)
 
     def prepare_rerank(self, request_id: str, query: str, documents: list[str],
@@ -89,9 +86,7 @@ class LLMEngine:
         job = prepared if prepared is not None else self.intake.rerank(request_id, query, documents, params)
         if job.request_id != request_id:
             raise ValueError(f"prepared job is {job.request_id!r}, not {request_id!r}")
-        self._requests[request_id] = job
-        for seq in job.sequences:
-            self.scheduler.add(seq)
+        self._queue(job)
 
     def prepare_embed(self, request_id: str, inputs: list[str] | list[list[int]],
                       params: EmbedParams | None = None) -> EmbedJob:
@@ -109,9 +104,12 @@ class LLMEngine:
         job = prepared if prepared is not None else self.intake.embed(request_id, inputs, params)
         if job.request_id != request_id:
             raise ValueError(f"prepared job is {job.request_id!r}, not {request_id!r}")
-        self._requests[request_id] = job
-        for row in job.rows:
-            self.scheduler.add(row)
+        self._queue(job)
+
+    def _queue(self, job: Job) -> None:
+        self._requests[job.request_id] = job
+        for seq in job.sequences:
+            self.scheduler.add(seq)
 
     def chat_token_ids(self, messages: list[dict]) -> list[int]:
         return self.intake.chat_token_ids(messages)
@@ -136,13 +134,10 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        for seq in _seqs_of(req):
+        for seq in req.sequences:
             if not seq.status.finished:
                 self._let_go(seq, SequenceStatus.FINISHED_ABORTED)
-        if isinstance(req, (RerankJob, EmbedJob)):
-            self._pending.append(_final_output(req, FinishReason.ABORT))
-        else:
-            self._pending.extend(_abort_outputs(req))
+        self._pending.extend(req.final_outputs(FinishReason.ABORT))
         return True
 
     def has_unfinished(self) -> bool:
@@ -234,122 +229,23 @@ class LLMEngine:
 
     def _process(self, batch: Batch, result: RunnerOutput, finished: dict[Sequence, SequenceStatus]
                  ) -> list[StepOutput]:
-        """Apply one step's results, the one place that does: put the prompt (span) log-probabilities each row
-        computed on its request, score the pairs whose last chunk ran, append each sampled token and decide there
-        whether its sequence stops. Fills `finished` with the sequences the scheduler must let go; its update() then
-        advances every row's computed tokens (num_computed_tokens is the scheduler's alone)."""
-        outputs = []
-        now = time.monotonic()
-        requests = self._requests
+        """Apply one step's results, the one place that does: each row's result goes to its job (Job.apply), which
+        accumulates it (a sampled token, a pair's score, a vector) and says what it hands out, which rows end and
+        which it queues. Fills `finished` with the rows the scheduler must let go; its update() then advances every
+        row's computed tokens (num_computed_tokens is the scheduler's alone)."""
+        effects = StepEffects(time.monotonic(), finished=finished)
         for seq, n, stages, token, score, lp, span, top, vector in zip(
                 batch.seqs, batch.num_new_tokens, batch.stages, result.sampled, result.scores, result.logprobs,
                 result.prompt_logprobs, result.prompt_top_logprobs, result.embeddings):
-            if seq.kind is SeqKind.EMBED:
-                if vector is None:
-                    continue  # some of the row's stages ran: the rest come in later steps
-                finished[seq] = SequenceStatus.FINISHED_STOPPED
-                job = requests[seq.request_id]
-                if isinstance(job, RerankJob):  # a fusing rerank's query or document
-                    job.vectors[seq.index] = vector
-                else:
-                    job.vectors[seq.index] = self.embedder.finish(vector, job.params)
-                job.remaining -= 1
-                if not job.remaining:
-                    self._ran_out(job, outputs)
-                continue
-            if seq.kind is SeqKind.RERANK:
-                job = requests[seq.request_id]
-                index = seq.pair.index
-                if span:
-                    _put_span(job.span_logprobs[index], seq, span)
-                if not seq.ends_with(n, stages):
-                    continue  # a chunk (or some stages) of a pair: scored when its last one runs
-                finished[seq] = SequenceStatus.FINISHED_STOPPED
-                job.scores[index] = self.scorer.pair_score(score, job.span_logprobs[index])
-                job.remaining -= 1
-                if not job.remaining:
-                    self._ran_out(job, outputs)
-                continue
             if seq.status is not SequenceStatus.RUNNING or seq in finished:
                 continue  # its request failed earlier in this step
-            gen = requests[seq.request_id]
-            if span:
-                _put_span(gen.prompt_logprobs, seq, span)
-                if top:
-                    _put_span(gen.prompt_top_logprobs, seq, top)
-            if token is not None:
-                outputs.append(self._append(gen, seq, token, lp, now, finished))
-        return outputs
-
-    def _ran_out(self, job: RerankJob | EmbedJob, outputs: list[StepOutput]) -> None:
-        """Everything queued for `job` has run: queue its held pairs the scorer now chooses (the cascade's dense top
-        k, once its embedder rows are in), or else end it."""
-        if isinstance(job, RerankJob) and job.held:
-            for seq in job.release(self.scorer.chosen(job.pooled_vectors())):
-                self.scheduler.add(seq)
-            return
-        outputs.append(self._done(job))
-
-    def _done(self, job: RerankJob | EmbedJob) -> StepOutput:
-        """The final output of a rerank or embedding job whose last pair or row has run."""
-        del self._requests[job.request_id]
-        if isinstance(job, RerankJob):
-            job.scores = self.scorer.request_scores(job.pooled_scores(), job.pooled_vectors() if job.rows else None)
-        return _final_output(job, FinishReason.STOP)
-
-    def _append(self, gen: Generation, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float,
-                finished: dict[Sequence, SequenceStatus]) -> StepOutput:
-        """One sampled token of one completion: its output, and the request's end when it was the last one."""
-        seq.token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        if gen.first_token_time is None:
-            gen.first_token_time = now
-        stream = gen.streams[seq.index]
-        out = _delta_output(gen, seq, token, stream.add(token))
-        if seq.params.logprobs is not None:
-            out.logprobs = [logprobs if logprobs is not None else {}]
-        if not gen.sent_first:
-            gen.sent_first = True
-            out.prompt_logprobs = _prompt_logprobs(gen)
-        if seq.grammar is not None and not seq.grammar.accept(token):
-            return self._fail_request(gen, out, f"structured output: the grammar rejected token {token}", finished)
-        status = self._stop_status(seq, token, stream)
-        if status is None:
-            return out
-        finished[seq] = status
-        out.text += stream.finish()
-        out.finish_reason = status.finish_reason
-        gen.finish_reasons[seq.index] = status.finish_reason
-        gen.num_done += 1
-        if gen.num_done == len(gen.seqs):
-            del self._requests[gen.request_id]
-            _close(out, gen)
-        return out
-
-    def _fail_request(self, gen: Generation, out: StepOutput, message: str,
-                      finished: dict[Sequence, SequenceStatus]) -> StepOutput:
-        """End every completion of `gen` with an error inside the step (the scheduler lets them go in update)."""
-        log.error("request %s failed: %s", gen.request_id, message)
-        for s in gen.seqs:
-            if not s.status.finished:
-                finished[s] = SequenceStatus.FINISHED_ERROR
-        del self._requests[gen.request_id]
-        out.finish_reason, out.error = FinishReason.ERROR, message
-        _close(out, gen)
-        return out
-
-    def _stop_status(self, seq: Sequence, token: int, stream: TextStream) -> SequenceStatus | None:
-        p = seq.params
-        if seq.grammar is not None and seq.grammar.is_terminated():
-            return SequenceStatus.FINISHED_STOPPED
-        # The first min_tokens tokens never stop a sequence (the sampler masks EOS and stop_token_ids there).
-        if seq.num_output_tokens > p.min_tokens and (
-                (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids or stream.stopped):
-            return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
+            job = self._requests[seq.request_id]
+            job.apply(seq, RowResult(n, stages, token, lp, score, span, top, vector), effects, self.job_context)
+            if job.finished:
+                del self._requests[job.request_id]
+        for seq in effects.queued:
+            self.scheduler.add(seq)
+        return effects.outputs
 
     def _fail_batch(self, batch: Batch, message: str) -> list[StepOutput]:
         outputs = []
@@ -357,10 +253,10 @@ class LLMEngine:
             req = self._requests.pop(seq.request_id, None)
             if req is None:
                 continue
-            for s in _seqs_of(req):
+            for s in req.sequences:
                 if not s.status.finished:
                     self._let_go(s, SequenceStatus.FINISHED_ERROR)
-            outputs.append(_final_output(req, FinishReason.ERROR, message))
+            outputs.extend(req.final_outputs(FinishReason.ERROR, message))
         return outputs
 
     def _let_go(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -399,92 +295,3 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
 
-
-# ---- outputs: built here and nowhere else ----------------------------------------------------------------
-
-def _seqs_of(req: Request) -> list[Sequence]:
-    return req.sequences if isinstance(req, RerankJob) else req.rows if isinstance(req, EmbedJob) else req.seqs
-
-
-def _delta_output(gen: Generation, seq: Sequence, token: int, text: str) -> StepOutput:
-    """Usage is the request's: the prompt once (completion 0's cached tokens), completion tokens summed over n."""
-    first = gen.seq
-    return StepOutput(request_id=seq.request_id, kind=SeqKind.GENERATE, new_token_ids=[token], text=text,
-                      index=seq.index, completion_tokens=gen.completion_tokens, prompt_tokens=first.num_prompt_tokens,
-                      cached_tokens=first.num_cached_tokens, first_token_time=gen.first_token_time,
-                      arrival_time=first.arrival_time)
-
-
-def _close(out: StepOutput, gen: Generation) -> None:
-    """Make `out` the request's last output."""
-    out.finished = True
-    out.completion_tokens = gen.completion_tokens
-    out.queue_time_s = _queue_time(gen.seq)
-
-
-def _queue_time(seq: Sequence) -> float | None:
-    return seq.first_scheduled_time - seq.arrival_time if seq.first_scheduled_time is not None else None
-
-
-def _put_span(acc: list, seq: Sequence, span: list) -> None:
-    """Put the log-probabilities (or top alternatives) a row's chunk computed for positions logprob_start.. in their
-    place in `acc`, the request's: a chunk that starts over (a preempted sequence recomputing) replaces the rest."""
-    first = seq.logprob_start - 1  # the position whose hidden state predicts the first scored token
-    acc[max(seq.num_computed_tokens - first, 0):] = span
-
-
-def _prompt_logprobs(gen: Generation) -> list[Logprobs | None] | None:
-    """One entry per prompt token: None for the first, then the prompt token's raw log-probability followed by the
-    top alternatives the runner found (the prompt token is there even when it is not among them)."""
-    seq = gen.seq
-    if seq.num_prompt_logprobs is None:
-        return None
-    tops = gen.prompt_top_logprobs
-    out: list[Logprobs | None] = [None]
-    for j, value in enumerate(gen.prompt_logprobs):
-        token = seq.token_ids[j + 1]
-        top = tops[j] if j < len(tops) else {}
-        out.append({token: value, **{t: v for t, v in top.items() if t != token}})
-    return out
-
-
-def _abort_outputs(gen: Generation) -> list[StepOutput]:
-    """One output per completion still running, finish reason "abort"; the last one ends the request."""
-    outs = []
-    for seq, stream, reason in zip(gen.seqs, gen.streams, gen.finish_reasons):
-        if reason is not None:
-            continue
-        outs.append(StepOutput(request_id=gen.request_id, kind=SeqKind.GENERATE, text=stream.finish(),
-                               finish_reason=FinishReason.ABORT, index=seq.index,
-                               prompt_tokens=gen.seq.num_prompt_tokens,
-                               cached_tokens=gen.seq.num_cached_tokens, completion_tokens=gen.completion_tokens,
-                               first_token_time=gen.first_token_time, arrival_time=gen.seq.arrival_time))
-    _close(outs[-1], gen)
-    return outs
-
-
-def _final_output(req: Request, reason: FinishReason, error: str | None = None) -> StepOutput:
-    if isinstance(req, EmbedJob):
-        started = [r.first_scheduled_time for r in req.rows if r.first_scheduled_time is not None]
-        done = reason is FinishReason.STOP
-        return StepOutput(request_id=req.request_id, kind=SeqKind.EMBED, finished=True, finish_reason=reason,
-                          error=error, embeddings=list(req.vectors) if done else None,
-                          truncated=list(req.truncated) if done else None, prompt_tokens=req.prompt_tokens,
-                          arrival_time=req.arrival_time,
-                          queue_time_s=min(started) - req.arrival_time if started else None)
-    if isinstance(req, RerankJob):
-        started = [p.first_scheduled_time for p in req.sequences if p.first_scheduled_time is not None]
-        return StepOutput(request_id=req.request_id, kind=SeqKind.RERANK, finished=True, finish_reason=reason,
-                          error=error, scores=list(req.scores) if reason is FinishReason.STOP else None,
-                          document_tokens=list(req.document_tokens) if reason is FinishReason.STOP else None,
-                          truncated=list(req.truncated) if reason is FinishReason.STOP else None,
-                          windows=list(req.windows) if reason is FinishReason.STOP else None,
-                          prompt_tokens=req.prompt_tokens, cached_tokens=req.cached_tokens,
-                          arrival_time=req.arrival_time,
-                          queue_time_s=min(started) - req.arrival_time if started else None)
-    seq = req.seq
-    return StepOutput(request_id=req.request_id, kind=SeqKind.GENERATE, text=req.streams[0].finish(),
-                      finished=True, finish_reason=reason, error=error,
-                      prompt_tokens=seq.num_prompt_tokens, cached_tokens=seq.num_cached_tokens,
-                      completion_tokens=req.completion_tokens, first_token_time=req.first_token_time,
-                      arrival_time=seq.arrival_time, queue_time_s=_queue_time(seq))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -21,37 +20,13 @@ from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParam
 from engine.detokenizer import TextStream
 from engine.embed import EmbedJob, Embedder
 from engine.errors import InputTooLong, NotLoaded
+from engine.generation import Generation
 from engine.rerank import PairPhase, PairScorer, RerankJob
 from engine.rerank.pairs import covered, split_windows
-from engine.request import FinishReason, RerankPair, Sequence, SeqKind
+from engine.request import RerankPair, RowExec, Sequence, SeqKind
 
 if TYPE_CHECKING:
     from engine.structured import GrammarCompiler
-
-
-@dataclass(slots=True, eq=False)
-class Generation:
-    """A live generation request: its n completions (sequences, index order) and their text streams."""
-    request_id: str
-    seqs: list[Sequence]
-    streams: list[TextStream]
-    num_done: int = 0  # completions that have finished
-    first_token_time: float | None = None  # of the request: its first token of any completion
-    sent_first: bool = False  # the request's first output went out (it carries prompt_logprobs)
-    finish_reasons: list[FinishReason | None] = field(default_factory=list)
-    # With prompt_logprobs: completion 0's prompt token log-probabilities from position 1 on, as its chunks compute
-    # them, and per position the top alternatives (token id -> raw log-probability).
-    prompt_logprobs: list[float] = field(default_factory=list)
-    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
-
-    @property
-    def seq(self) -> Sequence:
-        """Completion 0: it prefills the prompt, computes prompt log-probabilities and carries the usage."""
-        return self.seqs[0]
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(s.num_output_tokens for s in self.seqs)
 
 
 class RequestIntake:
@@ -189,7 +164,7 @@ class RequestIntake:
             seqs.append(Sequence(
                 request_id=job.request_id, token_ids=pair.token_ids, num_prompt_tokens=len(pair.token_ids),
                 params=params, arrival=next(self._arrivals), arrival_time=job.arrival_time, kind=SeqKind.RERANK,
-                priority=params.priority, uses_kv=scorer.runs_on_llm, logprob_start=pair.logprob_start,
+                priority=params.priority, execution=RowExec.CAUSAL if scorer.runs_on_llm else RowExec.ENCODER, logprob_start=pair.logprob_start,
                 pair=RerankPair(i, wait_for=first, token_type_ids=pair.token_type_ids),
                 stages=1 if scorer.runs_on_llm else scorer.stages))
         if at_once:
@@ -271,7 +246,7 @@ class RequestIntake:
         stage: it runs whole)."""
         seqs = [Sequence(request_id=request_id, token_ids=row.token_ids, num_prompt_tokens=len(row.token_ids),
                          params=params, arrival=next(self._arrivals), arrival_time=arrival_time, kind=SeqKind.EMBED,
-                         priority=params.priority, uses_kv=False, index=i, stages=self.embedder.stages)
+                         priority=params.priority, execution=RowExec.ENCODER, index=i, stages=self.embedder.stages)
                 for i, row in enumerate(rows)]
         if any(seq.stage_tokens(1) > self.budget for seq in seqs):
             what = "one layer of it" if self.embedder.stages > 1 else "it runs whole and"

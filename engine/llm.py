@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from engine.admission import AdmissionPolicy
 from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
 from engine.engine import LLMEngine
-from engine.outputs import CompletionOutput, Logprobs, RequestOutput, RerankResult, StepOutput, rank_scores
+from engine.outputs import (CompletionOutput, EmbedOutput, Logprobs, RequestOutput, RerankOutput, RerankResult,
+                            StepOutput, TokenDelta, rank_scores)
 from engine.request import FinishReason
+
+Final = TypeVar("Final", bound=StepOutput)
 
 
 class LLM:
@@ -42,7 +46,7 @@ class LLM:
             raise ValueError("top_n and return_documents shape a ranked answer: call rerank(..., ranked=True)")
         request_id = f"rerank-{next(self._ids)}"
         self.engine.add_rerank(request_id, query, documents, params)
-        final = self._run_to_final(request_id)
+        final = self._run_to_final(request_id, RerankOutput)
         if not ranked:
             return final.scores
         params = params or RerankParams()
@@ -55,10 +59,11 @@ class LLM:
         EngineConfig(embedder=...)."""
         request_id = f"embed-{next(self._ids)}"
         self.engine.add_embed(request_id, [texts] if isinstance(texts, str) else texts, params)
-        return self._run_to_final(request_id).embeddings
+        return self._run_to_final(request_id, EmbedOutput).embeddings
 
-    def _run_to_final(self, request_id: str) -> StepOutput:
-        """Step until nothing is left; the final output of `request_id` (RuntimeError if the engine failed it)."""
+    def _run_to_final(self, request_id: str, kind: type[Final]) -> Final:
+        """Step until nothing is left; the final output of `request_id`, a `kind` (RuntimeError if the engine failed
+        it)."""
         final = None
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -66,6 +71,8 @@ class LLM:
                     if out.error:
                         raise RuntimeError(out.error)
                     final = out
+        if not isinstance(final, kind):
+            raise RuntimeError(f"request {request_id} ended without its {kind.__name__}")
         return final
 
     def _run(self, requests: list[dict], params) -> list[RequestOutput]:
@@ -122,7 +129,7 @@ class _Collected:
     def __post_init__(self) -> None:
         self.completions = [_Completion(logprobs=[] if self.wants_logprobs else None) for _ in range(self.n)]
 
-    def add(self, out: StepOutput) -> None:
+    def add(self, out: TokenDelta) -> None:
         c = self.completions[out.index]
         c.token_ids.extend(out.new_token_ids)
         c.texts.append(out.text)
@@ -133,7 +140,7 @@ class _Collected:
         if out.finish_reason is not None:
             c.finish_reason = out.finish_reason
 
-    def result(self, last: StepOutput) -> RequestOutput:
+    def result(self, last: TokenDelta) -> RequestOutput:
         """The request's RequestOutput once `last` (its finished output) is in; a completion the request's end cut
         short (an error) takes the request's finish reason."""
         outputs = [CompletionOutput(index=i, text="".join(c.texts), token_ids=c.token_ids,

@@ -1,9 +1,9 @@
 """What the engine hands out: per-step deltas, finished results, and one record per step."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
-from engine.request import FinishReason, SeqKind
+from engine.request import FinishReason
 
 
 # Per position: token id -> log-probability, holding the chosen (or prompt) token and the top-k alternatives.
@@ -12,35 +12,51 @@ Logprobs = dict[int, float]
 
 @dataclass(slots=True)
 class StepOutput:
-    """One request's progress in one step. Generation: new tokens/text of one completion (`index`); rerank: scores
-    when finished.
+    """What a request hands out in one step; the base of the three kinds' outputs (the type says which):
+    `TokenDelta` (a generation's progress), `RerankOutput` (a rerank job's scores), `EmbedOutput` (an embedding job's
+    vectors). Its fields are what every kind has: how it ended, its usage and its timing."""
+    request_id: str
+    _: KW_ONLY
+    finished: bool = False  # the request's last output
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # set with finish_reason "error"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    arrival_time: float = 0.0  # time.monotonic() when the engine accepted the request
+    queue_time_s: float | None = None  # arrival until it first rode in a step
+
+
+@dataclass(slots=True)
+class TokenDelta(StepOutput):
+    """New tokens/text of one completion (`index`) of a generation.
 
     With n > 1 a request streams n completions; `finish_reason` is set on the output where a completion ends, and
     `finished` only on the request's last output (every completion done, or the request aborted / failed)."""
-    request_id: str
-    kind: SeqKind
     new_token_ids: list[int] = field(default_factory=list)
     text: str = ""  # text delta, never a broken UTF-8 sequence or a partial stop string
-    finished: bool = False
-    finish_reason: FinishReason | None = None
     index: int = 0  # which completion (0..n-1) the tokens belong to
     logprobs: list[Logprobs] | None = None  # one per new token, with SamplingParams.logprobs set
     # With SamplingParams.prompt_logprobs: on the first output of the request only, one per prompt token (None for
     # the first, which nothing predicts).
     prompt_logprobs: list[Logprobs | None] | None = None
-    error: str | None = None  # set with finish_reason "error"
-    scores: list[float] | None = None  # rerank: one per document, input order, only when finished
-    document_tokens: list[int] | None = None  # rerank, with scores: per document, its tokens the score saw
-    truncated: list[bool] | None = None  # rerank, with scores: per document, whether it was cut to fit the limit
-    windows: list[int] | None = None  # rerank, with scores: per document, the windows it was scored as (its best)
-    # embed: one vector per input, input order, only when finished (`truncated` then says which inputs were cut)
-    embeddings: list[list[float]] | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
     completion_tokens: int = 0
     first_token_time: float | None = None  # time.monotonic() of the first generated token
-    arrival_time: float = 0.0  # time.monotonic() when the engine accepted the request
-    queue_time_s: float | None = None  # arrival until it first rode in a step
+
+
+@dataclass(slots=True)
+class RerankOutput(StepOutput):
+    """A rerank job's one output, when it ends; the lists are set when it finished with "stop", else None."""
+    scores: list[float] | None = None  # one per document, input order
+    document_tokens: list[int] | None = None  # per document, its tokens the score saw
+    truncated: list[bool] | None = None  # per document, whether it was cut to fit the limit
+    windows: list[int] | None = None  # per document, the windows it was scored as (its score the best of theirs)
+
+
+@dataclass(slots=True)
+class EmbedOutput(StepOutput):
+    """An embedding job's one output, when it ends; the lists are set when it finished with "stop", else None."""
+    embeddings: list[list[float]] | None = None  # one vector per input, input order
+    truncated: list[bool] | None = None  # per input, whether it was cut to the embedder's limit
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""What the scheduler moves around: sequences (generations and rerank pairs) and their status."""
+"""What the scheduler moves around: sequences (rows of generations, rerank and embedding jobs) and their status."""
 from __future__ import annotations
 
 import enum
@@ -78,6 +78,12 @@ class SeqKind(str, enum.Enum):
     __format__ = str.__format__
 
 
+class RowExec(enum.Enum):
+    """How a row runs, apart from what its request is (SeqKind): the runner and the batch builder read this."""
+    CAUSAL = "causal"  # through the LLM with KV blocks, in chunks: a generation's completion, an LLM-scored pair
+    ENCODER = "encoder"  # through an encoder, no KV, in stages of layers: an embedding input, a cross-encoder pair
+
+
 @dataclass(slots=True, eq=False)
 class RerankPair:
     """What only a rerank pair has: its document's place in its job, and what it waits for. (The job itself is the
@@ -108,7 +114,7 @@ class Sequence:
     first_scheduled_time: float | None = None  # time.monotonic() when it first rode in a step
     first_token_time: float | None = None
     generator: "torch.Generator | None" = None
-    uses_kv: bool = True  # False for cross-encoder pairs: no KV blocks at all
+    execution: RowExec = RowExec.CAUSAL  # ENCODER rows hold no KV blocks at all
     pair: RerankPair | None = None  # set exactly for rerank pairs
     # Prompt positions from here on get their token's log-probability computed (query likelihood, prompt_logprobs);
     # positions before it may come from the prefix cache, the ones after may not (a cached position has no logits).
@@ -124,6 +130,17 @@ class Sequence:
     # the scheduler counts the ones done. Its tokens count as computed once the last stage ran.
     stages: int = 1
     stages_done: int = 0
+
+    @property
+    def uses_kv(self) -> bool:
+        """A causal row: it holds KV blocks (an encoder row holds none)."""
+        return self.execution is RowExec.CAUSAL
+
+    @property
+    def samples(self) -> bool:
+        """A generation's completion: once its prompt is computed it decodes, a sampled token a step (every other
+        row is prefill-only: scored or embedded when its last chunk or stage ran)."""
+        return self.kind is SeqKind.GENERATE
 
     @property
     def wait_for(self) -> "Sequence | None":

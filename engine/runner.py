@@ -13,7 +13,7 @@ from engine.embed import Embedder
 from engine.models.stages import StageResult, StageWork
 from engine.models.decoder import DecoderForCausalLM
 from engine.rerank.scorer import PairScorer
-from engine.request import Sequence, SeqKind
+from engine.request import RowExec, Sequence, SeqKind
 from engine.sampling import sample_sequences, top_logprobs
 from engine.scheduler import Batch
 from engine.staged_states import StagedStates
@@ -145,10 +145,11 @@ class ModelRunner:
         the scheduler's): a row that runs its next stages takes its states out of it, a row with stages left puts
         its new ones back."""
         out = RunnerOutput.empty(len(batch))
-        llm_rows = [i for i, s in enumerate(batch.seqs) if s.uses_kv]
-        # pairs the scorer's own model runs (a cross-encoder), rows the embedder runs
-        own_rows = [i for i, s in enumerate(batch.seqs) if not s.uses_kv and s.kind is SeqKind.RERANK]
-        embed_rows = [i for i, s in enumerate(batch.seqs) if s.kind is SeqKind.EMBED]
+        llm_rows = [i for i, s in enumerate(batch.seqs) if s.execution is RowExec.CAUSAL]
+        # Encoder rows: pairs the scorer's own model runs (a cross-encoder), rows the embedder runs (any other)
+        encoder_rows = [i for i, s in enumerate(batch.seqs) if s.execution is RowExec.ENCODER]
+        own_rows = [i for i in encoder_rows if batch.seqs[i].kind is SeqKind.RERANK]
+        embed_rows = [i for i in encoder_rows if batch.seqs[i].kind is not SeqKind.RERANK]
         clock = ForwardClock(self.device)
         if llm_rows:
             self._run_llm(batch, llm_rows, out, clock)
@@ -190,12 +191,12 @@ class ModelRunner:
                 self._prompt_logprobs(hidden, prepared, seqs, rows, out.prompt_logprobs, out.prompt_top_logprobs)
         gen_rows, gen_seqs, pair_rows, pair_seqs = [], [], [], []
         for row, j in zip(prepared.last_token_rows, prepared.completing):
-            if seqs[j].kind is SeqKind.RERANK:
-                pair_rows.append(row)
-                pair_seqs.append(rows[j])
-            else:
+            if seqs[j].samples:
                 gen_rows.append(row)
                 gen_seqs.append(rows[j])
+            else:
+                pair_rows.append(row)
+                pair_seqs.append(rows[j])
         if gen_rows:
             with clock:
                 logits = self.model.compute_logits(hidden[gen_rows])

@@ -18,13 +18,13 @@ from collections.abc import Mapping
 import time
 from collections.abc import Callable
 
-from engine.admission import AdmissionPolicy, StepView, Waiting, work_kind
+from engine.admission import AdmissionPolicy, StepView, Waiting
 from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.kv_cache import NO_PREFIX, CachedPrefix, KVCacheManager
-from engine.request import Sequence, SequenceStatus, SeqKind
+from engine.request import Sequence, SequenceStatus
 from engine.staged_states import StagedStates
-from engine.step_time import StepShape, TokenKind
+from engine.step_time import StepShape, TokenKind, work_kind
 
 __all__ = ["Batch", "Scheduler", "WaitQueue"]
 
@@ -137,9 +137,8 @@ class Scheduler:
         """Prompts wait in `waiting`, rerank pairs in `waiting_rerank`, embedding rows in `waiting_embed`: the two
         scoring queues are one priority order (`_scoring_head` takes the more urgent head), kept apart so that each
         kind of scoring work can be given its own share of a step (admission.LatencyAdmission)."""
-        if seq.kind is SeqKind.GENERATE:
-            return self.waiting
-        return self.waiting_embed if seq.kind is SeqKind.EMBED else self.waiting_rerank
+        queues = {TokenKind.PREFILL: self.waiting, TokenKind.EMBED: self.waiting_embed}
+        return queues.get(work_kind(seq), self.waiting_rerank)
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -187,7 +186,7 @@ class Scheduler:
                 heads[kind] = (min(old[0], key), old[1] if old[0] <= key else seq, old[2] + tokens)
 
         for seq in self.running:  # part-way through: a prompt's chunks, a pair's chunks, a row's stages
-            if seq.num_uncomputed_tokens > (1 if seq.kind is SeqKind.GENERATE else 0) and not _in_batch(seq, batch):
+            if seq.num_uncomputed_tokens > (1 if seq.samples else 0) and not _in_batch(seq, batch):
                 offer((seq.priority, seq.arrival), seq, seq.num_uncomputed_tokens)
         for queue in (self.waiting, self.waiting_rerank, self.waiting_embed):
             key, head = queue.peek_keyed(self.num_steps)
@@ -212,7 +211,7 @@ class Scheduler:
     def _note_progress(self, view: StepView, batch: Batch, now: float) -> None:
         """Per kind that waited: steps in a row it got nothing, and since when (the policy's minimum progress)."""
         rode = {work_kind(s) for s, n in zip(batch.seqs, batch.num_new_tokens)
-                if not (s.kind is SeqKind.GENERATE and n == 1 and s.num_output_tokens)}
+                if not (s.samples and n == 1 and s.num_output_tokens)}
         progress = {}
         for w in view.waiting:
             if w.kind not in rode:
@@ -224,7 +223,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_uncomputed_tokens != 1 or seq.kind is not SeqKind.GENERATE:
+            if seq.num_uncomputed_tokens != 1 or not seq.samples:
                 i += 1
                 continue
             while not self.kv.allocate(seq, 1):
@@ -248,7 +247,7 @@ class Scheduler:
             if used >= budget:
                 break
             n = seq.num_uncomputed_tokens
-            if n > 1 and seq.kind is SeqKind.GENERATE and not _in_batch(seq, batch):  # blocks reserved at admission
+            if n > 1 and seq.samples and not _in_batch(seq, batch):  # blocks reserved at admission
                 chunk = min(n, budget - used)
                 batch.add(seq, chunk)
                 used += chunk
@@ -278,7 +277,7 @@ class Scheduler:
         prompt; an encoder row (cross-encoder pair, embedding input) runs whole or its next stages
         (Sequence.stages_within). `seats` bounds the pairs and rows this call serves, running ones included (each
         holds a seat). `kind`: only work of that kind (admission.work_kind), the most urgent of it first."""
-        scoring = [s for s in self.running if s.kind is not SeqKind.GENERATE]  # part-way through
+        scoring = [s for s in self.running if not s.samples]  # part-way through
         used = 0
         while used < budget and (seats is None or seats > 0):
             seq = self._scoring_head(scoring, batch, kind)

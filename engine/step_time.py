@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.request import RowExec, SeqKind, Sequence
+
 FEATURES = ("llm_forward", "decode_rows", "decode_context_tokens", "prefill_tokens", "llm_rerank_tokens",
             "cross_encoder_forward", "cross_encoder_tokens", "wide_forward", "embed_forward", "embed_tokens")
 
@@ -38,6 +40,15 @@ class TokenKind(str, enum.Enum):
     LLM_RERANK = "llm_rerank_tokens"  # a rerank pair's token in the LLM forward (likelihood, judge)
     CROSS_ENCODER = "cross_encoder_tokens"  # a rerank pair's token in the cross-encoder's own forward
     EMBED = "embed_tokens"  # an embedding input's token in the embedder's own forward
+
+
+def work_kind(seq: Sequence) -> TokenKind:
+    """The kind of work a row is, as the planner prices it: its request's kind and how it runs (RowExec)."""
+    if seq.kind is SeqKind.GENERATE:
+        return TokenKind.PREFILL
+    if seq.kind is SeqKind.EMBED:
+        return TokenKind.EMBED
+    return TokenKind.LLM_RERANK if seq.execution is RowExec.CAUSAL else TokenKind.CROSS_ENCODER
 
 
 @dataclass(slots=True)

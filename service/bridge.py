@@ -14,7 +14,7 @@ rendering and tokenizing (40 documents: ~50 ms on a CPU) happens while the engin
 steps, never on the engine thread between two steps that running chats wait for
 (measured by bench/mixed_serve.py as `tandem_step_gap_seconds`).
 
-A generation with n > 1 sends the outputs of all its completions (StepOutput.index) to its sink; only the one
+A generation with n > 1 sends the outputs of all its completions (TokenDelta.index) to its sink; only the one
 with finished=True ends it, and an abort stops all n.
 
 Admission: `max_waiting` bounds the requests that are admitted but not yet
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 
 from engine.errors import InputTooLong, NotLoaded
+from engine.outputs import TokenDelta
 from engine.request import FinishReason, SeqKind
 from service.errors import ErrorKind, ServiceError, draining
 from service.lifecycle import LifecycleHooks, RequestLifecycle
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.bridge")
 
-Event = Any  # StepOutput | ServiceError: what a request's sink receives
+Event = Any  # a StepOutput (TokenDelta, RerankOutput, EmbedOutput) | ServiceError: what a request's sink receives
 Sink = Callable[[Event], None]
 
 
@@ -204,7 +205,7 @@ class EngineBridge:
     def submit_rerank(self, request_id: str, client_id: str, sink: Sink, *, query: str, documents: list[str],
                       params: "RerankParams", timeout_ms: int = 0,
                       metadata: dict[str, str] | None = None) -> RequestLifecycle:
-        """Admit a rerank job; one StepOutput with scores (or a ServiceError) goes to sink. Raises ServiceError."""
+        """Admit a rerank job; one RerankOutput (or a ServiceError) goes to sink. Raises ServiceError."""
         self._check_room()
         command = AddRerank(request_id, query=query, documents=documents, params=params)
         lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.RERANK.value,
@@ -214,7 +215,7 @@ class EngineBridge:
     def submit_embed(self, request_id: str, client_id: str, sink: Sink, *, inputs: list[str] | list[list[int]],
                      params: "EmbedParams", timeout_ms: int = 0,
                      metadata: dict[str, str] | None = None) -> RequestLifecycle:
-        """Admit an embedding job; one StepOutput with embeddings (or a ServiceError) goes to sink. Raises
+        """Admit an embedding job; one EmbedOutput (or a ServiceError) goes to sink. Raises
         ServiceError."""
         self._check_room()
         command = AddEmbed(request_id, inputs=inputs, params=params)
@@ -423,10 +424,11 @@ class EngineBridge:
             self._expire(out.request_id)
         self._waiting.discard(out.request_id)
         lc.prompt_tokens, lc.cached_tokens = out.prompt_tokens, out.cached_tokens
-        lc.completion_tokens = max(lc.completion_tokens, out.completion_tokens)
-        if out.first_token_time is not None and lc.first_token is None:
-            lc.first_token = out.first_token_time
-            self._emit("on_first_token", lc)
+        if isinstance(out, TokenDelta):
+            lc.completion_tokens = max(lc.completion_tokens, out.completion_tokens)
+            if out.first_token_time is not None and lc.first_token is None:
+                lc.first_token = out.first_token_time
+                self._emit("on_first_token", lc)
         if not out.finished:
             if not handle.expired:  # past its deadline, its request ends in DEADLINE_EXCEEDED: no more tokens
                 self._send(handle, out)

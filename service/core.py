@@ -1,7 +1,7 @@
 """The core API: the one typed, async interface both doors call (the shape of vLLM's EngineClient, TEI's Infer).
 
 Engine types in (`SamplingParams`, `RerankParams`, prompts, chat messages, token ids), engine types out
-(`StepOutput`, `RerankResult`) plus the small dataclasses below; never protobuf, never JSON. What a request names
+(`TokenDelta`, `RerankResult`) plus the small dataclasses below; never protobuf, never JSON. What a request names
 (the model, its task, chat roles) is checked here, so a request is refused the same way whichever door it came
 through; what it carries (an empty input, the document and input counts of --max-documents and --max-embed-inputs,
 no embedder loaded, a prompt too long, a bad schema) is the engine intake's to check, once (engine/intake.py), and
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 
 from engine.config import MAX_LOGPROBS, MAX_N, EmbedParams, RerankParams, SamplingParams
-from engine.outputs import RerankResult, StepOutput, rank_scores
+from engine.outputs import EmbedOutput, RerankOutput, RerankResult, TokenDelta, rank_scores
 from engine.request import FinishReason, SeqKind
 from service.errors import ErrorKind, ServiceError, invalid
 from service.lifecycle import RequestLifecycle
@@ -165,7 +165,7 @@ class GenerateEvent:
     """One step's output of input `index`, or the error that ended it; `usage` on the input's last event."""
     index: int
     request_id: str
-    output: StepOutput | None = None
+    output: TokenDelta | None = None
     error: ServiceError | None = None
     usage: Usage | None = None
 
@@ -229,8 +229,8 @@ class GenerationStream:
         self._overflowed = False
 
     def sink(self, index: int, request_id: str):
-        """The bridge's sink for input `index`: StepOutputs and the ServiceError that may end it."""
-        def put(event: StepOutput | ServiceError) -> None:
+        """The bridge's sink for input `index`: TokenDeltas and the ServiceError that may end it."""
+        def put(event: TokenDelta | ServiceError) -> None:
             if self._overflowed:
                 return
             if isinstance(event, ServiceError):
@@ -477,13 +477,14 @@ class CoreAPI:
                                            lambda event: future.done() or future.set_result(event),
                                            query=inp.query, documents=inp.documents, params=params,
                                            timeout_ms=inp.timeout_ms, metadata=metadata)
-        event = await self._final(future, lc, "rerank", inp.cut_hint)
+        event: RerankOutput = await self._final(future, lc, "rerank", inp.cut_hint)
         params = inp.params
         results = rank_scores(event.scores, inp.documents, params.top_n, params.return_documents,
                               event.document_tokens, event.truncated, event.windows)
         return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode, id=lc.engine_id)
 
-    async def _final(self, future: asyncio.Future, lc: RequestLifecycle, what: str, cut_hint: str) -> StepOutput:
+    async def _final(self, future: asyncio.Future, lc: RequestLifecycle, what: str, cut_hint: str
+                     ) -> RerankOutput | EmbedOutput:
         """The one final output of an admitted rerank or embed job; cancelling the await (the client left, its
         deadline passed) aborts the job. Raises its ServiceError (an input too long says how to ask, in the
         request's own API, for the cut: `cut_hint`), or UNAVAILABLE if the server aborted it."""
@@ -517,7 +518,7 @@ class CoreAPI:
                                           lambda event: future.done() or future.set_result(event),
                                           inputs=inp.inputs, params=inp.params, timeout_ms=inp.timeout_ms,
                                           metadata=metadata)
-        event = await self._final(future, lc, "embed", inp.cut_hint)
+        event: EmbedOutput = await self._final(future, lc, "embed", inp.cut_hint)
         return EmbedOutcome(inp.request_id, event.embeddings, event.truncated, Usage.of(lc), self.info.embedder,
                             id=lc.engine_id)
 

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 
 from engine.config import EmbedParams, RerankParams, SamplingParams, StructuredOutputsParams
-from engine.outputs import Logprobs, StepOutput
+from engine.outputs import Logprobs, TokenDelta
 from engine.request import FinishReason, SeqKind
 from proto import tandem_pb2 as pb
 from service.core import CoreAPI, GenerateEvent, GenerateInput, RerankInput, RerankOutcome, Usage, json_schema
@@ -322,7 +322,7 @@ def _usage(usage: Usage) -> pb.Usage:
                     duration_s=usage.duration_s)
 
 
-def generate_message(client_id: str, out: StepOutput, usage: Usage | None) -> pb.GenerateServerMessage:
+def generate_message(client_id: str, out: TokenDelta, usage: Usage | None) -> pb.GenerateServerMessage:
     """A delta, or the final message when `out` ends the request (with n > 1: the last completion to end)."""
     fields = dict(text=out.text, token_ids=out.new_token_ids, index=out.index,
                   finish_reason=_FINISH.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED),

@@ -5,7 +5,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.config import RerankParams
-from engine.request import Sequence
+from engine.jobs import JobContext, RowResult, StepEffects, put_span, queue_time
+from engine.outputs import RerankOutput
+from engine.request import FinishReason, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +41,45 @@ class RerankJob:
     pair_units: list[int] = field(default_factory=list)
     row_units: list[int] = field(default_factory=list)
     windows: list[int] = field(default_factory=list)  # per document: the windows it was scored as
+    finished: bool = False  # its output went out (every pair and row ran)
+
+    # ---- the Job protocol ----------------------------------------------------------------------------------------
+
+    def apply(self, row: Sequence, result: RowResult, effects: StepEffects, ctx: JobContext) -> None:
+        """A pair: its span's log-probabilities so far, and its score once its last chunk (stage) ran. An embedder
+        row (a mode that embeds): its vector once its last stage ran. When the last of them is in: the held pairs the
+        scorer now chooses are queued (the cascade's dense top k), or else the job ends with its scores."""
+        if row.pair is None:  # an embedder row: the query's, or a document's
+            if result.vector is None:
+                return  # some of the row's stages ran: the rest come in later steps
+            self.vectors[row.index] = result.vector
+        else:
+            index = row.pair.index
+            if result.span:
+                put_span(self.span_logprobs[index], row, result.span)
+            if not row.ends_with(result.num_new_tokens, result.stages):
+                return  # a chunk (or some stages) of a pair: scored when its last one runs
+            self.scores[index] = ctx.scorer.pair_score(result.score, self.span_logprobs[index])
+        effects.finished[row] = SequenceStatus.FINISHED_STOPPED
+        self.remaining -= 1
+        if self.remaining:
+            return
+        if self.held:
+            effects.queued.extend(self.release(ctx.scorer.chosen(self.pooled_vectors())))
+            return
+        self.scores = ctx.scorer.request_scores(self.pooled_scores(), self.pooled_vectors() if self.rows else None)
+        self.finished = True
+        effects.outputs.extend(self.final_outputs(FinishReason.STOP))
+
+    def final_outputs(self, reason: FinishReason, error: str | None = None) -> list[RerankOutput]:
+        """Its one output: the scores (per document, input order) when it finished with "stop"."""
+        done = reason is FinishReason.STOP
+        return [RerankOutput(
+            self.request_id, finished=True, finish_reason=reason, error=error,
+            scores=list(self.scores) if done else None, document_tokens=list(self.document_tokens) if done else None,
+            truncated=list(self.truncated) if done else None, windows=list(self.windows) if done else None,
+            prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens, arrival_time=self.arrival_time,
+            queue_time_s=queue_time(self.sequences, self.arrival_time))]
 
     def pooled_scores(self) -> list[float | None]:
         """Per document: the best of its pairs' scores (max pooling)."""

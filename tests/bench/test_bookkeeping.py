@@ -14,7 +14,7 @@ import torch
 from bench import latency, mixed, plots, report
 from bench.datasets import RerankQuery
 from bench.rerank import StepLog, st_tokens
-from engine.outputs import StepOutput
+from engine.outputs import RerankOutput, TokenDelta
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -32,7 +32,7 @@ def test_percentile_matches_linear_interpolation():
 
 
 def _gen(rid, n=1):
-    return StepOutput(request_id=rid, kind="generate", new_token_ids=list(range(n)))
+    return TokenDelta(request_id=rid, new_token_ids=list(range(n)))
 
 
 def test_token_times_and_tpot_from_a_fake_timeline():
@@ -41,9 +41,9 @@ def test_token_times_and_tpot_from_a_fake_timeline():
     # Request c: one token only, no gap. Rerank outputs and empty deltas are not tokens.
     events = [
         (1.0, [_gen("a")]),
-        (2.0, [_gen("a"), StepOutput(request_id="q", kind="rerank", finished=True, scores=[0.5])]),
+        (2.0, [_gen("a"), RerankOutput(request_id="q", finished=True, scores=[0.5])]),
         (4.0, [_gen("a"), _gen("b", 2), _gen("c")]),
-        (5.0, [StepOutput(request_id="b", kind="generate")]),
+        (5.0, [TokenDelta(request_id="b")]),
         (10.0, [_gen("b")]),
     ]
     times = mixed.token_times(events)
@@ -139,7 +139,7 @@ class FakeEngine:
 
     def abort(self, rid):
         self.jobs.pop(rid, None)
-        self.pending.append(StepOutput(request_id=rid, kind="rerank", finished=True, finish_reason="abort"))
+        self.pending.append(RerankOutput(request_id=rid, finished=True, finish_reason="abort"))
 
     def has_unfinished(self):
         return bool(self.gens or self.jobs or self.pending)
@@ -152,7 +152,7 @@ class FakeEngine:
             done = self.gens[rid] == 0
             if done:
                 del self.gens[rid]
-            outs.append(StepOutput(request_id=rid, kind="generate", new_token_ids=[7], finished=done,
+            outs.append(TokenDelta(request_id=rid, new_token_ids=[7], finished=done,
                                    finish_reason="length" if done else None))
         pairs = 0
         for rid in list(self.jobs):
@@ -161,7 +161,7 @@ class FakeEngine:
             pairs += take
             if not self.jobs[rid]:
                 del self.jobs[rid]
-                outs.append(StepOutput(request_id=rid, kind="rerank", finished=True, finish_reason="stop"))
+                outs.append(RerankOutput(request_id=rid, finished=True, finish_reason="stop"))
         self.n += 1
         for fn in self.observers:
             fn(_record(self.n, decode_tokens=decode, rerank_pairs=pairs, rerank_pairs_scored=pairs, rerank_tokens=10 * pairs))

@@ -12,7 +12,7 @@ from bench.models import copy_minilm_tokenizer
 from engine import LLM, EmbedParams, EngineConfig, SamplingParams
 from engine.config import EMBEDDED_EMBEDDER
 from engine.embed import Embedder, Pooling, embedded_embedder_dir
-from engine.request import SeqKind
+from engine.outputs import EmbedOutput
 from engine.settings import Settings
 from tests.engine.conftest import assert_no_leaks, record_steps
 
@@ -119,7 +119,7 @@ def test_three_kinds_of_work_share_steps_and_records_count_embedding_rows(llm: L
                     finished[out.request_id] = out
     finally:
         engine.remove_observer(records.append)
-    assert finished["e"].kind is SeqKind.EMBED and len(finished["e"].embeddings) == len(TEXTS)
+    assert isinstance(finished["e"], EmbedOutput) and len(finished["e"].embeddings) == len(TEXTS)
     # the rerank (dense, the default with an embedder) is embedder rows too: its query and two documents
     fused_rows = engine.embedder.rows(["lighthouse", *TEXTS[:2]], None, EmbedParams())
     # a row that ran in stages costs a share of its tokens in each step (rounded up): at least its tokens in all

@@ -15,7 +15,7 @@ from engine.admission import LatencyAdmission
 from engine.config import EMBEDDED_EMBEDDER
 from engine.embed import Embedder
 from engine.models.stages import StageWork
-from engine.request import SeqKind, Sequence, SequenceStatus
+from engine.request import RowExec, SeqKind, Sequence, SequenceStatus
 from engine.step_time import LinearStepTime, StepShape
 from tests.engine.conftest import assert_no_leaks, make_llm, record_steps, run_to_end, start_chats
 from tests.engine.test_embed import TEXTS, _modernbert_dir
@@ -24,7 +24,8 @@ from tests.engine.test_latency_objective import GEN
 
 
 def _row(n: int, stages: int) -> Sequence:
-    return Sequence("r", [0] * n, n, EmbedParams(), 0, 0.0, kind=SeqKind.EMBED, uses_kv=False, stages=stages)
+    return Sequence("r", [0] * n, n, EmbedParams(), 0, 0.0, kind=SeqKind.EMBED, execution=RowExec.ENCODER,
+                    stages=stages)
 
 
 @settings(max_examples=300, deadline=None)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from engine.admission import AdmissionPolicy, Grant, Quota, StepView, policy_for
 from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
 from engine.kv_cache import BlockPool, KVCacheManager
-from engine.request import RerankPair, Sequence, SequenceStatus, SeqKind
+from engine.request import RerankPair, RowExec, Sequence, SequenceStatus, SeqKind
 from engine.scheduler import Batch, Scheduler
 from engine.step_time import TokenKind
 
@@ -69,7 +69,8 @@ class Sim:
         (uses_kv=False) take no blocks; `wait_for` is the job's first pair, as the engine sets it."""
         seq = Sequence(request_id=rid, token_ids=list(prompt), num_prompt_tokens=len(prompt),
                        params=RerankParams(priority=priority), arrival=next(self._arrivals), arrival_time=0.0,
-                       kind=SeqKind.RERANK, priority=priority, uses_kv=uses_kv,
+                       kind=SeqKind.RERANK, priority=priority,
+                       execution=RowExec.CAUSAL if uses_kv else RowExec.ENCODER,
                        pair=RerankPair(index=0, wait_for=wait_for))
         self.seqs[rid] = seq
         self.sched.add(seq)
@@ -79,7 +80,7 @@ class Sim:
         """An embedding row: KV-free, done in the step that computes its last stage (stages=1: run whole)."""
         seq = Sequence(request_id=rid, token_ids=list(prompt), num_prompt_tokens=len(prompt),
                        params=EmbedParams(priority=priority), arrival=next(self._arrivals), arrival_time=0.0,
-                       kind=SeqKind.EMBED, priority=priority, uses_kv=False, stages=stages)
+                       kind=SeqKind.EMBED, priority=priority, execution=RowExec.ENCODER, stages=stages)
         self.seqs[rid] = seq
         self.sched.add(seq)
         return seq

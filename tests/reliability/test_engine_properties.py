@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from engine import RerankParams, SamplingParams
+from engine.outputs import TokenDelta
 from engine.request import SequenceStatus
 from tests.reliability.tiny import ScriptedRunner, scripted_token, shared_tokenizer, tiny_engine
 
@@ -148,7 +149,7 @@ class EngineMachine(RuleBasedStateMachine):
             if expect["kind"] == "generate":
                 self.tokens[rid] += out.new_token_ids
             if not out.finished:
-                assert expect["kind"] == "generate" and not out.scores
+                assert expect["kind"] == "generate" and isinstance(out, TokenDelta)  # only a generation streams
                 continue
             assert rid not in finals, f"two finals for {rid}"
             finals.add(rid)

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from engine import SamplingParams
-from engine.outputs import StepOutput, StepRecord
-from engine.request import FinishReason, SeqKind
+from engine.outputs import StepOutput, StepRecord, TokenDelta
+from engine.request import FinishReason
 from service.bridge import EngineBridge
 from service.errors import ErrorKind, ServiceError
 from tests.service.harness import Recorder
@@ -59,7 +59,7 @@ class FakeEngine:
     def abort(self, request_id: str) -> bool:
         if self.live.pop(request_id, None) is None:
             return False
-        self.pending.append(StepOutput(request_id, SeqKind.GENERATE, finished=True, finish_reason=FinishReason.ABORT))
+        self.pending.append(TokenDelta(request_id, finished=True, finish_reason=FinishReason.ABORT))
         return True
 
     def has_unfinished(self) -> bool:
@@ -74,7 +74,7 @@ class FakeEngine:
                 self.live[rid] -= 1
                 served.append(rid)
                 done = self.live[rid] == 0
-                outputs.append(StepOutput(rid, SeqKind.GENERATE, [7], "t", finished=done,
+                outputs.append(TokenDelta(rid, [7], "t", finished=done,
                                           finish_reason=FinishReason.LENGTH if done else None, first_token_time=1.0))
                 if done:
                     del self.live[rid]

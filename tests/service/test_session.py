@@ -2,8 +2,7 @@
 bound of a stream (a relayed core stream counts nothing, a bounded one overflows on its own)."""
 import asyncio
 
-from engine.outputs import StepOutput
-from engine.request import SeqKind
+from engine.outputs import TokenDelta
 from proto import tandem_pb2 as pb
 from service.core import GenerationStream
 from service.errors import ErrorKind
@@ -61,8 +60,8 @@ def _stream(bridge: _Bridge, max_buffer_bytes: int | None) -> tuple[GenerationSt
     return stream, stream.sink(0, "c")
 
 
-def _token(i: int, finished: bool = False) -> StepOutput:
-    return StepOutput("e0", SeqKind.GENERATE, new_token_ids=[i], text="x" * 100, finished=finished)
+def _token(i: int, finished: bool = False) -> TokenDelta:
+    return TokenDelta("e0", new_token_ids=[i], text="x" * 100, finished=finished)
 
 
 async def test_a_relayed_core_stream_counts_nothing_and_a_bounded_one_overflows_alone():
