@@ -139,7 +139,7 @@ async def test_an_embed_cancelled_mid_flight_is_aborted_and_frees_everything(ser
     budget, and the abort reaches the engine right behind the job (the intake thread keeps their order), so the job
     is always still running when the abort lands."""
     async def cancel_after_submit() -> None:
-        task = asyncio.create_task(served.core.embed(EmbedInput("cancel-me", [LONG] * MAX_DOCUMENTS, EmbedParams()),
+        task = asyncio.create_task(served.core.embed(EmbedInput("embed-cancel-me", [LONG] * MAX_DOCUMENTS, EmbedParams()),
                                                      {}))
         await asyncio.sleep(0)  # the task runs up to its await: the job is submitted
         task.cancel()
@@ -147,7 +147,7 @@ async def test_an_embed_cancelled_mid_flight_is_aborted_and_frees_everything(ser
             await task
     await served.acall(cancel_after_submit())
     assert_all_blocks_free(await served.idle_stats())
-    assert [lc.finish_reason for lc in served.recorder.finished["cancel-me"]] == ["abort"]
+    assert [lc.finish_reason for lc in served.recorder.finished["embed-cancel-me"]] == ["abort"]
 
 
 def test_tei_embed_all_is_sentence_transformers_token_embeddings(http_url):
