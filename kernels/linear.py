@@ -44,23 +44,28 @@ _HF_NAMES = {"gelu": Activation.GELU, "gelu_new": Activation.GELU_TANH, "gelu_py
              "relu": Activation.RELU}
 
 
-def _find_fused_op():
-    """oneDNN's fused linear, or None where this torch has no oneDNN (or no such op)."""
+def _find_fused_op(overload: str):
+    """An overload of oneDNN's fused linear, or None where this torch has no oneDNN (or no such op)."""
     if not torch.backends.mkldnn.is_available():
         return None
     try:
-        return torch.ops.mkldnn._linear_pointwise.default
+        return getattr(torch.ops.mkldnn._linear_pointwise, overload)
     except (AttributeError, RuntimeError):
         return None
 
 
-_FUSED = _find_fused_op()
+_FUSED = _find_fused_op("default")  # (x, w, b, activation, scalars, algorithm)
+_FUSED_BINARY = _find_fused_op("binary")  # (x, other, w, b, "add"): the GEMM's output plus `other`, in its epilogue
 
 
 def fused_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the oneDNN path takes this call: float32 CPU tensors, oneDNN enabled, and no gradient to track (the
-    op has no backward)."""
-    return (_FUSED is not None and torch.backends.mkldnn.enabled and x.device.type == "cpu"
+    """Whether `linear`'s oneDNN path takes this call: the op is there, float32 CPU tensors, oneDNN enabled, and no
+    gradient to track (the op has no backward)."""
+    return _FUSED is not None and _onednn_takes(x, weight)
+
+
+def _onednn_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (torch.backends.mkldnn.enabled and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
@@ -75,4 +80,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
     return act.reference(F.linear(x, weight, bias))
 
 
-__all__ = ["Activation", "fused_usable", "linear"]
+def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+               mode: str = "auto") -> torch.Tensor:
+    """x @ weight.T + bias + residual (a post-LN layer's projection and its residual, before the norm), the sum in
+    the GEMM's epilogue on the oneDNN path; the reference adds in place into the linear's own output."""
+    if (backend(x, mode) != "torch" and _FUSED_BINARY is not None and _onednn_takes(x, weight)
+            and residual.dtype == x.dtype and residual.is_contiguous()
+            and not (torch.is_grad_enabled() and residual.requires_grad)):
+        return _FUSED_BINARY(x, residual, weight, bias, "add")
+    return F.linear(x, weight, bias).add_(residual)
+
+
+__all__ = ["Activation", "fused_usable", "linear", "linear_add"]

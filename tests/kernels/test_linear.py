@@ -1,5 +1,6 @@
-"""kernels.linear: oneDNN's fused linear + bias + activation against the torch reference act(F.linear(x, w, b)), with
-transformers' own activations (ACT2FN) as the reference for what each config name means; and the fallbacks."""
+"""kernels.linear: oneDNN's fused linear + bias + activation (or + residual) against the torch reference
+act(F.linear(x, w, b)), with transformers' own activations (ACT2FN) as the reference for what each config name means;
+and the fallbacks."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from kernels import linear as lin
-from kernels.linear import Activation, fused_usable, linear
+from kernels.linear import Activation, fused_usable, linear, linear_add
 
 
 def _inputs(shape: tuple[int, ...], n_out: int, seed: int = 0):
@@ -35,6 +36,14 @@ def spy(monkeypatch) -> _Spy:
     assert lin._FUSED is not None, "this torch (x86, oneDNN) has torch.ops.mkldnn._linear_pointwise"
     s = _Spy(lin._FUSED)
     monkeypatch.setattr(lin, "_FUSED", s)
+    return s
+
+
+@pytest.fixture
+def binary_spy(monkeypatch) -> _Spy:
+    assert lin._FUSED_BINARY is not None, "this torch (x86, oneDNN) has torch.ops.mkldnn._linear_pointwise.binary"
+    s = _Spy(lin._FUSED_BINARY)
+    monkeypatch.setattr(lin, "_FUSED_BINARY", s)
     return s
 
 
@@ -100,3 +109,26 @@ def test_a_call_that_needs_gradients_takes_the_differentiable_reference(spy) -> 
     assert spy.calls == 0 and y.grad_fn is not None
     y.sum().backward()
     assert w.grad is not None and w.grad.abs().sum().item() > 0
+
+
+@pytest.mark.parametrize("x_slice", [False, True])
+def test_linear_add_is_the_linear_plus_the_residual(binary_spy, x_slice: bool) -> None:
+    x, w, b = _inputs((257, 128), 48, seed=3)
+    x = x[:, ::2] if x_slice else x[:, :64].contiguous()
+    residual = torch.randn(257, 48, generator=torch.Generator().manual_seed(9)) * 4
+    with torch.inference_mode():
+        got = linear_add(x, w[:, :64].contiguous(), b, residual)
+    assert binary_spy.calls == 1
+    want = (F.linear(x.double(), w[:, :64].double(), b.double()) + residual.double()).float()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert residual.abs().max().item() > 1 and (got - F.linear(x, w[:, :64], b)).abs().max().item() > 1  # added
+
+
+def test_linear_add_falls_back_without_the_op_or_for_a_strided_residual(binary_spy, monkeypatch) -> None:
+    x, w, b = _inputs((40, 32), 24)
+    residual = torch.randn(24, 40).t()  # not contiguous
+    with torch.inference_mode():
+        assert torch.equal(linear_add(x, w, b, residual), F.linear(x, w, b) + residual)
+        assert binary_spy.calls == 0
+        monkeypatch.setattr(lin, "_FUSED_BINARY", None)
+        assert torch.equal(linear_add(x, w, b, residual.contiguous()), F.linear(x, w, b) + residual)
