@@ -100,6 +100,15 @@ def varlen_attention(
     return op(query, key, value, cu_seqlens, scale)
 
 
+
+def varlen_attention_qkv(qkv: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, mode: str = "auto"
+                         ) -> torch.Tensor:
+    """`varlen_attention` of q, k and v packed side by side ([T, 3, H, D], one fused projection's output)."""
+    if backend(qkv, mode) == "triton":
+        from kernels.triton_varlen_attention import varlen_attention as op
+        return op(*qkv.unbind(1), cu_seqlens, scale)
+    return reference.varlen_attention_qkv(qkv, cu_seqlens, scale)
+
 def prepare(device: str, dtype: torch.dtype, mode: str = "auto") -> None:
     """Build what the chosen backend compiles on first use (the C++ decode kernel takes up to a minute the first
     time on a machine), so that cost lands at start-up rather than on the first request."""

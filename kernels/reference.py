@@ -172,6 +172,19 @@ def varlen_attention(
     scale: float,
 ) -> torch.Tensor:
     """Bidirectional attention inside each packed sequence (cross-encoder pairs), no attention across them."""
+    return _varlen(query, key, value, None, cu_seqlens, scale)
+
+
+def varlen_attention_qkv(qkv: torch.Tensor, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`varlen_attention` of the queries, keys and values packed side by side in one tensor [T, 3, H, D] (one
+    projection's output): a padded group gathers its rows once from it, not once per q, k and v."""
+    query, key, value = qkv.unbind(1)
+    return _varlen(query, key, value, qkv.view(qkv.shape[0], -1) if qkv.is_contiguous() else None, cu_seqlens,
+                   scale)
+
+
+def _varlen(query, key, value, packed: torch.Tensor | None, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`packed`: q, k and v as one [T, 3 * H * D] tensor whose rows hold each token's three, or None."""
     out = torch.empty_like(query)
     bounds = cu_seqlens.tolist()
     lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
@@ -183,7 +196,7 @@ def varlen_attention(
         if j - i == 1:
             _attend_one(query, key, value, bounds[i], bounds[i + 1], scale, out)
         else:
-            _attend_group(query, key, value, bounds[i:j + 1], lens[i:j], scale, out)
+            _attend_group(query, key, value, packed, bounds[i:j + 1], lens[i:j], scale, out)
         i = j
     return out
 
@@ -201,7 +214,8 @@ def _attend_one(query, key, value, s: int, e: int, scale: float, out: torch.Tens
     out[s:e] = torch.bmm(scores.softmax(-1), v).transpose(0, 1)
 
 
-def _attend_group(query, key, value, bounds: list[int], lens: list[int], scale: float, out: torch.Tensor) -> None:
+def _attend_group(query, key, value, packed: torch.Tensor | None, bounds: list[int], lens: list[int], scale: float,
+                  out: torch.Tensor) -> None:
     """Pairs bounds[0]..bounds[-1] (lengths `lens`, the first the longest) in one SDPA call, [G, H, longest, D]."""
     s, e = bounds[0], bounds[-1]
     g, longest, (heads, dim) = len(lens), lens[0], query.shape[1:]
@@ -216,6 +230,11 @@ def _attend_group(query, key, value, bounds: list[int], lens: list[int], scale: 
     real = offsets[None, :] < n[:, None]  # [G, longest]
     # Row of each padded slot; padding slots read the group's first row (masked as keys, dropped as queries).
     rows = torch.where(real, torch.tensor(bounds[:-1], device=dev)[:, None] + offsets[None, :], s).reshape(-1)
-    q, k, v = (t.index_select(0, rows).view(g, longest, heads, dim).transpose(1, 2) for t in (query, key, value))
+    if packed is not None:  # one gather of whole rows (q, k and v side by side), then views
+        q, k, v = packed.index_select(0, rows).view(g, longest, 3, heads, dim).transpose(1, 3).unbind(2)
+    else:
+        q, k, v = (t.index_select(0, rows).view(g, longest, heads, dim).transpose(1, 2) for t in (query, key, value))
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=real[:, None, None, :], scale=scale)
-    out[s:e] = o.transpose(1, 2).reshape(g * longest, heads, dim)[real.reshape(-1)]
+    # The real rows straight into `out` (SDPA's CPU output is [G, longest, H, D] underneath: the reshape is a view).
+    torch.index_select(o.transpose(1, 2).reshape(g * longest, heads, dim), 0, real.reshape(-1).nonzero()[:, 0],
+                       out=out[s:e])

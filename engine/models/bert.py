@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
 import kernels
+from kernels.linear import Activation, linear, linear_add
 
 # model_type -> family: picks head and position scheme, and is the base-model prefix of HF weight names
 FAMILIES: dict[str, Literal["bert", "roberta"]] = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}
@@ -143,13 +143,14 @@ class SelfAttention(nn.Module):
         """Attention output of every token [T, H], or with `rows` (each sequence's first token) of those only."""
         shape = (x.shape[0], self.num_heads, self.head_dim)
         if rows is not None:
-            k, v = F.linear(x, *self._fused(self.key, self.value)).view(x.shape[0], 2, *shape[1:]).unbind(1)
+            k, v = linear(x, *self._fused(self.key, self.value), mode=self.kernels).view(
+                x.shape[0], 2, *shape[1:]).unbind(1)
             q = self.query(x[rows]).view(rows.shape[0], self.num_heads, self.head_dim)
             return first_token_attention(q, k, v, cu_seqlens, self.scale).reshape(rows.shape[0], -1)
-        # One GEMM for Q, K and V (three [T, H] outputs side by side), then views: no copies.
-        q, k, v = F.linear(x, *self._fused(self.query, self.key, self.value)).view(
-            x.shape[0], 3, *shape[1:]).unbind(1)
-        return kernels.varlen_attention(q, k, v, cu_seqlens, self.scale, self.kernels).reshape(x.shape[0], -1)
+        # One GEMM for Q, K and V (three [T, H] outputs side by side), attended as one tensor: no copies.
+        qkv = linear(x, *self._fused(self.query, self.key, self.value), mode=self.kernels).view(
+            x.shape[0], 3, *shape[1:])
+        return kernels.varlen_attention_qkv(qkv, cu_seqlens, self.scale, self.kernels).reshape(x.shape[0], -1)
 
     def _fused(self, *projs: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """The projections' weights and biases concatenated, built once and rebuilt if a weight changes."""
@@ -186,9 +187,10 @@ class DenseLayerNorm(nn.Module):
         super().__init__()
         self.dense = nn.Linear(d_in, d_out)
         self.LayerNorm = nn.LayerNorm(d_out, eps=eps)
+        self.kernels = "auto"  # the linear's backend (TANDEM_KERNELS): `use_kernels`
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(linear_add(x, self.dense.weight, self.dense.bias, residual, self.kernels))
 
 
 class Attention(nn.Module):
@@ -203,9 +205,13 @@ class Intermediate(nn.Module):
         super().__init__()
         self.dense = nn.Linear(a.hidden_size, a.intermediate_size)
         self.act = ACT2FN[a.hidden_act]
+        self.fused_act = Activation.from_hf(a.hidden_act)  # None: applied after the linear, as transformers does
+        self.kernels = "auto"  # the linear's backend (TANDEM_KERNELS): `use_kernels`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
+        if self.fused_act is None:
+            return self.act(self.dense(x))
+        return linear(x, self.dense.weight, self.dense.bias, self.fused_act, self.kernels)  # the GELU inside the GEMM
 
 
 class Layer(nn.Module):
@@ -317,9 +323,9 @@ SequenceClassifier = BertForSequenceClassification | RobertaForSequenceClassific
 
 
 def use_kernels(model: nn.Module, mode: str) -> None:
-    """Run every attention of `model` on the backend `mode` names (TANDEM_KERNELS, kernels/dispatch.py)."""
+    """Run every attention and linear of `model` on the backend `mode` names (TANDEM_KERNELS, kernels/dispatch.py)."""
     for module in model.modules():
-        if isinstance(module, SelfAttention):
+        if isinstance(module, (SelfAttention, DenseLayerNorm, Intermediate)):
             module.kernels = mode
 
 

@@ -55,6 +55,21 @@ def test_varlen_reference_groups_match_block_diagonal_sdpa() -> None:
     torch.testing.assert_close(got, _block_diagonal_sdpa(q, k, v, lengths, 0.2), atol=1e-5, rtol=1e-5)
 
 
+
+def test_varlen_reference_of_packed_qkv_matches_block_diagonal_sdpa_and_the_separate_tensors() -> None:
+    # One projection's output [T, 3, H, D], as the encoder makes it: padded groups gather rows of it once.
+    lengths = [420, 300, 300, 300, 262, 250, 241, 230, 200, 120, 64, 64, 60, 17, 3, 1, 1]
+    q, k, v, cu = varlen_batch(lengths, num_heads=3, head_dim=32, seed=6)
+    qkv = torch.stack([q, k, v], dim=1)
+    got = reference.varlen_attention_qkv(qkv, cu, 0.2)
+    torch.testing.assert_close(got, _block_diagonal_sdpa(q, k, v, lengths, 0.2), atol=1e-5, rtol=1e-5)
+    separate = reference.varlen_attention(*qkv.unbind(1), cu, 0.2)
+    torch.testing.assert_close(got, separate, atol=1e-6, rtol=1e-6)
+    # a qkv that is not one contiguous block (a slice of a wider tensor) takes the separate gathers, same values
+    wide = torch.cat([qkv, torch.zeros(qkv.shape[0], 1, *qkv.shape[2:])], dim=1)[:, :3]
+    assert not wide.is_contiguous()
+    torch.testing.assert_close(reference.varlen_attention_qkv(wide, cu, 0.2), separate, atol=1e-6, rtol=1e-6)
+
 def test_write_kv_cache_reference_matches_per_token_copy() -> None:
     g = torch.Generator().manual_seed(0)
     key, value = torch.randn(2, 9, 2, 16, generator=g)
