@@ -227,7 +227,8 @@ def test_a_row_the_model_prices_over_the_target_still_rides_a_stage_every_max_st
     target = LinearStepTime(slow).predict(StepShape(decode_rows=4)) * 1.2
     model = EmbedCountingModel()
     model.coef = LinearStepTime(slow).coef
-    policy = LatencyAdmission(target, model=model, progress_steps=5)
+    # the step rule alone: the seconds rule (progress_s) would let a stage ride earlier on a slow host
+    policy = LatencyAdmission(target, model=model, progress_steps=5, progress_s=1e9)
     llm = make_llm(admission=policy, embedder=EMBEDDED_EMBEDDER, max_num_batched_tokens=512, num_kv_blocks=512)
     engine, records = llm.engine, record_steps(llm)
     start_chats(engine, GEN)
