@@ -167,6 +167,12 @@ Int8Activations quantize_activations(const float* xp, int64_t M, int64_t K, int6
   // only where the sums need no per-sub-block scale, which a K-quant's do.
   if (blocks256) xq.k = quantize_rows_k(xp, M, K);
 #endif
+#if defined(TANDEM_AVX512)
+  if (blocks256 && isa == AVX512) {
+    order_rows_k4(xq.k, M, K);
+    xq.k512 = true;
+  }
+#endif
 #if defined(TANDEM_VNNI)
   if (xq.vnni) {
     if (blocks32) xq.pairs = quantize_rows(xp, M, K);
@@ -188,6 +194,13 @@ void matmul_int8_into(const Int8Activations& xq, int64_t M, int64_t K, const tor
 #if defined(TANDEM_AVX2)
   if (int8_kquant(fmt)) {
     TORCH_CHECK(static_cast<int64_t>(xq.k.dx.size()) == M * (K / 256), "int8 activations: no super-block rows");
+#if defined(TANDEM_AVX512)
+    if (xq.k512) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t n = 0; n < N; ++n) row_int8k_avx512(fmt, row_ptr(w, n), xq.k, M, K, yp + n, ldy);
+      return;
+    }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; ++n) row_int8k_avx2(fmt, row_ptr(w, n), xq.k, M, K, yp + n, ldy);
     return;
