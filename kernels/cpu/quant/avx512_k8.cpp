@@ -7,15 +7,15 @@
 //   Q6_K:       sum_k w_k x_k ~= d dx (sum_j sc_j sum_{k in j} q_k qx_k - 32 sum_j sc_j sum_{k in j} qx_k)
 // (Q6_K's weights as unsigned 6-bit q, the offset 32 taken out with the sums per 16 the quantizer keeps).
 //
-// What differs from row_k8 (which measured 2.2-3.5 GB/s per thread on the 1.7B model's Q4_K rows, below the
-// ~9.7 GB/s a thread's share of the host's read bandwidth needs):
+// What differs from row_k8 (one thread, the 1.7B model's Q4_K rows from cache: 1.09x faster; Q6_K: 1.45x; from
+// memory both near one thread's stream rate; docs/benchmarks.md "At 1.7B"):
 //  * 64 weight bytes per instruction: a Q4_K super-block's 128 bytes of nibbles are two loads, each giving two
 //    sub-blocks' low nibbles and two sub-blocks' high nibbles. The low nibbles of bytes 32 i .. 32 i + 31 are
 //    sub-block 2 i, so the int8 x the kernel multiplies them with is kept a second time in that order (x_k4:
 //    per 128 elements [0, 32) [64, 96) [32, 64) [96, 128)), one load per 64 products; Q6_K's ql / qh layout gives
 //    elements in order when qh is taken per 256-bit half with its own shift, so it reads x as stored.
-//  * the 6-bit scales and mins decoded with four word operations (llama.cpp's utmp masks) into one vector of 16
-//    bytes, widened once and spread to the sub-blocks' lanes by `vpermw`, instead of 16 scalar decodes and sets.
+//  * the 6-bit scales and mins decoded into one vector of 16 bytes (formats.h k_scales_mins16, row_k8's too),
+//    widened once and spread to the sub-blocks' lanes by `vpermw`.
 //  * the Q4_K / Q5_K mins as one `vpmaddwd` of the sums per 16 with the mins; Q6_K's offset likewise.
 // Every int32 lane converted to float is below 2^24, so the conversion is exact: Q4_K / Q5_K's after the two
 // halves are added (8 x 2 x 31 x 127 x 63 = 3.97e6), Q6_K's sums of q qx before (4 x 2 x 2 x 63 x 127 x 128 =

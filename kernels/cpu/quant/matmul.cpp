@@ -163,8 +163,8 @@ Int8Activations quantize_activations(const float* xp, int64_t M, int64_t K, int6
   Int8Activations xq;
   xq.vnni = kernel == "vnni";
 #if defined(TANDEM_AVX2)
-  // The K-quants take the AVX2 maddubs kernel on either path: VNNI's vpdpbusd would replace the maddubs + madd pair
-  // only where the sums need no per-sub-block scale, which a K-quant's do.
+  // The K-quants: one quantizer for both paths; the avx2 path multiplies with row_k8 (avx2_int8.cpp), the avx512
+  // path with avx512_k8.cpp, which also wants the row in Q4_K's nibble order (order_rows_k4).
   if (blocks256) xq.k = quantize_rows_k(xp, M, K);
 #endif
 #if defined(TANDEM_AVX512)

@@ -52,7 +52,7 @@ struct Int8KRows {  // x [M, K] per super-block of 256 (quantize_block256, llama
 };
 Int8KRows quantize_rows_k(const float* x, int64_t M, int64_t K);
 // y[m * ldy] for every row of xq, integer dot products (maddubs + madd by the sub-block scales) with one row of a
-// K-quant's super-blocks (Q4_K, Q5_K, Q6_K). The avx512 path's int8 activations take it for the K-quants too.
+// K-quant's super-blocks (Q4_K, Q5_K, Q6_K); the avx2 path's (the avx512 path takes row_int8k_avx512).
 void row_int8k_avx2(int64_t fmt, const uint8_t* row, const Int8KRows& xq, int64_t M, int64_t K, float* y,
                     int64_t ldy);
 #endif
