@@ -469,6 +469,16 @@ def test_auto_activations_take_int8_for_the_kquants_and_float32_for_the_rest(isa
     assert not torch.equal(got[:, :40], quant.projection(parts[:1])(x, int(isa)))  # the Q4_K columns are int8's
 
 
+def test_auto_activations_on_the_portable_path_stay_float32() -> None:
+    """The portable path has no int8 kernel: AUTO (and INT8) multiply float32 activations there, K-quants included."""
+    w = make("Q4_K", 16, 512, seed=6)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(6))
+    f32 = quant.matmul(x, w, isa=quant.CpuIsa.PORTABLE)
+    for act in (quant.Activations.AUTO, quant.Activations.INT8):
+        assert torch.equal(quant.matmul(x, w, isa=quant.CpuIsa.PORTABLE, activations=act), f32)
+        assert torch.equal(quant.projection([w], None, act)(x, int(quant.CpuIsa.PORTABLE)), f32)
+
+
 @pytest.mark.parametrize("isa", ISAS, ids=lambda isa: isa.label)
 def test_a_walker_projection_is_its_parts_side_by_side_plus_the_bias(isa) -> None:
     """The layer walker's projection (cpu/quant/layer_walker.h `Projection`): parts stored in different formats (a q/k/v
