@@ -24,7 +24,8 @@ from engine.models.decoder_args import DecoderArgs
 from engine.models.decoder_weights import Weight, build_decoder
 from engine.models.encoder_loader import same_encoder
 from engine.models.loader import ModelSource, load_state_dict, read_config, resolve_model, resolve_model_dir
-from engine.models.quantized import quantize_state_int8, resolve_quantization, weight_bytes, weight_format
+from engine.models.quantized import (int8_activation_formats, quantize_state_int8, resolve_quantization, weight_bytes,
+                                     weight_format)
 from kernels.quant import QuantWeight
 from engine.rerank import PairScorer, build_scorer, default_mode
 from engine.rerank.recipes import resolve as resolve_recipe
@@ -110,6 +111,10 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
         if not quant.int8_activations_available():
             raise ValueError(f"cpu_activations='int8' needs the avx2 or avx512 CPU path; this process's is {cpu_kernels}")
         cpu_kernels += " int8-activations"
+    elif cpu_kernels and config.cpu_activations == "auto" and quant.int8_activations_available():
+        int8_formats = int8_activation_formats(model)  # the K-quants among the model's formats (none: all float32)
+        if int8_formats:
+            cpu_kernels += f" int8-activations({'+'.join(int8_formats)})"
     log.info("weights: %s, %.1f MB%s", weight_format(model), weight_bytes(model) / 1e6,
              f", CPU kernels: {cpu_kernels}" if cpu_kernels else "")
     max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)

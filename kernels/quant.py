@@ -177,18 +177,31 @@ def cpu_isa() -> CpuIsa:
 
 
 class Activations(enum.Enum):
-    """What the small-M kernels multiply the weights with: float32 activations (the default: results differ from
+    """What the small-M kernels multiply the weights with: float32 activations (results differ from
     dequantize-then-matmul by summation order only), or each activation row quantized to int8 per block of 32 as
     llama.cpp does, with integer dot products (every GGUF block format: per block of 32 for the 32-wide ones, per
     super-block of 256 for the K-quants; I8 stays float32): AVX-512 VNNI on the avx512 path, AVX2's maddubs on the
-    avx2 path (and on avx512 without VNNI, and for the K-quants on either path)."""
+    avx2 path (and on avx512 without VNNI); the K-quants through avx512_k8.cpp on the avx512 path and avx2_int8.cpp's
+    row_k8 on the avx2 path. AUTO (the engine's default) is int8 for the formats where it measured faster at batch
+    1 on both paths (`INT8_AUTO_FORMATS`: the K-quants, 2.2-3x per matmul at 1.7B) and float32 for the others;
+    wide steps are float32 GEMMs whatever the setting. Bounds and measurements: kernels/README.md."""
     FLOAT32 = "float32"
     INT8 = "int8"
+    AUTO = "auto"
 
 
 INT8_BLOCK32 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # x rounded per block of 32 (llama.cpp's Q8_0)
 INT8_KQUANTS = ("Q4_K", "Q5_K", "Q6_K")  # x rounded per super-block of 256 (llama.cpp's Q8_K)
 INT8_FORMATS = INT8_BLOCK32 + INT8_KQUANTS  # every GGUF block format; I8, F16 and BF16 stay float32
+INT8_AUTO_FORMATS = INT8_KQUANTS  # Activations.AUTO: int8 for these, float32 for the rest (on avx512 and avx2 alike)
+
+
+def takes_int8(activations: Activations, fmt: str) -> bool:
+    """Whether a small-M matmul of `fmt` weights multiplies int8 activations under `activations` (where the CPU path
+    has an int8 kernel: not the portable path)."""
+    if activations is Activations.INT8:
+        return fmt in INT8_FORMATS
+    return activations is Activations.AUTO and fmt in INT8_AUTO_FORMATS
 
 
 def int8_kernel(isa: CpuIsa | None = None) -> str:
@@ -253,23 +266,24 @@ def decode_layers(num_heads: int, num_kv_heads: int, head_dim: int, eps: float, 
 def projection(parts: list[QuantWeight], bias: torch.Tensor | None = None,
                activations: Activations = Activations.FLOAT32):
     """A walker's projection: the parts' output rows in order (each kept as stored), plus an optional float32 bias.
-    `activations=INT8`: x's rows quantized once per call and multiplied by the int8 kernel in the parts whose format
-    has one (INT8_FORMATS) where the walked path has one, as `matmul` does part by part; the others take float32."""
+    `activations=INT8` (AUTO): x's rows quantized once per call and multiplied by the int8 kernel in the parts whose
+    format has one (`takes_int8`) where the walked path has one, as `matmul` does part by part; the others take
+    float32."""
     module = _module()
     return module.Projection([w.data for w in parts], [CPP_FORMATS[w.fmt] for w in parts],
                              [w._scales() for w in parts], parts[0].shape[1], bias,
-                             activations is Activations.INT8)
+                             [takes_int8(activations, w.fmt) for w in parts])
 
 
 def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
            activations: Activations = Activations.FLOAT32) -> torch.Tensor:
     """x [M, K] float32 @ dequantize(w).T -> [M, N] float32; `isa` overrides the process's CPU path (tests).
-    `activations=INT8` quantizes x's rows (per block of 32, or 256 for a K-quant) in the small-M kernel where the
-    path and format have it."""
+    `activations=INT8` (AUTO: for the formats `takes_int8` names) quantizes x's rows (per block of 32, or 256 for a
+    K-quant) in the small-M kernel where the path and format have it."""
     module = _module() if w.fmt in CPP_FORMATS else None
     isa = cpu_isa() if isa is None and module is not None else isa
     if module is not None and x.shape[0] <= small_m(isa):
-        if activations is Activations.INT8 and w.fmt in INT8_FORMATS and module.int8_kernel(int(isa)):
+        if takes_int8(activations, w.fmt) and module.int8_kernel(int(isa)):
             return module.quant_matmul_int8(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], int(isa))
         return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(), isa)
     return _dequantize_gemm(x, w)

@@ -109,6 +109,13 @@ def weight_format(model: nn.Module) -> str:
     return "gguf " + " + ".join(sorted(formats)) + f" (+ {dense_name} norms)"
 
 
+def int8_activation_formats(model: nn.Module) -> list[str]:
+    """The weight formats of the model's quantized linears that multiply int8 activations at small M under their
+    setting (`quant.takes_int8`: every block format with "int8", the K-quants with "auto"), sorted."""
+    return sorted({m.qweight.fmt for m in model.modules()
+                   if isinstance(m, QuantizedLinear) and quant.takes_int8(m.activations, m.qweight.fmt)})
+
+
 # ---- building the model -------------------------------------------------------------------------------------
 
 

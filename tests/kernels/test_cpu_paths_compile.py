@@ -26,6 +26,9 @@ PATHS = {
     "avx2-int8": ("avx2_int8.cpp", _AVX2, ["tandem::row_int8_avx2(", "tandem::row_int8k_avx2("]),  # + K-quants
     "avx512": ("avx512.cpp", _AVX512, ["tandem::row_avx512("]),
     "avx512-vnni": ("vnni.cpp", [*_AVX512, "-mavx512vnni"], ["tandem::row_int8("]),
+    # the K-quants' int8 kernel of the avx512 path: AVX-512 BW alone, and with VNNI's vpdpwssd where the CPU has it
+    "avx512-k8": ("avx512_k8.cpp", _AVX512, ["tandem::row_int8k_avx512(", "tandem::order_rows_k4("]),
+    "avx512-k8-vnni": ("avx512_k8.cpp", [*_AVX512, "-mavx512vnni"], ["tandem::row_int8k_avx512("]),
 }
 _CXX = shutil.which(os.environ.get("CXX", "c++"))
 _NM = shutil.which("nm")

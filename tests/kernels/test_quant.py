@@ -259,6 +259,15 @@ INT8_ISAS = [
 ]
 
 
+# The K-quants' int8 kernels: avx2_int8.cpp's row_k8 (AVX2's maddubs, 32 bytes a step) on the avx2 path and
+# avx512_k8.cpp (the same at 64 bytes, AVX-512 BW; no VNNI needed) on the avx512 path.
+KQ_INT8_ISAS = [
+    INT8_ISAS[0],
+    pytest.param(quant.CpuIsa.AVX512, id="avx512-k8", marks=pytest.mark.skipif(
+        quant.best_isa() < quant.CpuIsa.AVX512, reason="this CPU has no AVX-512 F + BW + VL")),
+]
+
+
 def quantize_x_like_the_kernels(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """x rounded per block of 32 (256) as formats.h quantize_block32 (quantize_block256) does, in float32: dx =
     max|x| / 127, q = round(x * (127 / max|x|)) to nearest even, x^ = dx * q."""
@@ -291,12 +300,22 @@ def int8_magnitudes(w: quant.QuantWeight) -> torch.Tensor:
 
 
 def int8_kquant_magnitudes(w: quant.QuantWeight) -> torch.Tensor:
-    """A_k for a K-quant: the magnitudes of the two terms the int8 kernel scales and adds in float32, |d sc_j| q_k
-    and |dmin m_j| (Q4_K, Q5_K: the reference with dmin zeroed, then with d zeroed), or |d sc_j (q_k - 32)| = |w_k|
-    (Q6_K, one term)."""
-    if w.fmt == "Q6_K":
-        return reference_dense(w).abs()
+    """A_k for a K-quant: the magnitudes of the two terms the int8 kernels scale and add in float32, |d sc_j| q_k
+    and |dmin m_j| (Q4_K, Q5_K: the reference with dmin zeroed, then with d zeroed), or for Q6_K |d sc_j| (q_k + 32):
+    row_k8 adds d sc_j (q_k - 32) (|w_k|, less), avx512_k8 d sc_j q_k and the offset 32 d sc_j as two terms. |d sc_j|
+    is what the reference gives with every quant set to 0 (w = -32 d sc_j), divided by 32; q_k - 32 what it gives
+    with d and every sub-block scale set to 1."""
     n, k = w.shape
+    if w.fmt == "Q6_K":
+        blocks = w.data.view(n, k // quant.QK_K, quant.BLOCK_BYTES["Q6_K"])
+        zero_q, unit_scales = blocks.clone(), blocks.clone()
+        zero_q[..., :192] = 0  # ql and qh: q = 0
+        unit_scales[..., 192:208] = 1
+        unit_scales[..., 208:210] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+        dsc = quant.reference_dequantize(zero_q.view(n, -1), "Q6_K", k).abs() / 32
+        q = quant.reference_dequantize(unit_scales.view(n, -1), "Q6_K", k) + 32
+        return dsc * (q + 32)
+    blocks = w.data.view(n, k // quant.QK_K, quant.BLOCK_BYTES[w.fmt])
     blocks = w.data.view(n, k // quant.QK_K, quant.BLOCK_BYTES[w.fmt])
     parts = []
     for zero in (2, 0):  # dmin zeroed: d sc q; d zeroed: -dmin m
@@ -365,12 +384,13 @@ def test_the_avx2_int8_kernel_equals_the_vnni_one_up_to_roundoff(fmt: str) -> No
     assert not torch.equal(avx2, quant.matmul(x, w, isa=quant.CpuIsa.AVX2))  # neither is the float32 result
 
 
-@pytest.mark.parametrize("isa", INT8_ISAS)
+@pytest.mark.parametrize("isa", KQ_INT8_ISAS)
 @pytest.mark.parametrize("fmt", quant.INT8_KQUANTS)
 def test_int8_kquants_stay_within_the_bound_of_rounding_x_to_8_bits_per_super_block(fmt: str, isa) -> None:
     """The K-quants with x rounded per super-block of 256 (llama.cpp's Q8_K: one dx per 256, sums per 16 for the
-    mins). The integer sums per super-block are exact and each of the 8 int32 lanes stays below 2^24 (avx2_int8.cpp
-    row_k8), so the kernel rounds only d * dx, one fma per term and super-block and the final sum of lanes: against
+    mins). The integer sums per super-block are exact and every int32 lane converted to float stays below 2^24
+    (avx2_int8.cpp row_k8, avx512_k8.cpp), so a kernel rounds only d * dx, one fma per term and super-block and the
+    final sum of lanes: against
     gguf-py's weights times x rounded as the kernel rounds it, within 2 gamma_{K + 8} |x^| @ A^T as the 32-wide
     formats (int8_roundoff_bound), with A the magnitudes of the terms it adds (int8_kquant_magnitudes)."""
     for k in (256, 512):
@@ -389,17 +409,25 @@ def test_int8_kquants_stay_within_the_bound_of_rounding_x_to_8_bits_per_super_bl
             assert not torch.equal(got, quant.matmul(x, w, isa=isa))  # the int8 path, not the float32 one
 
 
-@pytest.mark.skipif(quant.int8_kernel(quant.CpuIsa.AVX512) != "vnni",
-                    reason="needs both int8 kernels: this CPU has no AVX-512 VNNI")
+@pytest.mark.skipif(quant.best_isa() < quant.CpuIsa.AVX512, reason="needs both K-quant int8 kernels: this CPU has "
+                    "no AVX-512 F + BW + VL")
 @pytest.mark.parametrize("fmt", quant.INT8_KQUANTS)
-def test_the_kquants_take_the_same_int8_kernel_on_both_paths(fmt: str) -> None:
-    """VNNI's vpdpbusd saves nothing where each sub-block's sum needs its own scale, so the avx512 path multiplies
-    the K-quants with the AVX2 maddubs kernel: the same bits."""
-    w = make(fmt, 64, 2048, seed=9)
-    x = torch.randn(5, 2048, generator=torch.Generator().manual_seed(9))
+def test_the_avx512_kquant_int8_kernel_equals_the_avx2_one_up_to_roundoff(fmt: str) -> None:
+    """Both K-quant kernels multiply the same integers (one quantizer, formats.h quantize_block256) and sum them
+    exactly; they add the float32 terms in other orders (and avx512_k8 takes Q6_K's offset as a term of its own),
+    so they differ by round-off only, never by a rounding of x. At 1.7B's K (2048) and its down projection's (8192),
+    1 to 5 rows (the tiles of 4 and the rest)."""
     int8 = quant.Activations.INT8
-    assert torch.equal(quant.matmul(x, w, isa=quant.CpuIsa.AVX2, activations=int8),
-                       quant.matmul(x, w, isa=quant.CpuIsa.AVX512, activations=int8))
+    for k in (2048, 8192):
+        w = make(fmt, 24, k, seed=9)
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(9))
+        x[1, 256:512] = 0.0  # an all-zero super-block
+        avx2 = quant.matmul(x, w, isa=quant.CpuIsa.AVX2, activations=int8)
+        avx512 = quant.matmul(x, w, isa=quant.CpuIsa.AVX512, activations=int8)
+        xq = quantize_x_like_the_kernels(x, 256)
+        bound = int8_roundoff_bound(xq, w, int8_kquant_magnitudes(w))
+        assert bool(((avx2 - avx512).abs() <= bound).all()), float(((avx2 - avx512).abs() / bound).max())
+        assert not torch.equal(avx512, quant.matmul(x, w, isa=quant.CpuIsa.AVX512))  # not the float32 result
 
 
 def test_int8_activations_leave_other_formats_on_float32() -> None:
@@ -421,6 +449,34 @@ def test_an_int8_walker_projection_is_its_parts_int8_products_side_by_side(isa) 
     expected = torch.cat([quant.matmul(x, w, isa=isa, activations=int8) for w in parts], dim=1)
     assert torch.equal(got, expected)
     assert not torch.equal(got, quant.projection(parts)(x, int(isa)))
+
+
+@pytest.mark.parametrize("isa", INT8_ISAS)
+def test_auto_activations_take_int8_for_the_kquants_and_float32_for_the_rest(isa) -> None:
+    """Activations.AUTO (the engine's default): a K-quant multiplies int8 activations (the INT8 result, bit for bit),
+    a 32-wide format and I8 float32 ones (the FLOAT32 result); a walker projection mixing them gives each part's
+    columns what `matmul` with AUTO gives that part (x quantized per 256 only, for the Q4_K / Q6_K parts)."""
+    auto, int8, f32 = quant.Activations.AUTO, quant.Activations.INT8, quant.Activations.FLOAT32
+    parts = [make("Q4_K", 40, 256, seed=1), make("Q5_0", 24, 256, seed=2), make("Q6_K", 16, 256, seed=5),
+             make("Q8_0", 24, 256, seed=3), make("I8", 8, 256, seed=4)]
+    x = torch.randn(3, 256)
+    for w in parts:
+        want = int8 if w.fmt in quant.INT8_KQUANTS else f32
+        assert quant.takes_int8(auto, w.fmt) == (want is int8)
+        assert torch.equal(quant.matmul(x, w, isa=isa, activations=auto), quant.matmul(x, w, isa=isa, activations=want))
+    got = quant.projection(parts, None, auto)(x, int(isa))
+    assert torch.equal(got, torch.cat([quant.matmul(x, w, isa=isa, activations=auto) for w in parts], dim=1))
+    assert not torch.equal(got[:, :40], quant.projection(parts[:1])(x, int(isa)))  # the Q4_K columns are int8's
+
+
+def test_auto_activations_on_the_portable_path_stay_float32() -> None:
+    """The portable path has no int8 kernel: AUTO (and INT8) multiply float32 activations there, K-quants included."""
+    w = make("Q4_K", 16, 512, seed=6)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(6))
+    f32 = quant.matmul(x, w, isa=quant.CpuIsa.PORTABLE)
+    for act in (quant.Activations.AUTO, quant.Activations.INT8):
+        assert torch.equal(quant.matmul(x, w, isa=quant.CpuIsa.PORTABLE, activations=act), f32)
+        assert torch.equal(quant.projection([w], None, act)(x, int(quant.CpuIsa.PORTABLE)), f32)
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda isa: isa.label)

@@ -122,8 +122,9 @@ void row_k8(const uint8_t* row, const Int8KRows& xq, int64_t m0, int64_t K, floa
     for (int m = 0; m < MT; ++m) sumi[m] = _mm256_setzero_si256();
     if constexpr (FMT == Q4_K || FMT == Q5_K) {
       const float d = fp16_to_fp32(blk), dmin = fp16_to_fp32(blk + 2);
-      int sc[8], mn[8];
-      for (int j = 0; j < 8; ++j) k_scale_min_int(blk + 4, j, sc[j], mn[j]);
+      // the 8 scales (16-bit lanes 0-7) and mins (8-15), four word operations instead of 16 scalar decodes
+      const __m256i sm = k_scales_mins16(blk + 4);
+      const __m256i sc16 = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
       const uint8_t* qs = blk + (FMT == Q5_K ? 48 : 16);
       const __m256i qh = FMT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16))
                                      : _mm256_setzero_si256();
@@ -135,8 +136,8 @@ void row_k8(const uint8_t* row, const Int8KRows& xq, int64_t m0, int64_t K, floa
           lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one), 4));
           hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one), 4));
         }
-        const __m256i slo = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * i]));
-        const __m256i shi = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * i + 1]));
+        const __m256i slo = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(0x0101 * 4 * i + 0x0100)));
+        const __m256i shi = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<int16_t>(0x0101 * (4 * i + 2) + 0x0100)));
         for (int m = 0; m < MT; ++m) {
           const int8_t* qx = qx0 + m * K + sb * 256 + 64 * i;
           const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
@@ -146,8 +147,8 @@ void row_k8(const uint8_t* row, const Int8KRows& xq, int64_t m0, int64_t K, floa
         }
       }
       // mins: m_j times the sums of qx over sub-block j (two sums of 16), as one madd of int16 vectors
-      const __m256i mins = _mm256_setr_epi16(mn[0], mn[0], mn[1], mn[1], mn[2], mn[2], mn[3], mn[3], mn[4], mn[4],
-                                             mn[5], mn[5], mn[6], mn[6], mn[7], mn[7]);
+      const __m128i mn = _mm256_extracti128_si256(sm, 1);
+      const __m256i mins = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
       for (int m = 0; m < MT; ++m) {
         const float dx = dx0[m * nsb + sb];
         const __m256i bs = _mm256_loadu_si256(
@@ -162,6 +163,10 @@ void row_k8(const uint8_t* row, const Int8KRows& xq, int64_t m0, int64_t K, floa
       const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
       const float d = fp16_to_fp32(blk + 208);
       const __m256i m2 = _mm256_set1_epi8(3), c32 = _mm256_set1_epi8(32);
+      // sub-block scales widened once: scb[h] holds sc[8 h .. 8 h + 7] as 16-bit lanes in both 128-bit halves
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+      const __m256i scb[2] = {_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8)),
+                              _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8)))};
       for (int h = 0; h < 2; ++h) {  // 128 weights: groups of 32 from ql[64h ..], ql[64h + 32 ..] and qh[32h ..]
         const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
         const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
@@ -172,8 +177,10 @@ void row_k8(const uint8_t* row, const Int8KRows& xq, int64_t m0, int64_t K, floa
           const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * g), m2), 4);
           const __m256i w = _mm256_sub_epi8(_mm256_or_si256(low, high), c32);  // q - 32, signed
           const __m256i aw = _mm256_sign_epi8(w, w);
-          const int j = (h * 4 + g) * 2;  // the two sub-blocks of 16: one per 128-bit lane
-          const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+          // sub-blocks j = 8 h + 2 g and j + 1 (of 16): one per 128-bit lane
+          const __m256i scv = _mm256_shuffle_epi8(  // sc[j] in the low half, sc[j + 1] in the high half
+              scb[h], _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(0x0101 * (4 * g + 2) + 0x0100)),
+                                       _mm_set1_epi16(static_cast<int16_t>(0x0101 * 4 * g + 0x0100))));
           for (int m = 0; m < MT; ++m) {
             const __m256i x = _mm256_loadu_si256(
                 reinterpret_cast<const __m256i*>(qx0 + m * K + sb * 256 + 128 * h + 32 * g));

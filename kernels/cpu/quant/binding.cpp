@@ -10,8 +10,9 @@ using namespace tandem;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Projection>(m, "Projection", "a projection's weight parts as stored, their formats, K and a bias")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>, int64_t,
-                    std::optional<torch::Tensor>, bool>(),
-           py::arg("data"), py::arg("fmts"), py::arg("scales"), py::arg("K"), py::arg("bias"), py::arg("int8") = false)
+                    std::optional<torch::Tensor>, std::vector<bool>>(),
+           py::arg("data"), py::arg("fmts"), py::arg("scales"), py::arg("K"), py::arg("bias"),
+           py::arg("int8") = std::vector<bool>())
       .def_readonly("N", &Projection::N)
       .def_readonly("int8", &Projection::int8)
       .def("__call__", [](const Projection& p, torch::Tensor x, int64_t isa) {

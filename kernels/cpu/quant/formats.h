@@ -104,6 +104,21 @@ inline void k_scale_min_int(const uint8_t* s, int j, int& sc, int& mn) {
     mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
   }
 }
+#ifdef TANDEM_AVX2
+// All eight at once in vector registers (the scalar formula above, byte-parallel): the scales in 16-bit lanes 0-7,
+// the mins in 8-15. Reads 16 bytes from s (the 12 packed bytes and the first 4 of the quants after them).
+inline __m256i k_scales_mins16(const uint8_t* s) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  // low bits: sc0-3 = s[0-3] & 63, sc4-7 = s[8-11] & 15, mn0-3 = s[4-7] & 63, mn4-7 = s[8-11] >> 4
+  const __m128i a = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i lo = _mm_and_si128(_mm_blend_epi32(a, _mm_srli_epi16(a, 4), 0x8),
+                                   _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+  // high bits of sc4-7 and mn4-7: the top two bits of s[0-3] and s[4-7], moved to bits 4-5
+  const __m128i h = _mm_shuffle_epi8(b, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(h, 2), _mm_set1_epi8(0x30));
+  return _mm256_cvtepu8_epi16(_mm_or_si128(lo, hi));
+}
+#endif
 inline void k_scale_min(const uint8_t* s, int j, float& sc, float& mn) {
   int si, mi;
   k_scale_min_int(s, j, si, mi);

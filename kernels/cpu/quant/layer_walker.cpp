@@ -9,10 +9,13 @@
 namespace tandem {
 
 Projection::Projection(std::vector<torch::Tensor> data_, std::vector<int64_t> fmts_,
-                       std::vector<torch::Tensor> scales_, int64_t K_, std::optional<torch::Tensor> bias_, bool int8_)
-    : data(std::move(data_)), scales(std::move(scales_)), fmts(std::move(fmts_)), K(K_), int8(int8_) {
+                       std::vector<torch::Tensor> scales_, int64_t K_, std::optional<torch::Tensor> bias_,
+                       std::vector<bool> int8_)
+    : data(std::move(data_)), scales(std::move(scales_)), fmts(std::move(fmts_)), K(K_), int8(std::move(int8_)) {
   TORCH_CHECK(!data.empty() && data.size() == fmts.size() && data.size() == scales.size(),
               "Projection: one format and one scales tensor per part");
+  if (int8.empty()) int8.assign(data.size(), false);
+  TORCH_CHECK(int8.size() == data.size(), "Projection: one int8 flag per part");
   for (size_t i = 0; i < data.size(); ++i) {
     check(data[i], fmts[i], K, scales[i], PORTABLE);
     N += data[i].size(0);
@@ -29,17 +32,19 @@ torch::Tensor Projection::operator()(const torch::Tensor& x, int64_t isa) const 
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   bool blocks32 = false, blocks256 = false;
-  if (int8 && !int8_kernel(isa).empty())
-    for (int64_t f : fmts) {
-      blocks256 = blocks256 || int8_kquant(f);
-      blocks32 = blocks32 || (int8_format(f) && !int8_kquant(f));
+  const bool has_kernel = !int8_kernel(isa).empty();
+  auto quantized = [&](size_t i) { return has_kernel && int8[i] && int8_format(fmts[i]); };
+  for (size_t i = 0; i < fmts.size(); ++i)
+    if (quantized(i)) {
+      blocks256 = blocks256 || int8_kquant(fmts[i]);
+      blocks32 = blocks32 || !int8_kquant(fmts[i]);
     }
   const bool quantize = blocks32 || blocks256;
   Int8Activations xq;
   if (quantize) xq = quantize_activations(x.data_ptr<float>(), M, K, isa, blocks32, blocks256);
   int64_t col = 0;
   for (size_t i = 0; i < data.size(); ++i) {
-    if (quantize && int8_format(fmts[i])) {
+    if (quantized(i)) {
       matmul_int8_into(xq, M, K, data[i], fmts[i], yp + col, N);
     } else {
       matmul_into(x.data_ptr<float>(), M, K, data[i], fmts[i], scales[i], isa, yp + col, N);

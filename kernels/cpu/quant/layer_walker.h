@@ -19,18 +19,19 @@ using AttendFn = torch::Tensor (*)(torch::Tensor, int64_t, torch::Tensor, torch:
 constexpr const char* ATTEND_CAPSULE = "tandem.paged_decode_qkv";
 
 // One projection: its output columns are the parts' rows in order (a fused q/k/v or gate/up whose parts share a
-// format is one part), plus an optional bias. `int8`: the activations are quantized to int8 per block of 32 (once
-// for all parts) and the parts in a format with an int8 kernel multiply them, where the CPU path has one; the other
-// parts, and every part on a path without one, take float32 activations (what QuantizedLinear does per part).
+// format is one part), plus an optional bias. `int8[i]`: part i multiplies int8 activations (x quantized once per
+// call, per block of 32 and / or per super-block of 256, for all such parts) where its format has an int8 kernel and
+// the CPU path has one; the other parts, and every part on a path without one, take float32 activations (what
+// QuantizedLinear does per part; kernels/quant.py `takes_int8` decides per format).
 struct Projection {
   std::vector<torch::Tensor> data, scales;
   std::vector<int64_t> fmts;
   int64_t K = 0, N = 0;
   torch::Tensor bias;  // undefined: none
-  bool int8 = false;
+  std::vector<bool> int8;  // one per part
 
   Projection(std::vector<torch::Tensor> data_, std::vector<int64_t> fmts_, std::vector<torch::Tensor> scales_,
-             int64_t K_, std::optional<torch::Tensor> bias_, bool int8_);
+             int64_t K_, std::optional<torch::Tensor> bias_, std::vector<bool> int8_);
   // x [M, K] -> [M, N]
   torch::Tensor operator()(const torch::Tensor& x, int64_t isa) const;
 };

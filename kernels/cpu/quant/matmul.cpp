@@ -163,9 +163,15 @@ Int8Activations quantize_activations(const float* xp, int64_t M, int64_t K, int6
   Int8Activations xq;
   xq.vnni = kernel == "vnni";
 #if defined(TANDEM_AVX2)
-  // The K-quants take the AVX2 maddubs kernel on either path: VNNI's vpdpbusd would replace the maddubs + madd pair
-  // only where the sums need no per-sub-block scale, which a K-quant's do.
+  // The K-quants: one quantizer for both paths; the avx2 path multiplies with row_k8 (avx2_int8.cpp), the avx512
+  // path with avx512_k8.cpp, which also wants the row in Q4_K's nibble order (order_rows_k4).
   if (blocks256) xq.k = quantize_rows_k(xp, M, K);
+#endif
+#if defined(TANDEM_AVX512)
+  if (blocks256 && isa == AVX512) {
+    order_rows_k4(xq.k, M, K);
+    xq.k512 = true;
+  }
 #endif
 #if defined(TANDEM_VNNI)
   if (xq.vnni) {
@@ -188,6 +194,13 @@ void matmul_int8_into(const Int8Activations& xq, int64_t M, int64_t K, const tor
 #if defined(TANDEM_AVX2)
   if (int8_kquant(fmt)) {
     TORCH_CHECK(static_cast<int64_t>(xq.k.dx.size()) == M * (K / 256), "int8 activations: no super-block rows");
+#if defined(TANDEM_AVX512)
+    if (xq.k512) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t n = 0; n < N; ++n) row_int8k_avx512(fmt, row_ptr(w, n), xq.k, M, K, yp + n, ldy);
+      return;
+    }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; ++n) row_int8k_avx2(fmt, row_ptr(w, n), xq.k, M, K, yp + n, ldy);
     return;

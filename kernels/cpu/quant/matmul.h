@@ -30,6 +30,7 @@ void matmul_into(const float* xp, int64_t M, int64_t K, const torch::Tensor& w, 
 // keeps float32 activations.
 struct Int8Activations {
   bool vnni = false;
+  bool k512 = false;  // the K-quants through avx512_k8.cpp (the avx512 path), else avx2_int8.cpp's row_k8
 #ifdef TANDEM_AVX2
   Int8Rows avx2;
   Int8KRows k;

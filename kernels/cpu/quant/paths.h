@@ -48,10 +48,11 @@ struct Int8KRows {  // x [M, K] per super-block of 256 (quantize_block256, llama
   std::vector<float> dx;  // [M, K / 256]
   std::vector<int16_t> bsum;  // [M, K / 16]
   int64_t nsb;
+  std::vector<int8_t> q_k4;  // q again, per 128 in the order of Q4_K's nibbles (order_rows_k4; avx512 path only)
 };
 Int8KRows quantize_rows_k(const float* x, int64_t M, int64_t K);
 // y[m * ldy] for every row of xq, integer dot products (maddubs + madd by the sub-block scales) with one row of a
-// K-quant's super-blocks (Q4_K, Q5_K, Q6_K). The avx512 path's int8 activations take it for the K-quants too.
+// K-quant's super-blocks (Q4_K, Q5_K, Q6_K); the avx2 path's (the avx512 path takes row_int8k_avx512).
 void row_int8k_avx2(int64_t fmt, const uint8_t* row, const Int8KRows& xq, int64_t M, int64_t K, float* y,
                     int64_t ldy);
 #endif
@@ -60,6 +61,11 @@ void row_int8k_avx2(int64_t fmt, const uint8_t* row, const Int8KRows& xq, int64_
 // As row_avx2 / dequant_row_avx2 for every GGUF format (not I8), 16 lanes.
 void row_avx512(int64_t fmt, const uint8_t* row, const float* x, int64_t M, int64_t K, float* y, int64_t ldy);
 void dequant_row_avx512(int64_t fmt, const uint8_t* row, int64_t K, float* out);
+// int8 activations, the K-quants 64 bytes at a time (avx512_k8.cpp): xq.q_k4 filled from xq.q by order_rows_k4, then
+// y[m * ldy] for every row of xq as row_int8k_avx2 computes it (the same integers; float32 round-off apart).
+void order_rows_k4(Int8KRows& xq, int64_t M, int64_t K);
+void row_int8k_avx512(int64_t fmt, const uint8_t* row, const Int8KRows& xq, int64_t M, int64_t K, float* y,
+                      int64_t ldy);
 #endif
 
 #ifdef TANDEM_VNNI
