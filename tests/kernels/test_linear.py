@@ -31,20 +31,21 @@ class _Spy:
         return self.op(*args)
 
 
+def _spy_on(monkeypatch, name: str, op: str) -> _Spy:
+    assert getattr(lin, name) is not None, f"this torch (x86, oneDNN) has {op}"
+    s = _Spy(getattr(lin, name))
+    monkeypatch.setattr(lin, name, s)
+    return s
+
+
 @pytest.fixture
 def spy(monkeypatch) -> _Spy:
-    assert lin._FUSED is not None, "this torch (x86, oneDNN) has torch.ops.mkldnn._linear_pointwise"
-    s = _Spy(lin._FUSED)
-    monkeypatch.setattr(lin, "_FUSED", s)
-    return s
+    return _spy_on(monkeypatch, "_FUSED", "torch.ops.mkldnn._linear_pointwise")
 
 
 @pytest.fixture
 def binary_spy(monkeypatch) -> _Spy:
-    assert lin._FUSED_BINARY is not None, "this torch (x86, oneDNN) has torch.ops.mkldnn._linear_pointwise.binary"
-    s = _Spy(lin._FUSED_BINARY)
-    monkeypatch.setattr(lin, "_FUSED_BINARY", s)
-    return s
+    return _spy_on(monkeypatch, "_FUSED_BINARY", "torch.ops.mkldnn._linear_pointwise.binary")
 
 
 @pytest.mark.parametrize("act", list(Activation))
