@@ -35,6 +35,14 @@ predicted decode step): the chats solo, then beside (a) one rerank of a long doc
 rerank flood, (c) the embedding flood, (d) both, each on --runs fresh servers; p99 TPOT against the T the server
 chose (the median `target_s` of its decode steps in the window, from the step log) and the chats' tokens/s against
 solo (target: p99 <= 1.25 T and >= 80% of solo).
+
+Every flood client runs in a process of its own (`--flood-in-process`: as tasks of the chats' process, as before
+issue #45), so the chats' client shares no interpreter with the flood's. `--floods` picks floods by name (long_rerank,
+rerank_flood, embed_flood, both_floods) for either mode, each --runs times on fresh servers; with a fixed T a run
+meets the target when its p99 <= max(1.25 T, 1.1x the solo run's own p99). `--flood-alone` runs each flood once more
+with no chats over the runs' median window: the scoring rate it has alone, beside the rate it keeps under the chats.
+
+    python -m bench.mixed_serve --shares --floods rerank_flood embed_flood both_floods --threads 1 --flood-alone
 """
 from __future__ import annotations
 
@@ -136,8 +144,52 @@ async def _embed_flood(client: AsyncClient, texts: list[str], started: asyncio.E
         done.append((time.perf_counter(), len(vectors)))
 
 
+class FloodProcess:
+    """One flood client in a process of its own (`--flood-worker`), so the chats' client shares no interpreter with
+    the flood's: it sends the same request back to back, says "in flight" once the first is sent, and prints the
+    monotonic time (the clock the step log and the chats' stamps use) and size of every response."""
+
+    def __init__(self, address: str, spec: dict) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.mixed_serve", "--flood-worker", address], cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+        self.proc.stdin.write(json.dumps(spec))
+        self.proc.stdin.close()
+
+    def wait_in_flight(self) -> None:
+        line = self.proc.stdout.readline()
+        if not line.startswith("in flight"):
+            raise RuntimeError(f"flood worker exited before its first request ({self.proc.wait()})")
+
+    def stop(self) -> list[tuple[float, int]]:
+        """Ends the client (its request in flight is cancelled with the connection) and returns its responses."""
+        self.proc.kill()
+        out, _ = self.proc.communicate(timeout=60)
+        return [(float(t), int(n)) for _, t, n in (line.split() for line in out.splitlines()
+                                                    if line.startswith("done "))]
+
+
+async def _flood_worker(address: str) -> None:
+    spec = json.loads(sys.stdin.read())
+    async with AsyncClient(address) as client:
+        first = True
+        while True:
+            if spec["kind"] == "rerank":
+                call = asyncio.ensure_future(client.rerank(spec["query"], spec["documents"], timeout=600))
+            else:
+                call = asyncio.ensure_future(client.embed(spec["texts"], timeout=600))
+            if first:
+                await asyncio.sleep(0)  # the call started
+                print("in flight", flush=True)
+                first = False
+            results = await call
+            print(f"done {time.perf_counter()} {len(results)}", flush=True)
+
+
 async def run_phase(server: Server, prompts: list[str], max_tokens: int, flood: list[tuple[str, list[str]]] | None,
-                    embed_flood: list[list[str]] | None = None) -> dict:
+                    embed_flood: list[list[str]] | None = None, processes: bool = True,
+                    alone_s: float | None = None) -> dict:
+    """The chats (none with `alone_s`: the flood alone for that many seconds) beside the flood, whose clients run in
+    processes of their own (`processes`) or as tasks of this one."""
     async with AsyncClient(server.address) as client:
         await client.rerank("warm up", ["a short document"], timeout=600)
         if embed_flood:
@@ -146,8 +198,14 @@ async def run_phase(server: Server, prompts: list[str], max_tokens: int, flood: 
         stop, started = asyncio.Event(), asyncio.Event()
         done: list[tuple[float, int]] = []
         embedded: list[tuple[float, int]] = []
-        tasks = []
-        if flood or embed_flood:
+        tasks, workers = [], []
+        if processes:
+            workers = [FloodProcess(server.address, {"kind": "rerank", "query": q, "documents": d})
+                       for q, d in flood or ()]
+            n_rerank = len(workers)
+            workers += [FloodProcess(server.address, {"kind": "embed", "texts": t}) for t in embed_flood or ()]
+            await asyncio.gather(*(asyncio.to_thread(w.wait_in_flight) for w in workers))
+        elif flood or embed_flood:
             in_flight = [0, len(flood or ()) + len(embed_flood or ())]
             tasks = [asyncio.create_task(_flood(client, q, d, started, stop, done, in_flight)) for q, d in flood or ()]
             tasks += [asyncio.create_task(_embed_flood(client, texts, started, stop, embedded, in_flight))
@@ -155,19 +213,28 @@ async def run_phase(server: Server, prompts: list[str], max_tokens: int, flood: 
             await started.wait()
         before = server.metrics()
         t0 = time.perf_counter()
-        stamps = await asyncio.gather(*(_chat(client, p, max_tokens) for p in prompts))
+        if alone_s is None:
+            stamps = await asyncio.gather(*(_chat(client, p, max_tokens) for p in prompts))
+        else:
+            stamps = []
+            await asyncio.sleep(alone_s)  # a bench's measuring window, not a wait for a state
         t1 = time.perf_counter()
         after = server.metrics()
         stop.set()  # before the flood's last responses: their steps ran beside the chats
         for task in tasks:  # requests still in flight are cancelled (the server aborts them and frees their KV)
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for i, worker in enumerate(workers):
+            (done if i < n_rerank else embedded).extend(worker.stop())
+    pairs = after["rerank_pairs"] - before["rerank_pairs"]
+    texts = sum(n for t, n in embedded if t0 <= t <= t1)
+    if alone_s is not None:
+        return {"window_s": t1 - t0, "rerank_pairs_per_s": pairs / (t1 - t0) if flood else None,
+                "embed_texts_per_s": texts / (t1 - t0) if embed_flood else None, "_window": (t0, t1), "_stamps": []}
     gaps = [b - a for s in stamps for a, b in zip(s, s[1:])]
     per_request = [(s[-1] - s[0]) / (len(s) - 1) for s in stamps if len(s) > 1]
     # Pairs the engine scored while the chats ran (a pair is counted when its last chunk runs), not the responses
     # that happened to complete in that window: a 40-document request outlasts a short window.
-    pairs = after["rerank_pairs"] - before["rerank_pairs"]
-    texts = sum(n for t, n in embedded if t0 <= t <= t1)
     return {"tpot_p50_ms": 1000 * percentile(gaps, 50), "tpot_p99_ms": 1000 * percentile(gaps, 99),
             "tpot_mean_ms": 1000 * sum(gaps) / len(gaps), "gaps": len(gaps), "window_s": t1 - t0,
             "request_tpot_mean_ms": 1000 * sum(per_request) / len(per_request),
@@ -241,17 +308,17 @@ def _server_target_ms(records: list[dict], window: tuple[float, float]) -> float
 
 
 async def measure(flags: list[str], prompts, max_tokens, flood, embed_flood=None, target_ms=None,
-                  server_target: bool = False) -> dict:
+                  server_target: bool = False, processes: bool = True, alone_s: float | None = None) -> dict:
     server = Server(flags)
     try:
-        result = await run_phase(server, prompts, max_tokens, flood, embed_flood)
+        result = await run_phase(server, prompts, max_tokens, flood, embed_flood, processes, alone_s)
     finally:
         server.stop()
     records = [json.loads(line) for line in server.step_log.read_text().splitlines() if line.strip()]
     if server_target:
         target_ms = result["server_target_ms"] = _server_target_ms(records, result["_window"])
     result["engine_steps"] = analyse_steps(records, result.pop("_stamps"), result.pop("_window"), target_ms)
-    if result["engine_time_per_output_token_mean_ms"] is not None:
+    if result.get("engine_time_per_output_token_mean_ms") is not None:
         # The same chats' mean time per token seen by the client and by the server's lifecycle (first token to
         # finish): what delivering tokens through the service adds.
         result["client_minus_engine_tpot_ms"] = (result["request_tpot_mean_ms"]
@@ -261,6 +328,56 @@ async def measure(flags: list[str], prompts, max_tokens, flood, embed_flood=None
     print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in result.items()
                       if k != "engine_steps"}), flush=True)
     return result
+
+
+FLOODS = ("long_rerank", "rerank_flood", "embed_flood", "both_floods")
+
+
+def _prompts(n: int) -> list[str]:
+    return [f"Tell me a long story about {w}, chapter {i}." for i, w in
+            zip(range(n), ["bees", "ships", "trains", "rivers", "stars", "owls", "bread", "glass"] * 4)]
+
+
+def _floods(args: argparse.Namespace) -> dict[str, tuple[list | None, list | None]]:
+    """Issue #45's floods by name: (rerank requests as (query, documents), embed requests as texts) for each."""
+    sets = _documents(args.flood_clients + args.embed_clients, args.docs, args.doc_tokens, args.seed)
+    rerank, embed = sets[:args.flood_clients], [docs for _, docs in sets[args.flood_clients:]]
+    (query, [long_doc]), = _documents(1, 1, args.long_doc_tokens, args.seed + 1)
+    return {"long_rerank": ([(query, [long_doc])], None), "rerank_flood": (rerank, None),
+            "embed_flood": (None, embed), "both_floods": (rerank, embed)}
+
+
+async def _flood_runs(args: argparse.Namespace, base: list[str], prompts: list[str], flood_pair: tuple, solo: dict,
+                      target_ms: float | None) -> dict:
+    """--runs runs of the chats beside one flood, each on a fresh server: with `--tpot-target-ms target_ms`, or
+    (None) with the T the server chose. The target: p99 <= 1.25 T (with a fixed T: or <= 1.1x the solo run's own
+    p99, whichever is larger). With --flood-alone, the same flood once more with no chats, over the runs' median
+    window: the scoring rate the chats leave it."""
+    flood, embed_flood = flood_pair
+    flags = base + (["--tpot-target-ms", f"{target_ms:.3f}"] if target_ms else [])
+    runs = [await measure(flags, prompts, args.max_tokens, flood, embed_flood, target_ms,
+                          server_target=target_ms is None, processes=not args.flood_in_process)
+            for _ in range(args.runs)]
+    ts = [target_ms or r.get("server_target_ms") for r in runs]
+    bound = [1.25 * t if t and target_ms is None else max(1.25 * t, 1.1 * solo["tpot_p99_ms"]) if t else None
+             for t in ts]
+    out = {"runs": runs,
+           "target_ms": ts,
+           "p99_over_T": [r["tpot_p99_ms"] / t if t else None for r, t in zip(runs, ts)],
+           "met": sum(1 for r, b in zip(runs, bound) if b and r["tpot_p99_ms"] <= b),
+           "solo_p99_over_T": [solo["tpot_p99_ms"] / t if t else None for t in ts],
+           "decode_step_p99_ms": [r["engine_steps"].get("decode_step_p99_ms") for r in runs],
+           "tokens_per_s_vs_solo": [solo["tpot_mean_ms"] / r["tpot_mean_ms"] for r in runs],
+           "rerank_pairs_per_s": [r["rerank_pairs_per_s"] for r in runs],
+           "embed_texts_per_s": [r["engine_steps"].get("embed_rows_done_per_s") for r in runs]}
+    if args.flood_alone and len((flood or [(None, [])])[0][1]) > 1:  # not one long document: its rate is 0 or 1
+        window = sorted(r["window_s"] for r in runs)[len(runs) // 2]
+        alone = await measure(flags, prompts, args.max_tokens, flood, embed_flood, target_ms,
+                              processes=not args.flood_in_process, alone_s=window)
+        out |= {"alone": alone, "rerank_pairs_per_s_alone": alone["rerank_pairs_per_s"],
+                "embed_texts_per_s_alone": alone["engine_steps"].get("embed_rows_done_per_s")}
+    print(json.dumps({k: v for k, v in out.items() if k not in ("runs", "alone")}), flush=True)
+    return out
 
 
 def _documents(n_queries: int, n_docs: int, doc_tokens: int, seed: int) -> list[tuple[str, list[str]]]:
@@ -308,31 +425,16 @@ async def _default_flags(args: argparse.Namespace) -> dict:
     chose it."""
     if args.quick:
         args.chats, args.max_tokens, args.docs, args.runs, args.long_doc_tokens = 2, 8, 4, 1, 400
-    prompts = [f"Tell me a long story about {w}, chapter {i}." for i, w in
-               zip(range(args.chats), ["bees", "ships", "trains", "rivers", "stars", "owls", "bread", "glass"] * 4)]
-    sets = _documents(args.flood_clients + args.embed_clients, args.docs, args.doc_tokens, args.seed)
-    rerank, embed = sets[:args.flood_clients], [docs for _, docs in sets[args.flood_clients:]]
-    (query, [long_doc]), = _documents(1, 1, args.long_doc_tokens, args.seed + 1)
+    prompts = _prompts(args.chats)
+    floods = _floods(args)
     base = ["--num-threads", str(args.threads)] if args.threads else []
     load_start = os.getloadavg()[0]
     solo = await measure(base, prompts, args.max_tokens, None, server_target=True)
-    floods = {"long_rerank": ([(query, [long_doc])], None), "rerank_flood": (rerank, None),
-              "embed_flood": (None, embed), "both_floods": (rerank, embed)}
-    settings = {}
-    for name, (flood, embed_flood) in floods.items():
-        runs = [await measure(base, prompts, args.max_tokens, flood, embed_flood, server_target=True)
-                for _ in range(args.runs)]
-        settings[name] = {
-            "runs": runs,
-            "p99_over_server_T": [r["tpot_p99_ms"] / r["server_target_ms"] if r.get("server_target_ms") else None
-                                  for r in runs],
-            "tokens_per_s_vs_solo": [solo["tpot_mean_ms"] / r["tpot_mean_ms"] for r in runs],
-            "rerank_pairs_per_s": [r["rerank_pairs_per_s"] for r in runs],
-            "embed_texts_per_s": [r["engine_steps"].get("embed_rows_done_per_s") for r in runs]}
-        print(json.dumps({name: {k: v for k, v in settings[name].items() if k != "runs"}}), flush=True)
+    settings = {name: await _flood_runs(args, base, prompts, floods[name], solo, None) for name in args.floods}
     result = {"mode": "default flags", "chats": args.chats, "max_tokens": args.max_tokens, "docs": args.docs,
               "doc_tokens": args.doc_tokens, "long_doc_tokens": args.long_doc_tokens, "threads": args.threads,
-              "solo": solo, "solo_p99_over_server_T": solo["tpot_p99_ms"] / solo["server_target_ms"]
+              "flood_processes": not args.flood_in_process, "solo": solo,
+              "solo_p99_over_server_T": solo["tpot_p99_ms"] / solo["server_target_ms"]
               if solo.get("server_target_ms") else None, "settings": settings, "loadavg_1m_start": load_start,
               "loadavg_1m_end": os.getloadavg()[0]}
     result["contended"] = max(load_start, result["loadavg_1m_end"]) > (os.cpu_count() or 1) + 1
@@ -365,26 +467,36 @@ async def _main(argv: list[str] | None) -> dict:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--default-flags", action="store_true", help="issue #45: no objective flag (see the docstring)")
     ap.add_argument("--long-doc-tokens", type=int, default=8000)
+    ap.add_argument("--floods", nargs="+", choices=FLOODS, default=None,
+                    help="which floods (default: all four with --default-flags, both_floods otherwise)")
+    ap.add_argument("--flood-alone", action="store_true", help="each flood once more with no chats (scoring rate)")
+    ap.add_argument("--flood-in-process", action="store_true",
+                    help="flood clients as tasks of this process (default: each in a process of its own)")
+    ap.add_argument("--flood-worker", default=None, help=argparse.SUPPRESS)  # a child: one flood client
     args = ap.parse_args(argv)
+    if args.flood_worker:
+        await _flood_worker(args.flood_worker)
+        return {}
+    if args.floods is None:
+        args.floods = list(FLOODS) if args.default_flags else ["both_floods"]
     if args.out is None:
         args.out = RESULTS / ("mixed_serve_default.json" if args.default_flags else "mixed_serve.json")
     if args.default_flags:
         return await _default_flags(args)
     if args.quick:
         args.chats, args.max_tokens, args.docs, args.shares, args.runs = 2, 8, 4, [0.5], 1
-    prompts = [f"Tell me a long story about {w}, chapter {i}." for i, w in
-               zip(range(args.chats), ["bees", "ships", "trains", "rivers", "stars", "owls", "bread", "glass"] * 4)]
-    sets = _documents(args.flood_clients + args.embed_clients, args.docs, args.doc_tokens, args.seed)
-    flood = sets[:args.flood_clients]
-    embed_flood = [docs for _, docs in sets[args.flood_clients:]]
+        args.long_doc_tokens = 400
+    prompts = _prompts(args.chats)
+    floods = _floods(args)
+    flood, embed_flood = floods[args.floods[0]]
     threads = ["--num-threads", str(args.threads)] if args.threads else []
     base = [*(["--rerank-mode", args.reranker] if args.reranker != "default" else []), *threads]
     load_start = os.getloadavg()[0]
     solo = await measure(base, prompts, args.max_tokens, None)
     target_ms = args.factor * solo["tpot_p50_ms"]
     print(json.dumps({"target_ms": target_ms}), flush=True)
-    runs = [await measure(base + ["--tpot-target-ms", f"{target_ms:.3f}"], prompts, args.max_tokens, flood,
-                          embed_flood, target_ms) for _ in range(args.runs)]
+    per_flood = {name: await _flood_runs(args, base, prompts, floods[name], solo, target_ms) for name in args.floods}
+    runs = per_flood[args.floods[0]]["runs"]
     objective = runs[0]
     xenc = None
     if args.cross_encoder:  # before the shares: the sweep is the longest part
@@ -405,6 +517,7 @@ async def _main(argv: list[str] | None) -> dict:
     p99s = [r["tpot_p99_ms"] / target_ms for r in runs]
     waits = [r["engine_steps"].get("embed_longest_wait_s") for r in runs]
     result = {
+        "floods": per_flood, "flood_processes": not args.flood_in_process, "threads": args.threads,
         "chats": args.chats, "max_tokens": args.max_tokens, "flood_clients": args.flood_clients,
         "embed_clients": args.embed_clients, "docs": args.docs,
         "doc_tokens": args.doc_tokens, "reranker": args.reranker, "solo": solo, "target_ms": target_ms,
