@@ -3,7 +3,7 @@
 The latency objective plans every step with a step-time model (engine/step_time.py). Fitted online from slow priors
 only, it is wrong exactly when a new kind of work arrives (an embedding forward priced at 10 ms where it costs ~1 ms,
 the quantized matmul's narrow-to-wide jump unseen). `calibrate` runs a short sweep of real steps through the engine
-itself before it serves (decode rows 1 / 4 / 8 / 16, a prompt chunk alone, and decodes beside prompt chunks, rerank
+itself before it serves (decode rows 1 / 4 / 8 / 20, a prompt chunk alone, and decodes beside prompt chunks, rerank
 pairs and embedding rows as this engine has them), so the model fits what this model, host, thread count and CPU
 path cost; the fit is cached per (model, scorer, embedder, host CPU, threads, ISA path, torch) in the cache directory
 and a later start seeds the model from it in no time. Either way the model keeps refining online.
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.engine")
 
-VERSION = 1  # bump when the sweep or the features change: older cached fits are ignored
+VERSION = 2  # bump when the sweep or the features change: older cached fits are ignored
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +126,7 @@ def _sweep(engine: "LLMEngine", deadline: float) -> tuple[int, bool]:
             engine.step()
             steps += 1
 
-    for rows in (1, 4, 8, 16):  # decode rows (16: the quantized matmul's wide path on most CPUs)
+    for rows in (1, 4, 8, 20):  # decode rows (20: past the quantized matmul's 16 rows in registers, its wide path)
         chats(rows, 6)
         run()
         if time.monotonic() > deadline:

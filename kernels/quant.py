@@ -51,8 +51,9 @@ FORMATS = (*BLOCK_BYTES, "I8")
 
 # Up to this many rows the in-register kernel beats dequantize + GEMM, per CPU path (measured on the 2-core hosts,
 # see kernels/README.md "Quantized matmul"; TANDEM_QUANT_SMALL_M overrides); wider steps dequantize tiles of
-# TILE_BYTES of float32 and use BLAS.
-_SMALL_M = {"avx512": 10, "avx2": 16, "portable": 16}
+# TILE_BYTES of float32 and use BLAS. AVX-512 takes up to 16 rows in one pass over the weights (paths.h
+# for_row_tiles_exact16), so it stays ahead of the GEMM to 16 rows as AVX2 does.
+_SMALL_M = {"avx512": 16, "avx2": 16, "portable": 16}
 TILE_BYTES = 1 << 20
 
 

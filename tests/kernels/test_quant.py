@@ -12,7 +12,7 @@ import torch
 from kernels import quant
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "I8"]
-MS = [1, 2, 7, 16, 64, 300]
+MS = [1, 2, 7, 11, 16, 64, 300]
 # Byte offsets of the fp16 scales in a block of the formats gguf-py cannot quantize (the K-quants): random blocks
 # get small finite scales there, every other byte (quants, packed 6-bit scales, int8 scales) stays random.
 _K_QUANT_F16 = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
@@ -86,7 +86,7 @@ def test_the_default_path_is_the_widest_this_cpu_has(monkeypatch) -> None:
     monkeypatch.setattr(quant, "_wanted", ("auto", None))  # both restored afterwards: what this process chose
     monkeypatch.setattr(quant, "_selected", None)
     assert quant.cpu_isa() == expected and quant.kernel_path() == expected.label  # nothing chose: auto
-    assert quant.small_m(expected) == {"avx512": 10}.get(expected.label, 16)
+    assert quant.small_m(expected) == 16
     quant.select_cpu_path("portable", 3)  # what the builder does with TANDEM_CPU_ISA and TANDEM_QUANT_SMALL_M
     assert quant.cpu_isa() == quant.CpuIsa.PORTABLE and quant.small_m(quant.CpuIsa.PORTABLE) == 3
     with pytest.raises(ValueError, match="expected auto or one of"):

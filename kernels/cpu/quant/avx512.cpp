@@ -157,7 +157,7 @@ struct Block512<Q6_K> {
   }
 };
 
-// y[m, n] for MT (1..8) rows of x, one output row of blocks.
+// y[m, n] for MT (1..16) rows of x, one output row of blocks.
 template <int64_t FMT, int MT>
 inline void row512(const uint8_t* row, const float* x, int64_t ldx, int64_t K, float* y, int64_t ldy) {
   constexpr int64_t BB = block_bytes(FMT), BE = block_elems(FMT);
@@ -200,7 +200,7 @@ void dequant_row512_t(const uint8_t* row, int64_t K, float* out) {
 
 void row_avx512(int64_t fmt, const uint8_t* row, const float* x, int64_t M, int64_t K, float* y, int64_t ldy) {
   auto tiles = [&](auto fmt_c) {
-    for_row_tiles<8>(M, [&](auto mt, int64_t m) {
+    for_row_tiles_exact16(M, [&](auto mt, int64_t m) {
       row512<decltype(fmt_c)::value, decltype(mt)::value>(row, x + m * K, K, K, y + m * ldy, ldy);
     });
   };

@@ -25,6 +25,24 @@ inline void for_row_tiles(int64_t M, F&& f) {
   }
 }
 
+template <int R, class F>
+inline void tile_of_rest(int64_t rest, int64_t m, F& f) {  // f(integral_constant<rest>, m) for rest in 1..R
+  if constexpr (R > 0) {
+    if (rest == R) return f(std::integral_constant<int, R>{}, m);
+    tile_of_rest<R - 1>(rest, m, f);
+  }
+}
+
+// Calls f(std::integral_constant<int, MT>{}, m) over rows m of x in tiles of 16, then the 1-15 rows left over as one
+// tile: a kernel whose accumulators fit 16 rows (AVX-512's 32 registers) dequantizes each weight once for any step
+// of up to 16 rows, so a 9th row costs its multiply-adds, not a second pass over the weights.
+template <class F>
+inline void for_row_tiles_exact16(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + 16 <= M; m += 16) f(std::integral_constant<int, 16>{}, m);
+  tile_of_rest<15>(M - m, m, f);
+}
+
 #ifdef TANDEM_AVX2
 // y[m * ldy] = x[m] . dequantize(row) for the M rows of x (K floats apart), any format, weights dequantized in
 // registers; `s` is I8's per-channel scale.
