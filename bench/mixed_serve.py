@@ -163,7 +163,8 @@ class FloodProcess:
     def stop(self) -> list[tuple[float, int]]:
         """Ends the client (its request in flight is cancelled with the connection) and returns its responses."""
         self.proc.kill()
-        out, _ = self.proc.communicate(timeout=60)
+        out = self.proc.stdout.read()
+        self.proc.wait(60)
         return [(float(t), int(n)) for _, t, n in (line.split() for line in out.splitlines()
                                                     if line.startswith("done "))]
 
@@ -370,7 +371,8 @@ async def _flood_runs(args: argparse.Namespace, base: list[str], prompts: list[s
            "tokens_per_s_vs_solo": [solo["tpot_mean_ms"] / r["tpot_mean_ms"] for r in runs],
            "rerank_pairs_per_s": [r["rerank_pairs_per_s"] for r in runs],
            "embed_texts_per_s": [r["engine_steps"].get("embed_rows_done_per_s") for r in runs]}
-    if args.flood_alone and len((flood or [(None, [])])[0][1]) > 1:  # not one long document: its rate is 0 or 1
+    one_document = not embed_flood and sum(len(docs) for _, docs in flood or ()) == 1  # its rate alone is 0 or 1
+    if args.flood_alone and not one_document:
         window = sorted(r["window_s"] for r in runs)[len(runs) // 2]
         alone = await measure(flags, prompts, args.max_tokens, flood, embed_flood, target_ms,
                               processes=not args.flood_in_process, alone_s=window)
