@@ -102,7 +102,7 @@ def test_every_cpu_path_dequantizes_bit_identically_and_multiplies_within_roundo
     assert torch.equal(module.dequantize(w.data, code, k, w._scales(), 0, w.shape[0], int(isa)), dense)
     ids = torch.tensor([4, 0, 36, 4])
     assert torch.equal(module.dequantize_rows(w.data, code, k, w._scales(), ids, int(isa)), dense[ids])
-    for m in (1, 3, 4, 5, 8, 13, 16):  # every row tiling (8, 4, then 3 / 2 / 1 left over)
+    for m in (1, 3, 4, 5, 8, 13, 16):  # the row tilings: 8, 4, then 3 / 2 / 1 left over; avx512: one tile of m
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         assert_within_roundoff(quant.matmul(x, w, isa=isa), x, dense)
 
