@@ -43,6 +43,7 @@ class Waiting:
     part-way through their chunks or stages)."""
     kind: TokenKind
     priority: int  # the most urgent head's (aged) priority: lower goes first
+    declared: int  # that head's own priority, before aging (what decides whether it outranks the decodes)
     arrival: int  # that head's arrival order
     unit: int  # what minimum progress gives: a chunk of a prompt or an LLM-scored pair, one stage, a whole pair
     least: int  # the fewest tokens of that head a step can take (a token of a chunked kind, else `unit`)
@@ -186,8 +187,10 @@ class LatencyAdmission(AdmissionPolicy):
         limit = self.limit_for(target)
         grants: list[Grant] = []
         shape = view.shape
-        urgent = [w for w in view.waiting if w.priority < view.decode_priority]
-        held = [w for w in view.waiting if w.priority >= view.decode_priority]
+        # Declared more urgent than every decode: aging orders waiting work among itself, it never lifts a flood
+        # over the chats' objective (minimum progress is what keeps waiting work moving).
+        urgent = [w for w in view.waiting if w.declared < view.decode_priority]
+        held = [w for w in view.waiting if w.declared >= view.decode_priority]
         for w in urgent:  # more urgent than every decode: not held to the objective
             grants.append(Grant(w.kind, None, None))
             shape = _plus(shape, w.kind, min(w.tokens, view.budget))

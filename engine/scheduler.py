@@ -196,7 +196,7 @@ class Scheduler:
         for kind, (key, head, tokens) in sorted(heads.items(), key=lambda kv: kv[1][0]):
             since = self._progress.get(kind)
             unit = self._unit(head)
-            waiting.append(Waiting(kind, key[0], key[1], unit, 1 if head.uses_kv else unit, tokens,
+            waiting.append(Waiting(kind, key[0], head.priority, key[1], unit, 1 if head.uses_kv else unit, tokens,
                                    since[0] if since else 0, now - since[1] if since else 0.0))
         return StepView(StepShape.of_batch(batch), batch.min_decode_priority, budget, self.max_seqs - len(self.running),
                         tuple(waiting), self.embed_budget)

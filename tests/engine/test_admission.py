@@ -234,6 +234,25 @@ def test_a_rerank_more_urgent_than_every_decode_is_not_held_to_the_objective():
     sim.run()
 
 
+def test_a_flood_that_aged_past_the_decodes_priority_is_still_held_to_the_objective():
+    """Aging (one level per 64 steps waited, the default) lifts a flood's waiting pairs to priority -1 after 64 steps:
+    that orders waiting work among itself and must not make the flood "more urgent than every decode" (which is not
+    held to the objective: the whole budget at once, far over T, on every step after the 64th)."""
+    policy = LatencyAdmission(T, model=LinearStepTime(TRUE))
+    sim = ClockSim(policy, aging=64)
+    chats(sim, max_tokens=150)
+    sim.step()
+    pairs = xenc_flood(sim, n=1000)
+    for _ in range(140):
+        sim.step()
+    during = [i for i, b in enumerate(sim.batches) if i > 1 and b.num_decode_tokens == 4]
+    assert len(during) >= 130
+    assert sim.sched.waiting_rerank.peek_keyed(sim.sched.num_steps)[0][0] < 0  # the flood did age past the chats
+    assert all(sim.seconds[i] <= T and pairs_in(sim.batches[i]) == most_pairs(4, 10) for i in during)
+    assert not all(p.status.finished for p in pairs)
+    sim.run()
+
+
 def test_a_lower_priority_chat_does_not_hold_back_a_rerank():
     """Pairs (priority 0) fill the headroom before a waiting chat of priority 1, which gets only what 4 pairs leave
     (0.5 ms: 2 tokens) while they last, then the headroom."""
