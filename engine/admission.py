@@ -219,13 +219,23 @@ class LatencyAdmission(AdmissionPolicy):
                 continue
             # priced: the unit rides when the step stays under T with it (a plan the cadence guard then judges);
             # unpriced: after its wait bound, whatever it costs (the guard does not count such a step)
-            with_unit = self.model.predict(_plus(shape, w.kind, w.unit)) if self.model.ready else float("inf")
+            unit = self._narrow_unit(shape, w)
+            with_unit = self.model.predict(_plus(shape, w.kind, unit)) if self.model.ready else float("inf")
             fits = with_unit <= target
             if fits or w.steps_waited >= self.progress_steps or w.seconds_waited >= self.progress_s:
-                grants.append(Grant(w.kind, w.unit, 1))
-                shape, got[w.kind] = _plus(shape, w.kind, w.unit), got.get(w.kind, 0) + w.unit
+                grants.append(Grant(w.kind, unit, 1))
+                shape, got[w.kind] = _plus(shape, w.kind, unit), got.get(w.kind, 0) + unit
                 planned = planned or with_unit <= self._scale() * target  # within what the guard allows now
         return Quota(tuple(grants), target_s=target, limit_s=limit, planned=planned)
+
+    def _narrow_unit(self, shape: StepShape, w: Waiting) -> int:
+        """`w`'s unit, or, for a chunked kind of the LLM forward whose unit would take the step past the model's
+        `wide_rows` (onto the costlier wide path), the rows left below it: 8 decodes + a 16-token chunk would go
+        wide, 8 + 8 stay narrow."""
+        room = (self.model.wide_rows or 0) - shape.llm_rows
+        if w.kind in (TokenKind.PREFILL, TokenKind.LLM_RERANK) and w.least < w.unit and 0 < room < w.unit:
+            return max(w.least, room)
+        return w.unit
 
     def _fit(self, shape: StepShape, w: Waiting, limit: float, budget: int) -> int:
         """Tokens of `w`'s kind under `limit` (0 when fewer than the least of it a step can take fit)."""

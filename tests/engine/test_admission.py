@@ -152,6 +152,24 @@ def test_with_no_room_llm_pairs_progress_by_one_chunk_every_progress_steps():
     assert all(p.status is SequenceStatus.FINISHED_STOPPED for p in pairs)
 
 
+@pytest.mark.parametrize("decodes, chunk", [(8, 8), (12, 4), (16, 16), (2, 14)])
+def test_minimum_progress_chunks_keep_the_step_on_the_narrow_path(decodes, chunk):
+    """Past 16 LLM rows the forward goes wide (a fixed 10 ms here). With the decodes alone over the target, a chunked
+    pair's minimum progress is the rows left under the threshold (8 decodes: 8 tokens, not the 16-token unit that
+    would put the step at 24 rows, on the wide path); with no rows left (16 decodes) it is the plain unit."""
+    wide = LinearStepTime({**TRUE, "wide_forward": 0.010}, wide_rows=16)
+    policy = LatencyAdmission(0.005, model=wide, progress_steps=4)
+    sim = ClockSim(policy, max_seqs=64)
+    sim.true = wide
+    chats(sim, n=decodes, max_tokens=80)
+    sim.step()
+    sim.add_rerank_job("llm", toks(6, 900), [toks(40, 5000 + 40 * i) for i in range(4)])
+    steps = [sim.step() for _ in range(30)]
+    chunks = [b.num_rerank_tokens for b in steps if b.num_decode_tokens == decodes and b.num_rerank_tokens]
+    assert max(chunks) == chunk and chunks.count(chunk) >= 3  # less only where a pair ends
+    sim.run()
+
+
 def test_a_cross_encoder_pair_rides_after_its_wait_bound_when_no_step_has_room():
     """A cross-encoder pair cannot be split: with no step under the target it waits progress_steps steps, then
     rides in the next step whatever it costs, so at most one step in that many goes over by one pair."""
