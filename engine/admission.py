@@ -15,7 +15,7 @@ Two policies:
   most urgent priority split the headroom evenly, then each may take what the others left. One
   minimum-progress rule replaces floors and caps: a kind that waits and got nothing gets its smallest unit when that
   unit fits under T by itself (the margin aside), or, having waited `progress_steps` steps or `progress_s` seconds,
-  whatever it costs. Work declared more urgent than every decode is not held to the objective. With no decodes in
+  whatever it costs. Work more urgent than every decode is not held to the objective. With no decodes in
   the step there is nothing to protect: `fallback` (a ShareAdmission) decides.
 * `ShareAdmission` (`tpot_target_ms` off): plain budget filling; while generation needs the step too, scoring work
   gets `rerank_share` of the budget and seats first.
@@ -43,7 +43,7 @@ class Waiting:
     part-way through their chunks or stages)."""
     kind: TokenKind
     priority: int  # the most urgent head's (aged) priority: lower goes first
-    declared: int  # that head's own priority, before aging (what decides whether it outranks the decodes)
+    urgency: int  # the priority it is weighed against the decodes at (the scheduler's `_urgency`)
     arrival: int  # that head's arrival order
     unit: int  # what minimum progress gives: a chunk of a prompt or an LLM-scored pair, one stage, a whole pair
     least: int  # the fewest tokens of that head a step can take (a token of a chunked kind, else `unit`)
@@ -187,10 +187,8 @@ class LatencyAdmission(AdmissionPolicy):
         limit = self.limit_for(target)
         grants: list[Grant] = []
         shape = view.shape
-        # Declared more urgent than every decode: aging orders waiting work among itself, it never lifts a flood
-        # over the chats' objective (minimum progress is what keeps waiting work moving).
-        urgent = [w for w in view.waiting if w.declared < view.decode_priority]
-        held = [w for w in view.waiting if w.declared >= view.decode_priority]
+        urgent = [w for w in view.waiting if w.urgency < view.decode_priority]
+        held = [w for w in view.waiting if w.urgency >= view.decode_priority]
         for w in urgent:  # more urgent than every decode: not held to the objective
             grants.append(Grant(w.kind, None, None))
             shape = _plus(shape, w.kind, min(w.tokens, view.budget))

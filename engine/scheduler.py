@@ -196,8 +196,9 @@ class Scheduler:
         for kind, (key, head, tokens) in sorted(heads.items(), key=lambda kv: kv[1][0]):
             since = self._progress.get(kind)
             unit = self._unit(head)
-            waiting.append(Waiting(kind, key[0], head.priority, key[1], unit, 1 if head.uses_kv else unit, tokens,
-                                   since[0] if since else 0, now - since[1] if since else 0.0))
+            waiting.append(Waiting(kind, key[0], _urgency(kind, key[0], head), key[1], unit,
+                                   1 if head.uses_kv else unit, tokens, since[0] if since else 0,
+                                   now - since[1] if since else 0.0))
         return StepView(StepShape.of_batch(batch), batch.min_decode_priority, budget, self.max_seqs - len(self.running),
                         tuple(waiting), self.embed_budget)
 
@@ -379,6 +380,15 @@ class Scheduler:
                 self.kv.commit(seq)
         for seq, status in finished.items():
             self.finish(seq, status)
+
+
+def _urgency(kind: TokenKind, aged: int, head: Sequence) -> int:
+    """The priority a waiting kind is weighed against the running decodes at (below theirs: not held to the
+    objective). A chat's aged one: a chat that waited long enough is as urgent as those already decoding (what
+    bounds a burst's time to first token, as in a server without an objective). Scoring work's own, before aging:
+    aging orders it among waiting work but never lifts a flood over the chats (its minimum progress keeps it moving;
+    lifted, a flood that waited 64 steps took whole steps of rows at 2-5x T)."""
+    return aged if kind is TokenKind.PREFILL else head.priority
 
 
 def _tokens_up_to(queue: WaitQueue, budget: int) -> int:

@@ -271,6 +271,22 @@ def test_a_flood_that_aged_past_the_decodes_priority_is_still_held_to_the_object
     sim.run()
 
 
+def test_a_chat_that_aged_past_the_decodes_priority_is_no_longer_held_to_the_objective():
+    """The chat side of aging: a chat prompt that waited `priority_aging_steps` steps beside decodes that leave no
+    headroom is as urgent as the chats already decoding, and its whole prompt runs in the next step (this bounds a
+    burst's time to first token; held, 32 chats sent at once waited up to 44 s here for the last one's). A scoring
+    flood waiting as long stays held (the test above)."""
+    policy = LatencyAdmission(0.005, model=LinearStepTime(TRUE), progress_steps=1000, progress_s=1000.0)
+    sim = ClockSim(policy, aging=8)
+    chats(sim, max_tokens=60)
+    sim.step()
+    late = sim.add("late", toks(100, 7000), max_tokens=2)
+    taken = [sum(n for s, n in zip(sim.step().seqs, sim.batches[-1].num_new_tokens) if s is late)
+             for _ in range(10)]
+    assert taken[:8] == [0] * 7 + [100]  # aged one level on its 8th step waiting; then it decodes
+    sim.run()
+
+
 def test_a_lower_priority_chat_does_not_hold_back_a_rerank():
     """Pairs (priority 0) fill the headroom before a waiting chat of priority 1, which gets only what 4 pairs leave
     (0.5 ms: 2 tokens) while they last, then the headroom."""
@@ -607,6 +623,7 @@ def _views():
     from engine.step_time import TokenKind
 
     waiting = st.builds(Waiting, kind=st.sampled_from(list(TokenKind)), priority=st.integers(-1, 2),
+                        urgency=st.integers(-1, 2),
                         arrival=st.integers(0, 50), unit=st.integers(1, 40), least=st.integers(1, 40),
                         tokens=st.integers(1, 400), steps_waited=st.integers(0, 40),
                         seconds_waited=st.floats(0, 3))
