@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.engine")
 
-VERSION = 2  # bump when the sweep or the features change: older cached fits are ignored
+VERSION = 3  # bump when the sweep or the features change: older cached fits are ignored
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +131,10 @@ def _sweep(engine: "LLMEngine", deadline: float) -> tuple[int, bool]:
         run()
         if time.monotonic() > deadline:
             return steps, False
-    chats(1, 1, length=min(engine.config.max_num_batched_tokens, engine.max_model_len - 2, 384))  # a prompt alone
+    # a prompt alone, then a few decodes at its long context: the only decode steps whose context is not ~32 tokens a
+    # row, so the fit can tell a context token's price from a row's (without them it priced 8 rows at 256 tokens
+    # each at ~140 ms where they take ~25 ms on the embedded model)
+    chats(1, 6, length=min(engine.config.max_num_batched_tokens, engine.max_model_len - 8, 384))
     run()
     # decodes beside the other kinds of work: prompts, rerank pairs, embedding rows
     chats(8, 24)

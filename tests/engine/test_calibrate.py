@@ -7,15 +7,19 @@ import json
 
 from engine.calibrate import calibrate, cache_key
 from engine.step_time import FEATURES, OnlineStepTime, StepShape
-from tests.engine.conftest import make_llm
+from tests.engine.conftest import make_llm, record_steps
 
 
 def test_a_sweep_fits_the_model_caches_it_and_a_later_engine_is_seeded_from_the_cache(tmp_path):
     first = make_llm(tpot_target_ms="auto")
     model = first.engine.admission.model
     assert not model.ready
+    records = record_steps(first)
     measured = calibrate(first.engine, tmp_path, time_budget_s=1e9)  # the whole sweep, however busy the host
     assert measured is not None and not measured.cached and measured.steps >= 20
+    # decode steps at short and long contexts, so that the fit can tell a context token's price from a row's
+    per_row = [r.decode_context_tokens / r.decode_tokens for r in records if r.decode_tokens]
+    assert min(per_row) < 64 and max(per_row) > 256
     assert model.ready and model.coefficients() == measured.coefficients
     assert not first.engine.has_unfinished() and first.engine.stats()["num_running"] == 0  # the sweep is gone
     stored = json.loads(measured.path.read_text())
