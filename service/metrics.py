@@ -147,6 +147,9 @@ def _no_store() -> list[tuple[str, str]]:
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+    # socketserver's default listen backlog is 5: a burst of health checks and scrapes on a loaded host (a test
+    # polling /healthz in a loop beside two CPU hogs) overflowed it and one check was reset instead of answered
+    request_queue_size = 128
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -45,7 +45,7 @@ async def test_sigterm_reports_not_serving_first_and_serves_through_the_grace(gr
     async with AsyncClient(address, max_retries=0) as client:
         proc.send_signal(signal.SIGTERM)
         while _health(health) != 503:  # no sleeps: it flips as soon as the signal is handled
-            pass
+            assert proc.poll() is None, "the server exited on the first SIGTERM instead of draining"
         # Inside the (long) grace: NOT_SERVING, yet new work is served, not refused.
         assert (await client.rerank("capital of France", ["Paris.", "Bananas."])).replica == address
         assert (await client.complete("Hi", max_tokens=2, ignore_eos=True)).finish_reason == "length"
