@@ -227,11 +227,10 @@ class LatencyAdmission(AdmissionPolicy):
         return Quota(tuple(grants), target_s=target, limit_s=limit, planned=planned)
 
     def _narrow_unit(self, shape: StepShape, w: Waiting) -> int:
-        """`w`'s unit, or, for a chunked kind of the LLM forward whose unit would take the step past the model's
-        `wide_rows` (onto the costlier wide path), the rows left below it: 8 decodes + a 16-token chunk would go
-        wide, 8 + 8 stay narrow."""
-        room = (self.model.wide_rows or 0) - shape.llm_rows
-        if w.kind in (TokenKind.PREFILL, TokenKind.LLM_RERANK) and w.least < w.unit and 0 < room < w.unit:
+        """`w`'s unit, or, for a chunked kind whose unit would take the step onto the model's costlier wide path,
+        the tokens left before it (`narrow_room`): 8 decodes + a 16-token chunk would go wide, 8 + 8 stay narrow."""
+        room = self.model.narrow_room(shape, w.kind)
+        if room is not None and w.least < w.unit and 0 < room < w.unit:
             return max(w.least, room)
         return w.unit
 

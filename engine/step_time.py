@@ -150,14 +150,19 @@ class LinearStepTime:
             return 0
         per_token = self.coef[i]
         n = int(room / per_token) if per_token > 0 else 1 << 30
-        if self.wide_rows is None or kind in _OWN_FORWARD or shape.llm_rows > self.wide_rows:
-            return n
-        narrow = self.wide_rows - shape.llm_rows  # tokens that keep the step on the narrow path
-        if n <= narrow:
+        narrow = self.narrow_room(shape, kind)
+        if narrow is None or n <= narrow:
             return n
         room -= self.coef[FEATURES.index("wide_forward")]  # crossing the threshold costs its fixed part
         wide = (int(room / per_token) if per_token > 0 else 1 << 30) if room >= 0 else 0
         return wide if wide > narrow else narrow
+
+    def narrow_room(self, shape: StepShape, kind: TokenKind) -> int | None:
+        """Tokens of `kind` that `shape` can take and stay on the narrow path (None: `kind` does not run in the LLM
+        forward, the model knows no threshold, or the step is wide already)."""
+        if self.wide_rows is None or kind in _OWN_FORWARD or shape.llm_rows > self.wide_rows:
+            return None
+        return self.wide_rows - shape.llm_rows
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A step of this shape took `seconds` (a fixed model ignores it)."""
