@@ -10,7 +10,8 @@ Two policies:
 
 * `LatencyAdmission`, the default: while decodes ride in a step, every other kind of work fills only the headroom
   the step-time model predicts under the objective T (a fixed `tpot_target_s`, or, with None, `auto_factor` x the
-  predicted step of the running decodes alone, floored at `min_target_s`: chats keep >= 80% of their speed).
+  predicted step of the running decodes and the chats waiting to join them, up to the rows the model's narrow path
+  takes, floored at `min_target_s`: chats keep >= 80% of the speed they have together).
   Until the model is ready (calibrated at start-up, or after its first few steps) the fallback plans. Kinds at the
   most urgent priority split the headroom evenly, then each may take what the others left. One
   minimum-progress rule replaces floors and caps: a kind that waits and got nothing gets its smallest unit when that
@@ -61,6 +62,7 @@ class StepView:
     free_seats: int  # sequences that may still join the running set
     waiting: tuple[Waiting, ...] = ()  # most urgent first
     wide_budget: int = 0  # a step of embedding rows alone may take this many tokens (max_embed_batch_tokens)
+    joining: int = 0  # chats waiting to join the decodes (prompts not done yet), at most the free seats
 
     def of(self, kind: TokenKind) -> Waiting | None:
         return next((w for w in self.waiting if w.kind is kind), None)
@@ -150,12 +152,18 @@ class LatencyAdmission(AdmissionPolicy):
         if self.fallback is None:
             self.fallback = ShareAdmission(self.rerank_share)
 
-    def target_for(self, shape: StepShape) -> float:
-        """T for a step whose decodes are `shape`: the fixed target, or the automatic one."""
+    def target_for(self, shape: StepShape, joining: int = 0) -> float:
+        """T for a step whose decodes are `shape`, `joining` more chats about to decode beside them: the fixed
+        target, or the automatic one, priced at the decode step they will share (a burst of chats is not fed to the
+        first one's step a few prompt tokens at a time), up to the rows of the model's narrow path (past it, a
+        step's price jumps: a burst of 32 would widen T for scoring work too)."""
         if self.tpot_target_s is not None:
             return self.tpot_target_s
-        decodes = StepShape(decode_rows=shape.decode_rows, decode_context_tokens=shape.decode_context_tokens)
-        return max(self.min_target_s, self.auto_factor * self.model.predict(decodes))
+        rows = shape.decode_rows + joining
+        if self.model.wide_rows is not None:
+            rows = min(rows, max(shape.decode_rows, self.model.wide_rows))
+        context = shape.decode_context_tokens * rows // max(1, shape.decode_rows)
+        return max(self.min_target_s, self.auto_factor * self.model.predict(StepShape(rows, context)))
 
     def limit_for(self, target_s: float) -> float:
         """The predicted step time admissions stay under: T less the model's error margin, scaled by the cadence
@@ -183,7 +191,7 @@ class LatencyAdmission(AdmissionPolicy):
             fixed = self.tpot_target_s
             return replace(self.fallback.plan(view), target_s=fixed,
                            limit_s=None if fixed is None else self.limit_for(fixed))
-        target = self.target_for(view.shape)
+        target = self.target_for(view.shape, view.joining)
         limit = self.limit_for(target)
         grants: list[Grant] = []
         shape = view.shape

@@ -199,8 +199,10 @@ class Scheduler:
             waiting.append(Waiting(kind, key[0], _urgency(kind, key[0], head), key[1], unit,
                                    1 if head.uses_kv else unit, tokens, since[0] if since else 0,
                                    now - since[1] if since else 0.0))
-        return StepView(StepShape.of_batch(batch), batch.min_decode_priority, budget, self.max_seqs - len(self.running),
-                        tuple(waiting), self.embed_budget)
+        free = self.max_seqs - len(self.running)
+        joining = min(len(self.waiting), free) + sum(1 for s in self.running if s.samples and not s.num_output_tokens)
+        return StepView(StepShape.of_batch(batch), batch.min_decode_priority, budget, free, tuple(waiting),
+                        self.embed_budget, joining)
 
     def _unit(self, seq: Sequence) -> int:
         """The smallest unit of `seq`'s work a step can take: a chunk of a prompt or an LLM-scored pair, one stage of

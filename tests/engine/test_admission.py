@@ -602,6 +602,39 @@ def test_the_automatic_target_follows_the_running_decodes():
     assert tiny.target_for(StepShape(decode_rows=1)) == tiny.min_target_s  # floored
 
 
+def test_the_automatic_target_prices_a_burst_of_chats_at_the_step_they_will_share():
+    """Seven chats arrive while one decodes: T is priced at the step of all eight decodes (1.25 x 18 ms), not at the
+    lone chat's 11 ms (which left ~3 ms a step, a few prompt tokens, and fed the burst to it over dozens of steps)."""
+    policy = LatencyAdmission(model=LinearStepTime(TRUE))
+    assert policy.target_for(StepShape(decode_rows=1, decode_context_tokens=10), joining=7) \
+        == pytest.approx(1.25 * 0.018)
+    sim = ClockSim(policy)
+    sim.add("first", toks(3, 10), max_tokens=100)
+    sim.step()  # alone: its whole prompt
+    burst = [sim.add(f"chat{i}", toks(40, 100 + 40 * i), max_tokens=50) for i in range(7)]
+    steps = 0
+    while any(s.num_output_tokens == 0 for s in burst):
+        batch = sim.step()
+        steps += 1
+        assert batch.num_decode_tokens >= 1 and batch.target_s == pytest.approx(1.25 * 0.018)
+        assert sim.seconds[-1] <= batch.target_s
+    assert steps <= 8, steps
+    sim.run()
+
+
+def test_a_burst_prices_the_automatic_target_no_wider_than_the_narrow_path():
+    """32 chats waiting beside 2 decodes on a model whose steps go wide past 8 rows: T is that of 8 decodes, not of
+    34 (whose wide step would also widen the room every scoring kind gets beside the decodes); past 8 running decodes,
+    the running ones alone."""
+    policy = LatencyAdmission(model=LinearStepTime(TRUE, wide_rows=8))
+    eight = policy.model.predict(StepShape(decode_rows=8, decode_context_tokens=40))
+    assert policy.target_for(StepShape(decode_rows=2, decode_context_tokens=10), joining=32) \
+        == pytest.approx(1.25 * eight)
+    twelve = policy.model.predict(StepShape(decode_rows=12, decode_context_tokens=120))
+    assert policy.target_for(StepShape(decode_rows=12, decode_context_tokens=120), joining=20) \
+        == pytest.approx(1.25 * twelve)
+
+
 @pytest.mark.parametrize("value", [0, -5, float("nan"), float("inf"), "40"])
 def test_a_bad_tpot_target_is_a_config_error(value):
     with pytest.raises(ValueError, match="tpot_target_ms"):
@@ -632,7 +665,7 @@ def _views():
                      decode_priority=st.one_of(st.none(), st.integers(0, 1)), budget=st.integers(0, 512),
                      free_seats=st.integers(0, 32),
                      waiting=st.lists(waiting, max_size=4, unique_by=lambda w: w.kind).map(tuple),
-                     wide_budget=st.integers(0, 4096))
+                     wide_budget=st.integers(0, 4096), joining=st.integers(0, 8))
 
 
 def test_the_planner_is_pure_and_holds_no_reference_to_the_scheduler():
