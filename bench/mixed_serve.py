@@ -16,6 +16,9 @@ Each setting runs on its own `tandem serve` subprocess (this checkout's code), f
   step time (`tandem_step_duration_seconds`), the engine thread's time between busy steps
   (`tandem_step_gap_seconds`: applying commands such as tokenizing a new rerank request) and the engine-side TPOT
   (`tandem_time_per_output_token_seconds`) stand beside the client-side TPOT of the same run.
+* Every flood run first runs the same chats alone on its own server (`paired_solo`): the baseline of
+  `tokens_per_s_vs_paired_solo`, from the same process and minutes as the flood beside it (a shared host's speed
+  drifts between servers more than the objective's 1.25x: see docs/latency-objective.md).
 * The engine's own record of each step (`tandem serve --step-log`) beside the chats' token gaps, same clock: the
   decode steps' times and the objective's prediction errors, the time between steps, the longest wait between two
   steps that embedded something, and for every chat gap over T whether a step inside it ran over T
@@ -309,13 +312,24 @@ def _server_target_ms(records: list[dict], window: tuple[float, float]) -> float
 
 
 async def measure(flags: list[str], prompts, max_tokens, flood, embed_flood=None, target_ms=None,
-                  server_target: bool = False, processes: bool = True, alone_s: float | None = None) -> dict:
+                  server_target: bool = False, processes: bool = True, alone_s: float | None = None,
+                  paired_solo: bool = False) -> dict:
+    """One phase on a fresh server. `paired_solo`: the same chats alone first, on the same server just before the
+    flood (result["paired_solo"]): a baseline from the same process and the same minutes, where a solo run on a
+    server of its own can land on a faster or slower stretch of a shared host (8-decode steps of 24 to 40 ms from
+    one process to the next on this project's VM)."""
     server = Server(flags)
     try:
+        solo = await run_phase(server, prompts, max_tokens, None) if paired_solo else None
         result = await run_phase(server, prompts, max_tokens, flood, embed_flood, processes, alone_s)
     finally:
         server.stop()
     records = [json.loads(line) for line in server.step_log.read_text().splitlines() if line.strip()]
+    if solo is not None:
+        window = solo.pop("_window")
+        solo.pop("_stamps")
+        result["paired_solo"] = {k: solo[k] for k in ("tpot_p50_ms", "tpot_p99_ms", "tpot_mean_ms", "window_s")}
+        result["paired_solo"]["server_target_ms"] = _server_target_ms(records, window)
     if server_target:
         target_ms = result["server_target_ms"] = _server_target_ms(records, result["_window"])
     result["engine_steps"] = analyse_steps(records, result.pop("_stamps"), result.pop("_window"), target_ms)
@@ -357,7 +371,7 @@ async def _flood_runs(args: argparse.Namespace, base: list[str], prompts: list[s
     flood, embed_flood = flood_pair
     flags = base + (["--tpot-target-ms", f"{target_ms:.3f}"] if target_ms else [])
     runs = [await measure(flags, prompts, args.max_tokens, flood, embed_flood, target_ms,
-                          server_target=target_ms is None, processes=not args.flood_in_process)
+                          server_target=target_ms is None, processes=not args.flood_in_process, paired_solo=True)
             for _ in range(args.runs)]
     ts = [target_ms or r.get("server_target_ms") for r in runs]
     # the p99 a run may have: 1.25 T; with a fixed T, or the solo run's own p99 x 1.1 where that is larger
@@ -370,6 +384,9 @@ async def _flood_runs(args: argparse.Namespace, base: list[str], prompts: list[s
            "solo_p99_over_T": [solo["tpot_p99_ms"] / t if t else None for t in ts],
            "decode_step_p99_ms": [r["engine_steps"].get("decode_step_p99_ms") for r in runs],
            "tokens_per_s_vs_solo": [solo["tpot_mean_ms"] / r["tpot_mean_ms"] for r in runs],
+           # the same chats alone on the same server just before its flood (measure's paired_solo)
+           "tokens_per_s_vs_paired_solo": [r["paired_solo"]["tpot_mean_ms"] / r["tpot_mean_ms"] for r in runs],
+           "paired_solo_p99_over_T": [r["paired_solo"]["tpot_p99_ms"] / t if t else None for r, t in zip(runs, ts)],
            "rerank_pairs_per_s": [r["rerank_pairs_per_s"] for r in runs],
            "embed_texts_per_s": [r["engine_steps"].get("embed_rows_done_per_s") for r in runs]}
     one_document = not embed_flood and sum(len(docs) for _, docs in flood or ()) == 1  # its rate alone is 0 or 1
