@@ -54,6 +54,12 @@ FORMATS = (*BLOCK_BYTES, "I8")
 # TILE_BYTES of float32 and use BLAS. AVX-512 takes up to 16 rows in one pass over the weights (paths.h
 # for_row_tiles_exact16), so it stays ahead of the GEMM to 16 rows as AVX2 does.
 _SMALL_M = {"avx512": 16, "avx2": 16, "portable": 16}
+# The K-quants' int8 kernels (per int8 kernel: `int8_kernel`) stay ahead of dequantize + GEMM to more rows than the
+# float32 ones: they read each weight once per tile of rows and multiply bytes, where the GEMM pays a float32
+# dequantize of the whole matrix first. Measured 2026-11-28 (2-core Xeon, AVX-512 VNNI, 2 threads; SmolLM2-1.7B's
+# Q4_K / Q6_K projections and Gemma 3 270M's Q6_K): vnni 0.5-0.6x the GEMM's time at 32 rows, 0.6-0.9x at 64, level
+# at 128; the avx2 int8 kernel 0.65-0.8x at 32, level at 64. kernels/README.md "Quantized matmul".
+_INT8_KQUANT_M = {"vnni": 64, "avx2": 32}
 TILE_BYTES = 1 << 20
 
 
@@ -223,6 +229,16 @@ def small_m(isa: CpuIsa) -> int:
     return _SMALL_M[isa.label] if override is None else override
 
 
+def int8_rows(isa: CpuIsa, fmt: str) -> int:
+    """The most rows `matmul` gives the int8 kernel for `fmt` on path `isa` (int8 activations): the K-quants' int8
+    kernels go wider than `small_m` (`_INT8_KQUANT_M`), the rest stop there; TANDEM_QUANT_SMALL_M sets both."""
+    override = cpu_path().small_m
+    if override is not None:
+        return override
+    wide = _INT8_KQUANT_M.get(int8_kernel(isa), 0) if fmt in INT8_KQUANTS else 0
+    return max(_SMALL_M[isa.label], wide)
+
+
 def kernel_path() -> str:
     """What ModelInfo and the step spans name as the CPU path of the quantized kernels ("" when none is built)."""
     return cpu_isa().label if available() else ""
@@ -283,10 +299,12 @@ def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
     K-quant) in the small-M kernel where the path and format have it."""
     module = _module() if w.fmt in CPP_FORMATS else None
     isa = cpu_isa() if isa is None and module is not None else isa
-    if module is not None and x.shape[0] <= small_m(isa):
-        if takes_int8(activations, w.fmt) and module.int8_kernel(int(isa)):
+    if module is not None:
+        rows = x.shape[0]
+        if takes_int8(activations, w.fmt) and rows <= int8_rows(isa, w.fmt) and module.int8_kernel(int(isa)):
             return module.quant_matmul_int8(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], int(isa))
-        return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(), isa)
+        if rows <= small_m(isa):
+            return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(), isa)
     return _dequantize_gemm(x, w)
 
 

@@ -409,6 +409,30 @@ def test_int8_kquants_stay_within_the_bound_of_rounding_x_to_8_bits_per_super_bl
             assert not torch.equal(got, quant.matmul(x, w, isa=isa))  # the int8 path, not the float32 one
 
 
+@pytest.mark.parametrize("isa", KQ_INT8_ISAS)
+@pytest.mark.parametrize("fmt", quant.INT8_KQUANTS)
+def test_the_kquant_int8_kernel_takes_steps_past_small_m_up_to_its_own_width(fmt: str, isa) -> None:
+    """The K-quants' int8 kernels beat dequantize + GEMM to more rows than the float32 kernels (`quant.int8_rows`: 64
+    with VNNI, 32 on avx2): a step of small_m + 1 rows and one of int8_rows rows multiply int8-rounded rows (within
+    the rounding bound, each row what it gets alone), one row more goes to the GEMM (the float32 result, bit for
+    bit); 32-wide formats and float32 activations stop at small_m."""
+    wide = quant.int8_rows(isa, fmt)
+    assert wide == (64 if quant.int8_kernel(isa) == "vnni" else 32) > quant.small_m(isa)
+    assert quant.int8_rows(isa, "Q8_0") == quant.small_m(isa)
+    w = make(fmt, 24, 512, seed=3)
+    dense = reference_dense(w)
+    int8 = quant.Activations.INT8
+    for m in (quant.small_m(isa) + 1, wide):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        got = quant.matmul(x, w, isa=isa, activations=int8)
+        xq = quantize_x_like_the_kernels(x, 256)
+        assert bool(((got - xq @ dense.T).abs() <= int8_roundoff_bound(xq, w, int8_kquant_magnitudes(w))).all())
+        for r in (0, m - 1):
+            assert torch.equal(quant.matmul(x[r:r + 1], w, isa=isa, activations=int8), got[r:r + 1])
+    x = torch.randn(wide + 1, 512, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(quant.matmul(x, w, isa=isa, activations=int8), quant.matmul(x, w, isa=isa))
+
+
 @pytest.mark.skipif(quant.best_isa() < quant.CpuIsa.AVX512, reason="needs both K-quant int8 kernels: this CPU has "
                     "no AVX-512 F + BW + VL")
 @pytest.mark.parametrize("fmt", quant.INT8_KQUANTS)
