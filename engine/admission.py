@@ -130,7 +130,7 @@ class LatencyAdmission(AdmissionPolicy):
     """The latency objective (see the module docstring). `tpot_target_s` None: the automatic target."""
     tpot_target_s: float | None = None
     model: "LinearStepTime" = field(default_factory=OnlineStepTime)
-    auto_factor: float = 1.25  # automatic target: this x the predicted step of the running decodes alone
+    auto_factor: float = 1.25  # automatic target: this x the predicted step of the decodes and the chats joining them
     min_target_s: float = 0.005  # ... and never under this
     progress_steps: int = 16  # a kind that got nothing this many steps in a row gets its unit whatever it costs
     progress_s: float = 1.0  # ... and likewise after this many seconds

@@ -65,8 +65,9 @@ _ENGINE_FLAGS = [
     ("--tpot-target-ms", "objective", None, "latency objective T, on by default: while chats decode, other work "
                                              "(prompts, rerank pairs, embeddings) fills only the headroom a "
                                              "step-time model calibrated at start-up predicts keeps each step under "
-                                             "T: auto (default: 1.25x the predicted step of the running decodes, "
-                                             "so chats keep >= 80%% of their speed), a number of ms, or off (plain "
+                                             "T: auto (default: 1.25x the predicted step of the running decodes "
+                                             "and the chats joining them, so chats keep >= 80%% of their speed), a "
+                                             "number of ms, or off (plain "
                                              "budget filling; --rerank-share splits it)"),
     ("--num-threads", int, None, "CPU threads for torch and OpenMP (also --threads; default: torch's, one per "
                                  "core). Idle OpenMP threads sleep after a short spin (OMP_WAIT_POLICY=PASSIVE, "
