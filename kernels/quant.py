@@ -58,7 +58,11 @@ _SMALL_M = {"avx512": 16, "avx2": 16, "portable": 16}
 # float32 ones: they read each weight once per tile of rows and multiply bytes, where the GEMM pays a float32
 # dequantize of the whole matrix first. Measured 2026-11-28 (2-core Xeon, AVX-512 VNNI, 2 threads; SmolLM2-1.7B's
 # Q4_K / Q6_K projections and Gemma 3 270M's Q6_K): vnni 0.5-0.6x the GEMM's time at 32 rows, 0.6-0.9x at 64, level
-# at 128; the avx2 int8 kernel 0.65-0.8x at 32, level at 64. kernels/README.md "Quantized matmul".
+# at 128; the avx2 int8 kernel 0.65-0.8x at 32, level at 64. kernels/README.md "Quantized matmul". Those widths are
+# against MKL's AVX-512 GEMM. On a host whose widest path is AVX2 the GEMM is AVX2 too, and there the avx2 int8 kernel
+# stayed ahead at every width up to a CPU step's default 512 rows (2026-11-28, 2-core AMD EPYC, AVX2 + FMA, no
+# AVX-512, idle, the same 1.7B projections: 0.55-0.6x the GEMM's time at 32 rows, 0.6-0.7x at 64, 0.75-0.8x at 128,
+# 0.7-1.0x at 256, 0.77-0.86x at 512), so on such a host it takes every step (`int8_rows` None).
 _INT8_KQUANT_M = {"vnni": 64, "avx2": 32}
 TILE_BYTES = 1 << 20
 
@@ -191,7 +195,8 @@ class Activations(enum.Enum):
     avx2 path (and on avx512 without VNNI); the K-quants through avx512_k8.cpp on the avx512 path and avx2_int8.cpp's
     row_k8 on the avx2 path. AUTO (the engine's default) is int8 for the formats where it measured faster at batch
     1 on both paths (`INT8_AUTO_FORMATS`: the K-quants, 2.2-3x per matmul at 1.7B) and float32 for the others;
-    wide steps are float32 GEMMs whatever the setting. Bounds and measurements: kernels/README.md."""
+    wider steps than `int8_rows` are float32 GEMMs whatever the setting (on a host without AVX-512, none are for the
+    K-quants). Bounds and measurements: kernels/README.md."""
     FLOAT32 = "float32"
     INT8 = "int8"
     AUTO = "auto"
@@ -229,14 +234,19 @@ def small_m(isa: CpuIsa) -> int:
     return _SMALL_M[isa.label] if override is None else override
 
 
-def int8_rows(isa: CpuIsa, fmt: str) -> int:
-    """The most rows `matmul` gives the int8 kernel for `fmt` on path `isa` (int8 activations): the K-quants' int8
-    kernels go wider than `small_m` (`_INT8_KQUANT_M`), the rest stop there; TANDEM_QUANT_SMALL_M sets both."""
+def int8_rows(isa: CpuIsa, fmt: str) -> int | None:
+    """The most rows `matmul` gives the int8 kernel for `fmt` on path `isa` (int8 activations; None: every step): the
+    K-quants' int8 kernels go wider than `small_m` (`_INT8_KQUANT_M`), and on a host without AVX-512 (whose GEMM is
+    AVX2 too) the avx2 one takes every width; the rest stop at small_m. TANDEM_QUANT_SMALL_M sets all of them."""
     override = cpu_path().small_m
     if override is not None:
         return override
-    wide = _INT8_KQUANT_M.get(int8_kernel(isa), 0) if fmt in INT8_KQUANTS else 0
-    return max(_SMALL_M[isa.label], wide)
+    if fmt not in INT8_KQUANTS:
+        return _SMALL_M[isa.label]
+    kernel = int8_kernel(isa)
+    if kernel == "avx2" and best_isa() < CpuIsa.AVX512:
+        return None
+    return max(_SMALL_M[isa.label], _INT8_KQUANT_M.get(kernel, 0))
 
 
 def kernel_path() -> str:
@@ -301,8 +311,10 @@ def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
     isa = cpu_isa() if isa is None and module is not None else isa
     if module is not None:
         rows = x.shape[0]
-        if takes_int8(activations, w.fmt) and rows <= int8_rows(isa, w.fmt) and module.int8_kernel(int(isa)):
-            return module.quant_matmul_int8(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], int(isa))
+        if takes_int8(activations, w.fmt) and module.int8_kernel(int(isa)):
+            wide = int8_rows(isa, w.fmt)
+            if wide is None or rows <= wide:
+                return module.quant_matmul_int8(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], int(isa))
         if rows <= small_m(isa):
             return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(), isa)
     return _dequantize_gemm(x, w)

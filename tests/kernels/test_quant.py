@@ -409,28 +409,43 @@ def test_int8_kquants_stay_within_the_bound_of_rounding_x_to_8_bits_per_super_bl
             assert not torch.equal(got, quant.matmul(x, w, isa=isa))  # the int8 path, not the float32 one
 
 
-@pytest.mark.parametrize("isa", KQ_INT8_ISAS)
+# (path, host): each K-quant int8 path on this host, and the avx2 one on this host taken for one without AVX-512
+KQ_WIDTH_CASES = [pytest.param(p.values[0], "this", id=p.id, marks=p.marks) for p in KQ_INT8_ISAS] + [
+    pytest.param(INT8_ISAS[0].values[0], "avx2-only", id="avx2-maddubs-on-an-avx2-only-host",
+                 marks=INT8_ISAS[0].marks)]
+
+
+@pytest.mark.parametrize(("isa", "host"), KQ_WIDTH_CASES)
 @pytest.mark.parametrize("fmt", quant.INT8_KQUANTS)
-def test_the_kquant_int8_kernel_takes_steps_past_small_m_up_to_its_own_width(fmt: str, isa) -> None:
+def test_the_kquant_int8_kernel_takes_steps_past_small_m_up_to_its_own_width(fmt: str, isa, host: str,
+                                                                             monkeypatch) -> None:
     """The K-quants' int8 kernels beat dequantize + GEMM to more rows than the float32 kernels (`quant.int8_rows`: 64
-    with VNNI, 32 on avx2): a step of small_m + 1 rows and one of int8_rows rows multiply int8-rounded rows (within
-    the rounding bound, each row what it gets alone), one row more goes to the GEMM (the float32 result, bit for
-    bit); 32-wide formats and float32 activations stop at small_m."""
+    with VNNI, 32 for the avx2 kernel beside an AVX-512 GEMM, every width on a host without AVX-512, whose GEMM is
+    AVX2: "avx2-only" makes this host one): a step of small_m + 1 rows and one of the widest the kernel takes (300
+    when it takes every width: several blocks of rows and weight rows, matmul.cpp KQ_WEIGHT_ROWS) multiply
+    int8-rounded rows (within the rounding bound, each row what it gets alone); one row more goes to the GEMM (the
+    float32 result, bit for bit); 32-wide formats and float32 activations stop at small_m."""
+    if host == "avx2-only":
+        monkeypatch.setattr(quant, "best_isa", lambda: quant.CpuIsa.AVX2)
     wide = quant.int8_rows(isa, fmt)
-    assert wide == (64 if quant.int8_kernel(isa) == "vnni" else 32) > quant.small_m(isa)
+    if quant.int8_kernel(isa) == "vnni":
+        assert wide == 64
+    else:
+        assert wide == (32 if quant.best_isa() >= quant.CpuIsa.AVX512 else None)
     assert quant.int8_rows(isa, "Q8_0") == quant.small_m(isa)
-    w = make(fmt, 24, 512, seed=3)
+    w = make(fmt, 40, 512, seed=3)
     dense = reference_dense(w)
     int8 = quant.Activations.INT8
-    for m in (quant.small_m(isa) + 1, wide):
+    for m in (quant.small_m(isa) + 1, wide or 300):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         got = quant.matmul(x, w, isa=isa, activations=int8)
         xq = quantize_x_like_the_kernels(x, 256)
         assert bool(((got - xq @ dense.T).abs() <= int8_roundoff_bound(xq, w, int8_kquant_magnitudes(w))).all())
-        for r in (0, m - 1):
+        for r in (0, m // 2, m - 1):
             assert torch.equal(quant.matmul(x[r:r + 1], w, isa=isa, activations=int8), got[r:r + 1])
-    x = torch.randn(wide + 1, 512, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(quant.matmul(x, w, isa=isa, activations=int8), quant.matmul(x, w, isa=isa))
+    if wide is not None:
+        x = torch.randn(wide + 1, 512, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(quant.matmul(x, w, isa=isa, activations=int8), quant.matmul(x, w, isa=isa))
 
 
 @pytest.mark.skipif(quant.best_isa() < quant.CpuIsa.AVX512, reason="needs both K-quant int8 kernels: this CPU has "
