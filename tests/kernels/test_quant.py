@@ -422,9 +422,9 @@ def test_the_kquant_int8_kernel_takes_steps_past_small_m_up_to_its_own_width(fmt
     """The K-quants' int8 kernels beat dequantize + GEMM to more rows than the float32 kernels (`quant.int8_rows`: 64
     with VNNI, 32 for the avx2 kernel beside an AVX-512 GEMM, every width on a host without AVX-512, whose GEMM is
     AVX2: "avx2-only" makes this host one): a step of small_m + 1 rows and one of the widest the kernel takes (300
-    when it takes every width: several blocks of rows and weight rows, matmul.cpp KQ_WEIGHT_ROWS) multiply
-    int8-rounded rows (within the rounding bound, each row what it gets alone); one row more goes to the GEMM (the
-    float32 result, bit for bit); 32-wide formats and float32 activations stop at small_m."""
+    when it takes every width) multiply int8-rounded rows (within the rounding bound, each row what it gets alone,
+    not the float32 result); one row more goes to the GEMM (the float32 result, bit for bit); 32-wide formats and
+    float32 activations stop at small_m."""
     if host == "avx2-only":
         monkeypatch.setattr(quant, "best_isa", lambda: quant.CpuIsa.AVX2)
     wide = quant.int8_rows(isa, fmt)
@@ -443,6 +443,7 @@ def test_the_kquant_int8_kernel_takes_steps_past_small_m_up_to_its_own_width(fmt
         assert bool(((got - xq @ dense.T).abs() <= int8_roundoff_bound(xq, w, int8_kquant_magnitudes(w))).all())
         for r in (0, m // 2, m - 1):
             assert torch.equal(quant.matmul(x[r:r + 1], w, isa=isa, activations=int8), got[r:r + 1])
+        assert not torch.equal(got, quant.matmul(x, w, isa=isa))  # the int8 kernel, not the float32 path
     if wide is not None:
         x = torch.randn(wide + 1, 512, generator=torch.Generator().manual_seed(1))
         assert torch.equal(quant.matmul(x, w, isa=isa, activations=int8), quant.matmul(x, w, isa=isa))
