@@ -21,7 +21,8 @@ The peer at its best (#48): every llama-server build the host runs (bench.llama_
 `avx512`, AVX-512 with AMX off, where the CPU has AVX-512) serves every phase, and each figure's ratio is tandem
 against the faster build, named beside it. `--isa avx2` compares like with like: tandem runs with
 TANDEM_CPU_ISA=avx2 and only the avx2 build runs. The sizes of each phase default per --model-size (SIZES: at 1.7B,
-on 2 cores, the whole run must stay short); the JSON records the ones used.
+on 2 cores, the whole run must stay short); the JSON records the ones used. `--cpu-activations` passes tandem serve's
+setting (default auto, what users get; int8 or float32 to measure a path, named in the result file and the table).
 
 The memory limit (#48): the host's read bandwidth (bench.bandwidth: a streaming float32 sum over 1 GiB, all
 threads, best of 5) is measured first, and batch-1 decode is reported as weight bytes read per token (the file's
@@ -197,7 +198,8 @@ async def measure(args, model_path: Path, tokenizer, builds: list[Build], skippe
     rng = random.Random(args.seed)
     pool = token_pool(tokenizer, 200_000 if not args.quick else 20_000)
     serve_args = ["--num-threads", str(args.threads), "--metrics-port", "-1", "--max-num-seqs",
-                  str(max(args.concurrency + [1])), "--kv-cache-bytes", args.kv_cache_bytes]
+                  str(max(args.concurrency + [1])), "--kv-cache-bytes", args.kv_cache_bytes,
+                  "--cpu-activations", args.cpu_activations]
     if model_path != embedded_gguf_path():  # the embedded file is what `tandem serve` loads by default
         serve_args += ["--model", str(model_path)]
     tandem = Spawned(serve_args)
@@ -378,6 +380,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--builds", nargs="+", choices=[b.value for b in Build], default=None,
                     help="llama-server builds to run (default: avx2, and avx512 where the CPU has AVX-512; "
                          "--isa avx2: avx2)")
+    ap.add_argument("--cpu-activations", choices=["auto", "float32", "int8"], default="auto",
+                    help="tandem serve's --cpu-activations (default auto, what users get)")
     ap.add_argument("--no-bandwidth", action="store_true", help="skip the read-bandwidth measurement")
     ap.add_argument("--logit-parity", action="store_true",
                     help="also compare tandem's prompt log-probabilities with transformers' (in process)")
@@ -399,7 +403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.out == RESULTS / "cpu_peer.json":
         parts = ([args.model_size] if args.model_size else []) + (
             [args.quant] if args.model_size == ModelSize.SMOLLM2_1P7B else []) + (
-            [args.isa] if args.isa != "auto" else [])
+            [args.isa] if args.isa != "auto" else []) + (
+            [args.cpu_activations] if args.cpu_activations != "auto" else [])
         args.out = RESULTS / ("_".join(["cpu_peer"] + parts) + ".json")
     return args
 

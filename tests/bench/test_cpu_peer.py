@@ -123,8 +123,11 @@ def test_the_model_size_picks_the_phase_sizes_and_the_result_file() -> None:
     args = parse_args([])
     assert args.out.name == "cpu_peer.json" and args.new_tokens == SIZES[ModelSize.SMOLLM2_135M].new_tokens
     assert parse_args(["--model-size", "gemma-270m", "--isa", "avx2"]).out.name == "cpu_peer_gemma-270m_avx2.json"
+    int8 = parse_args(["--model-size", "gemma-270m", "--isa", "avx2", "--cpu-activations", "int8"])
+    assert int8.out.name == "cpu_peer_gemma-270m_avx2_int8.json" and int8.cpu_activations == "int8"
+    assert parse_args([]).cpu_activations == "auto"  # what `tandem serve` users get
     for bad in (["--model", "x.gguf", "--model-size", "1.7b"], ["--concurrent-new-tokens", "9", "3"],
-                ["--model-size", "7b"]):
+                ["--model-size", "7b"], ["--cpu-activations", "int4"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
