@@ -56,6 +56,7 @@ from bench.report import RESULTS, parse_bench_args, rotated, write_result
 from bench.serve import Spawned
 from clients import AsyncClient
 from engine.models.loader import embedded_gguf_path
+from kernels.quant import Activations
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +381,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--builds", nargs="+", choices=[b.value for b in Build], default=None,
                     help="llama-server builds to run (default: avx2, and avx512 where the CPU has AVX-512; "
                          "--isa avx2: avx2)")
-    ap.add_argument("--cpu-activations", choices=["auto", "float32", "int8"], default="auto",
+    ap.add_argument("--cpu-activations", choices=[a.value for a in Activations], default=Activations.AUTO.value,
                     help="tandem serve's --cpu-activations (default auto, what users get)")
     ap.add_argument("--no-bandwidth", action="store_true", help="skip the read-bandwidth measurement")
     ap.add_argument("--logit-parity", action="store_true",
@@ -404,7 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parts = ([args.model_size] if args.model_size else []) + (
             [args.quant] if args.model_size == ModelSize.SMOLLM2_1P7B else []) + (
             [args.isa] if args.isa != "auto" else []) + (
-            [args.cpu_activations] if args.cpu_activations != "auto" else [])
+            [args.cpu_activations] if args.cpu_activations != Activations.AUTO.value else [])
         args.out = RESULTS / ("_".join(["cpu_peer"] + parts) + ".json")
     return args
 

@@ -47,8 +47,8 @@ _ENGINE_FLAGS = [
     ("--quantization", str, None, "gguf | int8 | none (default: the embedded model's 4-bit GGUF blocks on CPU, "
                                   "dense weights otherwise)"),
     ("--cpu-activations", str, None, "auto | float32 | int8: activations of the quantized CPU matmuls in decode "
-                                     "steps, for the K-quants also wider ones (to 64 rows with AVX-512 VNNI, "
-                                     "every step on a CPU without AVX-512) (default auto: int8 for the "
+                                     "steps, for the K-quants also wider ones: to 64 rows with AVX-512 VNNI, "
+                                     "every step on a CPU without AVX-512 (default auto: int8 for the "
                                      "K-quants, float32 for the others; int8 "
                                      "rounds them per block of 32, per 256 for the K-quants, as llama.cpp does; "
                                      "float32 is the exact path)"),
