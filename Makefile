@@ -5,9 +5,6 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-peers
 PORT ?= 50051
-# pytest-xdist workers of `make test`: two, as CI's two cores (one file, or files sharing a reference, per unit of
-# work: tests/conftest.py); TEST_WORKERS=0 runs the suite in this process.
-TEST_WORKERS ?= 2
 
 .PHONY: venv test test-gpu soak serve bench proto clean-venv haproxy cluster
 
@@ -27,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 # (make prints it: "Error 1" for failed tests, "Error 5" when no test was collected).
 test: $(STAMP) haproxy
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest -q
 
 # On a machine with a CUDA GPU only (issue #8): Triton kernels vs the torch reference, the engine on CUDA vs CPU
 # (eager and CUDA graphs, fp32 and bf16), then the kernel benchmark (bench/results/kernels.json). Without CUDA
