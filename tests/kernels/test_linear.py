@@ -133,3 +133,33 @@ def test_linear_add_falls_back_without_the_op_or_for_a_strided_residual(binary_s
         assert binary_spy.calls == 0
         monkeypatch.setattr(lin, "_FUSED_BINARY", None)
         assert torch.equal(linear_add(x, w, b, residual.contiguous()), F.linear(x, w, b) + residual)
+
+
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn-bf16", "reference-forced"])
+@pytest.mark.parametrize("act", [Activation.NONE, Activation.GELU])
+def test_bfloat16_is_the_float64_reference_to_bf16_rounding_on_either_path(spy, binary_spy, monkeypatch,
+                                                                           act: Activation, onednn: bool) -> None:
+    """The encoders' bf16 dtype (EngineConfig.encoder_dtype): oneDNN's fused bf16 op where it takes bf16 (an AVX-512
+    CPU), the torch reference elsewhere (forced here on any CPU); either way the float64 result of the same bf16
+    inputs to within bf16's rounding of the output (8 bits of mantissa: 2^-8 relative, 2^-7 with the sum's)."""
+    if onednn and not lin._BF16_OK:
+        pytest.skip("this CPU's oneDNN takes no bf16 (it needs AVX-512): the reference path is the forced case")
+    monkeypatch.setattr(lin, "_BF16_OK", onednn)
+    x, w, b = (t.to(torch.bfloat16) for t in _inputs((200, 384), 128, seed=3))
+    residual = torch.randn(200, 128).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = linear(x, w, b, act)
+        added = linear_add(x, w, b, residual)
+    assert (spy.calls, binary_spy.calls) == ((1, 1) if onednn else (0, 0))
+    want = act.reference(F.linear(x.double(), w.double(), b.double()))
+    assert got.dtype == torch.bfloat16 and added.dtype == torch.bfloat16
+    scale = want.abs().max().item()
+    assert (got.double() - want).abs().max().item() <= 2 ** -7 * scale
+    want_added = F.linear(x.double(), w.double(), b.double()) + residual.double()
+    assert (added.double() - want_added).abs().max().item() <= 2 ** -7 * want_added.abs().max().item()
+
+
+def test_native_bf16_follows_the_cpus_flags() -> None:
+    """Native bf16 is AVX512_BF16's dot products or AMX tiles, as the CPU reports them (torch's cpuinfo)."""
+    flags = open("/proc/cpuinfo").read().split() if torch.backends.mkldnn.is_available() else []
+    assert lin.native_bf16() == ("avx512_bf16" in flags or "amx_tile" in flags)
