@@ -132,7 +132,7 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     shared = _shared_encoder(config, settings)
     scorer = build_scorer(config, tokenizer, model, settings, shared=shared)
     embedder = (Embedder.load(config.embedder, config.device, config.dtype, settings,
-                              scorer.encoder if shared else None) if config.embedder else None)
+                              scorer.encoder if shared else None, config.encoder_dtype) if config.embedder else None)
     runner = ModelRunner(model, num_blocks, config.block_size, config.device, config.dtype, scorer,
                          eos_token_ids=_eos_ids(hf_config, tokenizer), embedder=embedder)
     kernels.prepare(config.device, DTYPES[config.dtype], settings.kernels)
@@ -168,6 +168,8 @@ def describe_engine(config: EngineConfig, device: torch.device, cpu_kernels: str
                  RerankMode.CASCADE: f"{embedder.name if embedder else 'the embedder'}'s cosine, then {llm}'s query "
                                      f"likelihood fused for its top {config.rerank_cascade_k}"}[RerankMode(rerank_mode)]
     where = f"device {device}" + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else "")
+    if embedder is not None:
+        where += f", embedder in {embedder.dtype}"
     if device.type == "cpu":
         where += f", CPU kernels {cpu_kernels}" if cpu_kernels else ", CPU kernels none (dense weights: torch matmuls)"
     context = (f"context {max_model_len:,} tokens ({max_model_len_by})" if max_model_len == model_context else

@@ -86,6 +86,11 @@ class EngineConfig:
     chat_template: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    # The dtype the encoders (the embedder, a cross-encoder reranker) run in: "auto" is bfloat16 on a CPU with native
+    # bf16 dot products (AVX512_BF16 or AMX) when `dtype` is float32, there ~2.5x the float32 GEMM rate with vectors
+    # within ~1e-3 of float32 (docs/embeddings.md "Precision"), else `dtype`; a decoder embedder keeps `dtype` under
+    # auto. "float32" gives sentence-transformers' vectors to float32 rounding on every CPU.
+    encoder_dtype: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int = 1024 * 2**20  # memory budget for the paged KV pool
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set
@@ -152,6 +157,8 @@ class EngineConfig:
             raise ValueError(f"rerank_share must be in (0, 1], got {self.rerank_share}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.encoder_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"encoder_dtype must be auto, float32, float16 or bfloat16, got {self.encoder_dtype!r}")
         if self.tpot_target_ms not in (None, "auto") and (
                 isinstance(self.tpot_target_ms, str) or not _finite(self.tpot_target_ms) or self.tpot_target_ms <= 0):
             raise ValueError(f"tpot_target_ms must be a number > 0, 'auto' or None (off), got {self.tpot_target_ms!r}")

@@ -35,6 +35,9 @@ class Settings:
     fused_ops: bool = True
     # TANDEM_LAYER_WALKER=0 turns the C++ walker of small decode steps off (A/B runs)
     layer_walker: bool = True
+    # TANDEM_NATIVE_BF16=0: resolve EngineConfig.encoder_dtype "auto" as on a CPU without native bf16 (float32), to
+    # run or test the path of most CPUs on one that has it
+    native_bf16: bool = True
     # TANDEM_CACHE_DIR: converted models and GGUF caches (default ~/.cache/tandem)
     cache_dir: Path = field(default_factory=_default_cache_dir)
 
@@ -59,4 +62,5 @@ class Settings:
         return cls(kernels=get("TANDEM_KERNELS").lower() or "auto", cpu_isa=get("TANDEM_CPU_ISA").lower() or "auto",
                    quant_small_m=int(small_m) if small_m else None,
                    fused_ops=get("TANDEM_FUSED_OPS") != "0", layer_walker=get("TANDEM_LAYER_WALKER") != "0",
+                   native_bf16=get("TANDEM_NATIVE_BF16") != "0",
                    cache_dir=Path(cache) if cache else _default_cache_dir())

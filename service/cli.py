@@ -44,6 +44,10 @@ _ENGINE_FLAGS = [
     ("--device", str, None, "cpu | cuda | cuda:N"),
     ("--dtype", str, None, "float32 | float16 | bfloat16; given without --quantization, the dense weights are "
                            "served in it"),
+    ("--encoder-dtype", str, None, "auto | float32 | bfloat16 | float16: what the embedder and a cross-encoder "
+                                   "run in; auto: bfloat16 on a CPU with native bf16 (AVX512_BF16 or AMX) "
+                                   "under --dtype float32, else --dtype; float32 for sentence-transformers' "
+                                   "vectors to float32 rounding"),
     ("--quantization", str, None, "gguf | int8 | none (default: the embedded model's 4-bit GGUF blocks on CPU, "
                                   "dense weights otherwise)"),
     ("--cpu-activations", str, None, "auto | float32 | int8: activations of the quantized CPU matmuls in decode "
@@ -132,7 +136,8 @@ _SERVER_FLAGS = [
 _GROUPS = [
     ("model", "what is served", ["--model", "--reranker", "--rerank-mode", "--rerank-cascade-k", "--rerank-recipe",
                                  "--rerank-template", "--rerank-max-windows", "--rerank-window-overlap", "--embedder",
-                                 "--chat-template", "--device", "--dtype", "--quantization", "--cpu-activations"]),
+                                 "--chat-template", "--device", "--dtype", "--encoder-dtype", "--quantization",
+                                 "--cpu-activations"]),
     ("engine", "memory, context and scheduling", [
         "--kv-cache-bytes", "--num-kv-blocks", "--max-model-len", "--block-size", "--max-num-batched-tokens",
         "--max-embed-batch-tokens", "--max-num-seqs", "--rerank-share", "--tpot-target-ms", "--num-threads",
@@ -151,7 +156,7 @@ _GROUPS = [
 ]
 # Defaults of the engine flags (EngineConfig's, which this module does not import: it would load torch), shown in
 # --help; tests/service/test_cli.py checks them against EngineConfig.
-ENGINE_DEFAULTS = {"--device": "cpu", "--dtype": "float32", "--kv-cache-bytes": "1GiB", "--block-size": "16",
+ENGINE_DEFAULTS = {"--device": "cpu", "--dtype": "float32", "--encoder-dtype": "auto", "--kv-cache-bytes": "1GiB", "--block-size": "16",
                    "--max-num-seqs": "128", "--rerank-share": "0.5",
                    "--max-model-len": "the model's own context, lowered to what the KV cache holds"}
 _SHOWN = {"--max-message-bytes": "4MiB"}  # a default shown in its unit rather than in bytes

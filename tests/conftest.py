@@ -4,6 +4,10 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # Engine threads and test threads share 2 cores: spinning OpenMP workers can slow a step 25x, so let them sleep.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Encoders run float32 under --encoder-dtype auto on every host, so the parity tests hold sentence-transformers' and
+# transformers' float32 bounds whatever the CPU; the bf16 path (auto's choice on CPUs with native bf16) is tested by
+# name (tests/engine/test_encoder_dtype.py, tests/service/test_encoder_dtype_doors.py).
+os.environ.setdefault("TANDEM_NATIVE_BF16", "0")
 
 import pytest  # noqa: E402
 import uvloop  # noqa: E402

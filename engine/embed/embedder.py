@@ -15,7 +15,7 @@ from engine.config import EMBEDDED_EMBEDDER, EmbedParams
 from engine.embed.encoders import is_decoder, load_token_states
 from engine.errors import InputTooLong
 from engine.embed.pooling import Pooling, SentenceConfig, pool
-from engine.models.encoder_loader import CrossEncoder
+from engine.models.encoder_loader import CrossEncoder, resolve_encoder_dtype
 from engine.models.stages import Finish, StagedForward, StageResult, StageWork
 from engine.settings import Settings
 
@@ -43,9 +43,12 @@ class Embedder:
     """A BERT / RoBERTa / XLM-R / ModernBERT encoder or a decoder embedder with its sentence-transformers pooling."""
 
     def __init__(self, name: str, directory: Path, device: str = "cpu", dtype: str = "float32",
-                 settings: Settings | None = None, shared: CrossEncoder | None = None) -> None:
-        """`shared`: the cross-encoder loaded from this same directory (built with shared=True): its weights and
-        its staged forward serve this embedder too, so a step's pairs and embedding rows run in one forward."""
+                 settings: Settings | None = None, shared: CrossEncoder | None = None,
+                 encoder_dtype: str | None = None) -> None:
+        """`dtype`: the engine's; `encoder_dtype`: EngineConfig.encoder_dtype, what this model runs in
+        (resolve_encoder_dtype: under auto, bfloat16 for an encoder on a CPU with native bf16; None: `dtype`);
+        `shared`: the cross-encoder loaded from this same directory (built with shared=True): its weights and its
+        staged forward serve this embedder too, so a step's pairs and embedding rows run in one forward."""
         from transformers import AutoTokenizer
 
         cfg_file = directory / "config.json"
@@ -61,9 +64,13 @@ class Embedder:
         if shared is not None:
             self._forward_in_stages = shared.staged  # the cross-encoder's: both kinds' rows in one forward
             self.dim, positions = shared.args.hidden_size, shared.args.max_tokens
+            self.dtype = shared.dtype  # what its forward runs in
         else:
-            stages, self.dim, positions = load_token_states(directory, cfg, self.device, _DTYPES[dtype],
-                                                            settings or Settings())
+            settings = settings or Settings()
+            self.dtype = resolve_encoder_dtype(encoder_dtype or dtype, dtype, self.device, settings.native_bf16,
+                                               decoder)
+            stages, self.dim, positions = load_token_states(directory, cfg, self.device, _DTYPES[self.dtype],
+                                                            settings)
             self._forward_in_stages = StagedForward(stages, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         own = self.sentence.max_seq_length or int(min(getattr(self.tokenizer, "model_max_length", positions),
@@ -75,16 +82,17 @@ class Embedder:
 
     @classmethod
     def load(cls, embedder: str, device: str = "cpu", dtype: str = "float32",
-             settings: Settings | None = None, shared: CrossEncoder | None = None) -> "Embedder":
+             settings: Settings | None = None, shared: CrossEncoder | None = None,
+             encoder_dtype: str | None = None) -> "Embedder":
         """EngineConfig.embedder: EMBEDDED_EMBEDDER or a directory; `settings`: the attention backend its encoder
         runs, the decoder's ops (engine/settings.py; None: the defaults); `shared`: the cross-encoder of this same
-        directory, whose weights and forward it uses."""
+        directory, whose weights and forward it uses; `encoder_dtype`: EngineConfig.encoder_dtype."""
         if embedder == EMBEDDED_EMBEDDER:
-            return cls(EMBEDDED_EMBEDDER, embedded_embedder_dir(), device, dtype, settings, shared)
+            return cls(EMBEDDED_EMBEDDER, embedded_embedder_dir(), device, dtype, settings, shared, encoder_dtype)
         path = Path(embedder).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"embedder path {str(path)!r} does not exist")
-        return cls(path.resolve().name, path, device, dtype, settings, shared)
+        return cls(path.resolve().name, path, device, dtype, settings, shared, encoder_dtype)
 
     @property
     def pooling(self) -> Pooling:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+import kernels.linear
 from engine.models.bert import (FAMILIES, EncoderArgs, SequenceClassifier, build_model, pack_pairs, packed_positions,
                                use_kernels)
 from engine.models.loader import load_state_dict
@@ -82,6 +83,21 @@ def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def resolve_encoder_dtype(wanted: str, engine_dtype: str, device: str | torch.device, native_bf16: bool,
+                          decoder: bool = False) -> str:
+    """The dtype an encoder runs in for EngineConfig.encoder_dtype `wanted`: itself unless "auto"; "auto" is
+    bfloat16 for a bidirectional encoder on a CPU whose oneDNN has native bf16 dot products (AVX512_BF16 or AMX;
+    kernels.linear.native_bf16) when the engine runs float32, and the engine's dtype otherwise (a decoder embedder,
+    CUDA, a CPU that would emulate bf16 and gain nothing). `native_bf16`: Settings.native_bf16 (False:
+    TANDEM_NATIVE_BF16=0 resolves as on a CPU without it)."""
+    if wanted != "auto":
+        return wanted
+    if (not decoder and engine_dtype == "float32" and torch.device(device).type == "cpu" and native_bf16
+            and kernels.linear.native_bf16()):
+        return "bfloat16"
+    return engine_dtype
+
+
 def load_encoder(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
                  kernels: str = "auto") -> tuple[SequenceClassifier | ModernBertForSequenceClassification,
                                                  EncoderArgs | ModernBertArgs, dict]:
@@ -149,14 +165,17 @@ class CrossEncoder:
         final state (what the embedder pools) and the head reads the first tokens' after it, instead of the last
         layer computing the first tokens only."""
         self.model, self.args, self.tokenizer, self.activation, self.device = model, args, tokenizer, activation, device
+        self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # what its forward runs in
         self.num_labels = args.num_labels
         self.max_length = min(int(getattr(tokenizer, "model_max_length", args.max_tokens)), args.max_tokens)
         if shared:
             self._forward_in_stages = StagedForward(classifier_stages(model, args, every_token=True), device)
-            self._finish: Finish = lambda x, cu, lens, items: self.activation(classify_states(model, x, cu)).tolist()
+            self._finish: Finish = lambda x, cu, lens, items: self.activation(
+                classify_states(model, x, cu).float()).tolist()
         else:
             self._forward_in_stages = StagedForward(classifier_stages(model, args), device)
-            self._finish = lambda logits, cu, lens, items: self.activation(logits).tolist()
+            # float32 scores from any dtype's logits (a bf16 sigmoid would round scores to 3 digits, tying them)
+            self._finish = lambda logits, cu, lens, items: self.activation(logits.float()).tolist()
 
     @property
     def stages(self) -> int:
@@ -202,7 +221,7 @@ class CrossEncoder:
 
     def score(self, pairs: Sequence[Pair]) -> list[float]:
         """One relevance score per pair (see `score_activation`), in input order."""
-        return self.activation(self.logits(pairs)).tolist()
+        return self.activation(self.logits(pairs).float()).tolist()
 
 
 def classify_states(model: SequenceClassifier | ModernBertForSequenceClassification, x: torch.Tensor,

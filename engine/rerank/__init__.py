@@ -39,12 +39,13 @@ def build_scorer(config: EngineConfig, tokenizer, model, settings: Settings, sha
     cross-encoder's own encoder (engine/builder.py), so the cross-encoder's forward gives every token's state."""
     mode = default_mode(config)
     if mode is RerankMode.CROSS_ENCODER:
-        from engine.models.encoder_loader import CrossEncoder
+        from engine.models.encoder_loader import CrossEncoder, resolve_encoder_dtype
         from engine.models.loader import resolve_model_dir
         from engine.rerank.cross_encoder import CrossEncoderScorer
 
+        dtype = resolve_encoder_dtype(config.encoder_dtype, config.dtype, config.device, settings.native_bf16)
         encoder = CrossEncoder.from_pretrained(resolve_model_dir(config.reranker, settings.cache_dir), config.device,
-                                               config.dtype, settings.kernels, shared=shared)
+                                               dtype, settings.kernels, shared=shared)
         return CrossEncoderScorer(encoder)
     if mode is RerankMode.JUDGE:
         from engine.rerank.judge import JudgeScorer

@@ -1,0 +1,93 @@
+"""EngineConfig.encoder_dtype: what "auto" resolves to on which CPU, and the bf16 encoders it picks on CPUs with
+native bf16, held to sentence-transformers' float32 vectors and the float32 engine's scores within the bounds
+docs/embeddings.md "Precision" states. The bf16 path is forced by name, so it runs on every CPU (torch converts bf16
+to float32 around the FMA units where the CPU has no bf16 dot products)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kernels.linear
+from engine import LLM, EngineConfig
+from engine.config import EMBEDDED_EMBEDDER
+from engine.embed.embedder import embedded_embedder_dir
+from engine.models.encoder_loader import resolve_encoder_dtype
+from engine.settings import Settings
+
+QUERY = "How do bees make honey?"
+DOCUMENTS = ["Bees collect nectar from flowers and store it in their honey stomach.",
+             "The stock market fell three percent on Tuesday.",
+             "Worker bees fan their wings to evaporate water from nectar, turning it into honey.",
+             "A recipe for tomato soup with basil.",
+             "Beekeepers harvest honey from the frames of a hive in late summer."]
+# docs/embeddings.md "Precision": bf16 encoders' vectors against float32 (measured: least cosine .99995, largest
+# component error 2.0e-3 and score error 6.6e-4 on these texts; the bounds leave ~5x)
+MIN_COSINE = 0.9995
+SCORE_ATOL = 3e-3
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_is_bfloat16_only_for_a_float32_cpu_encoder_with_native_bf16(monkeypatch, native: bool) -> None:
+    monkeypatch.setattr(kernels.linear, "native_bf16", lambda: native)
+    cpu = "bfloat16" if native else "float32"
+    assert resolve_encoder_dtype("auto", "float32", "cpu", native_bf16=True) == cpu
+    assert resolve_encoder_dtype("auto", "float32", "cpu", native_bf16=False) == "float32"  # TANDEM_NATIVE_BF16=0
+    assert resolve_encoder_dtype("auto", "float32", "cpu", True, decoder=True) == "float32"  # a decoder embedder
+    assert resolve_encoder_dtype("auto", "float32", "cuda", True) == "float32"
+    assert resolve_encoder_dtype("auto", "float16", "cpu", True) == "float16"  # the engine's dtype otherwise
+    for asked in ("float32", "bfloat16", "float16"):  # asked by name: taken as asked
+        assert resolve_encoder_dtype(asked, "float32", "cpu", True, decoder=True) == asked
+
+
+def test_the_setting_and_its_environment_switch() -> None:
+    assert EngineConfig().encoder_dtype == "auto"
+    with pytest.raises(ValueError, match="encoder_dtype must be auto, float32, float16 or bfloat16"):
+        EngineConfig(encoder_dtype="int8")
+    assert Settings.from_env({}).native_bf16 is True
+    assert Settings.from_env({"TANDEM_NATIVE_BF16": "0"}).native_bf16 is False
+
+
+@pytest.fixture(scope="module")
+def st_vectors() -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(embedded_embedder_dir()), device="cpu")
+    return st.encode([QUERY, *DOCUMENTS], normalize_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def bf16() -> LLM:
+    return LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, rerank_mode="dense", encoder_dtype="bfloat16",
+                            num_kv_blocks=64))
+
+
+def test_bf16_embedder_vectors_are_sentence_transformers_within_the_stated_bound(bf16, st_vectors) -> None:
+    assert bf16.engine.embedder.dtype == "bfloat16"
+    got = np.asarray(bf16.embed([QUERY, *DOCUMENTS]), dtype=np.float64)
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)  # normalised in float32 after pooling
+    cosines = (got * st_vectors).sum(axis=1)
+    assert cosines.min() >= MIN_COSINE
+    assert np.abs(got - st_vectors).max() > 1e-5  # it did run in bf16: float32 is within 2e-7 of these vectors
+
+
+def test_bf16_dense_rerank_scores_are_the_float32_cosines_within_the_bound(bf16, st_vectors) -> None:
+    scores = bf16.rerank(QUERY, DOCUMENTS)
+    want = [(1 + float(st_vectors[0] @ v)) / 2 for v in st_vectors[1:]]
+    assert scores == pytest.approx(want, abs=SCORE_ATOL)
+    assert len(set(scores)) == len(scores)  # float32 cosines of bf16 vectors: no ties from bf16 rounding
+
+
+def test_bf16_cross_encoder_scores_are_float32_numbers_near_the_float32_scores(tmp_path) -> None:
+    """A cross-encoder under encoder_dtype bfloat16: its weights in bf16, its scores the float32 sigmoid of the
+    logits (a bf16 sigmoid would round scores to ~3 digits and tie near ones)."""
+    from bench.models import minilm_cross_encoder_dir
+
+    ce = minilm_cross_encoder_dir(tmp_path / "ce")
+    runs = {dtype: LLM(EngineConfig(reranker=str(ce), encoder_dtype=dtype, num_kv_blocks=64))
+            for dtype in ("float32", "bfloat16")}
+    assert runs["bfloat16"].engine.scorer.encoder.dtype == "bfloat16"
+    assert runs["float32"].engine.scorer.encoder.dtype == "float32"
+    got, want = (runs[d].rerank(QUERY, DOCUMENTS) for d in ("bfloat16", "float32"))
+    assert got == pytest.approx(want, abs=2e-2)
+    assert got != want  # it ran in bf16
+    assert all(isinstance(s, float) for s in got) and len(set(got)) == len(got)
