@@ -87,9 +87,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     # The dtype the encoders (the embedder, a cross-encoder reranker) run in: "auto" is bfloat16 on a CPU with native
-    # bf16 dot products (AVX512_BF16 or AMX) when `dtype` is float32, there ~2.5x the float32 GEMM rate with vectors
-    # within ~1e-3 of float32 (docs/embeddings.md "Precision"), else `dtype`; a decoder embedder keeps `dtype` under
-    # auto. "float32" gives sentence-transformers' vectors to float32 rounding on every CPU.
+    # bf16 dot products (AVX512_BF16 or AMX) when `dtype` is float32 (there ~2.8x the float32 GEMM rate, vectors
+    # within cosine ~5e-5 of float32: docs/embeddings.md "Precision"), else `dtype`; a decoder embedder keeps `dtype`
+    # under auto. "float32" gives sentence-transformers' vectors to float32 rounding on every CPU.
     encoder_dtype: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int = 1024 * 2**20  # memory budget for the paged KV pool

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-import kernels.linear
+from kernels import linear as kernel_linear
 from engine.models.bert import (FAMILIES, EncoderArgs, SequenceClassifier, build_model, pack_pairs, packed_positions,
                                use_kernels)
 from engine.models.loader import load_state_dict
@@ -93,7 +93,7 @@ def resolve_encoder_dtype(wanted: str, engine_dtype: str, device: str | torch.de
     if wanted != "auto":
         return wanted
     if (not decoder and engine_dtype == "float32" and torch.device(device).type == "cpu" and native_bf16
-            and kernels.linear.native_bf16()):
+            and kernel_linear.native_bf16()):
         return "bfloat16"
     return engine_dtype
 
