@@ -134,14 +134,17 @@ def alpaca_rerank(num_queries: int, num_docs: int, seed: int, tokenizer=None, do
     return out
 
 
-def load_sentence_transformers(ce_dir: Path):
-    """(CrossEncoder, version) of the installed sentence-transformers, or (None, why it cannot be used)."""
+def load_sentence_transformers(ce_dir: Path, dtype: str = "float32"):
+    """(CrossEncoder, version) of the installed sentence-transformers, or (None, why it cannot be used); `dtype`:
+    the model's (float32 is CrossEncoder's default; bfloat16 is what tandem's auto encoder dtype picks on a CPU with
+    native bf16)."""
     try:
         import sentence_transformers
         from sentence_transformers import CrossEncoder
     except Exception as e:  # not installed (make bench installs it), or broken against this transformers
         return None, f"sentence-transformers not importable ({type(e).__name__}: {e}); `make bench` installs it"
-    model = CrossEncoder(str(ce_dir), device="cpu", local_files_only=True)
+    model = CrossEncoder(str(ce_dir), device="cpu", local_files_only=True,
+                         model_kwargs={"dtype": getattr(torch, dtype)})
     return model, sentence_transformers.__version__
 
 
@@ -176,7 +179,7 @@ def bench_cross_encoder(args, workdir: Path) -> dict:
     work = alpaca_rerank(args.queries, args.docs, args.seed, tok, args.doc_tokens)
     warm = alpaca_rerank(1, args.docs, args.seed + 1, tok, args.doc_tokens)[0]
 
-    st, st_version = load_sentence_transformers(ce_dir)
+    st, st_version = load_sentence_transformers(ce_dir, args.st_dtype)
     systems = {"tandem": lambda q: ours.rerank(q.query, q.documents, RerankParams())}
     if st is not None:
         systems["sentence_transformers"] = lambda q: st.predict(
@@ -206,6 +209,7 @@ def bench_cross_encoder(args, workdir: Path) -> dict:
         "baseline_batch_size": args.batch_size, "tandem_budget": args.budget,
         "baseline": "sentence_transformers" if st is not None else None,
         "sentence_transformers_version": st_version if st is not None else None,
+        "sentence_transformers_dtype": args.st_dtype, "tandem_encoder_dtype": ours.engine.scorer.encoder.dtype,
     }
     if st is None:
         out["sentence_transformers_skipped"] = st_version
@@ -311,6 +315,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--budget", type=int, default=16384,
                     help="tandem max_num_batched_tokens, cross-encoder (default: 32 pairs x 512 tokens, the "
                          "largest forward of the baseline's batch_size 32)")
+    ap.add_argument("--st-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="sentence-transformers' model dtype (float32: its default); tandem runs its auto encoder "
+                         "dtype (bfloat16 on a CPU with native bf16; the JSON says which)")
     ap.add_argument("--llm-queries", type=int, default=8)
     ap.add_argument("--llm-docs", type=int, default=50)
     ap.add_argument("--llm-min-doc-tokens", type=int, default=16)

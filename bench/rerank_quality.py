@@ -157,22 +157,24 @@ class BM25Retriever:
 # ---- rerankers --------------------------------------------------------------------------------------------
 
 class DenseMiniLM:
-    """all-MiniLM-L6-v2 as sentence-transformers runs it: max 256 tokens, mean pooling, normalized, cosine."""
+    """all-MiniLM-L6-v2 as sentence-transformers runs it: max 256 tokens, mean pooling, normalized, cosine; `dtype`:
+    transformers' model in it (bfloat16: what the engine's dense mode runs under encoder_dtype auto on a CPU with
+    native bf16), the pooling in float32."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         from transformers import AutoModel, AutoTokenizer
 
         from bench.models import minilm_bi_encoder_dir
 
         path = minilm_bi_encoder_dir()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = AutoModel.from_pretrained(path, dtype=dtype).eval()
         self._cache: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()
     def embed(self, texts: list[str]) -> torch.Tensor:
         enc = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
-        hidden = self.model(**enc).last_hidden_state
+        hidden = self.model(**enc).last_hidden_state.float()
         mask = enc["attention_mask"].unsqueeze(-1).float()
         return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
@@ -183,6 +185,16 @@ class DenseMiniLM:
         if new:
             self._cache.update(zip(new, self.embed(new)))
         return (torch.stack([self._cache[d] for d in docs]) @ self.embed([query])[0]).tolist()
+
+
+def _engine_encoder_dtype() -> str:
+    """The dtype the engine's encoders run in here under its default encoder_dtype (auto)."""
+    from engine import EngineConfig
+    from engine.models.encoder_loader import resolve_encoder_dtype
+    from engine.settings import Settings
+
+    c = EngineConfig()
+    return resolve_encoder_dtype(c.encoder_dtype, c.dtype, c.device, Settings.from_env().native_bf16)
 
 
 def _config_fields() -> set[str]:
@@ -374,6 +386,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--doc-tokens", type=int, default=64, help="candidates are cut to this many tokens for rankers")
     ap.add_argument("--query-tokens", type=int, default=48, help="queries are cut to this many tokens")
     ap.add_argument("--budget", type=int, default=1024, help="tandem max_num_batched_tokens")
+    ap.add_argument("--dense-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the dense ranker's dtype (bfloat16: the engine's encoders under encoder_dtype auto on a CPU "
+                         "with native bf16); the engine's own modes run in their auto dtype (the JSON says which)")
     ap.add_argument("--skip", nargs="*", default=[], choices=[r for r in RANKERS if r not in ("bm25", "rrf")],
                     help="rankers not to score (fusion, cascade: only the engine's own check of them is skipped; "
                          "they are computed whenever dense and likelihood are scored)")
@@ -422,7 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
             scores[name]["random"], speed[name]["random"] = score_all(
                 s, lambda q, docs: rng.permutation(len(docs)).tolist())
     if "dense" not in args.skip:
-        dense = DenseMiniLM()
+        dense = DenseMiniLM(getattr(torch, args.dense_dtype))
         for name, s in samples.items():
             scores[name]["dense"], speed[name]["dense"] = score_all(s, dense.scores)
         del dense
@@ -603,7 +618,8 @@ def report(args, samples: dict[str, Sample], scores: dict, speed: dict, default:
         "bm25_impl": BM25_IMPL, "ks": args.ks, "queries": args.queries, "llm_queries": args.llm_queries,
         "mode_queries": args.mode_queries, "llm_depth": args.llm_depth,
         "doc_tokens": args.doc_tokens, "query_tokens": args.query_tokens, "budget": args.budget,
-        "seed": args.seed, "threads": args.threads, "quick": args.quick,
+        "seed": args.seed, "threads": args.threads, "quick": args.quick, "dense_dtype": args.dense_dtype,
+        "engine_encoder_dtype": _engine_encoder_dtype(),
         "rankers": [r for r in rankers_of(scores) if r == "bm25" or any(r in sc for sc in scores.values())],
         "unavailable_modes": unavailable, "default_mode": default,
         **{f"{mode}_check": {n: {k: v for k, v in c.items() if k != "scores"} for n, c in per_corpus.items()}
