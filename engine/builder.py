@@ -168,10 +168,10 @@ def describe_engine(config: EngineConfig, device: torch.device, cpu_kernels: str
                  RerankMode.CASCADE: f"{embedder.name if embedder else 'the embedder'}'s cosine, then {llm}'s query "
                                      f"likelihood fused for its top {config.rerank_cascade_k}"}[RerankMode(rerank_mode)]
     where = f"device {device}" + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else "")
-    if embedder is not None:
-        where += f", embedder in {embedder.dtype}"
     if device.type == "cpu":
         where += f", CPU kernels {cpu_kernels}" if cpu_kernels else ", CPU kernels none (dense weights: torch matmuls)"
+    if embedder is not None:
+        where += f", embedder in {embedder.dtype}"  # EngineConfig.encoder_dtype as resolved on this CPU
     context = (f"context {max_model_len:,} tokens ({max_model_len_by})" if max_model_len == model_context else
                f"context {max_model_len:,} of the model's {model_context:,} tokens, capped by {max_model_len_by}")
     return f"{where}; rerank: {rerank_mode} ({scored_by}); {context}"

@@ -85,7 +85,9 @@ def served(tmp_path_factory):
 
 def test_start_up_says_device_threads_kernels_rerank_mode_and_context(served) -> None:
     said = "".join(served.output)
-    assert re.search(r"tandem.engine: device cpu, \d+ threads, CPU kernels (avx512|avx2|portable); rerank: dense "
+    # the embedder's dtype: float32, as tests/conftest.py's TANDEM_NATIVE_BF16=0 resolves --encoder-dtype auto
+    assert re.search(r"tandem.engine: device cpu, \d+ threads, CPU kernels (avx512|avx2|portable), embedder in "
+                     r"float32; rerank: dense "
                      r"\(all-MiniLM-L6-v2's cosine\); context 8,192 "
                      r"tokens \(the model's context, max_position_embeddings\)", said), said
 
