@@ -156,8 +156,8 @@ _GROUPS = [
 ]
 # Defaults of the engine flags (EngineConfig's, which this module does not import: it would load torch), shown in
 # --help; tests/service/test_cli.py checks them against EngineConfig.
-ENGINE_DEFAULTS = {"--device": "cpu", "--dtype": "float32", "--encoder-dtype": "auto", "--kv-cache-bytes": "1GiB", "--block-size": "16",
-                   "--max-num-seqs": "128", "--rerank-share": "0.5",
+ENGINE_DEFAULTS = {"--device": "cpu", "--dtype": "float32", "--encoder-dtype": "auto", "--kv-cache-bytes": "1GiB",
+                   "--block-size": "16", "--max-num-seqs": "128", "--rerank-share": "0.5",
                    "--max-model-len": "the model's own context, lowered to what the KV cache holds"}
 _SHOWN = {"--max-message-bytes": "4MiB"}  # a default shown in its unit rather than in bytes
 _ALIASES = {"--num-threads": ("--threads",)}
