@@ -81,7 +81,7 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     settings (None: read from the environment here, once: engine/settings.py)."""
     logging.getLogger("transformers.tokenization_utils_base").addFilter(_LENGTH_WARNING)  # once: a set of filters
     settings = settings or Settings.from_env()
-    quant.select_cpu_path(settings.cpu_isa, settings.quant_small_m)
+    quant.select_cpu_path(settings.cpu_isa, settings.quant_small_m, settings.native_bf16)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     source = resolve_model(config.model, settings.cache_dir)
@@ -115,6 +115,8 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
         int8_formats = int8_activation_formats(model)  # the K-quants among the model's formats (none: all float32)
         if int8_formats:
             cpu_kernels += f" int8-activations({'+'.join(int8_formats)})"
+    if "int8-activations" in cpu_kernels and quant.cpu_path().bf16_gemm:
+        cpu_kernels += " bf16-wide"  # their steps past the int8 kernel's width multiply bf16 (kernels/quant.py)
     log.info("weights: %s, %.1f MB%s", weight_format(model), weight_bytes(model) / 1e6,
              f", CPU kernels: {cpu_kernels}" if cpu_kernels else "")
     max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)

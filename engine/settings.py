@@ -35,8 +35,9 @@ class Settings:
     fused_ops: bool = True
     # TANDEM_LAYER_WALKER=0 turns the C++ walker of small decode steps off (A/B runs)
     layer_walker: bool = True
-    # TANDEM_NATIVE_BF16=0: resolve EngineConfig.encoder_dtype "auto" as on a CPU without native bf16 (float32), to
-    # run or test the path of most CPUs on one that has it
+    # TANDEM_NATIVE_BF16=0: resolve EngineConfig.encoder_dtype "auto" as on a CPU without native bf16 (float32), and
+    # keep the quantized matmul's wide steps float32 (kernels.quant bf16_gemm), to run or test the path of most CPUs
+    # on one that has it
     native_bf16: bool = True
     # TANDEM_CACHE_DIR: converted models and GGUF caches (default ~/.cache/tandem)
     cache_dir: Path = field(default_factory=_default_cache_dir)

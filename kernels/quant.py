@@ -65,7 +65,15 @@ _SMALL_M = {"avx512": 16, "avx2": 16, "portable": 16}
 # AVX-512, idle, the same 1.7B projections: 0.55-0.6x the GEMM's time at 32 rows, 0.6-0.7x at 64, 0.75-0.8x at 128,
 # 0.7-1.0x at 256, 0.77-0.86x at 512), so on such a host it takes every step (`int8_rows` None).
 _INT8_KQUANT_M = {"vnni": 64, "avx2": 32}
+# Where the wider steps multiply bf16 on AMX tiles (`CpuPath.bf16_gemm` on a CPU with AMX) the bf16 GEMM overtakes the
+# int8 kernel sooner: measured 2026-12-02 (2-core Xeon with AMX, 2 threads, idle, median of 7; the 1.7B projections
+# and Gemma 3 270M's 640x2048 Q6_K): bf16 0.75-1.25x the vnni kernel's time at 32 rows, 0.65-0.95x at 48, 0.5-0.75x
+# at 64, 0.35-0.5x at 128, 0.16-0.2x at 512 (kernels/README.md "Quantized matmul").
+_INT8_KQUANT_M_AMX = {"vnni": 32, "avx2": 32}
 TILE_BYTES = 1 << 20
+# The bf16 wide path's tiles of dequantized weights (`_bf16_gemm`): 8 MiB measured best of 1-16 MiB (2026-12-02, AMX,
+# the same shapes: 1 MiB tiles took 1.2-1.7x the time at 512 rows, 16 MiB level with 8).
+BF16_TILE_BYTES = 8 << 20
 
 
 @dataclass(slots=True, eq=False)
@@ -149,38 +157,52 @@ def best_isa() -> CpuIsa:
 
 @dataclass(frozen=True, slots=True)
 class CpuPath:
-    """The CPU path this process computes with: its vector instructions and, when set, the most rows the
-    in-register kernel takes (None: the measured value of that path, `_SMALL_M`)."""
+    """The CPU path this process computes with: its vector instructions; when set, the most rows the in-register
+    kernel takes (None: the measured value of that path, `_SMALL_M`); and whether wide steps with reduced-precision
+    activations multiply bfloat16 (`bf16_gemm`)."""
     isa: CpuIsa
     small_m: int | None = None
+    bf16_gemm: bool = False
 
 
 _ISAS = {isa.label: isa for isa in CpuIsa}
-_wanted: tuple[str, int | None] = ("auto", None)  # what select_cpu_path was asked for
+_wanted: tuple[str, int | None, bool] = ("auto", None, False)  # what select_cpu_path was asked for
 _selected: CpuPath | None = None  # that, resolved on first use
 
 
-def select_cpu_path(wanted: str = "auto", small_m: int | None = None) -> None:
-    """Choose the path this process computes with, once at start-up (the engine's builder, from TANDEM_CPU_ISA and
-    TANDEM_QUANT_SMALL_M in engine/settings.py): `wanted` is auto (the widest this CPU has) or a CpuIsa label. It is
-    resolved on first use, so a process that never multiplies blocks never builds the C++ module; asking then for a
-    path this CPU lacks is an error, not a silent downgrade."""
+def select_cpu_path(wanted: str = "auto", small_m: int | None = None, native_bf16: bool = False) -> None:
+    """Choose the path this process computes with, once at start-up (the engine's builder, from TANDEM_CPU_ISA,
+    TANDEM_QUANT_SMALL_M and TANDEM_NATIVE_BF16 in engine/settings.py): `wanted` is auto (the widest this CPU has) or
+    a CpuIsa label. It is resolved on first use, so a process that never multiplies blocks never builds the C++
+    module; asking then for a path this CPU lacks is an error, not a silent downgrade. `native_bf16=True` (the
+    builder's default, Settings.native_bf16) lets wide steps with reduced-precision activations multiply bf16 where
+    `bf16_gemm_available`; False (and a process that never selects) keeps them float32 on every CPU."""
     global _wanted, _selected
     if wanted != "auto" and wanted not in _ISAS:
         raise ValueError(f"TANDEM_CPU_ISA={wanted!r}: expected auto or one of {', '.join(_ISAS)}")
-    _wanted, _selected = (wanted, small_m), None
+    _wanted, _selected = (wanted, small_m, native_bf16), None
 
 
 def cpu_path() -> CpuPath:
     """The path `select_cpu_path` chose (auto where nothing chose)."""
     global _selected
     if _selected is None:
-        wanted, small_m = _wanted
+        wanted, small_m, native_bf16 = _wanted
         best = best_isa()
         if wanted != "auto" and _ISAS[wanted] > best:
             raise ValueError(f"TANDEM_CPU_ISA={wanted}: this CPU's kernels go up to {best.label}")
-        _selected = CpuPath(best if wanted == "auto" else _ISAS[wanted], small_m)
+        isa = best if wanted == "auto" else _ISAS[wanted]
+        _selected = CpuPath(isa, small_m, native_bf16 and bf16_gemm_available(isa))
     return _selected
+
+
+def bf16_gemm_available(isa: CpuIsa) -> bool:
+    """Whether wide steps can multiply bfloat16 on path `isa`: the AVX-512 path (a forced narrower one stands for a
+    CPU without AVX-512, and no CPU without it has bf16 dot products) on a CPU whose oneDNN multiplies bf16 natively
+    (kernels.linear.native_bf16: AVX512_BF16 or AMX)."""
+    from kernels.linear import native_bf16
+
+    return isa is CpuIsa.AVX512 and native_bf16()
 
 
 def cpu_isa() -> CpuIsa:
@@ -235,10 +257,11 @@ def small_m(isa: CpuIsa) -> int:
     return _SMALL_M[isa.label] if override is None else override
 
 
-def int8_rows(isa: CpuIsa, fmt: str) -> int | None:
+def int8_rows(isa: CpuIsa, fmt: str, bf16: bool = False) -> int | None:
     """The most rows `matmul` gives the int8 kernel for `fmt` on path `isa` (int8 activations; None: every step): the
-    K-quants' int8 kernels go wider than `small_m` (`_INT8_KQUANT_M`), and on a host without AVX-512 (whose GEMM is
-    AVX2 too) the avx2 one takes every width; the rest stop at small_m. TANDEM_QUANT_SMALL_M sets all of them."""
+    K-quants' int8 kernels go wider than `small_m` (`_INT8_KQUANT_M`; `_INT8_KQUANT_M_AMX` where the wider steps
+    multiply bf16 on AMX tiles, `bf16`), and on a host without AVX-512 (whose GEMM is AVX2 too) the avx2 one takes
+    every width; the rest stop at small_m. TANDEM_QUANT_SMALL_M sets all of them."""
     override = cpu_path().small_m
     if override is not None:
         return override
@@ -247,7 +270,14 @@ def int8_rows(isa: CpuIsa, fmt: str) -> int | None:
     kernel = int8_kernel(isa)
     if kernel == "avx2" and best_isa() < CpuIsa.AVX512:
         return None
-    return max(_SMALL_M[isa.label], _INT8_KQUANT_M.get(kernel, 0))
+    widest = _INT8_KQUANT_M_AMX if bf16 and amx() else _INT8_KQUANT_M
+    return max(_SMALL_M[isa.label], widest.get(kernel, 0))
+
+
+@functools.cache
+def amx() -> bool:
+    """Whether this CPU has AMX tiles (oneDNN's bf16 GEMM runs ~6x its float32 rate on them)."""
+    return bool(torch.cpu._is_amx_tile_supported())
 
 
 def kernel_path() -> str:
@@ -304,21 +334,47 @@ def projection(parts: list[QuantWeight], bias: torch.Tensor | None = None,
 
 
 def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
-           activations: Activations = Activations.FLOAT32) -> torch.Tensor:
+           activations: Activations = Activations.FLOAT32, bf16: bool | None = None) -> torch.Tensor:
     """x [M, K] float32 @ dequantize(w).T -> [M, N] float32; `isa` overrides the process's CPU path (tests).
     `activations=INT8` (AUTO: for the formats `takes_int8` names) quantizes x's rows (per block of 32, or 256 for a
-    K-quant) in the small-M kernel where the path and format have it."""
+    K-quant) in the small-M kernel where the path and format have it; steps wider than that kernel takes multiply
+    in bfloat16 where `bf16` (None: the process's `CpuPath.bf16_gemm`, on the AVX-512 path) and float32 otherwise.
+    float32 activations are float32 at every width."""
     module = _module() if w.fmt in CPP_FORMATS else None
-    isa = cpu_isa() if isa is None and module is not None else isa
+    path = cpu_path() if module is not None else None
+    isa = path.isa if isa is None and path is not None else isa
+    if bf16 is None:
+        bf16 = path is not None and path.bf16_gemm and isa is CpuIsa.AVX512
     if module is not None:
         rows = x.shape[0]
-        if takes_int8(activations, w.fmt) and module.int8_kernel(int(isa)):
-            wide = int8_rows(isa, w.fmt)
+        reduced = takes_int8(activations, w.fmt)
+        if reduced and module.int8_kernel(int(isa)):
+            wide = int8_rows(isa, w.fmt, bf16)
             if wide is None or rows <= wide:
                 return module.quant_matmul_int8(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], int(isa))
         if rows <= small_m(isa):
             return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(), isa)
+        if reduced and bf16:
+            return _bf16_gemm(module, x, w, isa)
     return _dequantize_gemm(x, w)
+
+
+def _bf16_gemm(module, x: torch.Tensor, w: QuantWeight, isa: CpuIsa) -> torch.Tensor:
+    """A wide step in bfloat16: x rounded to bf16 once, tiles of weight rows dequantized straight into bf16 (C++
+    `dequantize_bf16`, the float32 values rounded to nearest even) and multiplied by oneDNN's bf16 GEMM (AMX tiles
+    or AVX512_BF16 dot products, float32 accumulation), each tile's bf16 output widened into its float32 columns."""
+    n, k = w.shape
+    rows = max(64, BF16_TILE_BYTES // (2 * k))
+    xb = x.to(torch.bfloat16)
+    code, scales = CPP_FORMATS[w.fmt], w._scales()
+    if n <= rows:
+        return torch.mm(xb, module.dequantize_bf16(w.data, code, k, scales, 0, n, int(isa)).t()).float()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    for start in range(0, n, rows):
+        count = min(rows, n - start)
+        out[:, start:start + count] = torch.mm(xb, module.dequantize_bf16(w.data, code, k, scales, start, count,
+                                                                          int(isa)).t())
+    return out
 
 
 def _dequantize_gemm(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:

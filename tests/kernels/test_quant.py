@@ -83,7 +83,7 @@ def test_the_default_path_is_the_widest_this_cpu_has(monkeypatch) -> None:
     expected = (quant.CpuIsa.AVX512 if {"avx512f", "avx512bw", "avx512vl"} <= set(flags)
                 else quant.CpuIsa.AVX2 if {"avx2", "fma", "f16c"} <= set(flags) else quant.CpuIsa.PORTABLE)
     assert quant.best_isa() == expected
-    monkeypatch.setattr(quant, "_wanted", ("auto", None))  # both restored afterwards: what this process chose
+    monkeypatch.setattr(quant, "_wanted", ("auto", None, False))  # both restored afterwards: what this process chose
     monkeypatch.setattr(quant, "_selected", None)
     assert quant.cpu_isa() == expected and quant.kernel_path() == expected.label  # nothing chose: auto
     assert quant.small_m(expected) == 16
@@ -182,7 +182,7 @@ def test_without_the_cpp_build_the_reference_computes(monkeypatch, caplog) -> No
         raise RuntimeError("Error building extension: g++: command not found")
 
     quant._module.cache_clear()
-    monkeypatch.setattr(quant, "_wanted", ("auto", None))
+    monkeypatch.setattr(quant, "_wanted", ("auto", None, False))
     monkeypatch.setattr(quant, "_selected", None)
     try:
         monkeypatch.setattr(cpp_extension, "load", broken)

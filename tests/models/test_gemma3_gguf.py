@@ -7,10 +7,15 @@ import logging
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
+from kernels import quant
 from tests.engine.conftest import assert_no_leaks, record_steps
 from tests.gemma import MAX_TOKENS, check_greedy
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+# The most a prompt logprob moves from transformers' float32 one with bf16 wide steps (x and the weights rounded to
+# bf16 in prefill chunks past the int8 kernel's width): measured 0.042 and 0.034 on the two long prompts (a 2-core
+# Xeon with AMX, 2026-12-02); about 5x that.
+BF16_LOGPROB = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +105,27 @@ def test_chat_on_a_base_model_without_template_is_a_clear_error(gemma_llm) -> No
     with pytest.raises(ValueError, match="this model has no chat template.*--chat-template NAME \\(gemma, llama3"):
         gemma_llm.chat([{"role": "user", "content": "Hi"}], GREEDY)
     assert_no_leaks(gemma_llm)
+
+
+@pytest.mark.skipif(not quant.bf16_gemm_available(quant.CpuIsa.AVX512) or quant.best_isa() < quant.CpuIsa.AVX512,
+                    reason="this CPU has no native bf16 GEMM on an AVX-512 path (AVX512_BF16 or AMX): wide steps stay "
+                    "float32 here")
+def test_bf16_wide_steps_keep_prompt_logprobs_near_transformers(gemma_gguf, gemma_prompts, gemma_reference,
+                                                                 monkeypatch) -> None:
+    """The default on a CPU with native bf16 (the suite turns it off, tests/conftest.py): the K-quants' prefill
+    chunks past the int8 kernel's width multiply bf16 (ModelInfo says so), and the long prompts' logprobs, whose
+    chunks are that wide, stay within BF16_LOGPROB of transformers' float32 ones, and past the 1e-3 that float32
+    steps hold (test_greedy_and_prompt_logprobs_match_transformers): the bf16 path ran."""
+    monkeypatch.setattr(quant, "_wanted", quant._wanted)  # the CPU path this build selects is undone afterwards
+    monkeypatch.setattr(quant, "_selected", quant._selected)
+    monkeypatch.setenv("TANDEM_NATIVE_BF16", "1")
+    long = [i for i, ids in enumerate(gemma_reference.prompt_ids) if len(ids) > 256]
+    llm = LLM(EngineConfig(model=str(gemma_gguf)))
+    assert llm.engine.model_info()["cpu_kernels"].endswith(" bf16-wide")
+    outs = llm.generate([gemma_prompts[i] for i in long], SamplingParams(max_tokens=1, temperature=0.0,
+                                                                         prompt_logprobs=0))
+    errors = [max(abs(lp[t] - r) for lp, t, r in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:],
+                                                      gemma_reference.prompt_logprobs[i]))
+              for out, i in zip(outs, long)]
+    assert long and max(errors) <= BF16_LOGPROB and min(errors) > 1e-3, errors
+    assert_no_leaks(llm)

@@ -33,5 +33,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_kernel", &int8_kernel, "the int8-activation kernel of a CPU path: vnni, avx2 or '' (none)");
   m.def("quant_matmul", &quant_matmul, "x @ dequantize(w).T for small M (CPU, float32)");
   m.def("dequantize", &dequantize, "rows [start, start + count) as float32");
+  m.def("dequantize_bf16", &dequantize_bf16, "rows [start, start + count) as bfloat16 (the wide steps' bf16 GEMM)");
   m.def("dequantize_rows", &dequantize_rows, "the rows named by ids as float32 (embedding lookup)");
 }

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -249,6 +250,37 @@ torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor 
 #pragma omp parallel for num_threads(num_threads_for(count / 16 + 1)) schedule(static)
   for (int64_t r = 0; r < count; ++r)
     dequant_row_isa(isa, fmt, row_ptr(w, start + r), scale_of(scales, fmt, start + r), K, o + r * K);
+  return out;
+}
+
+// float32 -> bfloat16 bits, rounded to nearest even as torch's `.to(torch.bfloat16)` rounds (a NaN stays a quiet
+// NaN); a plain integer loop the compiler vectorizes.
+static inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Rows [start, start + count) as bfloat16 [count, K] for the wide steps' bf16 GEMM (kernels/quant.py): each row
+// dequantized into a per-thread float32 buffer (L1-sized for every K here) and rounded once, so the values are
+// exactly `dequantize(...).to(torch.bfloat16)` at half the memory traffic of writing float32 first.
+torch::Tensor dequantize_bf16(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, int64_t start,
+                              int64_t count, int64_t isa) {
+  check(w, fmt, K, scales, isa);
+  TORCH_CHECK(start >= 0 && count >= 0 && start + count <= w.size(0), "dequantize_bf16: rows out of range");
+  auto out = torch::empty({count, K}, torch::dtype(torch::kBFloat16));
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+#pragma omp parallel num_threads(num_threads_for(count / 16 + 1))
+  {
+    std::vector<float> row(K);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < count; ++r) {
+      dequant_row_isa(isa, fmt, row_ptr(w, start + r), scale_of(scales, fmt, start + r), K, row.data());
+      uint16_t* dst = o + r * K;
+      for (int64_t k = 0; k < K; ++k) dst[k] = bf16_bits(row[k]);
+    }
+  }
   return out;
 }
 

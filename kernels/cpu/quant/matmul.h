@@ -54,6 +54,8 @@ torch::Tensor quant_matmul_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, i
 std::string int8_kernel(int64_t isa);
 torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, int64_t start, int64_t count,
                          int64_t isa);
+torch::Tensor dequantize_bf16(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, int64_t start,
+                              int64_t count, int64_t isa);
 torch::Tensor dequantize_rows(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, torch::Tensor ids,
                               int64_t isa);
 
