@@ -67,8 +67,8 @@ _SMALL_M = {"avx512": 16, "avx2": 16, "portable": 16}
 _INT8_KQUANT_M = {"vnni": 64, "avx2": 32}
 # Where the wider steps multiply bf16 on AMX tiles (`CpuPath.bf16_gemm` on a CPU with AMX) the bf16 GEMM overtakes the
 # int8 kernel sooner: measured 2026-12-02 (2-core Xeon with AMX, 2 threads, idle, median of 7; the 1.7B projections
-# and Gemma 3 270M's 640x2048 Q6_K): bf16 0.75-1.25x the vnni kernel's time at 32 rows, 0.65-0.95x at 48, 0.5-0.75x
-# at 64, 0.35-0.5x at 128, 0.16-0.2x at 512 (kernels/README.md "Quantized matmul").
+# and Gemma 3 270M's 640x2048 Q6_K): bf16 0.85-1.2x the vnni kernel's time at 32 rows, 0.67-0.94x at 48, 0.52-0.77x
+# at 64, 0.38-0.46x at 128, 0.11-0.18x at 512 (kernels/README.md "Quantized matmul").
 _INT8_KQUANT_M_AMX = {"vnni": 32, "avx2": 32}
 TILE_BYTES = 1 << 20
 # The bf16 wide path's tiles of dequantized weights (`_bf16_gemm`): 8 MiB measured best of 1-16 MiB (2026-12-02, AMX,
@@ -278,6 +278,18 @@ def int8_rows(isa: CpuIsa, fmt: str, bf16: bool = False) -> int | None:
 def amx() -> bool:
     """Whether this CPU has AMX tiles (oneDNN's bf16 GEMM runs ~6x its float32 rate on them)."""
     return bool(torch.cpu._is_amx_tile_supported())
+
+
+def register_rows(fmt: str, activations: Activations, isa: CpuIsa | None = None) -> int | None:
+    """The most rows `matmul` keeps on an in-register kernel for `fmt` under `activations` on path `isa` (default:
+    this process's): the int8 kernel's width where it takes the format (`int8_rows`, None: every width), else
+    `small_m`. The layer walker takes decode steps up to the least of its projections' widths, so a step gives the
+    same bits walked or looped."""
+    path = cpu_path()
+    isa = path.isa if isa is None else isa
+    if takes_int8(activations, fmt) and int8_kernel(isa):
+        return int8_rows(isa, fmt, path.bf16_gemm and isa is CpuIsa.AVX512)
+    return small_m(isa)
 
 
 def kernel_path() -> str:

@@ -103,10 +103,11 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.ops: TorchOps = TorchOps()
         self.walker = None  # the C++ layer walker of small decode steps (`layer_walker`), when the model has one
+        self.walker_rows = 0  # the widest decode step it takes (decoder_walker.walker_rows)
         self.kernels = "auto"  # the attention backend (TANDEM_KERNELS, kernels/dispatch.py)
 
-    def use_ops(self, ops: TorchOps, walker=None, kernels: str = "auto") -> "DecoderForCausalLM":
-        self.ops, self.walker, self.kernels = ops, walker, kernels
+    def use_ops(self, ops: TorchOps, walker=None, kernels: str = "auto", walker_rows: int = 0) -> "DecoderForCausalLM":
+        self.ops, self.walker, self.kernels, self.walker_rows = ops, walker, kernels, walker_rows
         return self
 
     def forward(self, input_ids, positions, kv_caches: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -124,8 +125,8 @@ class DecoderForCausalLM(nn.Module):
         # Decided once for all layers: backend, decode-only or mixed, which slots to write.
         paged = kernels.plan_step(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, h,
                                   kv_caches, self.kernels)
-        if self.walker is not None and paged.backend == "cpp" and paged.decode_only and T <= quant.small_m(
-                quant.cpu_isa()):  # a few sequences decoding: every layer in one C++ call
+        if self.walker is not None and paged.backend == "cpp" and paged.decode_only and T <= self.walker_rows:
+            # sequences decoding, as many as every projection's in-register kernel takes: every layer in one C++ call
             return self.walker.forward(h, residual, kv_caches, [c for c, _ in tables], [s for _, s in tables],
                                        paged.slot_mapping, paged.block_tables, paged.seq_lens, int(quant.cpu_isa()))
         keys, values = kv_caches.unbind(1)  # [layers, blocks, ...] each: two views here, not two per layer

@@ -1,6 +1,8 @@
-"""The C++ walker of a decoder's layers (kernels/quant.py `decode_layers`): every layer of a small decode-only step
-in one call, built once from the loaded model's blocks and norms."""
+"""The C++ walker of a decoder's layers (kernels/quant.py `decode_layers`): every layer of a decode-only step of up to
+`walker_rows` rows in one call, built once from the loaded model's blocks and norms."""
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import nn
@@ -33,6 +35,17 @@ def layer_walker(model: DecoderForCausalLM):
                          layer.mlp_norm.weight, weight(layer.mlp_post_norm), next_norm.weight, attn.scale,
                          attn.window, attn.softcap, attn.rope)
     return walker
+
+
+def walker_rows(model: DecoderForCausalLM) -> int:
+    """The widest decode step the walker takes: the least width (`quant.register_rows`) of every projection part's
+    in-register kernel on this process's path, so the walker and the layer loop multiply a step with the same
+    kernels (bit for bit); `sys.maxsize` where every part's kernel takes every width (the K-quants' int8 kernel on a
+    CPU without AVX-512)."""
+    widths = [quant.register_rows(p.qweight.fmt, p.activations) for layer in model.model.layers
+              for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+              for p in (m.parts if isinstance(m, ConcatLinear) else [m])]
+    return min((sys.maxsize if w is None else w) for w in widths)
 
 
 def _walker_projection(module: nn.Module):

@@ -11,7 +11,7 @@ from kernels.quant import QuantWeight
 from engine.models.decoder import ConcatLinear, DecoderForCausalLM, RopeTable
 from engine.models.decoder_args import DecoderArgs, Family
 from engine.models.decoder_ops import FusedOps, select_ops
-from engine.models.decoder_walker import layer_walker
+from engine.models.decoder_walker import layer_walker, walker_rows
 from engine.models.quantized import QuantizedEmbedding, QuantizedLinear
 from engine.settings import Settings
 
@@ -130,7 +130,7 @@ def build_decoder(args: DecoderArgs, weights: dict[str, Weight], device: str = "
     model = model.to(device).eval()
     ops = select_ops(device, dtype, settings.fused_ops)
     walker = layer_walker(model) if isinstance(ops, FusedOps) and settings.layer_walker else None
-    return model.use_ops(ops, walker, settings.kernels)
+    return model.use_ops(ops, walker, settings.kernels, walker_rows(model) if walker is not None else 0)
 
 
 def _linear_from(weight: torch.Tensor) -> nn.Linear:
