@@ -11,7 +11,9 @@ per output channel) and `matmul(x, w)` computes `x @ dequantize(w).T` in float32
   from dequantize-then-matmul only in summation order;
 * wide M: tiles of rows dequantized into float32 and multiplied by BLAS (`torch.mm`), so a wide step costs one
   pass of dequantization (cheap against M rows of FLOPs) and runs at GEMM speed (the K-quants with int8 activations
-  stay on their int8 kernel to `int8_rows`: wider than small M, and every width on a host without AVX-512).
+  stay on their int8 kernel to `int8_rows`: wider than small M, and every width on a host without AVX-512); where
+  the activations are rounded anyway (int8 for the format) and the CPU multiplies bf16 natively, the tiles are
+  dequantized into bf16 for oneDNN's bf16 GEMM instead (`CpuPath.bf16_gemm`, `_bf16_gemm`).
 
 The CPU path (`CpuIsa`: AVX-512, AVX2, portable) is chosen once per process: the widest this CPU has, or
 `TANDEM_CPU_ISA=avx2|portable` to force a narrower one (`select_cpu_path`, called by the engine's builder with
