@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import linear as _linear
+
 log = logging.getLogger("tandem.kernels")
 # cpu/quant/: block formats, one file per CPU path, the matmul entry points, fused ops, the layer walker, the binding
 _SOURCE_DIR = Path(__file__).parent / "cpu" / "quant"
@@ -202,9 +204,13 @@ def bf16_gemm_available(isa: CpuIsa) -> bool:
     """Whether wide steps can multiply bfloat16 on path `isa`: the AVX-512 path (a forced narrower one stands for a
     CPU without AVX-512, and no CPU without it has bf16 dot products) on a CPU whose oneDNN multiplies bf16 natively
     (kernels.linear.native_bf16: AVX512_BF16 or AMX)."""
-    from kernels.linear import native_bf16
+    return isa is CpuIsa.AVX512 and _linear.native_bf16()
 
-    return isa is CpuIsa.AVX512 and native_bf16()
+
+def _bf16_wide(path: CpuPath, isa: CpuIsa) -> bool:
+    """Whether a call on path `isa` (the process's, or one a test forces) takes the process's bf16 wide steps: only
+    on the AVX-512 path they were chosen for."""
+    return path.bf16_gemm and isa is CpuIsa.AVX512
 
 
 def cpu_isa() -> CpuIsa:
@@ -290,7 +296,7 @@ def register_rows(fmt: str, activations: Activations, isa: CpuIsa | None = None)
     path = cpu_path()
     isa = path.isa if isa is None else isa
     if takes_int8(activations, fmt) and int8_kernel(isa):
-        return int8_rows(isa, fmt, path.bf16_gemm and isa is CpuIsa.AVX512)
+        return int8_rows(isa, fmt, _bf16_wide(path, isa))
     return small_m(isa)
 
 
@@ -358,7 +364,7 @@ def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
     path = cpu_path() if module is not None else None
     isa = path.isa if isa is None and path is not None else isa
     if bf16 is None:
-        bf16 = path is not None and path.bf16_gemm and isa is CpuIsa.AVX512
+        bf16 = path is not None and _bf16_wide(path, isa)
     if module is not None:
         rows = x.shape[0]
         reduced = takes_int8(activations, w.fmt)

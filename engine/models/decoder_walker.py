@@ -25,8 +25,8 @@ def layer_walker(model: DecoderForCausalLM):
         return None
     layers = model.model.layers
     for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        projections = [_walker_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        attn = layer.self_attn
+        projections = [_walker_projection(m) for m in _projections(layer)]
         if any(p is None for p in projections):
             return None
         weight = lambda norm: None if norm is None else norm.weight  # noqa: E731
@@ -43,14 +43,23 @@ def walker_rows(model: DecoderForCausalLM) -> int:
     kernels (bit for bit); `sys.maxsize` where every part's kernel takes every width (the K-quants' int8 kernel on a
     CPU without AVX-512)."""
     widths = [quant.register_rows(p.qweight.fmt, p.activations) for layer in model.model.layers
-              for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-              for p in (m.parts if isinstance(m, ConcatLinear) else [m])]
+              for m in _projections(layer) for p in _parts(m)]
     return min((sys.maxsize if w is None else w) for w in widths)
+
+
+def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """A layer's four projections, in the order the walker takes them."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _parts(module: nn.Module) -> list[nn.Module]:
+    """A projection's parts: those of a ConcatLinear, else the projection itself."""
+    return list(module.parts) if isinstance(module, ConcatLinear) else [module]
 
 
 def _walker_projection(module: nn.Module):
     """A walker projection of a QuantizedLinear or a ConcatLinear of them (C++ formats, one kind of activations)."""
-    parts = list(module.parts) if isinstance(module, ConcatLinear) else [module]
+    parts = _parts(module)
     if not all(isinstance(p, QuantizedLinear) and p.qweight.fmt in quant.CPP_FORMATS for p in parts):
         return None
     if len({p.activations for p in parts}) != 1:
