@@ -119,6 +119,7 @@ def test_bf16_wide_steps_keep_prompt_logprobs_near_transformers(gemma_gguf, gemm
     monkeypatch.setattr(quant, "_wanted", quant._wanted)  # the CPU path this build selects is undone afterwards
     monkeypatch.setattr(quant, "_selected", quant._selected)
     monkeypatch.setenv("TANDEM_NATIVE_BF16", "1")
+    monkeypatch.delenv("TANDEM_CPU_ISA", raising=False)  # the default path, also in a run that forces a narrower one
     long = [i for i, ids in enumerate(gemma_reference.prompt_ids) if len(ids) > 256]
     llm = LLM(EngineConfig(model=str(gemma_gguf)))
     assert llm.engine.model_info()["cpu_kernels"].endswith(" bf16-wide")
