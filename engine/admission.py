@@ -1,23 +1,27 @@
-"""Admission: a pure planner that says how much of each kind of waiting work a step may take.
+"""Admission: a planner that says how much of each kind of waiting work a step may take.
 
 The scheduler builds a `StepView` (what already rides: the decodes; what waits, per kind of work: its most urgent
-head's priority and age, its smallest unit, how long the kind went without progress) and asks its policy for a
-`Quota`: an ordered list of `Grant`s (a kind, at most so many tokens and new seats). The scheduler alone fills the
-batch from the quota, in order; the policy never sees the scheduler's queues. `plan` is a function of the view and
-of the step-time model's coefficients: the same view gives the same quota.
+head's priority, its smallest unit, the tokens that could run) and asks its policy for a `Quota`: an ordered list of
+`Grant`s (a kind, at most so many tokens and new seats). The scheduler alone fills the batch from the quota, in order;
+the policy never sees the scheduler's queues. `plan` is a function of the view, of the step-time model's coefficients
+and of the policy's ledger (below), which only `observe` writes: the same view gives the same quota.
 
 Two policies:
 
-* `LatencyAdmission`, the default: while decodes ride in a step, every other kind of work fills only the headroom
-  the step-time model predicts under the objective T (a fixed `tpot_target_s`, or, with None, `auto_factor` x the
-  predicted step of the running decodes and the chats waiting to join them, up to the rows the model's narrow path
-  takes, floored at `min_target_s`: chats keep >= 80% of the speed they have together).
-  Until the model is ready (calibrated at start-up, or after its first few steps) the fallback plans. Kinds at the
-  most urgent priority split the headroom evenly, then each may take what the others left. One
-  minimum-progress rule replaces floors and caps: a kind that waits and got nothing gets its smallest unit when that
-  unit fits under T by itself (the margin aside), or, having waited `progress_steps` steps or `progress_s` seconds,
-  whatever it costs. Work more urgent than every decode is not held to the objective. With no decodes in
-  the step there is nothing to protect: `fallback` (a ShareAdmission) decides.
+* `LatencyAdmission`, the default: shares of each step's time. While decodes ride in a step and other work waits,
+  the step has a time beside the decodes: under the automatic target the others' share of the step (the decodes get
+  `decode_share` of it: T = the predicted step of the running decodes and the chats waiting to join them, up to the
+  rows of the model's narrow path, / decode_share); under a fixed `tpot_target_s` what T (less the model's margin, as
+  the cadence guard scales it) leaves beside the decodes (a T the decodes alone break: the automatic share). One rule
+  splits that time among the kinds that wait (prompts, LLM-scored pairs, cross-encoder pairs, embedding rows) by
+  weight (`weights`, halved per priority level below the most urgent waiting one): each kind's owed seconds, plus
+  what the ledger saved for it, buy its tokens as the step-time model prices them; then each may take what the
+  others left (work-conserving). The ledger keeps, per waiting kind, the time it was owed and could not use, up to
+  the price of its least unit: a unit bigger than a step's share (a cross-encoder pair, an encoder stage) rides once
+  its share has saved for it, and a chunk's leftover is carried, so over a run every kind gets its share. Under a
+  fixed T a step stays under its limit except for such a saved-for unit. Work more urgent than every decode is not
+  held to the objective. Until the model is ready (calibrated at start-up, or after its first few steps), and with no
+  decodes in the step (nothing to protect), `fallback` (a ShareAdmission) decides.
 * `ShareAdmission` (`tpot_target_ms` off): plain budget filling; while generation needs the step too, scoring work
   gets `rerank_share` of the budget and seats first.
 """
@@ -26,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from engine.batch import Batch
+from engine.batch import Batch, Owed
 from engine.cadence import CadenceGuard
 from engine.config import EngineConfig
 from engine.step_time import OnlineStepTime, StepShape, TokenKind
@@ -46,11 +50,9 @@ class Waiting:
     priority: int  # the most urgent head's (aged) priority: lower goes first
     urgency: int  # the priority it is weighed against the decodes at (the scheduler's `_urgency`)
     arrival: int  # that head's arrival order
-    unit: int  # what minimum progress gives: a chunk of a prompt or an LLM-scored pair, one stage, a whole pair
+    unit: int  # its natural unit: a chunk of a prompt or an LLM-scored pair, one stage, a whole pair
     least: int  # the fewest tokens of that head a step can take (a token of a chunked kind, else `unit`)
     tokens: int  # tokens of this kind that could run (what any grant can use at most)
-    steps_waited: int = 0  # steps in a row this kind waited and none of it rode
-    seconds_waited: float = 0.0  # seconds since it last rode (or since it began to wait)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +86,8 @@ class Quota:
     budget: int | None = None  # the step's token budget, when the policy widens it (None: the scheduler's)
     target_s: float | None = None  # the step time the decodes are kept under (None: no objective in this step)
     limit_s: float | None = None  # the predicted step time admissions were planned under
-    planned: bool = False  # the objective sized admissions beside decodes (beyond minimum progress)
+    planned: bool = False  # the objective sized admissions beside decodes
+    owed: tuple[Owed, ...] = ()  # the share of this step each waiting kind was owed (the ledger settles it)
 
 
 @runtime_checkable
@@ -125,51 +128,64 @@ class ShareAdmission(AdmissionPolicy):
         return Quota((Grant(TokenKind.PREFILL), Grant(None)))
 
 
+# How the time a step leaves beside the decodes is split among the kinds of work that wait (at one priority; a kind
+# `p` levels less urgent than the most urgent waiting one weighs 2**-p of this).
+DEFAULT_WEIGHTS = {TokenKind.PREFILL: 1.0, TokenKind.LLM_RERANK: 1.0, TokenKind.CROSS_ENCODER: 1.0,
+                   TokenKind.EMBED: 1.0}
+
+
 @dataclass(slots=True)
 class LatencyAdmission(AdmissionPolicy):
-    """The latency objective (see the module docstring). `tpot_target_s` None: the automatic target."""
+    """The latency objective, as shares of each step's time (see the module docstring). `tpot_target_s` None: the
+    automatic target (the decodes take `decode_share` of each step while other work waits)."""
     tpot_target_s: float | None = None
     model: "LinearStepTime" = field(default_factory=OnlineStepTime)
-    auto_factor: float = 1.25  # automatic target: this x the predicted step of the decodes and the chats joining them
-    min_target_s: float = 0.005  # ... and never under this
-    progress_steps: int = 16  # a kind that got nothing this many steps in a row gets its unit whatever it costs
-    progress_s: float = 1.0  # ... and likewise after this many seconds
+    decode_share: float = 0.75  # automatic target: the decodes' share of a step's time while other work waits
+    weights: dict[TokenKind, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    min_target_s: float = 0.005  # the automatic target is never under this
     rerank_share: float = 0.5  # the fallback's (no decodes in the step)
     fallback: AdmissionPolicy | None = None
     cadence: CadenceGuard | None = None
+    # The ledger: seconds of step time each waiting kind was owed and could not use yet (its least unit cost more),
+    # written by observe() alone, read by plan().
+    credit: dict[TokenKind, float] = field(default_factory=dict)
 
     observes_steps = True
 
     def __post_init__(self) -> None:
         if self.tpot_target_s is not None and not self.tpot_target_s > 0:
             raise ValueError(f"tpot_target_s must be > 0 or None (automatic), got {self.tpot_target_s!r}")
-        if not self.auto_factor >= 1.0 or not self.min_target_s > 0:
-            raise ValueError(f"auto_factor must be >= 1 and min_target_s > 0, got {self.auto_factor!r}, "
+        if not 0.0 < self.decode_share < 1.0 or not self.min_target_s > 0:
+            raise ValueError(f"decode_share must be in (0, 1) and min_target_s > 0, got {self.decode_share!r}, "
                              f"{self.min_target_s!r}")
-        if self.progress_steps < 1 or not self.progress_s > 0:
-            raise ValueError(f"progress_steps must be >= 1 and progress_s > 0, got {self.progress_steps!r}, "
-                             f"{self.progress_s!r}")
+        unknown = set(self.weights) - set(TokenKind)
+        if unknown or any(not w > 0 for w in self.weights.values()):
+            raise ValueError(f"weights must map kinds of work to weights > 0, got {self.weights!r}")
+        self.weights = {**DEFAULT_WEIGHTS, **self.weights}
         if self.fallback is None:
             self.fallback = ShareAdmission(self.rerank_share)
 
     def target_for(self, shape: StepShape, joining: int = 0) -> float:
         """T for a step whose decodes are `shape`, `joining` more chats about to decode beside them: the fixed
-        target, or the automatic one, priced at the decode step they will share (a burst of chats is not fed to the
-        first one's step a few prompt tokens at a time), up to the rows of the model's narrow path (past it, a
-        step's price jumps: a burst of 32 would widen T for scoring work too)."""
+        target, or the automatic one: the decode step they will share (a burst of chats is not fed to the first
+        one's step a few prompt tokens at a time), up to the rows of the model's narrow path (past it, a step's
+        price jumps: a burst of 32 would widen T for the other work too), over the decodes' share."""
         if self.tpot_target_s is not None:
             return self.tpot_target_s
         rows = shape.decode_rows + joining
         if self.model.wide_rows is not None:
             rows = min(rows, max(shape.decode_rows, self.model.wide_rows))
         context = shape.decode_context_tokens * rows // max(1, shape.decode_rows)
-        return max(self.min_target_s, self.auto_factor * self.model.predict(StepShape(rows, context)))
+        return max(self.min_target_s, self.model.predict(StepShape(rows, context)) / self.decode_share)
 
     def limit_for(self, target_s: float) -> float:
-        """The predicted step time admissions stay under: T less the model's error margin, scaled by the cadence
-        guard (0 until the model is ready)."""
+        """The predicted step time admissions stay under: a fixed T less the model's error margin, scaled by the
+        cadence guard; the automatic T as it is (a share of time, not a bound to hold each step to). 0 until the
+        model is ready."""
         if not self.model.ready:
             return 0.0
+        if self.tpot_target_s is None:
+            return target_s
         return self._scale() * target_s / (1.0 + self.model.margin())
 
     def _scale(self) -> float:
@@ -179,10 +195,27 @@ class LatencyAdmission(AdmissionPolicy):
         return self.model.predict(StepShape.of_batch(batch))
 
     def observe(self, record: "StepRecord") -> None:
-        self.model.observe(StepShape.of_record(record), record.duration_s)
-        if self.cadence is not None and record.target_s is not None:
+        shape = StepShape.of_record(record)
+        self.model.observe(shape, record.duration_s)
+        if self.cadence is not None and record.target_s is not None and self.tpot_target_s is not None:
             self.cadence.observe(record.start_time, record.duration_s, record.decode_tokens > 0, record.planned,
                                  record.target_s)
+        self._settle(shape, record.owed)
+
+    def _settle(self, shape: StepShape, owed: tuple[Owed, ...]) -> None:
+        """The ledger after a step: each kind that was owed time keeps what it was owed and did not use (priced by the
+        model beside the step's decodes), up to its least unit's cost (it saves for one unit it could not afford, or
+        carries the remainder a whole unit left over, no more), never below 0 (time it took beyond its share was time
+        nobody else wanted); a kind that no longer waits keeps nothing."""
+        decodes = StepShape(shape.decode_rows, shape.decode_context_tokens)
+        base = self.model.predict(decodes)
+        credit = {}
+        for o in owed:
+            used = getattr(shape, o.kind.value)
+            cost = self.model.predict(_plus(decodes, o.kind, used)) - base if used else 0.0
+            left = self.credit.get(o.kind, 0.0) + o.seconds - cost
+            credit[o.kind] = min(max(left, 0.0), o.unit_s)
+        self.credit = credit
 
     def plan(self, view: StepView) -> Quota:
         if view.decode_priority is None or not self.model.ready:
@@ -192,7 +225,6 @@ class LatencyAdmission(AdmissionPolicy):
             return replace(self.fallback.plan(view), target_s=fixed,
                            limit_s=None if fixed is None else self.limit_for(fixed))
         target = self.target_for(view.shape, view.joining)
-        limit = self.limit_for(target)
         grants: list[Grant] = []
         shape = view.shape
         urgent = [w for w in view.waiting if w.urgency < view.decode_priority]
@@ -200,47 +232,43 @@ class LatencyAdmission(AdmissionPolicy):
         for w in urgent:  # more urgent than every decode: not held to the objective
             grants.append(Grant(w.kind, None, None))
             shape = _plus(shape, w.kind, min(w.tokens, view.budget))
-        got: dict[TokenKind, int] = {w.kind: w.tokens for w in urgent}
-        planned = False
-        # The most urgent priority's kinds split the headroom evenly (each priced as itself, each at least its least
-        # unit while the headroom holds it), in arrival order.
-        first = [w for w in held if w.priority == held[0].priority] if held else []
-        now = self.model.predict(shape)
-        for i, w in enumerate(first):
-            cap = now + max(0.0, limit - now) / (len(first) - i) if len(first) > 1 else limit
-            n = self._fit(shape, w, cap, view.budget - sum(got.values()))
-            if not n and self.model.predict(_plus(shape, w.kind, w.least)) <= limit:
-                n = w.least  # a share too small for its least unit: that unit, while the headroom holds it
+        left = view.budget - sum(min(w.tokens, view.budget) for w in urgent)
+        # The one rule: the time the step has beside its decodes (a fixed T first: what it leaves; the automatic T:
+        # the others' share of the step) is split among the waiting kinds by weight, each adding what the ledger
+        # saved for it; then each may take what the others left, up to the step's limit.
+        decodes = self.model.predict(shape)
+        limit = self.limit_for(target)
+        feasible = limit > decodes
+        if not feasible:  # a fixed T the decodes alone break: the shares hold as under the automatic T
+            limit = decodes / self.decode_share
+        free = limit - decodes
+        best = min((w.priority for w in held), default=0)
+        weight = {w.kind: self.weights[w.kind] * 0.5 ** min(w.priority - best, 30) for w in held}
+        total = sum(weight.values())
+        owed = tuple(Owed(w.kind, free * weight[w.kind] / total,
+                          self.model.predict(_plus(view.shape, w.kind, w.least)) - self.model.predict(view.shape))
+                     for w in held)
+        owed_of = {o.kind: o for o in owed}
+        got: dict[TokenKind, int] = {}  # tokens granted per kind, in the order the scheduler fills them
+        # kinds with the most saved first: a unit saved for rides before the others' shares fill the step
+        for w in sorted(held, key=lambda w: -self.credit.get(w.kind, 0.0)):
+            o = owed_of[w.kind]
+            cap = self.model.predict(shape) + o.seconds + self.credit.get(w.kind, 0.0)
+            if feasible and self.tpot_target_s is not None and o.unit_s <= free:
+                cap = min(cap, limit)  # a user's T: held, unless the ledger saved for a unit that never fits under it
+            n = self._fit(shape, w, cap, left - sum(got.values()))
             if n:
-                grants.append(Grant(w.kind, n, _seats(view.free_seats, len(first)) if len(first) > 1 else None))
-                shape, got[w.kind], planned = _plus(shape, w.kind, n), got.get(w.kind, 0) + n, True
-            now = self.model.predict(shape)
-        for w in held:  # then every kind, most urgent first, what the others left
-            n = self._fit(shape, w, limit, view.budget - sum(got.values()))
-            if n:
-                grants.append(Grant(w.kind, n))
-                shape, got[w.kind], planned = _plus(shape, w.kind, n), got.get(w.kind, 0) + n, True
-        for w in held:  # minimum progress
-            if got.get(w.kind, 0):
-                continue
-            # priced: the unit rides when the step stays under T with it (a plan the cadence guard then judges);
-            # unpriced: after its wait bound, whatever it costs (the guard does not count such a step)
-            unit = self._narrow_unit(shape, w)
-            with_unit = self.model.predict(_plus(shape, w.kind, unit)) if self.model.ready else float("inf")
-            fits = with_unit <= target
-            if fits or w.steps_waited >= self.progress_steps or w.seconds_waited >= self.progress_s:
-                grants.append(Grant(w.kind, unit, 1))
-                shape, got[w.kind] = _plus(shape, w.kind, unit), got.get(w.kind, 0) + unit
-                planned = planned or with_unit <= self._scale() * target  # within what the guard allows now
-        return Quota(tuple(grants), target_s=target, limit_s=limit, planned=planned)
-
-    def _narrow_unit(self, shape: StepShape, w: Waiting) -> int:
-        """`w`'s unit, or, for a chunked kind whose unit would take the step onto the model's costlier wide path,
-        the tokens left before it (`narrow_room`): 8 decodes + a 16-token chunk would go wide, 8 + 8 stay narrow."""
-        room = self.model.narrow_room(shape, w.kind)
-        if room is not None and w.least < w.unit and 0 < room < w.unit:
-            return max(w.least, room)
-        return w.unit
+                shape, got[w.kind] = _plus(shape, w.kind, n), n
+        for w in held:  # work-conserving: what the others left, most urgent first
+            n = self._fit(shape, w, limit, left - sum(got.values()))
+            if n and (w.kind not in got or got[w.kind] < w.tokens):
+                n = min(n, w.tokens - got.get(w.kind, 0))
+                shape, got[w.kind] = _plus(shape, w.kind, n), got.get(w.kind, 0) + n
+        seats = _seats(view.free_seats, len(held)) if len(held) > 1 else None
+        grants += [Grant(kind, n, seats) for kind, n in got.items()]
+        # planned: work sized under the target beside the decodes (what the cadence guard judges)
+        planned = bool(got) and feasible and self.model.predict(shape) <= limit * (1 + 1e-9)
+        return Quota(tuple(grants), target_s=target, limit_s=limit, planned=planned, owed=owed)
 
     def _fit(self, shape: StepShape, w: Waiting, limit: float, budget: int) -> int:
         """Tokens of `w`'s kind under `limit` (0 when fewer than the least of it a step can take fit)."""
@@ -272,5 +300,5 @@ def policy_for(config: EngineConfig, given: AdmissionPolicy | None = None, wide_
     if config.tpot_target_ms is None:
         return ShareAdmission(config.rerank_share)
     target = None if config.tpot_target_ms == AUTO else config.tpot_target_ms / 1000
-    return LatencyAdmission(target, model=OnlineStepTime(wide_rows=wide_rows), rerank_share=config.rerank_share,
-                            cadence=CadenceGuard())
+    return LatencyAdmission(target, model=OnlineStepTime(wide_rows=wide_rows), decode_share=config.decode_share,
+                            rerank_share=config.rerank_share, cadence=CadenceGuard() if target is not None else None)

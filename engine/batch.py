@@ -7,6 +7,17 @@ from engine.request import RowExec, Sequence
 from engine.step_time import TokenKind, work_kind
 
 
+@dataclass(frozen=True, slots=True)
+class Owed:
+    """What a latency policy owed one kind of waiting work in a step: `seconds` of the step's time (its share), and
+    `unit_s`, what that kind's least unit costs beside the decodes (a kind may save up to that much, no more). The
+    policy hands it out in its Quota, the step carries it, and the policy's ledger settles it when it observes the
+    step's record (engine/admission.py)."""
+    kind: TokenKind
+    seconds: float
+    unit_s: float
+
+
 @dataclass(slots=True)
 class Batch:
     """What one step computes: for each sequence, its next num_new_tokens tokens."""
@@ -34,6 +45,7 @@ class Batch:
     target_s: float | None = None
     limit_s: float | None = None
     planned: bool = False
+    owed: tuple[Owed, ...] = ()
 
     def add(self, seq: Sequence, n: int, stages: tuple[int, int] | None = None) -> None:
         """`n` tokens of `seq`; an encoder row gives the stages it runs (n is then what they cost; default: the rest)."""

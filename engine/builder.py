@@ -21,6 +21,7 @@ from engine.kv_cache import BlockPool, KVCacheManager
 from engine.models import gguf_file
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.decoder_args import DecoderArgs
+from engine.models.decoder_walker import narrow_rows
 from engine.models.decoder_weights import Weight, build_decoder
 from engine.models.encoder_loader import same_encoder
 from engine.models.loader import ModelSource, load_state_dict, read_config, resolve_model, resolve_model_dir
@@ -60,6 +61,7 @@ class EngineParts:
     weight_bytes: int
     weight_format: str
     cpu_kernels: str  # the CPU path the quantized matmuls take ("avx512", "avx2", "portable"); "" when none do
+    narrow_rows: int | None  # LLM rows a step may have and keep every matmul on its narrow kernel (None: no limit)
 
 
 class _NoLengthWarning(logging.Filter):
@@ -87,10 +89,8 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     source = resolve_model(config.model, settings.cache_dir)
     model_dir = source.meta_dir
     quantization = resolve_quantization(config, source.gguf is not None)
-    # The quantized CPU matmul switches path (dequantize + GEMM) above small_m rows: a fixed cost the objective's
-    # step-time model gets as its own feature.
-    policy = policy_for(config, admission,
-                        wide_rows=quant.small_m(quant.cpu_isa()) if quantization in ("gguf", "int8") else None)
+    if admission is not None:
+        policy_for(config, admission)  # a policy object that is none is refused before anything slow is loaded
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -106,6 +106,10 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     weights = _load_weights(source, args, quantization, settings.cache_dir)
     model = build_decoder(args, weights, config.device, DTYPES[config.dtype],
                           quant.Activations(config.cpu_activations), settings)
+    # The quantized CPU matmuls leave their narrow kernels above the model's narrow_rows (the one owner of that width):
+    # a fixed cost the objective's step-time model gets as its own feature, and the width calibration sweeps past.
+    narrow = narrow_rows(model) if quantization in ("gguf", "int8") else None
+    policy = policy_for(config, admission, wide_rows=narrow)
     cpu_kernels = quant.kernel_path() if quantization in ("gguf", "int8") else ""
     if cpu_kernels and config.cpu_activations == "int8":
         if not quant.int8_activations_available():
@@ -152,7 +156,7 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                        scheduler=Scheduler(config, kv, policy, staged=staged), scorer=scorer, embedder=embedder, runner=runner,
                        eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
                        weight_bytes=weight_bytes(model), weight_format=weight_format(model),
-                       cpu_kernels=cpu_kernels)
+                       cpu_kernels=cpu_kernels, narrow_rows=narrow)
 
 
 def describe_engine(config: EngineConfig, device: torch.device, cpu_kernels: str, rerank_mode: RerankMode,

@@ -7,8 +7,8 @@ between steps. `CadenceGuard` watches that interval for every step that carried 
 plan beside them, and keeps the share of those intervals over the target at `exceed` (0.01: the target is the p99)
 by scaling the limit the policy plans to: each interval over the target cuts the scale by `cut`, each one within it
 raises the scale by cut x exceed / (1 - exceed), so the scale settles where the share of intervals over the target is
-`exceed` (a quantile tracked by stochastic approximation). Steps that hold only decodes and the minimum progress every kind of
-work is owed do not move it: no plan made them, and a smaller plan would not make them shorter.
+`exceed` (a quantile tracked by stochastic approximation). Steps that hold only decodes, or a unit of other work that never fits under the target
+and rode on its saved share, do not move it: no plan made them, and a smaller plan would not make them shorter.
 
 The scale stays in [min_scale, 1]: never above the model's own plan, and never so low that planned work stops.
 """
@@ -48,7 +48,7 @@ class CadenceGuard:
     def observe(self, start: float, duration_s: float, decodes: bool, planned: bool,
                 target_s: float | None = None) -> None:
         """One step: when it started and lasted (the engine's monotonic clock), whether decodes rode in it, whether
-        the policy planned work beside them (beyond minimum progress), and the target it planned to (None: the
+        the policy planned work beside them (within the target), and the target it planned to (None: the
         guard's own)."""
         target = self.target_s if target_s is None else target_s
         if decodes and planned and target is not None:

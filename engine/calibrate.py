@@ -10,16 +10,28 @@ and a later start seeds the model from it in no time. Either way the model keeps
 
 The sweep's requests are ordinary engine requests (ids `calibrate/...`) that finish before the engine serves
 anything; its prompts leave only evictable prefix-cache blocks behind.
+
+A fit taken on a busy host prices every step too high for good (a first start under load once priced 8 decodes at
+1,061 ms where they take 67 ms), so the cache records the host's load with the fit, and:
+
+* a cached fit taken under load (`LOADED`: the 1-minute load average per core) is measured again when the host is
+  now at most half as busy;
+* a cached fit is checked against the engine's first `CHECK_STEPS` real steps (`FitCheck`): when its median
+  relative error on them is over `CHECK_MARGIN`, the online fit those steps refined replaces it in the cache;
+* `TANDEM_RECALIBRATE=1` measures again whatever the cache holds (the start-up line says so).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import platform
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +44,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.engine")
 
-VERSION = 3  # bump when the sweep or the features change: older cached fits are ignored
+LOADED = 0.5  # a fit taken with more than this load per core (1-minute average) was taken on a busy host
+CHECK_STEPS = 32  # real steps a cached fit is checked against
+CHECK_MARGIN = 0.5  # ... and replaced when its median relative error on them is over this
+RECALIBRATE_ENV = "TANDEM_RECALIBRATE"
+
+
+def host_load() -> float:
+    """The host's 1-minute load average per core (0.0 where the OS does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+VERSION = 4  # bump when the sweep or the features change: older cached fits are ignored
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +69,7 @@ class Calibration:
     seconds: float  # how long it took
     cached: bool
     path: Path
+    load: float = 0.0  # the host's load per core when the fit was measured
 
     def summary(self) -> str:
         c = self.coefficients
@@ -54,7 +80,8 @@ class Calibration:
                 f"{c['prefill_tokens'] * 1e3:.3f} ms, an LLM pair token {c['llm_rerank_tokens'] * 1e3:.3f} ms, "
                 f"wide-path jump {c['wide_forward'] * 1e3:.1f} ms; embedder forward {c['embed_forward'] * 1e3:.2f} "
                 f"ms + {c['embed_tokens'] * 1e3:.3f} ms a token; cross-encoder forward "
-                f"{c['cross_encoder_forward'] * 1e3:.2f} ms + {c['cross_encoder_tokens'] * 1e3:.3f} ms a token")
+                f"{c['cross_encoder_forward'] * 1e3:.2f} ms + {c['cross_encoder_tokens'] * 1e3:.3f} ms a token; "
+                f"measured at load {self.load:.2f} a core ({RECALIBRATE_ENV}=1 measures it again)")
 
 
 def cache_key(engine: "LLMEngine") -> str:
@@ -67,40 +94,87 @@ def cache_key(engine: "LLMEngine") -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
-def calibrate(engine: "LLMEngine", cache_dir: Path, time_budget_s: float = 20.0) -> Calibration | None:
-    """Fit `engine`'s step-time model to this machine (or seed it from the cache); None when its admission policy
-    has no online step-time model (the objective is off, or a policy object was given)."""
+def calibrate(engine: "LLMEngine", cache_dir: Path, time_budget_s: float = 20.0,
+              load: Callable[[], float] = host_load, force: bool | None = None) -> Calibration | None:
+    """Fit `engine`'s step-time model to this machine (or seed it from the cache, and check that against its first
+    real steps); None when its admission policy has no online step-time model (the objective is off, or a policy
+    object was given). `load`: the host's load per core now; `force`: measure whatever the cache holds (None: as
+    TANDEM_RECALIBRATE says)."""
     model = getattr(engine.admission, "model", None)
     if not isinstance(model, OnlineStepTime):
         return None
     path = Path(cache_dir) / "steptime" / f"{cache_key(engine)}.json"
-    cached = _read(path)
+    force = os.environ.get(RECALIBRATE_ENV, "") not in ("", "0") if force is None else force
+    cached = None if force else _read(path)
+    now = load()
+    if cached is not None and cached["load"] > LOADED and now <= cached["load"] / 2:
+        log.info("the cached step-time fit was measured under load (%.2f a core, now %.2f): measuring it again",
+                 cached["load"], now)
+        cached = None
     if cached is not None:
         model.seed(cached["coefficients"], cached["spread"])
-        return Calibration(cached["coefficients"], cached["spread"], 0, 0.0, True, path)
+        engine.add_observer(FitCheck(engine, model, cached["coefficients"], path))
+        return Calibration(cached["coefficients"], cached["spread"], 0, 0.0, True, path, cached["load"])
     started = time.monotonic()
     steps, complete = _sweep(engine, started + time_budget_s)
     coefficients, spread = model.coefficients(), model.spread()
     model.seed(coefficients, spread)
-    result = Calibration(coefficients, spread, steps, time.monotonic() - started, False, path)
+    result = Calibration(coefficients, spread, steps, time.monotonic() - started, False, path, now)
     if not complete:  # cut short by its time budget (a busy host): the decode shapes come first, so they are in
         log.warning("step-time calibration cut short after %d steps (%.0f s); the online fit refines the rest",
                     steps, result.seconds)
+    if now > LOADED:
+        log.warning("step-time calibration measured on a busy host (load %.2f a core): it is measured again at a "
+                    "start on a quieter host, or with %s=1", now, RECALIBRATE_ENV)
+    _write(path, coefficients, spread, steps, now)
+    return result
+
+
+class FitCheck:
+    """An engine observer that checks a cached fit against the engine's first CHECK_STEPS real steps: when the
+    fit's median relative error on them is over CHECK_MARGIN (measured on another load, or the host changed), the
+    online fit those steps refined replaces it in the cache. It then removes itself."""
+
+    def __init__(self, engine: "LLMEngine", model: OnlineStepTime, coefficients: dict[str, float], path: Path,
+                 steps: int = CHECK_STEPS, margin: float = CHECK_MARGIN) -> None:
+        self.engine, self.model, self.coefficients, self.path = engine, model, coefficients, path
+        self.steps, self.margin = steps, margin
+        self.errors: list[float] = []
+        self.error: float | None = None  # the median relative error, once checked
+        self.replaced = False
+
+    def __call__(self, record) -> None:
+        if not record.num_seqs or not record.duration_s > 0:
+            return
+        predicted = OnlineStepTime.predict_with(self.coefficients, StepShape.of_record(record), self.model.wide_rows)
+        if predicted > 0:
+            self.errors.append(abs(record.duration_s - predicted) / predicted)
+        if len(self.errors) < self.steps:
+            return
+        self.engine.remove_observer(self)
+        self.error = statistics.median(self.errors)
+        if self.error > self.margin:
+            self.replaced = True
+            log.warning("the cached step-time fit is off by %.0f%% (median) on the first %d steps: the online fit "
+                        "replaces it in %s", 100 * self.error, len(self.errors), self.path)
+            _write(self.path, self.model.coefficients(), self.model.spread(), len(self.errors), host_load())
+
+
+def _write(path: Path, coefficients: dict[str, float], spread: float, steps: int, load: float) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"coefficients": coefficients, "spread": spread, "steps": steps}))
+        tmp.write_text(json.dumps({"coefficients": coefficients, "spread": spread, "steps": steps, "load": load}))
         tmp.replace(path)
     except OSError as exc:  # a read-only cache: calibrate again next start
         log.warning("step-time calibration not cached (%s)", exc)
-    return result
 
 
 def _read(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
         coefficients = {str(k): float(v) for k, v in data["coefficients"].items()}
-        return {"coefficients": coefficients, "spread": float(data["spread"])}
+        return {"coefficients": coefficients, "spread": float(data["spread"]), "load": float(data.get("load", 0.0))}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -126,7 +200,11 @@ def _sweep(engine: "LLMEngine", deadline: float) -> tuple[int, bool]:
             engine.step()
             steps += 1
 
-    for rows in (1, 4, 8, 20):  # decode rows (20: past the quantized matmul's 16 rows in registers, its wide path)
+    # decode rows, and a few past the width where the model's matmuls leave their narrow kernels (the loaded model's
+    # narrow_rows), so the fit sees the wide path's jump
+    wide = engine.narrow_rows
+    past = [wide + 4] if wide is not None and wide + 4 <= engine.scheduler.max_seqs else []
+    for rows in (1, 4, 8, *past):
         chats(rows, 6)
         run()
         if time.monotonic() > deadline:

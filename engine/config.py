@@ -111,10 +111,14 @@ class EngineConfig:
     # pair or row); 1.0: scoring first, generation gets the leftovers.
     rerank_share: float = 0.5
     # The latency objective (engine/admission.py LatencyAdmission), on by default: while decodes run, each step admits
-    # the other work a step-time model predicts keeps it under T ms: "auto" (T = 1.25x the predicted step of the
-    # running decodes alone), a number of ms, or None (off: plain budget filling, rerank_share decides).
+    # the other work a step-time model predicts keeps it under T ms: "auto" (T = the predicted step of the running
+    # decodes alone / decode_share), a number of ms, or None (off: plain budget filling, rerank_share decides).
     # (Another AdmissionPolicy object is given beside the config: LLMEngine(config, admission=...).)
     tpot_target_ms: float | Literal["auto"] | None = "auto"
+    # Under the automatic objective, the decodes' share of each step's time while other work waits (the rest is split
+    # evenly among the kinds that wait: prompts, rerank pairs, embedding rows); a fixed tpot_target_ms gives the
+    # decodes what they need under it and the rest to the others. docs/latency-objective.md says why 0.75.
+    decode_share: float = 0.75
     max_rerank_documents: int = 1000  # documents of one rerank request (tandem serve --max-documents)
     max_embed_inputs: int = 1000  # inputs of one embedding request (tandem serve --max-embed-inputs)
     priority_aging_steps: int = 64  # a waiting request gains one priority level per this many steps
@@ -153,6 +157,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if not (isinstance(self.decode_share, (int, float)) and 0.0 < self.decode_share < 1.0):
+            raise ValueError(f"decode_share must be in (0, 1), got {self.decode_share!r}")
         if not 0.0 < self.rerank_share <= 1.0:
             raise ValueError(f"rerank_share must be in (0, 1], got {self.rerank_share}")
         if self.dtype not in ("float32", "float16", "bfloat16"):

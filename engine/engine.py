@@ -47,6 +47,7 @@ class LLMEngine:
         self.quantization = parts.quantization
         self.weight_bytes, self.weight_format = parts.weight_bytes, parts.weight_format
         self.cpu_kernels = parts.cpu_kernels
+        self.narrow_rows = parts.narrow_rows  # the width past which a step's matmuls go wide (the loaded model's)
         # Built on the first request with structured_outputs (engine/structured.py imports a grammar library).
         self.grammar_compiler: "GrammarCompiler | None" = None
         self.intake = RequestIntake(config, self.tokenizer, self.model_args.vocab_size, self.max_model_len,
@@ -280,7 +281,7 @@ class LLMEngine:
             decode_request_ids=batch.decode_request_ids, forward_s=forward_s,
             decode_context_tokens=batch.num_decode_context_tokens, cross_encoder_tokens=batch.num_cross_encoder_tokens,
             rerank_pairs_scored=batch.num_rerank_pairs_scored, predicted_s=predicted_s, target_s=batch.target_s,
-            limit_s=batch.limit_s, planned=batch.planned,
+            limit_s=batch.limit_s, planned=batch.planned, owed=batch.owed,
             embed_rows=batch.num_embed_rows, embed_tokens=batch.num_embed_tokens,
             embed_rows_done=batch.num_embed_rows_done,
             cpu_kernels=self.cpu_kernels)

@@ -134,7 +134,8 @@ class StepRecord:
     predicted_s: float | None = None  # the admission policy's step-time prediction (None: it has no model)
     target_s: float | None = None  # the step time the policy keeps decodes under (--tpot-target-ms)
     limit_s: float | None = None  # the predicted step time it planned admissions under (target less its margins)
-    planned: bool = False  # the objective sized admissions beside decodes (beyond minimum progress)
+    planned: bool = False  # the objective sized admissions beside decodes, within the target
+    owed: tuple = ()  # per kind of work that waited: the share of this step it was owed (engine/batch.py Owed)
     embed_rows: int = 0  # embedding inputs this step ran (whole or some of their stages, the embedder's forward)
     embed_tokens: int = 0  # what they cost in the budget: of a row that ran k of its N stages, k / N of its tokens
     embed_rows_done: int = 0  # of embed_rows, those whose last stage ran (their vectors are done)

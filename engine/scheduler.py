@@ -15,9 +15,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-import time
-from collections.abc import Callable
-
 from engine.admission import AdmissionPolicy, StepView, Waiting
 from engine.batch import Batch
 from engine.config import EngineConfig
@@ -87,17 +84,14 @@ class WaitQueue:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: AdmissionPolicy,
-                 clock: Callable[[], float] = time.monotonic, staged: StagedStates | None = None) -> None:
+                 staged: StagedStates | None = None) -> None:
         """`policy`: how much of each kind of work a step takes (engine/builder.py resolves it from the config);
-        `clock`: how long a kind of work has waited (a fake one in the simulator); `staged`: the encoder rows'
-        states between their stages (None: a new, empty one), freed here wherever KV blocks are."""
+        `staged`: the encoder rows' states between their stages (None: a new, empty one), freed here wherever KV
+        blocks are."""
         self.kv = kv
         self.staged = staged if staged is not None else StagedStates()
         self.budget = config.max_num_batched_tokens
         self.embed_budget = config.max_embed_batch_tokens  # a step of embedding rows alone (the policy may widen to it)
-        self.clock = clock
-        # Per kind of work that waits and got nothing: (steps in a row, since when): the policy's minimum progress
-        self._progress: dict[TokenKind, tuple[int, float]] = {}
         # Every running sequence must fit in one step's budget, or decodes could be skipped.
         self.max_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         if not isinstance(policy, AdmissionPolicy):
@@ -144,7 +138,6 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         self.num_steps += 1
-        now = self.clock()
         batch = Batch(budget=self.budget)
         self.running.sort(key=lambda s: (s.priority, s.arrival))
         budget = self._schedule_decodes(batch, self.budget)
@@ -154,9 +147,10 @@ class Scheduler:
         if batch.preempted or (self.static and self.running):
             self._continue_prefills(batch, budget)
             return batch
-        view = self._view(batch, budget, now)
+        view = self._view(batch, budget)
         quota = self.policy.plan(view)
         batch.target_s, batch.limit_s, batch.planned = quota.target_s, quota.limit_s, quota.planned
+        batch.owed = quota.owed
         if quota.budget is not None and quota.budget > self.budget:
             budget += quota.budget - self.budget
             batch.budget = quota.budget
@@ -170,10 +164,9 @@ class Scheduler:
             else:
                 used = self._admit_scoring(batch, limit, grant.seats, grant.kind)
             budget -= used
-        self._note_progress(view, batch, now)
         return batch
 
-    def _view(self, batch: Batch, budget: int, now: float) -> StepView:
+    def _view(self, batch: Batch, budget: int) -> StepView:
         """What the policy sees of this step: the decodes in `batch`, and per kind what waits (StepView)."""
         heads: dict[TokenKind, tuple[tuple[int, int], Sequence, int]] = {}  # kind -> (key, head, tokens)
 
@@ -194,11 +187,9 @@ class Scheduler:
                 offer(key, head, _tokens_up_to(queue, budget))
         waiting = []
         for kind, (key, head, tokens) in sorted(heads.items(), key=lambda kv: kv[1][0]):
-            since = self._progress.get(kind)
             unit = self._unit(head)
             waiting.append(Waiting(kind, key[0], _urgency(kind, key[0], head), key[1], unit,
-                                   1 if head.uses_kv else unit, tokens, since[0] if since else 0,
-                                   now - since[1] if since else 0.0))
+                                   1 if head.uses_kv else unit, tokens))
         free = self.max_seqs - len(self.running)
         joining = min(len(self.waiting), free) + sum(1 for s in self.running if s.samples and not s.num_output_tokens)
         return StepView(StepShape.of_batch(batch), batch.min_decode_priority, budget, free, tuple(waiting),
@@ -210,17 +201,6 @@ class Scheduler:
         if seq.uses_kv:
             return min(seq.num_uncomputed_tokens or seq.num_tokens, MIN_CHUNK_TOKENS)
         return seq.stage_tokens(1) if seq.staged else seq.num_uncomputed_tokens or seq.num_tokens
-
-    def _note_progress(self, view: StepView, batch: Batch, now: float) -> None:
-        """Per kind that waited: steps in a row it got nothing, and since when (the policy's minimum progress)."""
-        rode = {work_kind(s) for s, n in zip(batch.seqs, batch.num_new_tokens)
-                if not (s.samples and n == 1 and s.num_output_tokens)}
-        progress = {}
-        for w in view.waiting:
-            if w.kind not in rode:
-                steps, since = self._progress.get(w.kind, (0, now))
-                progress[w.kind] = (steps + 1, since)
-        self._progress = progress
 
     def _schedule_decodes(self, batch: Batch, budget: int) -> int:
         i = 0
@@ -388,7 +368,7 @@ def _urgency(kind: TokenKind, aged: int, head: Sequence) -> int:
     """The priority a waiting kind is weighed against the running decodes at (below theirs: not held to the
     objective). A chat's aged one: a chat that waited long enough is as urgent as those already decoding (what
     bounds a burst's time to first token, as in a server without an objective). Scoring work's own, before aging:
-    aging orders it among waiting work but never lifts a flood over the chats (its minimum progress keeps it moving;
+    aging orders it among waiting work but never lifts a flood over the chats (its share keeps it moving;
     lifted, a flood that waited 64 steps took whole steps of rows at 2-5x T)."""
     return aged if kind is TokenKind.PREFILL else head.priority
 

@@ -16,7 +16,7 @@ fake tests inject); `OnlineStepTime` fits them from the engine's own steps:
   serve` replaces them before the first request: engine/calibrate.py runs a short sweep of real step shapes on this
   machine (or reads the fit it cached for this model, host, threads and CPU path) and `seed`s the model with it.
   An engine that was not calibrated learns from its first steps: until `min_samples` of them `ready` is False and
-  the objective admits only minimum progress beside decodes.
+  the objective plans as plain budget filling (its fallback).
 
 Fitting is lazy (on the first predict after new steps), so its cost lands inside a step's measured time.
 """

@@ -68,13 +68,16 @@ _ENGINE_FLAGS = [
     ("--rerank-share", float, None, "share of a step's token budget and free seats scoring work (rerank pairs "
                                      "and embedding rows) gets while generation waits or decodes, with "
                                      "--tpot-target-ms off"),
-    ("--tpot-target-ms", "objective", None, "latency objective T, on by default: while chats decode, other work "
-                                             "(prompts, rerank pairs, embeddings) fills only the headroom a "
-                                             "step-time model calibrated at start-up predicts keeps each step under "
-                                             "T: auto (default: 1.25x the predicted step of the running decodes "
-                                             "and the chats joining them, so chats keep >= 80%% of their speed), a "
-                                             "number of ms, or off (plain "
-                                             "budget filling; --rerank-share splits it)"),
+    ("--tpot-target-ms", "objective", None, "latency objective T, on by default: while chats decode, every kind of "
+                                             "other work (prompts, rerank pairs, embeddings) gets its share of each "
+                                             "step's time, priced by a step-time model calibrated at start-up: auto "
+                                             "(default: the decodes get --decode-share of each step while other "
+                                             "work waits), a number of ms (the decodes' steps stay under T, the rest "
+                                             "of each step is shared), or off (plain budget filling; "
+                                             "--rerank-share splits it)"),
+    ("--decode-share", float, None, "under --tpot-target-ms auto, the chats' decodes' share of each step's time "
+                                    "while other work waits (default 0.75: chats keep ~3/4 of their speed, and a "
+                                    "rerank or embedding beside them takes ~4x its time alone)"),
     ("--num-threads", int, None, "CPU threads for torch and OpenMP (also --threads; default: torch's, one per "
                                  "core). Idle OpenMP threads sleep after a short spin (OMP_WAIT_POLICY=PASSIVE, "
                                  f"GOMP_SPINCOUNT={OPENMP_SPINS}, unless set); nothing is pinned to cores"),
@@ -140,7 +143,8 @@ _GROUPS = [
                                  "--cpu-activations"]),
     ("engine", "memory, context and scheduling", [
         "--kv-cache-bytes", "--num-kv-blocks", "--max-model-len", "--block-size", "--max-num-batched-tokens",
-        "--max-embed-batch-tokens", "--max-num-seqs", "--rerank-share", "--tpot-target-ms", "--num-threads",
+        "--max-embed-batch-tokens", "--max-num-seqs", "--rerank-share", "--tpot-target-ms", "--decode-share",
+        "--num-threads",
         "--enforce-eager"]),
     ("ports", "where it listens: gRPC on --port, HTTP on --http-port, Prometheus on --metrics-port", [
         "--host", "--port", "--http-port", "--metrics-port", "--replica"]),
@@ -157,7 +161,7 @@ _GROUPS = [
 # Defaults of the engine flags (EngineConfig's, which this module does not import: it would load torch), shown in
 # --help; tests/service/test_cli.py checks them against EngineConfig.
 ENGINE_DEFAULTS = {"--device": "cpu", "--dtype": "float32", "--encoder-dtype": "auto", "--kv-cache-bytes": "1GiB",
-                   "--block-size": "16", "--max-num-seqs": "128", "--rerank-share": "0.5",
+                   "--block-size": "16", "--max-num-seqs": "128", "--rerank-share": "0.5", "--decode-share": "0.75",
                    "--max-model-len": "the model's own context, lowered to what the KV cache holds"}
 _SHOWN = {"--max-message-bytes": "4MiB"}  # a default shown in its unit rather than in bytes
 _ALIASES = {"--num-threads": ("--threads",)}

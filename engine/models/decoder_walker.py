@@ -37,14 +37,23 @@ def layer_walker(model: DecoderForCausalLM):
     return walker
 
 
-def walker_rows(model: DecoderForCausalLM) -> int:
-    """The widest decode step the walker takes: the least width (`quant.register_rows`) of every projection part's
-    in-register kernel on this process's path, so the walker and the layer loop multiply a step with the same
-    kernels (bit for bit); `sys.maxsize` where every part's kernel takes every width (the K-quants' int8 kernel on a
-    CPU without AVX-512)."""
+def narrow_rows(model: DecoderForCausalLM) -> int | None:
+    """The widest step whose projections all stay on their narrow (in-register) kernels: the least width
+    (`quant.register_rows`) of every quantized projection part's kernel on this process's path; None where no step
+    leaves it (dense weights, or every part's kernel takes every width: the K-quants' int8 kernel on a CPU without
+    AVX-512). The one owner of that width: the walker takes decode steps up to it, and the step-time model prices a
+    step past it as the costlier wide path (engine/builder.py hands it to the admission policy and calibration)."""
     widths = [quant.register_rows(p.qweight.fmt, p.activations) for layer in model.model.layers
-              for m in _projections(layer) for p in _parts(m)]
-    return min((sys.maxsize if w is None else w) for w in widths)
+              for m in _projections(layer) for p in _parts(m) if isinstance(p, QuantizedLinear)]
+    bounded = [w for w in widths if w is not None]
+    return min(bounded) if bounded else None
+
+
+def walker_rows(model: DecoderForCausalLM) -> int:
+    """The widest decode step the walker takes: the model's `narrow_rows`, so the walker and the layer loop multiply a
+    step with the same kernels (bit for bit); `sys.maxsize` where every part's kernel takes every width."""
+    rows = narrow_rows(model)
+    return sys.maxsize if rows is None else rows
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:

@@ -46,3 +46,46 @@ def test_a_sweep_cut_short_by_its_budget_still_fits_the_decode_shapes_it_ran(tmp
     assert llm.engine.admission.model.ready
     assert OnlineStepTime.predict_with(cut.coefficients, StepShape(decode_rows=1, decode_context_tokens=32)) > 0
     assert not llm.engine.has_unfinished()
+
+
+def test_a_fit_cached_under_load_is_measured_again_on_a_quieter_host(tmp_path):
+    """A fit measured at load 2.0 a core is cached with that load; a later start on a host at 0.1 measures again
+    (and caches the quiet fit), while a start as busy as the first takes the cache."""
+    first = make_llm(tpot_target_ms="auto")
+    busy = calibrate(first.engine, tmp_path, time_budget_s=0.0, load=lambda: 2.0)
+    assert not busy.cached and json.loads(busy.path.read_text())["load"] == 2.0
+    assert "load 2.00 a core" in busy.summary() and "TANDEM_RECALIBRATE=1" in busy.summary()
+    again_busy = calibrate(make_llm(tpot_target_ms="auto").engine, tmp_path, load=lambda: 1.9)
+    assert again_busy.cached
+    quiet = calibrate(make_llm(tpot_target_ms="auto").engine, tmp_path, time_budget_s=0.0, load=lambda: 0.1)
+    assert not quiet.cached and quiet.steps > 0
+    assert json.loads(quiet.path.read_text())["load"] == 0.1
+    forced = calibrate(make_llm(tpot_target_ms="auto").engine, tmp_path, time_budget_s=0.0, load=lambda: 0.1,
+                       force=True)
+    assert not forced.cached
+
+
+def test_a_cached_fit_far_off_the_first_real_steps_is_replaced_by_the_online_fit(tmp_path):
+    """A cached fit that prices every step 20x too high (as one measured on a loaded host does) is checked against
+    the first real steps: its median error is over the margin, so the online fit those steps refined replaces it in
+    the cache; a cached fit close to the real steps stays."""
+    from engine.calibrate import CHECK_STEPS, FitCheck
+    from tests.engine.conftest import run_to_end
+    from engine import SamplingParams
+
+    llm = make_llm(tpot_target_ms="auto")
+    measured = calibrate(llm.engine, tmp_path, time_budget_s=1e9, load=lambda: 0.0)
+    inflated = {k: 20 * v for k, v in measured.coefficients.items()}
+    measured.path.write_text(json.dumps({"coefficients": inflated, "spread": 0.0, "steps": 1, "load": 0.0}))
+    second = make_llm(tpot_target_ms="auto")
+    seeded = calibrate(second.engine, tmp_path, load=lambda: 0.0)
+    assert seeded.cached and seeded.coefficients == inflated
+    check = next(fn for fn in second.engine._observers if isinstance(fn, FitCheck))
+    for i in range(6):
+        second.engine.add_request(f"r{i}", "Tell me about bees.", SamplingParams(max_tokens=CHECK_STEPS + 8, ignore_eos=True))
+    run_to_end(second.engine)
+    assert len(check.errors) == CHECK_STEPS and check.error > 0.5 and check.replaced
+    assert check not in second.engine._observers  # it checked once, and went
+    stored = json.loads(seeded.path.read_text())["coefficients"]
+    shape = StepShape(decode_rows=6, decode_context_tokens=6 * 20)
+    assert OnlineStepTime.predict_with(stored, shape) < OnlineStepTime.predict_with(inflated, shape) / 4

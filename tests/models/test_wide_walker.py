@@ -128,3 +128,49 @@ def test_register_rows_is_matmuls_choice(monkeypatch) -> None:
     monkeypatch.setattr(quant, "best_isa", lambda: quant.CpuIsa.AVX2)
     monkeypatch.setattr(quant, "cpu_path", lambda: quant.CpuPath(quant.CpuIsa.AVX2))
     assert quant.register_rows("Q6_K", quant.Activations.AUTO) is None  # every width on a CPU without AVX-512
+
+
+def _matmul_widths(model) -> list[int]:
+    """Every quantized projection part's in-register width, as matmul routes it (None: every width)."""
+    return [quant.register_rows(m.qweight.fmt, m.activations) for m in model.modules()
+            if isinstance(m, QuantizedLinear) and not isinstance(m, ConcatLinear) and m in _projection_parts(model)]
+
+
+def _projection_parts(model) -> list:
+    from engine.models.decoder_walker import _parts, _projections
+
+    return [p for layer in model.model.layers for m in _projections(layer) for p in _parts(m)]
+
+
+def _expected_narrow(model) -> int | None:
+    widths = [w for w in _matmul_widths(model) if w is not None]
+    return min(widths) if widths else None
+
+
+@pytest.mark.parametrize("which", ["embedded", "gemma"])
+def test_the_width_the_planner_prices_is_the_width_the_models_matmuls_use(which, request, monkeypatch) -> None:
+    """One owner of the narrow-path width: the loaded model's `narrow_rows` (the least in-register width of its
+    projections' kernels) is what the step-time model prices the wide jump at and what the walker takes; on this
+    host's path and on the forced narrower ones (AVX2: the K-quants' int8 kernel takes every width, so no jump;
+    the 32-wide formats stop at small_m on every path)."""
+    from engine.models.decoder_walker import narrow_rows
+
+    model_path = None if which == "embedded" else str(request.getfixturevalue("gemma_gguf"))
+    llm = make_llm(model=model_path, tpot_target_ms="auto")
+    engine = llm.engine
+    model = engine.model
+    assert engine.narrow_rows == narrow_rows(model) == _expected_narrow(model)
+    assert engine.admission.model.wide_rows == engine.narrow_rows
+    if model.walker is not None:
+        assert model.walker_rows == (sys.maxsize if engine.narrow_rows is None else engine.narrow_rows)
+    if which == "gemma" and quant.int8_kernel(quant.cpu_isa()):  # K-quants with int8 activations: wider than small_m
+        assert engine.narrow_rows is None or engine.narrow_rows > quant.small_m(quant.cpu_isa())
+    # the forced AVX2 path: the same model's widths as matmul would route them there
+    monkeypatch.setattr(quant, "int8_kernel", lambda isa=None: "avx2")
+    monkeypatch.setattr(quant, "best_isa", lambda: quant.CpuIsa.AVX2)
+    monkeypatch.setattr(quant, "cpu_path", lambda: quant.CpuPath(quant.CpuIsa.AVX2))
+    assert narrow_rows(model) == _expected_narrow(model)
+    if which == "gemma":
+        formats = {p.qweight.fmt for p in _projection_parts(model)}
+        if formats <= {"Q4_K", "Q5_K", "Q6_K"}:
+            assert narrow_rows(model) is None  # every width stays on the int8 kernel: no jump to price
