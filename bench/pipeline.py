@@ -1,0 +1,364 @@
+"""The whole pipeline on one machine: one `tandem serve` against the split deployment users would run instead
+(issue #62).
+
+Systems, each fed over HTTP by client processes of their own (this process only starts and stops things):
+
+* `tandem`: one `tandem serve` of this checkout, default flags (the automatic objective), chats, reranks and
+  embeddings through its one scheduler; `tandem_T` (W4) the same with `--tpot-target-ms T`, T = --t-factor x the
+  chats' solo p50 time per token on `tandem`.
+* `split_shared`: llama.cpp's `llama-server` (the avx512 build when built, else avx2: bench/llama_server.py) serving
+  the chats from the same GGUF file with `-np` = the chats, beside an embedding server for the embeddings and the
+  reranks (Infinity when `--infinity PYTHON` names a venv where `infinity_emb` runs, else bench/st_server.py:
+  sentence-transformers behind a minimal HTTP server, dense cosine reranks like tandem's default), each with every
+  core (the OS shares them).
+* `split_pinned`: the same two servers, each pinned to half the cores (`taskset`) with that many threads.
+
+Workloads (the same requests on every system):
+
+* chats: --chats streams in a loop, --max-tokens tokens each (greedy, EOS ignored), `/v1/completions` streamed; the
+  client stamps every token; TPOT = the gap between two tokens of one stream.
+* W1: the chats, and beside them --reranks sequential reranks of --docs documents (~--doc-tokens tokens each) to the
+  TEI-shaped `/rerank` (tandem's, or the embedding server's); the window is the reranks' run.
+* W2: the chats, and --embed-clients processes each sending `/v1/embeddings` of --batch texts back to back for
+  --seconds; texts/s over that window.
+* Each kind also runs alone on the same system (chats alone, reranks alone, embeddings alone): every figure is a ratio
+  to that.
+
+Targets (issue #62): W1 chats' p99 TPOT <= 1.5x alone and rerank p50 <= 4x alone; W2 chats >= 0.7x their tokens/s
+alone, p99 <= 1.5x, embeddings >= 0.25x their rate alone; W3 tandem ahead of each split variant on both the chats'
+p99 TPOT and the scoring figure; W4 (tandem_T) chats' p99 <= max(1.25 T, 1.1x solo p99) and rerank p50 <= 4x alone.
+
+    python -m bench.pipeline                 # every system, --runs 3 (about 30 minutes on 2 idle cores)
+    python -m bench.pipeline --quick         # small sizes, one run: checks the wiring
+    python -m bench.pipeline --systems tandem tandem_T
+
+Writes bench/results/pipeline.json (one JSON line: per system, run and phase the raw figures, and the medians over
+runs of the ratios), with the CPU's flags, the commit and the 1-minute load average beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.host import cpu_identity
+from bench.report import RESULTS, percentile, write_result
+from service.cluster import free_port
+
+SYSTEMS = ("tandem", "split_shared", "split_pinned", "tandem_T")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- clients (each in its own process) ------------------------------------------------------------------------------
+
+
+def _chat_client(url: str, prompts: list[str], max_tokens: int, ready, stop, out) -> None:
+    """len(prompts) streams in a loop until `stop`; sets `ready` once every stream has had a token; puts the token
+    arrival times (time.monotonic, one list a request) on `out`."""
+    import threading
+
+    import httpx
+
+    requests: list[list[float]] = []
+    lock = threading.Lock()
+    started = [False] * len(prompts)
+
+    def loop(i: int) -> None:
+        with httpx.Client(timeout=600) as http:
+            while not stop.is_set():
+                stamps: list[float] = []
+                body = {"prompt": prompts[i], "max_tokens": max_tokens,
+                        "temperature": 0.0, "ignore_eos": True, "stream": True}
+                with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        r.read()
+                        raise RuntimeError(f"{url}/v1/completions: {r.status_code} {r.text[:300]}")
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        choices = json.loads(line[6:]).get("choices") or [{}]
+                        if choices[0].get("text"):
+                            stamps.append(time.monotonic())
+                            if not started[i]:
+                                started[i] = True
+                                if all(started):
+                                    ready.set()
+                        if stop.is_set():
+                            break
+                with lock:
+                    requests.append(stamps)
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(("chats", requests))
+
+
+def _rerank_client(url: str, jobs: list[tuple[str, list[str]]], wait, out) -> None:
+    """The reranks one after another (after `wait`, when given): (start, end) of each."""
+    import httpx
+
+    if wait is not None:
+        wait.wait()
+    spans = []
+    with httpx.Client(timeout=600) as http:
+        for query, docs in jobs:
+            t0 = time.monotonic()
+            r = http.post(f"{url}/rerank", json={"query": query, "texts": docs})
+            r.raise_for_status()
+            assert len(r.json()) == len(docs)
+            spans.append((t0, time.monotonic()))
+    out.put(("reranks", spans))
+
+
+def _embed_client(url: str, texts: list[str], batch: int, wait, stop, out) -> None:
+    """/v1/embeddings of `batch` texts back to back until `stop`: (end time, texts) of each response."""
+    import httpx
+
+    if wait is not None:
+        wait.wait()
+    done, i = [], 0
+    with httpx.Client(timeout=600) as http:
+        while not stop.is_set():
+            chunk = [texts[(i + k) % len(texts)] for k in range(batch)]
+            i += batch
+            r = http.post(f"{url}/v1/embeddings", json={"input": chunk})
+            r.raise_for_status()
+            done.append((time.monotonic(), len(r.json()["data"])))
+    out.put(("embeds", done))
+
+
+# ---- servers ----------------------------------------------------------------------------------------------------------
+
+
+class Proc:
+    """A server subprocess that answers GET /health at `url` once ready."""
+
+    def __init__(self, cmd: list[str], port: int, cores: str | None = None, env: dict | None = None) -> None:
+        if cores is not None and shutil.which("taskset"):
+            cmd = ["taskset", "-c", cores, *cmd]
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        import httpx
+
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _tandem(extra: list[str]) -> Proc:
+    port = free_port()
+    return Proc([sys.executable, "-m", "service.cli", "serve", "--port", "0", "--http-port", str(port),
+                 "--metrics-port", "off", "--no-access-log", *extra], port)
+
+
+def _llama_server(args, cores: str | None, threads: int) -> tuple[Proc, str]:
+    from bench.llama_server import Build, tool_path
+    from engine.models.loader import embedded_gguf_path
+
+    builds = [b for b in (Build.AVX512, Build.AVX2) if tool_path(b).is_file()]
+    if not builds:
+        raise RuntimeError("no llama-server build in the cache: python -m bench.llama_server --build avx512")
+    port = free_port()
+    ctx = args.chats * (args.max_tokens + 128)
+    cmd = [str(tool_path(builds[0])), "-m", str(embedded_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
+           "-t", str(threads), "-tb", str(threads), "-np", str(args.chats), "-c", str(ctx), "--no-warmup"]
+    return Proc(cmd, port, cores), f"llama-server ({builds[0].value} build)"
+
+
+def _embed_server(args, cores: str | None, threads: int) -> tuple[Proc, str]:
+    port = free_port()
+    if args.infinity:
+        from engine.embed.embedder import embedded_embedder_dir
+
+        cmd = [args.infinity, "-m", "infinity_emb", "v2", "--model-id", str(embedded_embedder_dir()), "--port",
+               str(port), "--url-prefix", "", "--engine", "torch", "--device", "cpu"]
+        return Proc(cmd, port, cores, {"OMP_NUM_THREADS": str(threads)}), "infinity-emb"
+    return (Proc([sys.executable, "-m", "bench.st_server", "--port", str(port), "--threads", str(threads)], port,
+                 cores), "sentence-transformers behind bench/st_server.py")
+
+
+# ---- phases -----------------------------------------------------------------------------------------------------------
+
+
+def _phase(chat_url: str | None, score_url: str, args, prompts, jobs, texts, *, reranks: bool = False,
+           embeds: bool = False) -> dict:
+    """One phase: chats (if chat_url), and reranks or an embedding flood beside them (or alone); the figures."""
+    ctx = mp.get_context("spawn")
+    out, ready, stop = ctx.Queue(), ctx.Event(), ctx.Event()
+    procs = []
+    if chat_url:
+        procs.append(ctx.Process(target=_chat_client, args=(chat_url, prompts, args.max_tokens, ready, stop, out)))
+    wait = ready if chat_url else None
+    if reranks:
+        procs.append(ctx.Process(target=_rerank_client, args=(score_url, jobs, wait, out)))
+    if embeds:
+        procs += [ctx.Process(target=_embed_client, args=(score_url, texts, args.batch, wait, stop, out))
+                  for _ in range(args.embed_clients)]
+    for p in procs:
+        p.start()
+    if chat_url:
+        ready.wait()
+    t0 = time.monotonic()
+    results: dict[str, list] = {"embeds": []}
+    if reranks:
+        kind, spans = out.get()
+        while kind != "reranks":  # (only the reranks report before stop)
+            kind, spans = out.get()
+        results["reranks"] = spans
+    else:
+        time.sleep(args.seconds)  # a fixed window of chats and/or an embedding flood (a benchmark, not a test)
+    t1 = time.monotonic()
+    stop.set()
+    for _ in range(len(procs) - (1 if reranks else 0)):
+        kind, data = out.get()
+        results[kind] = data if kind != "embeds" else results["embeds"] + data
+    for p in procs:
+        p.join()
+    window = (results["reranks"][0][0], results["reranks"][-1][1]) if reranks else (t0, t1)
+    figures: dict = {"window_s": window[1] - window[0]}
+    if chat_url:
+        gaps = [b - a for req in results["chats"] for a, b in zip(req, req[1:]) if window[0] <= b <= window[1]]
+        tokens = sum(window[0] <= t <= window[1] for req in results["chats"] for t in req)
+        figures |= {"tpot_p50_ms": 1e3 * percentile(gaps, 50), "tpot_p99_ms": 1e3 * percentile(gaps, 99),
+                    "chat_tokens_per_s": tokens / (window[1] - window[0])}
+    if reranks:
+        latencies = [b - a for a, b in results["reranks"]]
+        figures |= {"rerank_p50_s": percentile(latencies, 50), "rerank_p90_s": percentile(latencies, 90)}
+    if embeds:
+        n = sum(k for t, k in results["embeds"] if window[0] <= t <= window[1])
+        figures |= {"texts_per_s": n / (window[1] - window[0])}
+    return figures
+
+
+def _system_phases(name: str, args, prompts, jobs, texts, solo_p50_ms: float | None) -> dict:
+    """Start `name`'s servers, run its phases, stop them."""
+    procs: list[Proc] = []
+    info: dict = {}
+    try:
+        if name in ("tandem", "tandem_T"):
+            extra = [] if name == "tandem" else ["--tpot-target-ms", f"{args.t_factor * solo_p50_ms:.1f}"]
+            server = _tandem(extra + args.tandem_flags)
+            procs.append(server)
+            chat_url = score_url = server.url
+            info["servers"] = f"tandem serve {' '.join(extra + args.tandem_flags)}".strip()
+        else:
+            cores = os.cpu_count() or 2
+            pinned = name == "split_pinned"
+            half = max(1, cores // 2)
+            chat, chat_name = _llama_server(args, f"0-{half - 1}" if pinned else None, half if pinned else cores)
+            procs.append(chat)
+            embed, embed_name = _embed_server(args, f"{half}-{cores - 1}" if pinned else None,
+                                              cores - half if pinned else cores)
+            procs.append(embed)
+            chat_url, score_url = chat.url, embed.url
+            info["servers"] = f"{chat_name} + {embed_name}" + (" (pinned half and half)" if pinned else "")
+        phases = {"chats_alone": _phase(chat_url, score_url, args, prompts, jobs, texts),
+                  "reranks_alone": _phase(None, score_url, args, prompts, jobs, texts, reranks=True),
+                  "embeds_alone": _phase(None, score_url, args, prompts, jobs, texts, embeds=True),
+                  "W1": _phase(chat_url, score_url, args, prompts, jobs, texts, reranks=True),
+                  "W2": _phase(chat_url, score_url, args, prompts, jobs, texts, embeds=True)}
+        if name == "tandem_T":
+            info["T_ms"] = args.t_factor * solo_p50_ms
+        return info | {"phases": phases}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def ratios(phases: dict) -> dict:
+    """Each kind beside the others as a ratio to itself alone on the same system."""
+    solo, w1, w2 = phases["chats_alone"], phases["W1"], phases["W2"]
+    return {"W1_chat_p99_x": w1["tpot_p99_ms"] / solo["tpot_p99_ms"],
+            "W1_rerank_p50_x": w1["rerank_p50_s"] / phases["reranks_alone"]["rerank_p50_s"],
+            "W2_chat_tokens_x": w2["chat_tokens_per_s"] / solo["chat_tokens_per_s"],
+            "W2_chat_p99_x": w2["tpot_p99_ms"] / solo["tpot_p99_ms"],
+            "W2_embed_rate_x": w2["texts_per_s"] / phases["embeds_alone"]["texts_per_s"]}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--chats", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--reranks", type=int, default=10)
+    ap.add_argument("--docs", type=int, default=40)
+    ap.add_argument("--doc-tokens", type=int, default=200, help="~150 words")
+    ap.add_argument("--embed-clients", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=20.0, help="the window of the chats-alone and embedding phases")
+    ap.add_argument("--t-factor", type=float, default=1.5, help="W4: T = this x the chats' solo p50 on tandem")
+    ap.add_argument("--infinity", default=None, help="a python whose environment runs infinity_emb")
+    ap.add_argument("--tandem-flags", nargs="*", default=[], help="more `tandem serve` flags (e.g. --model FILE: W6)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS / "pipeline.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.runs, args.chats, args.max_tokens, args.reranks, args.docs, args.seconds = 1, 2, 8, 2, 4, 3.0
+    from bench.http import chat_prompts
+    from bench.mixed_serve import _documents
+
+    prompts = chat_prompts(args.chats)
+    jobs = _documents(args.reranks, args.docs, args.doc_tokens, seed=0)
+    texts = [d for _, docs in jobs for d in docs]
+    result: dict = {"bench": "pipeline", "host": cpu_identity(), "commit": _commit(), "nproc": os.cpu_count(),
+                    "load_1m_start": os.getloadavg()[0], "args": {k: str(v) for k, v in vars(args).items()},
+                    "runs": {}, "skipped": {}}
+    solo_p50 = None
+    for run in range(args.runs):
+        for name in args.systems:
+            if name == "tandem_T" and solo_p50 is None:
+                result["skipped"][name] = "needs the tandem system's chats-alone p50 first (--systems tandem ...)"
+                continue
+            try:
+                got = _system_phases(name, args, prompts, jobs, texts, solo_p50)
+            except RuntimeError as exc:
+                result["skipped"][name] = str(exc)
+                continue
+            got["ratios"] = ratios(got["phases"])
+            result["runs"].setdefault(name, []).append(got)
+            if name == "tandem":
+                solo_p50 = got["phases"]["chats_alone"]["tpot_p50_ms"]
+            print(f"run {run} {name}: {json.dumps(got['ratios'])}", file=sys.stderr, flush=True)
+    result["median"] = {name: {k: statistics.median(r["ratios"][k] for r in runs) for k in runs[0]["ratios"]}
+                        for name, runs in result["runs"].items()}
+    result["load_1m_end"] = os.getloadavg()[0]
+    write_result(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
