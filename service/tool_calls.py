@@ -76,10 +76,12 @@ def support(settings: ToolSettings, template: str | None, model_type: str | None
 
 def describe_tools(served: ToolSupport) -> str:
     """The start-up line: which tool-call format requests with tools get, or why they get a 400."""
-    problem = served.problem()
-    if problem is None:
+    if served.problem() is None:
         return f"tool calls: {served.parser} format (tool_choice auto, required and named; docs/http.md#tool-calling)"
-    return "tool calls: off (" + problem.removeprefix("tools: ") + ")"
+    if not served.renders:
+        return ("tool calls: off, the chat template renders no tools (--chat-template chatml, llama3 or mistral "
+                "does)")
+    return "tool calls: off, the template's tool-call format is not known (--tool-call-parser)"
 
 
 @dataclass(frozen=True, slots=True)
