@@ -203,3 +203,16 @@ def test_plans_name_what_is_wrong():
     named = plan(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None, HERMES)
     assert "get_time" in named.structured_outputs().grammar and "get_weather" not in named.structured_outputs().grammar
     assert plan(TOOLS, "auto", None, HERMES).structured_outputs() is None
+
+
+def test_mistrals_marker_is_one_special_token_in_the_grammar_and_may_be_gone_from_the_text(compiler):
+    """Where the vocabulary has [TOOL_CALLS] as a token (a special one: skip_special_tokens drops it from the reply's
+    text), the grammar asks for that token, and the reply's text without it still reads as the call."""
+    tok, comp = compiler
+    marker = tok.convert_tokens_to_ids("<|im_start|>")  # a special token standing in for [TOOL_CALLS]
+    grammar = call_grammar(ToolParser.MISTRAL, [{"name": "get_time"}], marker_token=marker)
+    matcher = comp.matcher(comp.compile(StructuredOutputsParams(grammar=grammar)))
+    ids = [marker, *tok(' [{"name": "get_time", "arguments": {}}]', add_special_tokens=False).input_ids]
+    assert all(matcher.accept(t) for t in ids) and matcher.is_terminated()
+    text = tok.decode(ids, skip_special_tokens=True)
+    assert [(c.name, c.arguments) for c in CallReader(ToolParser.MISTRAL).read(text)[1]] == [("get_time", "{}")]
