@@ -131,6 +131,20 @@ class GrammarCompiler:
             raise ValueError("structured_outputs.json admits no JSON value")
 
 
+def grammar_problem(grammar: str) -> str | None:
+    """Why a Lark grammar (llguidance's) cannot be used, on one line (None: it can); checked without a tokenizer, so
+    a caller can name the part of its request at fault before submitting it."""
+    L = llguidance.LLMatcher
+    try:
+        error = L.validate_grammar(L.grammar_from_lark(grammar))
+    except ValueError as exc:
+        error = str(exc)
+    if not error:
+        return None
+    first = error.strip().splitlines()[0]
+    return re.sub(r"^at \d+\(\d+\): ", "", first).strip()
+
+
 def _bit(j: int) -> int:
     """Bit j of an int32 word as a Python int of the same bits (bit 31 is negative)."""
     return -(1 << 31) if j == 31 else 1 << j

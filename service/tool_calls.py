@@ -170,7 +170,24 @@ def plan(tools: list[dict] | None, tool_choice: str | dict | None, parallel: boo
     out = ToolPlan(tools, choice, name=name, parser=served.parser, marker_token=served.marker_token)
     if choice is ToolChoice.NAMED:
         out._function(name)  # named but not given: refused
+    if out.constrained:
+        _check_schemas(out)
     return out
+
+
+def _check_schemas(tool_plan: ToolPlan) -> None:
+    """A constrained call's parameters schemas, each checked as its grammar: a schema the grammar library cannot
+    use is refused naming the tool, not as the whole grammar."""
+    from engine.structured import grammar_problem
+
+    for i, t in enumerate(tool_plan.tools):
+        f = t["function"]
+        if tool_plan.choice is ToolChoice.NAMED and f["name"] != tool_plan.name:
+            continue
+        problem = grammar_problem(call_grammar(tool_plan.parser, [f], tool_plan.marker_token))
+        if problem is not None:
+            raise ValueError(f"tools[{i}].function.parameters ({f['name']!r}) cannot constrain a call: "
+                             f"{problem.removeprefix('failed to compile JSON schema: ')}")
 
 
 def _said(value: Any) -> str:

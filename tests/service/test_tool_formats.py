@@ -203,6 +203,12 @@ def test_plans_name_what_is_wrong():
     named = plan(TOOLS, {"type": "function", "function": {"name": "get_time"}}, None, HERMES)
     assert "get_time" in named.structured_outputs().grammar and "get_weather" not in named.structured_outputs().grammar
     assert plan(TOOLS, "auto", None, HERMES).structured_outputs() is None
+    odd = [*TOOLS, {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}]
+    with pytest.raises(ValueError, match=r"^tools\[2\]\.function\.parameters \('odd'\) cannot constrain a call: "
+                                         r"Unimplemented keys: \[\"not\"\]$"):
+        plan(odd, "required", None, HERMES)
+    assert plan(odd, {"type": "function", "function": {"name": "get_time"}}, None, HERMES).name == "get_time"
 
 
 def test_mistrals_marker_is_one_special_token_in_the_grammar_and_may_be_gone_from_the_text(compiler):
