@@ -207,19 +207,25 @@ class EngineConfig:
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """Constrain a generation to a language (vLLM's StructuredOutputsParams): exactly one of a JSON schema (a dict
-    or its JSON text), a regular expression, or a list of choices. Checked and compiled at submission."""
+    or its JSON text), a regular expression, a list of choices, or a grammar (llguidance's Lark syntax, which may
+    embed JSON schemas with %json: tool calls in a model's own format, service/tool_formats.py). Checked and
+    compiled at submission."""
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice (got {given or 'none'})")
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar "
+                             f"(got {given or 'none'})")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError("structured_outputs.json must be a JSON schema: a dict or its JSON text")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError("structured_outputs.regex must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError("structured_outputs.grammar must be a non-empty string")
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or any(not isinstance(c, str) or not c for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")

@@ -35,7 +35,7 @@ _REGEX_META = re.compile(r"([\\.+*?()|\[\]{}^$#&\-~])")
 @dataclass(frozen=True, slots=True, eq=False)
 class CompiledGrammar:
     """A compiled language; shared by every sequence that asks for the same schema, regex or choice list."""
-    kind: str  # "json" | "regex" | "choice"
+    kind: str  # "json" | "regex" | "choice" | "grammar"
     key: str  # canonical text of the spec (the cache key with kind)
     grammar: str  # llguidance's grammar text
     template: llguidance.LLMatcher  # a fresh matcher; each sequence gets a copy
@@ -105,12 +105,14 @@ class GrammarCompiler:
         L = llguidance.LLMatcher
         if kind == "json":
             grammar = L.grammar_from_json_schema(key, overrides=JSON_OPTIONS)
+        elif kind == "grammar":
+            grammar = L.grammar_from_lark(key)
         else:
             grammar = L.grammar_from_regex(key if kind == "regex" else choice_regex(json.loads(key)))
         template = L(self._tokenizer, grammar, log_level=0)
         if template.is_error():
             what = {"json": "not a usable JSON schema", "regex": "not a usable regular expression",
-                    "choice": "not usable"}[kind]
+                    "choice": "not usable", "grammar": "not a usable grammar"}[kind]
             raise ValueError(f"structured_outputs.{kind} is {what}: {_library_message(template.get_error())}")
         compiled = CompiledGrammar(kind, key, grammar, template)
         self._check_not_empty(compiled)
@@ -129,6 +131,20 @@ class GrammarCompiler:
             raise ValueError("structured_outputs.json admits no JSON value")
 
 
+def grammar_problem(grammar: str) -> str | None:
+    """Why a Lark grammar (llguidance's) cannot be used, on one line (None: it can); checked without a tokenizer, so
+    a caller can name the part of its request at fault before submitting it."""
+    L = llguidance.LLMatcher
+    try:
+        error = L.validate_grammar(L.grammar_from_lark(grammar))
+    except ValueError as exc:
+        error = str(exc)
+    if not error:
+        return None
+    first = error.strip().splitlines()[0]
+    return re.sub(r"^at \d+\(\d+\): ", "", first).strip()
+
+
 def _bit(j: int) -> int:
     """Bit j of an int32 word as a Python int of the same bits (bit 31 is negative)."""
     return -(1 << 31) if j == 31 else 1 << j
@@ -141,6 +157,8 @@ def canonical(params: StructuredOutputsParams) -> tuple[str, str]:
         return "regex", params.regex
     if params.choice is not None:
         return "choice", json.dumps(list(params.choice), ensure_ascii=False)
+    if params.grammar is not None:
+        return "grammar", params.grammar
     schema = params.json
     if isinstance(schema, str):
         try:

@@ -129,11 +129,12 @@ _SERVER_FLAGS = [
     ("--strict-model-names", "switch", None, "refuse a rerank naming a model not served (default: the one "
                                              "reranker scores it, as TEI does)"),
     ("--log-level", str, "INFO", "logging level (DEBUG also prints the traceback of a start-up failure)"),
-    ("--enable-auto-tool-choice", "switch", False, "let the model decide when to call the request's tools "
-                                                   "(tool_choice \"auto\", the default with tools), its output "
-                                                   "read back by --tool-call-parser (as vLLM)"),
-    ("--tool-call-parser", str, None, "hermes | llama3_json: how a reply's tool calls are read (Hermes / Qwen "
-                                      "<tool_call> tags, Llama 3 JSON); docs/http.md#tool-calling"),
+    ("--enable-auto-tool-choice", "switch", False, "vLLM's switch, accepted: tool_choice \"auto\" (the default "
+                                                   "with tools) works wherever the tool-call format is known; "
+                                                   "with it, start-up fails where it is not"),
+    ("--tool-call-parser", str, None, "hermes | llama3_json | mistral: the format of a reply's tool calls (Qwen "
+                                      "<tool_call> tags, Llama 3.1 JSON, Mistral [TOOL_CALLS]); default: read from "
+                                      "the chat template, else the model's family; docs/http.md#tool-calling"),
 ]
 # `tandem serve --help` groups the flags by subject (argparse groups, in this order).
 _GROUPS = [

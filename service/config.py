@@ -47,12 +47,14 @@ class ServerConfig:
     # What a request's `model` may say (service/core.py Names): --served-model-name, --strict-model-names.
     served_model_names: tuple[str, ...] = ()
     strict_model_names: bool = False
-    # Tool calling (service/tool_calls.py), vLLM's flags: tool_choice "auto" needs both.
+    # Tool calling (service/tool_calls.py), vLLM's flags. The format (hermes | llama3_json | mistral) is read from the
+    # chat template (else the model's family) when not given; "auto" works wherever it is known, the switch is
+    # accepted for vLLM's command lines (and refused at start-up where no format is known).
     enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None  # hermes | llama3_json
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
-        self.tool_settings()  # a bad parser name or auto without a parser is refused here
+        self.tool_settings()  # a bad parser name is refused here
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and a key (--tls-cert and --tls-key)")
         if self.tls_client_ca is not None and self.tls_cert is None:

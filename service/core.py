@@ -41,8 +41,9 @@ from engine.request import FinishReason, SeqKind
 from service.errors import ErrorKind, ServiceError, invalid
 from service.lifecycle import RequestLifecycle
 from service.tokens import TokenTexts, build_token_texts
-from service.tool_calls import ToolPlan, ToolSettings
+from service.tool_calls import ToolPlan, ToolSettings, ToolSupport
 from service.tool_calls import plan as plan_tools
+from service.tool_calls import support as tool_support
 
 if TYPE_CHECKING:
     from service.bridge import EngineBridge
@@ -318,8 +319,8 @@ class CoreAPI:
 
     def __init__(self, bridge: "EngineBridge", limits: Limits, info: ModelInfo, token_texts: TokenTexts,
                  tokenizer: Any, names: Names = Names(), aliases: tuple[str, ...] = (),
-                 tools: ToolSettings = ToolSettings()) -> None:
-        self.tool_settings = tools
+                 tools: ToolSupport = ToolSupport()) -> None:
+        self.tools = tools  # what the served model can do with a request's tools
         self.bridge = bridge
         self.limits = limits
         self.info = info
@@ -330,7 +331,7 @@ class CoreAPI:
 
     @classmethod
     async def load(cls, bridge: "EngineBridge", limits: Limits, names: Names = Names(),
-                   tools: ToolSettings = ToolSettings()) -> "CoreAPI":
+                   tools: ToolSettings | ToolSupport = ToolSettings()) -> "CoreAPI":
         """Ask the engine what it serves; build the token texts on a worker thread."""
         engine_info = await bridge.model_info()
         tokenizer = bridge.engine.tokenizer
@@ -345,7 +346,10 @@ class CoreAPI:
                          max_message_bytes=limits.max_message_bytes)
         # Without --served-model-name the path as given still names the model (clients written against it keep
         # working); it is not listed.
-        return cls(bridge, limits, info, texts, tokenizer, names, aliases=() if names.served else (given,), tools=tools)
+        if isinstance(tools, ToolSettings):  # the flags: resolved against the served model (ValueError: they cannot be)
+            tools = tool_support(tools, tokenizer.chat_template, bridge.engine.hf_config.get("model_type"), tokenizer)
+        return cls(bridge, limits, info, texts, tokenizer, names, aliases=() if names.served else (given,),
+                   tools=tools)
 
     # ---- checks that need no engine --------------------------------------------------------------
 
@@ -446,12 +450,12 @@ class CoreAPI:
 
     def tool_plan(self, tools: list[dict] | None, tool_choice: str | dict | None,
                   parallel: bool | None = None) -> ToolPlan | None:
-        """What a request's tools and tool_choice ask for (service/tool_calls.py), under this server's
-        --enable-auto-tool-choice / --tool-call-parser; INVALID_ARGUMENT naming what is wrong. A door puts the plan's
-        template_tools in GenerateInput.tools and its structured_outputs in the params, and reads the output back
-        with plan.read()."""
+        """What a request's tools and tool_choice ask for (service/tool_calls.py), with the served model's tool format
+        and template; INVALID_ARGUMENT naming what is wrong (a template that renders no tools names the shipped ones
+        that do). A door puts the plan's template_tools in GenerateInput.tools and its structured_outputs in the
+        params, and reads the output back with plan.reader()."""
         try:
-            return plan_tools(tools, tool_choice, parallel, self.tool_settings)
+            return plan_tools(tools, tool_choice, parallel, self.tools)
         except ValueError as exc:
             raise invalid(str(exc)) from None
 

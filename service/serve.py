@@ -18,6 +18,8 @@ from service.phases import phase, weights_size
 from service.server import ServerConfig, TandemServer
 from service.shutdown import ShutdownTally
 from service.step_log import StepLog
+from service.tool_calls import describe_tools
+from service.tool_calls import support as tool_support
 from service.tracing import TracingHooks, describe_tracing, tracer_provider_from_env
 from service.vllm_metrics import VllmMetrics
 
@@ -57,11 +59,14 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
         with phase(log, f"loading the model ({engine_config.model or 'embedded SmolLM2-135M-Instruct'})",
                    weights_size(engine_config.model)):
             engine = await _in_own_thread(LLMEngine, engine_config)
+        tools = tool_support(server_config.tool_settings(), engine.tokenizer.chat_template,
+                             engine.hf_config.get("model_type"), engine.tokenizer)
         calibration = await _calibrate(engine)
     except Exception as exc:  # noqa: BLE001 (said in one line by the CLI; the traceback at --log-level debug)
         raise StartupError(exc) from exc
     if calibration is not None:
         log.info("%s", calibration.summary())
+    log.info("%s", describe_tools(tools))
     # The name requests and responses use (service/core.py): the first --served-model-name, else the short id.
     model_name = (server_config.served_model_names or (short_name(str(engine.model_info()["model"])),))[0]
     metrics = Metrics()
@@ -76,8 +81,7 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
         log.info("access log off (--no-access-log)")
     bridge = EngineBridge(engine, max_waiting=max_waiting, hooks=hooks)
     bridge.start()
-    core = await CoreAPI.load(bridge, server_config.limits(), server_config.names(),
-                              server_config.tool_settings())
+    core = await CoreAPI.load(bridge, server_config.limits(), server_config.names(), tools)
     server = TandemServer(core, server_config)
     http = door = None
     try:

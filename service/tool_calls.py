@@ -1,32 +1,27 @@
-"""Tool calling, door-neutral: what a request's `tools` and `tool_choice` ask of a generation, and the model's output
-read back as tool calls (vLLM's convention and names).
+"""Tool calling, door-neutral: what a request's `tools` and `tool_choice` ask of a generation, and its output read
+back as tool calls, whole or streamed (vLLM's conventions and names; the formats are service/tool_formats.py).
 
 * The tools reach the prompt through the chat template's own tool format (transformers'
-  `apply_chat_template(..., tools=...)`, on the engine's intake thread).
-* `tool_choice` "none": the tools are left out of the prompt (no call can come back); "auto" (the default with
-  tools): the model decides, and its output is parsed by the server's parser (`tandem serve
-  --enable-auto-tool-choice --tool-call-parser hermes|llama3_json`); "required" and a named function: the output is
-  constrained by a JSON schema (the engine's structured output, as vLLM does with guided decoding), so it is a call
-  by construction: a list of {name, parameters} (required) or the named function's arguments.
-* Parsers: `hermes` (Hermes / Qwen 2.5 / Qwen 3 templates: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-  any number of them, text before the first is the content) and `llama3_json` (Llama 3.1+: the reply is one JSON
-  object `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several separated by `;`).
+  `apply_chat_template(..., tools=...)`, on the engine's intake thread). The shipped templates chatml, llama3 and
+  mistral render tools in their family's format; a template that renders none gets a 400 naming them.
+* The server knows one format (`--tool-call-parser hermes|llama3_json|mistral`, else read from the chat template's
+  markers, else from the model's family): the one its template writes calls in.
+* `tool_choice` "none": the tools are left out of the prompt (no call can come back). "auto" (the default with
+  tools): the model decides; its reply is parsed. "required" and a named function: the output is constrained by the
+  engine's structured output to the grammar of exactly one call in the model's own format, to one of the tools (the
+  named one) with arguments valid against its parameters schema (objects closed: no undeclared keys), so the call
+  is complete and parses whatever the sampling.
 """
 from __future__ import annotations
 
 import enum
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import StructuredOutputsParams
-
-
-class ToolParser(str, enum.Enum):
-    HERMES = "hermes"
-    LLAMA3_JSON = "llama3_json"
+from service.tool_formats import TEMPLATE_OF, ToolParser, call_grammar, detect, names, renders_tools, scan
 
 
 class ToolChoice(str, enum.Enum):
@@ -38,20 +33,66 @@ class ToolChoice(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class ToolSettings:
-    """The server's: `--enable-auto-tool-choice` and `--tool-call-parser`."""
+    """The server's flags: `--tool-call-parser` (None: read from the template) and `--enable-auto-tool-choice`
+    (accepted for vLLM's command lines; "auto" works wherever the format is known)."""
     auto: bool = False
     parser: ToolParser | None = None
 
-    def __post_init__(self) -> None:
-        if self.auto and self.parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+
+@dataclass(frozen=True, slots=True)
+class ToolSupport:
+    """What the served model can do with tools: resolved once at start-up from the settings, its chat template and
+    family (support())."""
+    parser: ToolParser | None = None  # the format its replies' calls are in; None: unknown
+    renders: bool = False  # its chat template renders `tools`
+    marker_token: int | None = None  # Mistral's [TOOL_CALLS] as one token of the vocabulary
+
+    def problem(self) -> str | None:
+        """Why a request with tools cannot be served (None: it can), naming what to start the server with."""
+        shipped = ", ".join(f"{TEMPLATE_OF[p]} ({p})" for p in ToolParser)
+        if not self.renders:
+            return ("tools: this model's chat template renders no tools; start the server with a template that "
+                    f"does: --chat-template NAME, shipped with their tool formats: {shipped}, or a Jinja file "
+                    f"with --tool-call-parser ({', '.join(names())}); or send tool_choice \"none\"")
+        if self.parser is None:
+            return ("tools: the tool-call format of this model's chat template is not known: start the server with "
+                    f"--tool-call-parser {' | '.join(names())}")
+        return None
+
+
+def support(settings: ToolSettings, template: str | None, model_type: str | None, tokenizer: Any = None) -> ToolSupport:
+    """The served model's ToolSupport; ValueError where --enable-auto-tool-choice cannot be honoured."""
+    parser = settings.parser or detect(template, model_type)
+    if settings.auto and parser is None:
+        raise ValueError("--enable-auto-tool-choice: the tool-call format of this model's chat template is not known: "
+                         f"name it with --tool-call-parser {' | '.join(names())}")
+    marker = None
+    if parser is ToolParser.MISTRAL and tokenizer is not None:
+        token = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+        if isinstance(token, int) and token != tokenizer.unk_token_id:
+            marker = token
+    return ToolSupport(parser, renders_tools(template), marker)
+
+
+def describe_tools(served: ToolSupport) -> str:
+    """The start-up line: which tool-call format requests with tools get, or why they get a 400."""
+    if served.problem() is None:
+        return f"tool calls: {served.parser} format (tool_choice auto, required and named; docs/http.md#tool-calling)"
+    if not served.renders:
+        return ("tool calls: off, the chat template renders no tools (--chat-template chatml, llama3 or mistral "
+                "does)")
+    return "tool calls: off, the template's tool-call format is not known (--tool-call-parser)"
 
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    arguments: str  # JSON text, as OpenAI sends it (cut short where the reply was)
+    id: str = field(default_factory=lambda: new_call_id())
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +101,8 @@ class ToolPlan:
     tools: list[dict]  # OpenAI tool definitions ({"type": "function", "function": {name, description, parameters}})
     choice: ToolChoice
     name: str | None = None  # the named function (ToolChoice.NAMED)
-    parallel: bool = True  # parallel_tool_calls: false allows one call only (required)
-    parser: ToolParser | None = None  # reads free output back (auto)
+    parser: ToolParser | None = None  # the format the reply's calls are in (None with "none")
+    marker_token: int | None = None
 
     @property
     def template_tools(self) -> list[dict] | None:
@@ -73,18 +114,13 @@ class ToolPlan:
         return self.choice in (ToolChoice.REQUIRED, ToolChoice.NAMED)
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
-        """The JSON schema that makes the output a call (required, named); None where the model is free."""
-        if self.choice is ToolChoice.NAMED:
-            return StructuredOutputsParams(json=_parameters(self._function(self.name)))
-        if self.choice is not ToolChoice.REQUIRED:
+        """The grammar of one call (required: to any of the tools; named: to that one); None where the model is
+        free."""
+        if not self.constrained or self.parser is None:
             return None
-        items = [{"type": "object", "properties": {"name": {"enum": [f["name"]]}, "parameters": _parameters(f)},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for f in (t["function"] for t in self.tools)]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-        if not self.parallel:
-            schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema)
+        functions = [self._function(self.name)] if self.choice is ToolChoice.NAMED else \
+            [t["function"] for t in self.tools]
+        return StructuredOutputsParams(grammar=call_grammar(self.parser, functions, self.marker_token))
 
     def _function(self, name: str | None) -> dict:
         for t in self.tools:
@@ -92,37 +128,22 @@ class ToolPlan:
                 return t["function"]
         raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
 
+    def reader(self) -> "CallReader | None":
+        """A reader of one choice's reply (None: the reply is all content)."""
+        return CallReader(self.parser) if self.parser is not None and self.choice is not ToolChoice.NONE else None
+
     def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of a finished output."""
-        if self.constrained:
-            try:
-                value = json.loads(text)
-            except ValueError:
-                return text, []  # cut short (max_tokens): no call to report
-            if self.choice is ToolChoice.NAMED:
-                return None, [ToolCall(self.name or "", _compact(value))]
-            return None, [ToolCall(c["name"], _compact(c.get("parameters", {}))) for c in value]
-        if self.choice is ToolChoice.AUTO and self.parser is not None:
-            return parse(self.parser, text)
-        return text, []
-
-
-def _parameters(function: dict) -> dict:
-    return function.get("parameters") or {"type": "object", "properties": {}}
-
-
-def _compact(value: Any) -> str:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return value
-    return json.dumps(value, ensure_ascii=False)
+        """(content, tool calls) of a finished reply."""
+        reader = self.reader()
+        if reader is None:
+            return text, []
+        return reader.read(text)
 
 
 def plan(tools: list[dict] | None, tool_choice: str | dict | None, parallel: bool | None,
-         settings: ToolSettings) -> ToolPlan | None:
-    """A request's ToolPlan (None: no tools asked for); ValueError naming what is wrong, as vLLM refuses it."""
+         served: ToolSupport) -> ToolPlan | None:
+    """A request's ToolPlan (None: no tools asked for); ValueError naming what is wrong. `parallel`
+    (parallel_tool_calls) changes nothing: "auto" reads every call the model makes, a constrained choice makes one."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise ValueError(f"tool_choice {_said(tool_choice)} needs tools")
@@ -131,97 +152,102 @@ def plan(tools: list[dict] | None, tool_choice: str | dict | None, parallel: boo
     if tool_choice == "none":
         return ToolPlan(tools, ToolChoice.NONE)
     if tool_choice is None or tool_choice == "auto":
-        return _auto(tools, parallel, settings)
-    if tool_choice == "required":
-        return ToolPlan(tools, ToolChoice.REQUIRED, parallel=parallel is not False)
-    if isinstance(tool_choice, dict):
+        choice, name = ToolChoice.AUTO, None
+    elif tool_choice == "required":
+        choice, name = ToolChoice.REQUIRED, None
+    elif isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name")
         if tool_choice.get("type") != "function" or not isinstance(name, str):
             raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                              '{"name": ...}}')
-        out = ToolPlan(tools, ToolChoice.NAMED, name=name)
+        choice = ToolChoice.NAMED
+    else:
+        raise ValueError(f'tool_choice must be "none", "auto", "required" or a named function, got '
+                         f"{_said(tool_choice)}")
+    problem = served.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    out = ToolPlan(tools, choice, name=name, parser=served.parser, marker_token=served.marker_token)
+    if choice is ToolChoice.NAMED:
         out._function(name)  # named but not given: refused
-        return out
-    raise ValueError(f'tool_choice must be "none", "auto", "required" or a named function, got {_said(tool_choice)}')
+    if out.constrained:
+        _check_schemas(out)
+    return out
 
 
-def _auto(tools: list[dict], parallel: bool | None, settings: ToolSettings) -> ToolPlan:
-    if not settings.auto:
-        raise ValueError('"auto" tool choice (the default with tools) needs the server started with '
-                         "--enable-auto-tool-choice and --tool-call-parser (hermes or llama3_json); or send "
-                         'tool_choice "required", "none" or a named function')
-    return ToolPlan(tools, ToolChoice.AUTO, parallel=parallel is not False, parser=settings.parser)
+def _check_schemas(tool_plan: ToolPlan) -> None:
+    """A constrained call's parameters schemas, each checked as its grammar: a schema the grammar library cannot
+    use is refused naming the tool, not as the whole grammar."""
+    from engine.structured import grammar_problem
+
+    for i, t in enumerate(tool_plan.tools):
+        f = t["function"]
+        if tool_plan.choice is ToolChoice.NAMED and f["name"] != tool_plan.name:
+            continue
+        problem = grammar_problem(call_grammar(tool_plan.parser, [f], tool_plan.marker_token))
+        if problem is not None:
+            raise ValueError(f"tools[{i}].function.parameters ({f['name']!r}) cannot constrain a call: "
+                             f"{problem.removeprefix('failed to compile JSON schema: ')}")
 
 
 def _said(value: Any) -> str:
     return json.dumps(value) if not isinstance(value, str) else repr(value)
 
 
-# ---- parsers ---------------------------------------------------------------------------------------------------
+# ---- reading a reply back ----------------------------------------------------------------------------------------
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-HERMES_START = "<tool_call>"
-PYTHON_TAG = "<|python_tag|>"
-
-
-def parse(parser: ToolParser, text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, tool calls) of free model output; text that is not a well-formed call stays content."""
-    if parser is ToolParser.HERMES:
-        return _hermes(text)
-    return _llama3_json(text)
+@dataclass(frozen=True, slots=True)
+class CallDelta:
+    """What one streamed step adds to call `index`: its id and name the first time, then argument text."""
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
 
 
-def _hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    start = text.find(HERMES_START)
-    if start < 0:
-        return text, []
-    calls = []
-    for body in _HERMES.findall(text[start:]):
-        try:
-            call = json.loads(body)
-            calls.append(ToolCall(call["name"], _compact(call.get("arguments", {}))))
-        except (ValueError, KeyError, TypeError):
+class CallReader:
+    """One choice's reply read as content and tool calls: whole (read) or as it streams (feed, then feed(final))."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self._content = 0  # characters of the text given out as content
+        self._ids: list[str] = []
+        self._arguments: list[str] = []  # each call's argument text given out
+
+    @property
+    def made_calls(self) -> bool:
+        return bool(self._ids)
+
+    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole reply: text that is not a well-formed call stays content; a call cut short
+        (max_tokens) comes back as far as it got, once its name is whole."""
+        found = scan(self.parser, text, final=True)
+        calls = [c for c in found.calls if c.name is not None]
+        if found.malformed or not calls:
             return text, []
-    content = text[:start].strip()
-    return content or None, calls
+        content = text[:found.held].strip()
+        return content or None, [ToolCall(c.name or "", c.arguments) for c in calls]
 
-
-def _llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
-    body = text.strip().removeprefix(PYTHON_TAG).strip()
-    if not body.startswith("{"):
-        return text, []
-    calls = []
-    decoder = json.JSONDecoder()
-    position = 0
-    try:
-        while position < len(body):
-            call, end = decoder.raw_decode(body, position)
-            calls.append(ToolCall(call["name"], _compact(call.get("parameters", call.get("arguments", {})))))
-            position = end
-            while position < len(body) and body[position] in " \n\t;":
-                position += 1
-    except (ValueError, KeyError, TypeError):
-        return text, []
-    return None, calls
-
-
-def call_starts(parser: ToolParser | None, text: str) -> int | None:
-    """Where in streamed text a tool call (may) begin: the index from which text must be held back rather than
-    streamed as content (a prefix of the start marker at the end counts); None: all of it is content so far."""
-    if parser is None:
-        return None
-    if parser is ToolParser.LLAMA3_JSON:
-        stripped = text.lstrip()
-        if not stripped:
-            return 0 if text else None
-        return 0 if stripped.startswith("{") or PYTHON_TAG.startswith(stripped[:len(PYTHON_TAG)]) else None
-    found = text.find(HERMES_START)
-    if found >= 0:
-        return found
-    for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
-        if HERMES_START.startswith(text[-k:]):
-            return len(text) - k
-    return None
+    def feed(self, text: str, final: bool) -> tuple[str, list[CallDelta]]:
+        """The content and call deltas `text` (the reply so far) adds to what was given out; `final`: the reply is
+        whole (held-back text that is no call goes out as content)."""
+        found = scan(self.parser, text, final)
+        calls = [c for c in found.calls if c.name is not None]
+        if final and not self._ids and (found.malformed or not calls):
+            out, self._content = text[self._content:], len(text)
+            return out, []
+        content = text[self._content:found.held] if found.held > self._content else ""
+        self._content = max(self._content, found.held)
+        deltas = []
+        for i, call in enumerate(calls):
+            if i == len(self._ids):
+                self._ids.append(new_call_id())
+                self._arguments.append(call.arguments)
+                deltas.append(CallDelta(i, self._ids[i], call.name, call.arguments))
+            elif len(call.arguments) > len(self._arguments[i]) and call.arguments.startswith(self._arguments[i]):
+                deltas.append(CallDelta(i, None, None, call.arguments[len(self._arguments[i]):]))
+                self._arguments[i] = call.arguments
+        return content, deltas
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -246,5 +272,5 @@ def _object(arguments: Any) -> Any:
     return arguments
 
 
-__all__ = ["ToolCall", "ToolChoice", "ToolParser", "ToolPlan", "ToolSettings", "call_starts", "parse", "plan",
-           "template_messages"]
+__all__ = ["CallDelta", "CallReader", "describe_tools", "ToolCall", "ToolChoice", "ToolParser", "ToolPlan", "ToolSettings",
+           "ToolSupport", "plan", "support", "template_messages"]

@@ -13,7 +13,7 @@ from engine.outputs import Logprobs
 from engine.request import FinishReason
 from service.core import GenerateEvent
 from service.tokens import TokenTexts
-from service.tool_calls import ToolCall, ToolPlan, call_starts
+from service.tool_calls import CallDelta, CallReader, ToolPlan
 
 # OpenAI's finish_reason for the engine's (an abort keeps tandem's own word: OpenAI has none for it).
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
@@ -22,7 +22,7 @@ _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReaso
 @dataclass(slots=True)
 class _Choice:
     text: list[str] = field(default_factory=list)
-    streamed: int = 0  # characters of the text streamed as content (tool calling holds back a call's text)
+    calls: CallReader | None = None  # with tools: the reply read as content and tool calls as it streams
     logprobs: list = field(default_factory=list)  # chat: content entries; completions: (token, logprob, top)
     finish_reason: str | None = None
     started: bool = False
@@ -57,7 +57,9 @@ class Completion:
         """Record one output; returns (choice index, text, logprobs of its tokens, finish reason)."""
         out = event.output
         index = event.index * self.n + out.index
-        choice = self.choices.setdefault(index, _Choice())
+        choice = self.choices.get(index)
+        if choice is None:
+            choice = self.choices[index] = _Choice(calls=self.tools.reader() if self.tools is not None else None)
         finish = _FINISH.get(out.finish_reason)
         if finish is not None:
             choice.finish_reason = finish
@@ -101,41 +103,19 @@ class Completion:
             if self.chat:
                 message: dict = {"role": "assistant", "content": text}
                 finish = c.finish_reason
-                calls = self._calls(text, finish)
-                if calls is not None:
-                    content, found = calls
-                    message = {"role": "assistant", "content": content, "tool_calls": [
-                        {"id": call.id, "type": "function",
-                         "function": {"name": call.name, "arguments": call.arguments}} for call in found]}
-                    finish = "tool_calls"
+                if c.calls is not None and finish in ("stop", "length"):
+                    content, calls = c.calls.read(text)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": [
+                            {"id": call.id, "type": "function",
+                             "function": {"name": call.name, "arguments": call.arguments}} for call in calls]}
+                        finish = _with_calls(finish)
                 choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
                 choices.append({"index": index, "text": text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason})
         return {"id": self.response_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self._usage()}
-
-    def _calls(self, text: str, finish: str | None) -> tuple[str | None, list[ToolCall]] | None:
-        """(content, tool calls) of a finished choice that made calls; None where it made none."""
-        if self.tools is None or finish not in ("stop", "length"):
-            return None
-        content, calls = self.tools.read(text)
-        return (content, calls) if calls else None
-
-    def _streamable(self, choice: _Choice, finish: str | None) -> str:
-        """The content to stream now: all new text without tools; with tools, none of a call's text (held back
-        from where a call may start until the choice ends and it is read back)."""
-        full = "".join(choice.text)
-        if self.tools is None or finish is not None:
-            end = len(full)
-        elif self.tools.constrained:
-            end = choice.streamed
-        else:
-            start = call_starts(self.tools.parser, full[choice.streamed:])
-            end = len(full) if start is None else choice.streamed + start
-        out = full[choice.streamed:end]
-        choice.streamed = max(choice.streamed, end)
-        return out
 
     def _choice_logprobs(self, items: list) -> dict:
         if self.chat:
@@ -157,21 +137,17 @@ class Completion:
         choice = self.choices[index]
         lp = self._choice_logprobs(logprobs) if self.top_logprobs is not None else None
         if self.chat:
-            calls = self._calls("".join(choice.text), finish)
-            if calls is not None:  # the call's text was held back: it goes out as tool_calls
-                finish = "tool_calls"
-                text = ""
-                choice.streamed = len("".join(choice.text))
-            elif self.tools is not None:
-                text = self._streamable(choice, finish)
-            delta: dict = {"content": text}
+            deltas: list[CallDelta] = []
+            if choice.calls is not None:  # a call's text goes out as tool_calls deltas, the rest as content
+                text, deltas = choice.calls.feed("".join(choice.text), final=finish is not None)
+                if finish is not None and choice.calls.made_calls:
+                    finish = _with_calls(finish)
+            delta: dict = {"content": text if text or not deltas else None}
             if not choice.started:
-                delta = {"role": "assistant", "content": text}
+                delta = {"role": "assistant", **delta}
                 choice.started = True
-            if calls is not None:
-                delta["tool_calls"] = [{"index": i, "id": call.id, "type": "function",
-                                        "function": {"name": call.name, "arguments": call.arguments}}
-                                       for i, call in enumerate(calls[1])]
+            if deltas:
+                delta["tool_calls"] = [_call_delta(d) for d in deltas]
             body = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             body = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
@@ -188,6 +164,21 @@ class Completion:
             out += _event({"id": self.response_id, "object": self.object + (".chunk" if self.chat else ""),
                            "created": self.created, "model": self.model, "choices": [], "usage": self._usage()})
         return out + b"data: [DONE]\n\n"
+
+
+def _with_calls(finish: str) -> str:
+    """A reply that made calls ends with "tool_calls", unless it was cut short (max_tokens: "length")."""
+    return "tool_calls" if finish == "stop" else finish
+
+
+def _call_delta(d: CallDelta) -> dict:
+    """OpenAI's streamed tool call: index, id, type and name in the first delta of a call, argument text after."""
+    function: dict = {"arguments": d.arguments}
+    out: dict = {"index": d.index, "function": function}
+    if d.id is not None:
+        out["id"], out["type"] = d.id, "function"
+        function["name"] = d.name
+    return out
 
 
 def _event(body: dict) -> bytes:

@@ -182,11 +182,13 @@ def test_fields_that_change_nothing_are_accepted(client):
     assert r.choices[0].message.content is not None and r.choices[0].message.tool_calls is None
 
 
-def test_tools_without_auto_tool_choice_are_refused_naming_the_flags(client):
+def test_tools_on_a_template_that_renders_none_are_refused_naming_the_templates(client):
+    """The embedded SmolLM2's own template has no tool format: a 400 naming the shipped templates that do."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="", messages=CHAT, max_tokens=2, tools=tools)  # default: "auto"
-    assert "--enable-auto-tool-choice" in info.value.message and "--tool-call-parser" in info.value.message
+    assert "renders no tools" in info.value.message and "--chat-template" in info.value.message
+    assert "chatml (hermes)" in info.value.message and info.value.body["param"] == "tool_choice"
 
 
 def test_a_model_named_for_another_task_is_refused(client, http_url, served):
