@@ -89,6 +89,10 @@ _SERVER_FLAGS = [
     ("--port", int, 50051, "gRPC port to bind (0: any free port; the address is printed)"),
     ("--http-port", "port", 8000, "HTTP port on --host for the OpenAI, Cohere/Jina and TEI APIs, /metrics and "
                                   "/health (0 or off: off; docs/http.md)"),
+    ("--allowed-hosts", "names", None, "Host headers the HTTP door answers besides localhost and loopback "
+                                       "addresses (a DNS-rebinding defence), comma-separated: names, addresses, "
+                                       "*.example.com, or * for any (default: loopback names only when --host "
+                                       "is a loopback address, any host otherwise)"),
     ("--max-waiting", int, 256, "requests that may wait for the engine before RESOURCE_EXHAUSTED"),
     ("--max-documents", int, 1000, "documents per rerank request"),
     ("--max-embed-inputs", int, 1000, "inputs (texts or token id lists) per embedding request"),
@@ -143,7 +147,7 @@ _GROUPS = [
         "--max-embed-batch-tokens", "--max-num-seqs", "--rerank-share", "--tpot-target-ms", "--num-threads",
         "--enforce-eager"]),
     ("ports", "where it listens: gRPC on --port, HTTP on --http-port, Prometheus on --metrics-port", [
-        "--host", "--port", "--http-port", "--metrics-port", "--replica"]),
+        "--host", "--port", "--http-port", "--allowed-hosts", "--metrics-port", "--replica"]),
     ("requests", "what one request may ask for, and how names and tools are read", [
         "--max-waiting", "--max-documents", "--max-embed-inputs", "--max-message-bytes", "--max-stream-buffer-bytes",
         "--served-model-name", "--strict-model-names", "--enable-auto-tool-choice", "--tool-call-parser"]),
@@ -284,7 +288,8 @@ def build_server_config(args: argparse.Namespace):
                   max_stream_buffer_bytes=args.max_stream_buffer_bytes, keepalive_time_s=args.keepalive_time,
                   keepalive_timeout_s=args.keepalive_timeout, max_connection_idle_s=args.max_connection_idle,
                   max_connection_age_s=args.max_connection_age, max_concurrent_streams=args.max_concurrent_streams,
-                  http_port=args.http_port, strict_model_names=args.strict_model_names,
+                  http_port=args.http_port, allowed_hosts=_names(args.allowed_hosts),
+                  strict_model_names=args.strict_model_names,
                   served_model_names=_names(args.served_model_name),
                   enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     fields = {name: value for name, value in fields.items() if value is not None}

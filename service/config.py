@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from service.core import DEFAULT_MAX_BUFFER_BYTES, Limits, Names
+from service.http.hosts import check_patterns
 from service.tool_calls import ToolParser, ToolSettings
 
 
@@ -44,6 +45,9 @@ class ServerConfig:
     # max_message_bytes (its body limit) and max_stream_buffer_bytes with gRPC (and the engine's document and input
     # counts, --max-documents and --max-embed-inputs, which EngineConfig holds).
     http_port: int | None = 8000
+    # Host headers the HTTP door answers besides the loopback names (service/http/hosts.py, --allowed-hosts): bound to
+    # loopback, only those; bound elsewhere, any host unless this lists some; "*": any.
+    allowed_hosts: tuple[str, ...] = ()
     # What a request's `model` may say (service/core.py Names): --served-model-name, --strict-model-names.
     served_model_names: tuple[str, ...] = ()
     strict_model_names: bool = False
@@ -72,6 +76,7 @@ class ServerConfig:
         if any(not name or name != name.strip() for name in self.served_model_names):
             raise ValueError(f"served model names must be non-empty, without surrounding spaces: "
                              f"{list(self.served_model_names)}")
+        check_patterns(self.allowed_hosts)
         for token, methods in self.auth_scoped_tokens.items():
             if not token or not methods:
                 raise ValueError("each scoped auth token needs a non-empty token and at least one method")

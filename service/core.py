@@ -39,7 +39,7 @@ from engine.config import MAX_LOGPROBS, MAX_N, EmbedParams, RerankParams, Sampli
 from engine.outputs import EmbedOutput, RerankOutput, RerankResult, TokenDelta, rank_scores
 from engine.request import FinishReason, SeqKind
 from service.errors import ErrorKind, ServiceError, invalid
-from service.lifecycle import RequestLifecycle
+from service.lifecycle import CLIENT_GONE, RequestLifecycle
 from service.tokens import TokenTexts, build_token_texts
 from service.tool_calls import ToolPlan, ToolSettings
 from service.tool_calls import plan as plan_tools
@@ -272,9 +272,18 @@ class GenerationStream:
         """Each input's one request id (new_request_id), input order."""
         return [lc.engine_id for lc in self._lifecycles]
 
-    def abort(self) -> None:
+    def abort(self, *, client_gone: bool = False) -> None:
+        """Stop what still runs; `client_gone`: because its client went away (the access log says 499 / CANCELLED,
+        not the status of an answer nobody read)."""
         for lc in self._lifecycles:
+            if client_gone:
+                lc.metadata[CLIENT_GONE] = "1"
             self._bridge.abort(lc.engine_id)
+
+    @property
+    def done(self) -> bool:
+        """Every input's last event was read."""
+        return len(self._read_last) == len(self._ids)
 
     def __aiter__(self) -> "GenerationStream":
         return self
@@ -490,6 +499,9 @@ class CoreAPI:
         request's own API, for the cut: `cut_hint`), or UNAVAILABLE if the server aborted it."""
         try:
             event = await future
+        except asyncio.CancelledError:  # its client left (a door cancels the call when it hears of that)
+            lc.metadata[CLIENT_GONE] = "1"
+            raise
         finally:
             if not future.done() or future.cancelled():
                 self.bridge.abort(lc.engine_id)

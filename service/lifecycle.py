@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from engine.outputs import StepRecord
 
+CLIENT_GONE = "client_gone"  # a RequestLifecycle.metadata key: set when it was aborted because its client went away
+
 
 @dataclass(slots=True)
 class RequestLifecycle:
