@@ -13,8 +13,9 @@ the engine admitted it (an unknown model, a full queue, draining; on HTTP also a
 Content-Type, a missing token) gets its line too, `finish=rejected`, from `on_refused`; one the engine's intake
 refuses (an empty input, too many documents, a prompt too long) ends `finish=error` with the same status.
 An error or a refusal says why, short (` reason="max_tokens is too large: ..."`, cut at REASON_CHARS). `model=` is
-the model the request named, else the one its kind is served by (the embedder for an embedding, the LLM for a chat
-or a rerank); a refused name is logged as given.
+the model the request named, else the one its kind is served by (the embedder for an embedding, the LLM for a chat,
+for a rerank what scored it: CoreAPI.rerank_name, e.g. the embedder in the dense mode); a refused name is logged as
+given.
 `tandem serve --no-access-log` leaves this observer out.
 """
 from __future__ import annotations

@@ -22,7 +22,8 @@ OPENMP_SPINS = "30000"
 _ENGINE_FLAGS = [
     ("--model", str, None, "a GGUF file (or a folder holding one) or a Hugging Face directory: Llama, Mistral, "
                            "Qwen2/3, Gemma 2/3 (default: embedded SmolLM2-135M)"),
-    ("--reranker", str, None, "cross-encoder directory (default: the LLM scores pairs, see --rerank-mode)"),
+    ("--reranker", str, None, "cross-encoder directory (default: none; reranks are then scored by the embedder's "
+                              "cosine, or without an embedder by the LLM: see --rerank-mode)"),
     ("--rerank-mode", str, None, "dense | cascade | fusion | likelihood | judge | cross-encoder: how rerank "
                                  "documents are scored (default: cross-encoder with --reranker, else dense with an "
                                  "embedder, else likelihood)"),
@@ -351,13 +352,14 @@ def threading_environment(num_threads: int | None, environ=os.environ) -> None:
 def startup_problem(exc: BaseException, args: argparse.Namespace) -> str:
     """One line naming what stopped `tandem serve` from starting and what to do about it."""
     text = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the library's message
-    for flag, value in (("--model", args.model), ("--reranker", args.reranker)):
+    for flag, value, wanted in (("--model", args.model, "a GGUF file or a Hugging Face model directory"),
+                                ("--reranker", args.reranker, "a cross-encoder's Hugging Face directory: a BERT / "
+                                                              "RoBERTa / XLM-R / ModernBERT sequence classifier")):
         if not value:
             continue
         path = Path(value).expanduser()
         if not path.exists():
-            return (f"{flag} {value}: no such file or directory (give a GGUF file or a Hugging Face model "
-                    "directory)")
+            return f"{flag} {value}: no such file or directory (give {wanted})"
     if "unsupported architecture" in text:
         return f"{text} (--model {args.model})"
     if isinstance(exc, (FileNotFoundError, ValueError, NotImplementedError, OSError)):

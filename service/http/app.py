@@ -319,7 +319,7 @@ async def _cohere(door: Door, request: Request, default_return_documents: bool) 
     door.authorize(request, "Rerank")
     body = openai_schema.parse(rerank_schema.CohereRerank, await request.body())
     outcome = await _rerank(door, request, body.to_input(default_return_documents))
-    return JSONResponse(rerank_schema.cohere_response(outcome, model=door.core.model_name(body.model)),
+    return JSONResponse(rerank_schema.cohere_response(outcome, model=body.model or door.core.rerank_name),
                         headers=rerank_schema.mode_header(outcome))
 
 
@@ -358,7 +358,7 @@ async def _detokenize(door: Door, request: Request) -> Response:
 
 async def _tei_info(door: Door, request: Request) -> Response:
     door.authorize(request, "ModelInfo")
-    return JSONResponse(tokens_schema.tei_info(door.core.info, VERSION))
+    return JSONResponse(tokens_schema.tei_info(door.core.info, VERSION, door.core.rerank_name))
 
 
 async def _version(request: Request) -> Response:

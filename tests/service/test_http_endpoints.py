@@ -38,7 +38,10 @@ async def test_a_rerank_naming_another_model_is_scored_by_the_one_reranker(http,
 async def test_version_info_openapi_and_docs(http, served):
     assert (await http.get("/version")).json()["version"]
     info = (await http.get("/info")).json()
-    assert info["model_id"] == NAME and "reranker" in info["model_type"]
+    # the shared server reranks by fusion: the embedder's cosine and the LLM's likelihood, each in its own dtype
+    assert info["model_id"] == f"all-MiniLM-L6-v2+{NAME}" and "reranker" in info["model_type"]
+    assert info["rerank_mode"] == "fusion"
+    assert info["model_dtype"] == " + ".join(dict.fromkeys([served.core.info.embedder_dtype, "float32"]))
     assert info["max_client_batch_size"] == served.core.info.max_documents
     document = (await http.get("/openapi.json")).json()
     assert document["openapi"].startswith("3.")
