@@ -69,7 +69,8 @@ def test_flags_set_every_server_config_field():
                      "--keepalive-time", "5", "--keepalive-timeout", "3", "--max-connection-idle", "60",
                      "--max-connection-age", "600", "--max-concurrent-streams", "8", "--http-port", "8081",
                      "--served-model-name", "smol", "chat,tiny", "--strict-model-names",
-                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                     "--allowed-hosts", "api.example,*.corp.example")
     assert (config.host, config.port, config.max_message_bytes) == ("0.0.0.0", 6000, 2**20)
     assert (config.drain_timeout_s, config.drain_grace_s) == (9.0, 2.5)
     assert (config.tls_cert, config.tls_key, config.tls_client_ca) == ("c.pem", "k.pem", "ca.pem")
@@ -81,6 +82,7 @@ def test_flags_set_every_server_config_field():
     assert config.http_port == 8081
     assert config.served_model_names == ("smol", "chat", "tiny") and config.strict_model_names is True
     assert config.enable_auto_tool_choice is True and config.tool_call_parser == "hermes"
+    assert config.allowed_hosts == ("api.example", "*.corp.example")
     # Every field but the internal stop grace is reachable from the command line: no setting is env-only.
     default = ServerConfig()
     unset = [f.name for f in dataclasses.fields(ServerConfig) if getattr(config, f.name) == getattr(default, f.name)]
