@@ -234,3 +234,15 @@ def test_make_serve_moves_all_three_ports():
     plain = subprocess.run(["make", "-n", "serve"], cwd=Path(__file__).resolve().parents[2], capture_output=True,
                            text=True, timeout=60)
     assert "--http-port" not in plain.stdout  # unset: tandem's defaults (and TANDEM_HTTP_PORT) apply
+
+
+def test_the_reranker_help_says_what_scores_by_default():
+    """`tandem serve --help` once said the LLM scores pairs by default, beside a dense default (issue 63)."""
+    from engine.config import RerankMode
+    from engine.rerank import default_mode
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    text = " ".join(serve.format_help().split())
+    assert "the LLM scores pairs" not in text
+    assert default_mode(EngineConfig(embedder=EMBEDDED_EMBEDDER)) is RerankMode.DENSE
+    assert "default: none; reranks are then scored by the embedder's cosine" in text
