@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 from engine.admission import AdmissionPolicy
 from engine.batch import Batch
 from engine.builder import build_engine_parts
-from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
+from engine.config import EmbedParams, EngineConfig, RerankMode, RerankParams, SamplingParams
 from engine.embed import EmbedJob
 from engine.intake import RequestIntake
 from engine.jobs import Job, JobContext, RowResult, StepEffects
@@ -20,6 +20,7 @@ from engine.runner import RunnerOutput
 if TYPE_CHECKING:
     from engine.structured import GrammarCompiler
 
+EMBEDDED_LLM = "SmolLM2-135M-Instruct (embedded)"  # how model_info() names the embedded model (service/core.py)
 log = logging.getLogger("tandem.engine")
 
 
@@ -173,7 +174,7 @@ class LLMEngine:
 
     def model_info(self) -> dict:
         return {
-            "model": str(self.config.model or "SmolLM2-135M-Instruct (embedded)"),
+            "model": str(self.config.model or EMBEDDED_LLM),
             "model_dir": str(self.model_dir),
             "architecture": (self.hf_config.get("architectures") or ["LlamaForCausalLM"])[0],
             "max_model_len": self.max_model_len,
@@ -185,8 +186,7 @@ class LLMEngine:
             "weight_format": self.weight_format,
             "weight_bytes": self.weight_bytes,
             "cpu_kernels": self.cpu_kernels,
-            "reranker": str(self.config.reranker) if self.config.reranker else "llm",
-            "rerank_mode": self.scorer.mode,
+            **self._rerank_info(),
             # The most tokens one rerank pair may have (template, query and document), and what sets it.
             "rerank_max_pair_tokens": self.intake.rerank_limit()[0],
             "rerank_limit_by": self.intake.rerank_limit()[1],
@@ -200,7 +200,22 @@ class LLMEngine:
             return {"embedder": ""}
         return {"embedder": e.name, "embedder_architecture": e.architecture, "embedding_dimensions": e.dim,
                 "embedder_pooling": str(e.pooling), "embedder_max_tokens": e.max_length,
-                "embedder_matryoshka": e.matryoshka}
+                "embedder_matryoshka": e.matryoshka, "embedder_dtype": e.dtype}
+
+    def _rerank_info(self) -> dict:
+        """What scores a rerank, as it runs: the mode, the model(s) it runs (`reranker`: the cross-encoder's path, the
+        embedder's id for dense, the LLM for likelihood and judge, "embedder + LLM" for fusion and cascade) and the
+        dtype(s) their forwards run in (`rerank_dtype`: an encoder's as --encoder-dtype resolved on this CPU)."""
+        mode = RerankMode(self.scorer.mode)
+        llm = (str(self.config.model or EMBEDDED_LLM), self.config.dtype)
+        e = self.embedder
+        embedder = (e.name, e.dtype) if e is not None else ("", "")
+        used = {RerankMode.DENSE: [embedder], RerankMode.FUSION: [embedder, llm], RerankMode.CASCADE: [embedder, llm],
+                RerankMode.CROSS_ENCODER: [(str(self.config.reranker), getattr(getattr(self.scorer, "encoder", None),
+                                                                           "dtype", self.config.dtype))]
+                }.get(mode, [llm])
+        return {"rerank_mode": mode.value, "reranker": " + ".join(name for name, _ in used),
+                "rerank_dtype": " + ".join(dict.fromkeys(dtype for _, dtype in used))}
 
     # ---- the step ------------------------------------------------------------------------------
 

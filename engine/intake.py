@@ -278,9 +278,12 @@ class RequestIntake:
         elif all(isinstance(t, (list, tuple)) for t in inputs):
             vocab = len(embedder.tokenizer)
             for i, t in enumerate(inputs):
-                if not t or any(not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < vocab for x in t):
+                if not t or any(not isinstance(x, int) or isinstance(x, bool) for x in t):
                     raise ValueError(f"input[{i}] must be a non-empty list of token ids in [0, {vocab}) (the "
                                      f"embedder {embedder.name}'s vocabulary)")
+                outside = next((x for x in t if not 0 <= x < vocab), None)
+                if outside is not None:
+                    raise ValueError(_foreign_ids(i, outside, vocab, embedder.name))
             ids = [list(t) for t in inputs]
         else:
             raise ValueError("input must be all strings or all token id lists")
@@ -359,3 +362,11 @@ def _generator(seed: int | None, index: int) -> torch.Generator | None:
     if index == 0:
         return torch.Generator().manual_seed(seed)
     return torch.Generator().manual_seed(xxhash.xxh64_intdigest(f"{seed}/{index}".encode()))
+
+
+def _foreign_ids(index: int, token: int, vocab: int, name: str) -> str:
+    """The refusal of a token id outside the embedder's vocabulary: most likely another tokenizer's ids (LangChain's
+    OpenAIEmbeddings sends tiktoken's unless told not to), which would embed as garbage if they happened to fit."""
+    return (f"input[{index}] has token id {token}, outside the embedder {name}'s vocabulary [0, {vocab}): token ids "
+            "must be this model's own (its tokenizer's input_ids), or send the text. LangChain's OpenAIEmbeddings "
+            "sends tiktoken's ids unless given check_embedding_ctx_length=False")

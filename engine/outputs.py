@@ -50,6 +50,9 @@ class RerankOutput(StepOutput):
     document_tokens: list[int] | None = None  # per document, its tokens the score saw
     truncated: list[bool] | None = None  # per document, whether it was cut to fit the limit
     windows: list[int] | None = None  # per document, the windows it was scored as (its score the best of theirs)
+    # documents scored by the embedder's cosine alone, no LLM or cross-encoder pair (dense; a cascade's below its top
+    # k): the pairs step records never count (StepRecord.rerank_pairs_scored counts those a forward scored)
+    embedder_scored: int = 0
 
 
 @dataclass(slots=True)

@@ -327,7 +327,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "served_names", "architecture", "max_model_len", "block_size", "kv_blocks_total", "reranker", "device", "dtype", "replica", "limits", "rerank_mode", "weight_format", "weight_bytes", "vocab_size", "rerank_max_pair_tokens", "rerank_limit_by", "cpu_kernels", "embedder", "embedding_dimensions", "embedder_max_tokens", "embedder_matryoshka")
+    __slots__ = ("model", "served_names", "architecture", "max_model_len", "block_size", "kv_blocks_total", "reranker", "device", "dtype", "replica", "limits", "rerank_mode", "weight_format", "weight_bytes", "vocab_size", "rerank_max_pair_tokens", "rerank_limit_by", "cpu_kernels", "embedder", "embedding_dimensions", "embedder_max_tokens", "embedder_matryoshka", "rerank_dtype", "embedder_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SERVED_NAMES_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +350,8 @@ class ModelInfoResponse(_message.Message):
     EMBEDDING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDER_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDER_MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
+    RERANK_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     served_names: _containers.RepeatedScalarFieldContainer[str]
     architecture: str
@@ -372,7 +374,9 @@ class ModelInfoResponse(_message.Message):
     embedding_dimensions: int
     embedder_max_tokens: int
     embedder_matryoshka: bool
-    def __init__(self, model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., reranker: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., replica: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., rerank_mode: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., rerank_max_pair_tokens: _Optional[int] = ..., rerank_limit_by: _Optional[str] = ..., cpu_kernels: _Optional[str] = ..., embedder: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., embedder_max_tokens: _Optional[int] = ..., embedder_matryoshka: _Optional[bool] = ...) -> None: ...
+    rerank_dtype: str
+    embedder_dtype: str
+    def __init__(self, model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., reranker: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., replica: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., rerank_mode: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., rerank_max_pair_tokens: _Optional[int] = ..., rerank_limit_by: _Optional[str] = ..., cpu_kernels: _Optional[str] = ..., embedder: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., embedder_max_tokens: _Optional[int] = ..., embedder_matryoshka: _Optional[bool] = ..., rerank_dtype: _Optional[str] = ..., embedder_dtype: _Optional[str] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_waiting", "max_documents", "max_message_bytes", "max_n", "max_logprobs", "max_embed_inputs")

@@ -6,13 +6,16 @@
         peer=127.0.0.1:33738
 
 The route is the HTTP path the door names in the request's metadata ("route"), or for gRPC the method its kind and
-stream say. The status is what the door answered: gRPC's code name, HTTP's status for it. A request refused before
+stream say. The status is what the door answered: gRPC's code name, HTTP's status for it; a request aborted because
+its client went away (a disconnect, a cancelled call) is `status=499 finish=abort` (nginx's "client closed
+request"), `CANCELLED` over gRPC. A request refused before
 the engine admitted it (an unknown model, a full queue, draining; on HTTP also a body that does not parse, a wrong
 Content-Type, a missing token) gets its line too, `finish=rejected`, from `on_refused`; one the engine's intake
 refuses (an empty input, too many documents, a prompt too long) ends `finish=error` with the same status.
 An error or a refusal says why, short (` reason="max_tokens is too large: ..."`, cut at REASON_CHARS). `model=` is
-the model the request named, else the one its kind is served by (the embedder for an embedding, the LLM for a chat
-or a rerank); a refused name is logged as given.
+the model the request named, else the one its kind is served by (the embedder for an embedding, the LLM for a chat,
+for a rerank what scored it: CoreAPI.rerank_name, e.g. the embedder in the dense mode); a refused name is logged as
+given.
 `tandem serve --no-access-log` leaves this observer out.
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ import logging
 
 
 from service.errors import ErrorKind, ServiceError
-from service.lifecycle import Hooks, RequestLifecycle
+from service.lifecycle import CLIENT_GONE, Hooks, RequestLifecycle
 
 log = logging.getLogger("tandem.access")
 
@@ -44,8 +47,11 @@ def status(lc: RequestLifecycle) -> str:
     the one the door answered on its own (metadata "status")."""
     if "status" in lc.metadata:
         return lc.metadata["status"]
+    gone = lc.metadata.get(CLIENT_GONE) and lc.error is None  # aborted because the client left: nginx's 499
     if lc.metadata.get("door") != "http":
-        return lc.error or "OK"
+        return "CANCELLED" if gone else lc.error or "OK"
+    if gone:
+        return "499"
     if lc.error is None:
         return "200"
     from service.http.errors import HttpError  # starlette only where the HTTP door runs

@@ -424,6 +424,7 @@ class EngineBridge:
             self._expire(out.request_id)
         self._waiting.discard(out.request_id)
         lc.prompt_tokens, lc.cached_tokens = out.prompt_tokens, out.cached_tokens
+        lc.embedder_scored = getattr(out, "embedder_scored", 0)
         if isinstance(out, TokenDelta):
             lc.completion_tokens = max(lc.completion_tokens, out.completion_tokens)
             if out.first_token_time is not None and lc.first_token is None:

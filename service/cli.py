@@ -22,7 +22,8 @@ OPENMP_SPINS = "30000"
 _ENGINE_FLAGS = [
     ("--model", str, None, "a GGUF file (or a folder holding one) or a Hugging Face directory: Llama, Mistral, "
                            "Qwen2/3, Gemma 2/3 (default: embedded SmolLM2-135M)"),
-    ("--reranker", str, None, "cross-encoder directory (default: the LLM scores pairs, see --rerank-mode)"),
+    ("--reranker", str, None, "cross-encoder directory (default: none; reranks are then scored by the embedder's "
+                              "cosine, or without an embedder by the LLM: see --rerank-mode)"),
     ("--rerank-mode", str, None, "dense | cascade | fusion | likelihood | judge | cross-encoder: how rerank "
                                  "documents are scored (default: cross-encoder with --reranker, else dense with an "
                                  "embedder, else likelihood)"),
@@ -92,6 +93,10 @@ _SERVER_FLAGS = [
     ("--port", int, 50051, "gRPC port to bind (0: any free port; the address is printed)"),
     ("--http-port", "port", 8000, "HTTP port on --host for the OpenAI, Cohere/Jina and TEI APIs, /metrics and "
                                   "/health (0 or off: off; docs/http.md)"),
+    ("--allowed-hosts", "names", None, "Host headers the HTTP door answers besides localhost and loopback "
+                                       "addresses (a DNS-rebinding defence), comma-separated: names, addresses, "
+                                       "*.example.com, or * for any (default: loopback names only when --host "
+                                       "is a loopback address, any host otherwise)"),
     ("--max-waiting", int, 256, "requests that may wait for the engine before RESOURCE_EXHAUSTED"),
     ("--max-documents", int, 1000, "documents per rerank request"),
     ("--max-embed-inputs", int, 1000, "inputs (texts or token id lists) per embedding request"),
@@ -148,7 +153,7 @@ _GROUPS = [
         "--num-threads",
         "--enforce-eager"]),
     ("ports", "where it listens: gRPC on --port, HTTP on --http-port, Prometheus on --metrics-port", [
-        "--host", "--port", "--http-port", "--metrics-port", "--replica"]),
+        "--host", "--port", "--http-port", "--allowed-hosts", "--metrics-port", "--replica"]),
     ("requests", "what one request may ask for, and how names and tools are read", [
         "--max-waiting", "--max-documents", "--max-embed-inputs", "--max-message-bytes", "--max-stream-buffer-bytes",
         "--served-model-name", "--strict-model-names", "--enable-auto-tool-choice", "--tool-call-parser"]),
@@ -289,7 +294,8 @@ def build_server_config(args: argparse.Namespace):
                   max_stream_buffer_bytes=args.max_stream_buffer_bytes, keepalive_time_s=args.keepalive_time,
                   keepalive_timeout_s=args.keepalive_timeout, max_connection_idle_s=args.max_connection_idle,
                   max_connection_age_s=args.max_connection_age, max_concurrent_streams=args.max_concurrent_streams,
-                  http_port=args.http_port, strict_model_names=args.strict_model_names,
+                  http_port=args.http_port, allowed_hosts=_names(args.allowed_hosts),
+                  strict_model_names=args.strict_model_names,
                   served_model_names=_names(args.served_model_name),
                   enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     fields = {name: value for name, value in fields.items() if value is not None}
@@ -351,13 +357,14 @@ def threading_environment(num_threads: int | None, environ=os.environ) -> None:
 def startup_problem(exc: BaseException, args: argparse.Namespace) -> str:
     """One line naming what stopped `tandem serve` from starting and what to do about it."""
     text = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the library's message
-    for flag, value in (("--model", args.model), ("--reranker", args.reranker)):
+    for flag, value, wanted in (("--model", args.model, "a GGUF file or a Hugging Face model directory"),
+                                ("--reranker", args.reranker, "a cross-encoder's Hugging Face directory: a BERT / "
+                                                              "RoBERTa / XLM-R / ModernBERT sequence classifier")):
         if not value:
             continue
         path = Path(value).expanduser()
         if not path.exists():
-            return (f"{flag} {value}: no such file or directory (give a GGUF file or a Hugging Face model "
-                    "directory)")
+            return f"{flag} {value}: no such file or directory (give {wanted})"
     if "unsupported architecture" in text:
         return f"{text} (--model {args.model})"
     if isinstance(exc, (FileNotFoundError, ValueError, NotImplementedError, OSError)):

@@ -32,6 +32,8 @@ from pathlib import Path
 from string import Template
 from typing import Callable, TextIO
 
+from service.http.hosts import is_loopback
+
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "deploy" / "haproxy.cfg.tmpl"
 BACKEND = "tandem"
@@ -110,6 +112,10 @@ class Replica:
                    "--port", str(self.port), "--http-port", str(self.http_port),
                    "--metrics-port", str(self.metrics_port),
                    "--drain-grace", str(cfg.drain_grace_s), "--drain-timeout", str(cfg.drain_timeout_s)]
+        if not is_loopback(cfg.host) and "--allowed-hosts" not in cfg.serve_args:
+            # HAProxy listens beyond loopback and passes the clients' Host on: the replicas (on 127.0.0.1) answer
+            # what it answers, as a replica bound there would (service/http/hosts.py)
+            command += ["--allowed-hosts", "*"]
         env = {**os.environ, **cfg.env}
         env.setdefault("TANDEM_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.replicas)))
         # Own process group: a terminal's Ctrl-C reaches the cluster only, which then drains replicas in order.

@@ -44,6 +44,9 @@ class ServerConfig:
     # max_message_bytes (its body limit) and max_stream_buffer_bytes with gRPC (and the engine's document and input
     # counts, --max-documents and --max-embed-inputs, which EngineConfig holds).
     http_port: int | None = 8000
+    # Host headers the HTTP door answers besides the loopback names (service/http/hosts.py, --allowed-hosts): bound to
+    # loopback, only those; bound elsewhere, any host unless this lists some; "*": any.
+    allowed_hosts: tuple[str, ...] = ()
     # What a request's `model` may say (service/core.py Names): --served-model-name, --strict-model-names.
     served_model_names: tuple[str, ...] = ()
     strict_model_names: bool = False
@@ -74,6 +77,9 @@ class ServerConfig:
         if any(not name or name != name.strip() for name in self.served_model_names):
             raise ValueError(f"served model names must be non-empty, without surrounding spaces: "
                              f"{list(self.served_model_names)}")
+        for p in self.allowed_hosts:  # patterns as service/http/hosts.py reads them
+            if "*" in p[1:] or (p.startswith("*") and p != "*" and not p.startswith("*.")) or "/" in p or " " in p:
+                raise ValueError(f"--allowed-hosts: {p!r} is not a host name, an address, '*.domain' or '*'")
         for token, methods in self.auth_scoped_tokens.items():
             if not token or not methods:
                 raise ValueError("each scoped auth token needs a non-empty token and at least one method")

@@ -39,7 +39,7 @@ from engine.config import MAX_LOGPROBS, MAX_N, EmbedParams, RerankParams, Sampli
 from engine.outputs import EmbedOutput, RerankOutput, RerankResult, TokenDelta, rank_scores
 from engine.request import FinishReason, SeqKind
 from service.errors import ErrorKind, ServiceError, invalid
-from service.lifecycle import RequestLifecycle
+from service.lifecycle import CLIENT_GONE, RequestLifecycle
 from service.tokens import TokenTexts, build_token_texts
 from service.tool_calls import ToolPlan, ToolSettings, ToolSupport
 from service.tool_calls import plan as plan_tools
@@ -92,8 +92,9 @@ class ModelInfo:
     max_model_len: int = 0
     block_size: int = 0
     kv_blocks_total: int = 0
-    reranker: str = ""
+    reranker: str = ""  # what scores reranks (engine.model_info: the cross-encoder, the embedder, the LLM, or both)
     rerank_mode: str = ""
+    rerank_dtype: str = ""  # what the reranker's forwards run in ("bfloat16 + float32": the embedder's, the LLM's)
     device: str = ""
     dtype: str = ""
     weight_format: str = ""
@@ -114,6 +115,7 @@ class ModelInfo:
     embedder_pooling: str = ""
     embedder_max_tokens: int = 0
     embedder_matryoshka: bool = False  # `dimensions` may shorten its vectors
+    embedder_dtype: str = ""  # what its forward runs in (--encoder-dtype as resolved on this CPU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,9 +275,18 @@ class GenerationStream:
         """Each input's one request id (new_request_id), input order."""
         return [lc.engine_id for lc in self._lifecycles]
 
-    def abort(self) -> None:
+    def abort(self, *, client_gone: bool = False) -> None:
+        """Stop what still runs; `client_gone`: because its client went away (the access log says 499 / CANCELLED,
+        not the status of an answer nobody read)."""
         for lc in self._lifecycles:
+            if client_gone:
+                lc.metadata[CLIENT_GONE] = "1"
             self._bridge.abort(lc.engine_id)
+
+    @property
+    def done(self) -> bool:
+        """Every input's last event was read."""
+        return len(self._read_last) == len(self._ids)
 
     def __aiter__(self) -> "GenerationStream":
         return self
@@ -355,8 +366,22 @@ class CoreAPI:
 
     @property
     def rerank_model(self) -> str:
-        """The cross-encoder's id ("" when the LLM scores pairs: the LLM's names rerank then)."""
-        return "" if self.info.reranker in ("", "llm") else short_name(self.info.reranker)
+        """The cross-encoder's id ("" in the other modes: the LLM's names take reranks then, as they always did)."""
+        return short_name(self.info.reranker) if self.info.rerank_mode == "cross-encoder" else ""
+
+    @property
+    def rerank_name(self) -> str:
+        """The id of what scores reranks, as responses and the access log name it: the cross-encoder's, the
+        embedder's (dense), the LLM's served name (likelihood, judge), or both (`all-MiniLM-L6-v2+SmolLM2-135M-Instruct`:
+        fusion and cascade)."""
+        info = self.info
+        if info.rerank_mode == "cross-encoder":
+            return self.rerank_model
+        if info.rerank_mode == "dense":
+            return info.embedder
+        if info.rerank_mode in ("fusion", "cascade"):
+            return f"{info.embedder}+{info.model}"
+        return info.model
 
     def model_tasks(self) -> dict[str, tuple[Task, ...]]:
         """Each listed model's id and what it does, the served LLM's names first."""
@@ -466,7 +491,7 @@ class CoreAPI:
 
     async def rerank(self, inp: RerankInput, metadata: dict[str, str]) -> RerankOutcome:
         """Score inp's documents; raises ServiceError. Cancelling the await aborts the engine job."""
-        metadata = self._named(metadata, inp.model, self.info.model)
+        metadata = self._named(metadata, inp.model, self.rerank_name)
         with self._admitting(SeqKind.RERANK, inp.request_id, metadata):
             self._check_task(inp.model, Task.RERANK)
             self._check_reranker(inp.model)
@@ -494,6 +519,9 @@ class CoreAPI:
         request's own API, for the cut: `cut_hint`), or UNAVAILABLE if the server aborted it."""
         try:
             event = await future
+        except asyncio.CancelledError:  # its client left (a door cancels the call when it hears of that)
+            lc.metadata[CLIENT_GONE] = "1"
+            raise
         finally:
             if not future.done() or future.cancelled():
                 self.bridge.abort(lc.engine_id)

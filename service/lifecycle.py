@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from engine.outputs import StepRecord
 
+CLIENT_GONE = "client_gone"  # a RequestLifecycle.metadata key: set when it was aborted because its client went away
+
 
 @dataclass(slots=True)
 class RequestLifecycle:
@@ -32,6 +34,7 @@ class RequestLifecycle:
     completion_tokens: int = 0  # summed over the n completions of a generation
     completions: int = 1  # a generation's n (they decode side by side)
     documents: int = 0  # rerank: pairs to score; embed: inputs
+    embedder_scored: int = 0  # rerank: documents the embedder's cosine alone scored (RerankOutput.embedder_scored)
     metadata: dict[str, str] = field(default_factory=dict)  # e.g. peer, traceparent, for exporters
 
     @property

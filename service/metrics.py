@@ -64,7 +64,11 @@ class Metrics(Hooks):
         self.completion_tokens = Counter("tandem_generation_tokens", "Generated tokens", registry=r)
         self.cache_hits = Counter("tandem_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                   ["kind"], registry=r)
-        self.rerank_pairs = Counter("tandem_rerank_pairs", "Rerank pairs scored", registry=r)
+        # Every (query, document) pair scored, whatever scored it: a pair an LLM or cross-encoder forward scores when
+        # its last chunk runs (step records), a document the embedder's cosine alone scores (dense, a cascade's
+        # documents below its top k) when its request finishes.
+        self.rerank_pairs = Counter("tandem_rerank_pairs", "Rerank (query, document) pairs scored, by any mode",
+                                    registry=r)
         self.preemptions = Counter("tandem_preemptions", "Sequences preempted for recompute", registry=r)
         # door: "grpc" or "http", the front door the request came through (each door names it in the request metadata)
         self.requests = Counter("tandem_requests", "Finished requests", ["kind", "finish_reason", "door"],
@@ -79,6 +83,7 @@ class Metrics(Hooks):
         self.cache_hits.labels(lc.kind).inc(lc.cached_tokens)
         if lc.kind == "rerank":
             self.rerank_latency.observe(lc.duration_s)
+            self.rerank_pairs.inc(lc.embedder_scored)  # the pairs no step record counted
             return
         self.completion_tokens.inc(lc.completion_tokens)
         if lc.first_token is not None:

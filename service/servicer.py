@@ -228,7 +228,8 @@ class TandemServicer:
             vocab_size=info.vocab_size, rerank_max_pair_tokens=info.rerank_max_pair_tokens,
             rerank_limit_by=info.rerank_limit_by, cpu_kernels=info.cpu_kernels, embedder=info.embedder,
             embedding_dimensions=info.embedding_dimensions, embedder_max_tokens=info.embedder_max_tokens,
-            embedder_matryoshka=info.embedder_matryoshka,
+            embedder_matryoshka=info.embedder_matryoshka, rerank_dtype=info.rerank_dtype,
+            embedder_dtype=info.embedder_dtype,
             limits=pb.Limits(max_waiting=info.max_waiting, max_documents=info.max_documents,
                              max_embed_inputs=info.max_embed_inputs, max_message_bytes=info.max_message_bytes, max_n=info.max_n,
                              max_logprobs=info.max_logprobs))

@@ -78,6 +78,7 @@ class RerankJob:
             self.request_id, finished=True, finish_reason=reason, error=error,
             scores=list(self.scores) if done else None, document_tokens=list(self.document_tokens) if done else None,
             truncated=list(self.truncated) if done else None, windows=list(self.windows) if done else None,
+            embedder_scored=self.embedder_scored if done else 0,
             prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens, arrival_time=self.arrival_time,
             queue_time_s=queue_time(self.sequences, self.arrival_time))]
 
@@ -119,6 +120,14 @@ class RerankJob:
         self.pairs.extend(pairs)
         self.remaining += len(pairs)
         return pairs
+
+    @property
+    def embedder_scored(self) -> int:
+        """Documents whose score is the embedder's cosine alone: those no pair (of any window) scored."""
+        if not self.rows:
+            return 0
+        paired = {self.pair_units[p.pair.index] if self.pair_units else p.pair.index for p in self.pairs}
+        return len(self.documents) - len(paired)
 
     @property
     def prompt_tokens(self) -> int:

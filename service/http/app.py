@@ -40,6 +40,7 @@ from service.core import EmbedInput, EmbedOutcome, Task
 from service.errors import ServiceError
 from service.http import embed_schema, openai_schema, openapi, rerank_schema, tokens_schema
 from service.http.errors import HttpError, Shape
+from service.http.hosts import host_allowed
 from service.http.openai_output import Completion
 
 log = logging.getLogger("tandem.http")
@@ -69,6 +70,7 @@ class Door:
     registry: CollectorRegistry | None
     replica: str
     started: int = 0
+    allowed_hosts: tuple[str, ...] | None = None  # Host header patterns answered (service/http/hosts.py); None: any
 
     def meta(self, request: Request) -> dict[str, str]:
         client = request.client
@@ -143,7 +145,7 @@ def build_app(door: Door) -> Starlette:
                       Shape.OPENAI)
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
-    return _BodyLimit(app, door.max_body_bytes, door.replica)
+    return _BodyLimit(app, door.max_body_bytes, door.replica, door.allowed_hosts)
 
 
 def _kind(path: str) -> str:
@@ -156,15 +158,18 @@ def _kind(path: str) -> str:
 
 
 def _check_json(request: Request) -> None:
-    """415 for a body declared as something other than JSON. No Content-Type, and curl -d's default form type, are
-    read as JSON (a body that does not parse is then a 400 saying where)."""
+    """415 for a body declared as something other than JSON: a web page's form post
+    (application/x-www-form-urlencoded, multipart/form-data, text/plain: the "simple requests" a browser sends
+    cross-site without asking first) never reaches a route. No Content-Type is read as JSON (a body that does not
+    parse is then a 400 saying where)."""
     declared = request.headers.get("content-type")
     if declared is None:
         return
     media = declared.split(";", 1)[0].strip().lower()
-    if media not in ("application/json", "application/x-www-form-urlencoded") and \
-            not (media.startswith("application/") and media.endswith("+json")):
-        raise HttpError(415, f"the body must be JSON (Content-Type: application/json), got {declared!r}",
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        hint = " (curl -d sends that unless told otherwise: add -H 'Content-Type: application/json')" \
+            if media == "application/x-www-form-urlencoded" else ""
+        raise HttpError(415, f"the body must be JSON (Content-Type: application/json), got {declared!r}{hint}",
                         code="unsupported_media_type")
 
 
@@ -207,6 +212,7 @@ async def _generate(door: Door, request: Request, body, inputs: list[GenerateInp
     out.id = stream.ids[0]  # the request's one id (of its first prompt, with several): chatcmpl-<id>
     watcher = asyncio.ensure_future(_disconnected(request))
     streaming = False  # once the StreamingResponse owns the stream, its generator aborts what is left
+    gone = False
     try:
         first = await _until_gone(anext(stream), watcher)
         if first.error is not None:  # refused by the engine (e.g. prompt too long): a plain status
@@ -214,7 +220,7 @@ async def _generate(door: Door, request: Request, body, inputs: list[GenerateInp
         if body.stream:
             watcher.cancel()  # the StreamingResponse watches for the disconnect from here on
             streaming = True
-            return _EventStream(_sse(first, stream, out), stream.abort)
+            return _EventStream(_sse(first, stream, out), stream)
         out.add(first)
         while True:
             try:
@@ -225,10 +231,13 @@ async def _generate(door: Door, request: Request, body, inputs: list[GenerateInp
                 raise HttpError.from_service(event.error)
             out.add(event)
         return JSONResponse(out.response())
+    except _Gone:
+        gone = True
+        raise
     finally:
         watcher.cancel()
         if not streaming:  # answered, refused or left: nothing of this request may run on
-            stream.abort()
+            stream.abort(client_gone=gone)
 
 
 async def _sse(first: GenerateEvent, stream: GenerationStream, out: Completion) -> AsyncIterator[bytes]:
@@ -242,19 +251,25 @@ async def _sse(first: GenerateEvent, stream: GenerationStream, out: Completion) 
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events; `on_close` runs however the response ends (done, failed, or the client went away,
-    which cancels the sending), so nothing of the request runs on after it."""
+    """Server-sent events; the stream is aborted however the response ends (done, failed, or the client went away,
+    which cancels the sending), so nothing of the request runs on after it. Ended without an error before every
+    event was read: the client went away."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], stream: GenerationStream) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
+        self._stream = stream
 
     async def __call__(self, scope, receive, send) -> None:
+        gone = False
         try:
             await super().__call__(scope, receive, send)
+            gone = not self._stream.done
+        except (ClientDisconnect, OSError):
+            gone = True
+            raise
         finally:
-            self._on_close()
+            self._stream.abort(client_gone=gone)
 
 
 def _timeout_ms(request: Request) -> int:
@@ -304,7 +319,7 @@ async def _cohere(door: Door, request: Request, default_return_documents: bool) 
     door.authorize(request, "Rerank")
     body = openai_schema.parse(rerank_schema.CohereRerank, await request.body())
     outcome = await _rerank(door, request, body.to_input(default_return_documents))
-    return JSONResponse(rerank_schema.cohere_response(outcome, model=door.core.model_name(body.model)),
+    return JSONResponse(rerank_schema.cohere_response(outcome, model=body.model or door.core.rerank_name),
                         headers=rerank_schema.mode_header(outcome))
 
 
@@ -343,7 +358,7 @@ async def _detokenize(door: Door, request: Request) -> Response:
 
 async def _tei_info(door: Door, request: Request) -> Response:
     door.authorize(request, "ModelInfo")
-    return JSONResponse(tokens_schema.tei_info(door.core.info, VERSION))
+    return JSONResponse(tokens_schema.tei_info(door.core.info, VERSION, door.core.rerank_name))
 
 
 async def _version(request: Request) -> Response:
@@ -397,13 +412,15 @@ async def _metrics(door: Door, request: Request) -> Response:
 # ---- body size -----------------------------------------------------------------------------------
 
 class _BodyLimit:
-    """ASGI middleware: a body over `limit` bytes fails the request's body read (BodyTooLarge -> 413); a
-    Content-Length over it is answered at once without reading. Adds x-tandem-replica to every response."""
+    """ASGI middleware, before routing and auth: a Host header not allowed (service/http/hosts.py) is answered 400;
+    a body over `limit` bytes fails the request's body read (BodyTooLarge -> 413); a Content-Length over it is
+    answered at once without reading. Adds x-tandem-replica to every response."""
 
-    def __init__(self, app, limit: int, replica: str) -> None:
+    def __init__(self, app, limit: int, replica: str, hosts: tuple[str, ...] | None = None) -> None:
         self.app = app
         self.limit = limit
         self.replica = replica.encode()
+        self.hosts = hosts
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -414,12 +431,20 @@ class _BodyLimit:
                 message["headers"] = [*message.get("headers", []), (b"x-tandem-replica", self.replica)]
             await send(message)
 
-        length = dict(scope.get("headers") or ()).get(b"content-length")
+        headers = dict(scope.get("headers") or ())
+        shape = Shape.TEI if scope["path"] == "/rerank" else \
+            Shape.COHERE if scope["path"].endswith("/rerank") else Shape.OPENAI
+        host = headers.get(b"host")
+        if not host_allowed(None if host is None else host.decode("latin-1"), self.hosts):
+            log.warning("HTTP request refused: Host %r is not allowed (--allowed-hosts)", host.decode("latin-1"))
+            body = HttpError(400, f"Host {host.decode('latin-1')!r} is not allowed: this server answers "
+                                  f"{', '.join(self.hosts)} (tandem serve --allowed-hosts adds names)",
+                             code="invalid_host")
+            return await _error(body, shape)(scope, receive, send_named)
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             body = HttpError(413, f"request body of {int(length)} bytes is over the limit of {self.limit} bytes "
                                   "(--max-message-bytes)", code="request_too_large")
-            shape = Shape.TEI if scope["path"] == "/rerank" else \
-                Shape.COHERE if scope["path"].endswith("/rerank") else Shape.OPENAI
             return await _error(body, shape)(scope, receive, send_named)
         seen = 0
 

@@ -7,6 +7,8 @@
 | PERMISSION_DENIED             | 403  | permission_error         |
 | NOT_FOUND (model, path)       | 404  | invalid_request_error (code model_not_found) / not_found_error |
 | (body over the size limit)    | 413  | invalid_request_error (code request_too_large) |
+| (a body that is not JSON)     | 415  | invalid_request_error (code unsupported_media_type) |
+| (headers over the limit)      | 431  | invalid_request_error (service/http/headers.py) |
 | RESOURCE_EXHAUSTED            | 429  | rate_limit_error (code rate_limit_exceeded) |
 | DEADLINE_EXCEEDED             | 504  | timeout_error            |
 | UNAVAILABLE (draining)        | 503  | service_unavailable      |
@@ -28,9 +30,11 @@ _STATUS = {S.INVALID_ARGUMENT: 400, S.UNAUTHENTICATED: 401, S.PERMISSION_DENIED:
            S.CANCELLED: 499, S.FAILED_PRECONDITION: 400}
 _OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error",
+                413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+                431: "invalid_request_error", 499: "invalid_request_error",
                 503: "service_unavailable", 504: "timeout_error"}
 _TEI_TYPE = {400: "Validation", 401: "Unauthorized", 403: "Unauthorized", 404: "NotFound", 413: "Validation",
+             415: "Validation",
              429: "Overloaded", 503: "Unhealthy", 504: "Overloaded"}
 
 

@@ -16,6 +16,8 @@ from service.auth import TokenTable
 from service.config import ServerConfig
 from service.core import CoreAPI
 from service.http.app import Door, build_app
+from service.http.headers import BoundedHeadProtocol
+from service.http.hosts import allowed_hosts
 
 log = logging.getLogger("tandem.http")
 
@@ -53,9 +55,11 @@ class HttpServer:
         table = TokenTable(cfg.auth_token, cfg.auth_scoped_tokens) if (cfg.auth_token or cfg.auth_scoped_tokens) \
             else None
         door = Door(core=self.core, max_body_bytes=cfg.max_message_bytes, tokens_table=table, serving=self.serving,
-                    registry=self.registry, replica=cfg.replica or self.address)
+                    registry=self.registry, replica=cfg.replica or self.address,
+                    allowed_hosts=allowed_hosts(cfg.host, cfg.allowed_hosts))
+        # httptools, with the request head bounded (service/http/headers.py: uvicorn sets no limit on that parser)
         uv = uvicorn.Config(build_app(door), lifespan="off", access_log=False, log_level="warning",
-                            http="httptools", ws="none", timeout_keep_alive=30,
+                            http=BoundedHeadProtocol, ws="none", timeout_keep_alive=30,
                             timeout_graceful_shutdown=max(1, int(cfg.stop_grace_s) + 1),
                             ssl_certfile=cfg.tls_cert, ssl_keyfile=cfg.tls_key, ssl_ca_certs=cfg.tls_client_ca,
                             ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_client_ca else ssl.CERT_NONE)

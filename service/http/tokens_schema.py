@@ -40,9 +40,11 @@ class DetokenizeRequest(_Model):
     tokens: list[int]
 
 
-def tei_info(info: ModelInfo, version: str) -> dict:
-    """TEI's GET /info: what is served and its limits (a reranker: TEI's model_type for /rerank)."""
-    return {"model_id": info.model, "model_sha": None, "model_dtype": info.dtype,
+def tei_info(info: ModelInfo, version: str, reranker: str) -> dict:
+    """TEI's GET /info: the reranker that scores /rerank (`reranker`: its id, CoreAPI.rerank_name), the dtype its
+    forwards run in, and the limits (TEI's model_type for a reranker)."""
+    return {"model_id": reranker, "model_sha": None, "model_dtype": info.rerank_dtype or info.dtype,
+            "rerank_mode": info.rerank_mode,
             "model_type": {"reranker": {"id2label": {"0": "relevance"}, "label2id": {"relevance": 0}}},
             "max_concurrent_requests": info.max_waiting, "max_input_length": info.rerank_max_pair_tokens,
             "max_batch_tokens": info.rerank_max_pair_tokens, "max_batch_requests": None,

@@ -69,7 +69,8 @@ def test_flags_set_every_server_config_field():
                      "--keepalive-time", "5", "--keepalive-timeout", "3", "--max-connection-idle", "60",
                      "--max-connection-age", "600", "--max-concurrent-streams", "8", "--http-port", "8081",
                      "--served-model-name", "smol", "chat,tiny", "--strict-model-names",
-                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                     "--allowed-hosts", "api.example,*.corp.example")
     assert (config.host, config.port, config.max_message_bytes) == ("0.0.0.0", 6000, 2**20)
     assert (config.drain_timeout_s, config.drain_grace_s) == (9.0, 2.5)
     assert (config.tls_cert, config.tls_key, config.tls_client_ca) == ("c.pem", "k.pem", "ca.pem")
@@ -81,6 +82,7 @@ def test_flags_set_every_server_config_field():
     assert config.http_port == 8081
     assert config.served_model_names == ("smol", "chat", "tiny") and config.strict_model_names is True
     assert config.enable_auto_tool_choice is True and config.tool_call_parser == "hermes"
+    assert config.allowed_hosts == ("api.example", "*.corp.example")
     # Every field but the internal stop grace is reachable from the command line: no setting is env-only.
     default = ServerConfig()
     unset = [f.name for f in dataclasses.fields(ServerConfig) if getattr(config, f.name) == getattr(default, f.name)]
@@ -232,3 +234,15 @@ def test_make_serve_moves_all_three_ports():
     plain = subprocess.run(["make", "-n", "serve"], cwd=Path(__file__).resolve().parents[2], capture_output=True,
                            text=True, timeout=60)
     assert "--http-port" not in plain.stdout  # unset: tandem's defaults (and TANDEM_HTTP_PORT) apply
+
+
+def test_the_reranker_help_says_what_scores_by_default():
+    """`tandem serve --help` once said the LLM scores pairs by default, beside a dense default (issue 63)."""
+    from engine.config import RerankMode
+    from engine.rerank import default_mode
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    text = " ".join(serve.format_help().split())
+    assert "the LLM scores pairs" not in text
+    assert default_mode(EngineConfig(embedder=EMBEDDED_EMBEDDER)) is RerankMode.DENSE
+    assert "default: none; reranks are then scored by the embedder's cosine" in text

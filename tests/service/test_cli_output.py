@@ -169,6 +169,8 @@ def _cuda(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("case, argv, says", [
     ("missing path", ("--model", "{tmp}/nope"), "--model {tmp}/nope: no such file or directory"),
+    ("missing reranker", ("--reranker", "{tmp}/nope"), "--reranker {tmp}/nope: no such file or directory (give a "
+                                                       "cross-encoder's Hugging Face directory"),
     ("not a GGUF file", ("--model", "{path}"), "is not a GGUF file (it does not start with b'GGUF')"),
     ("unsupported architecture", ("--model", "{path}"), "unsupported architecture 'FooForCausalLM' (model_type 'foo'); supported: "),
     ("no CUDA", ("--device", "cuda"), "--device cuda: CUDA is not available"),

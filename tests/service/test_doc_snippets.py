@@ -1,10 +1,18 @@
-"""The code blocks of README.md and docs/*.md that are marked runnable run, and exit 0.
+"""The code blocks of README.md and docs/*.md that are marked runnable run, exit 0 and print what the page shows.
 
 A block whose fence info string is ```python run or ```bash run is extracted and executed: python with this
 interpreter (the repo's venv) in a subprocess, bash with `bash -e`. Blocks that talk to a server
-(`localhost:50051`, the default target) get the session's in-process server instead: the address is rewritten
-in the text, and TANDEM_TARGET points at it too. Blocks that load the model reuse the converted cache in
-~/.cache/tandem (the `served` fixture's engine converted it first). Each block must print what it shows.
+(`localhost:50051`, the default target, and `localhost:8000`, the HTTP door) get an in-process server configured as
+`tandem serve` is by default (the embedded SmolLM2 and all-MiniLM-L6-v2, reranks scored dense) instead: the address is
+rewritten in the text, and TANDEM_TARGET points at it too. Blocks that load the model reuse the converted cache in
+~/.cache/tandem. Each block must print something.
+
+**Expected output.** A ```text block that follows a runnable block with only blank lines between is what the block
+prints, and is compared with its stdout after this normalisation (`same_output`): trailing spaces and the blank lines
+at either end are ignored; every other line must match, except that a decimal number may differ by up to
+NUMBER_TOLERANCE (the embedder runs in bfloat16 on a CPU with native bf16 and in float32 elsewhere, and this suite
+runs it in float32: TANDEM_NATIVE_BF16=0). So the scores, vectors and generated text a page shows are what a reader
+gets; a block whose output cannot be fixed (sampled text, timings) is followed by prose or a ```console block.
 
 Plain ```python / ```bash blocks are not run (`make serve`, benchmarks, clusters, paths of your own). So that a
 block meant to be run is never skipped by a forgotten `run`, every python block of README.md must be runnable or
@@ -12,6 +20,7 @@ be listed in README_NOT_RUN with the reason. docs/testing.md states the conventi
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -33,6 +42,9 @@ README_NOT_RUN: dict[tuple[str, str], str] = {}
 PENDING_PAGES: set[str] = set()
 # A hang guard only (a client waiting on a server that never answers); a snippet takes seconds.
 HANG_GUARD_S = 900
+# How far a decimal number in an expected output may be from the one printed (bfloat16 vs float32 embedder).
+NUMBER_TOLERANCE = 0.01
+_NUMBER = re.compile(r"-?\d+\.\d+")
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,7 @@ class Block:
     lang: str
     flags: tuple[str, ...]  # the info string's words after the language, e.g. ("run",)
     code: str
+    expected: str | None = None  # a runnable block's expected stdout: the ```text block right after it
 
     @property
     def runnable(self) -> bool:
@@ -56,23 +69,45 @@ def parse_blocks(path: Path) -> list[Block]:
     blocks: list[Block] = []
     opened: tuple[int, str, str] | None = None  # (line, fence, info)
     body: list[str] = []
+    between: list[str] = []  # the lines since the last block closed
     for number, text in enumerate(path.read_text().splitlines(), 1):
         m = _FENCE.match(text)
         if opened is None:
             if m:
                 opened, body = (number, m["fence"], m["info"].strip()), []
+            else:
+                between.append(text)
             continue
         line, fence, info = opened
         if m and m["fence"][0] == fence[0] and len(m["fence"]) >= len(fence) and not m["info"].strip():
             words = info.split()
             name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-            blocks.append(Block(name, line, words[0].lower() if words else "",
-                                tuple(words[1:]), "\n".join(body) + "\n"))
-            opened = None
+            block = Block(name, line, words[0].lower() if words else "", tuple(words[1:]), "\n".join(body) + "\n")
+            if blocks and blocks[-1].runnable and block.lang == "text" and not "".join(between).strip():
+                blocks[-1] = dataclasses.replace(blocks[-1], expected=block.code)
+            blocks.append(block)
+            opened, between = None, []
         else:
             body.append(text)
     assert opened is None, f"{path}:{opened[0]}: a code fence is never closed"
     return blocks
+
+
+def same_output(expected: str, got: str) -> str | None:
+    """None when `got` is `expected` under the normalisation of the module's docstring, else the first difference."""
+    def lines(text: str) -> list[str]:
+        return "\n".join(line.rstrip() for line in text.splitlines()).strip("\n").splitlines()
+
+    want, have = lines(expected), lines(got)
+    for number, (a, b) in enumerate(zip(want, have), 1):
+        numbers_a, numbers_b = _NUMBER.findall(a), _NUMBER.findall(b)
+        same = _NUMBER.split(a) == _NUMBER.split(b) and len(numbers_a) == len(numbers_b) and all(
+            abs(float(x) - float(y)) <= NUMBER_TOLERANCE for x, y in zip(numbers_a, numbers_b))
+        if not same:
+            return f"line {number}: the page shows {a!r}, the block printed {b!r}"
+    if len(want) != len(have):
+        return f"the page shows {len(want)} lines, the block printed {len(have)}"
+    return None
 
 
 def doc_files() -> list[Path]:
@@ -83,11 +118,28 @@ ALL_BLOCKS = [b for f in doc_files() for b in parse_blocks(f)]
 RUNNABLE = [b for b in ALL_BLOCKS if b.runnable]
 
 
+@pytest.fixture(scope="module")
+def default_served():
+    """A server as `tandem serve` starts by default (the embedded LLM and embedder, dense reranks), with its HTTP
+    door: what a reader of the pages talks to."""
+    from engine import LLM, EngineConfig
+    from engine.config import EMBEDDED_EMBEDDER
+    from service.server import ServerConfig
+    from tests.service.conftest import NUM_KV_BLOCKS
+    from tests.service.harness import ServerThread
+
+    llm = LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, num_kv_blocks=NUM_KV_BLOCKS))
+    server = ServerThread(llm.engine, ServerConfig(host="127.0.0.1", port=0))
+    server.http_url = server.add_http(server.server.config).url
+    yield server
+    server.close()
+
+
 @pytest.mark.parametrize("block", RUNNABLE, ids=[f"{b.path}:{b.line}" for b in RUNNABLE])
-def test_runnable_block_exits_zero_and_prints(block: Block, served, tmp_path, request):
+def test_runnable_block_exits_zero_and_prints(block: Block, default_served, tmp_path):
+    served = default_served
     code = block.code.replace(DEFAULT_TARGET, served.address)
-    if DEFAULT_HTTP in code:  # the HTTP door only for the blocks that speak to it
-        code = code.replace(DEFAULT_HTTP, request.getfixturevalue("http_url").removeprefix("http://"))
+    code = code.replace(DEFAULT_HTTP, served.http_url.removeprefix("http://"))
     script = tmp_path / ("snippet.py" if block.lang == "python" else "snippet.sh")
     script.write_text(code)
     env = dict(os.environ)
@@ -103,6 +155,21 @@ def test_runnable_block_exits_zero_and_prints(block: Block, served, tmp_path, re
     output = f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, f"{where} exited {done.returncode}\n{output}"
     assert done.stdout.strip(), f"{where} printed nothing; a snippet prints what it shows\n{done.stderr}"
+    if block.expected is not None:
+        difference = same_output(block.expected, done.stdout)
+        assert difference is None, f"{where} printed other than the page shows: {difference}\n{output}"
+
+
+def test_expected_output_is_the_text_block_right_after_and_numbers_have_a_tolerance(tmp_path):
+    md = tmp_path / "page.md"
+    md.write_text("```python run\nprint(1)\n```\n\n```text\n0.5000 [1]\n```\n```bash run\necho\n```\nprose\n"
+                  "```text\nnot its output\n```\n")
+    blocks = parse_blocks(md)
+    assert [b.expected for b in blocks] == ["0.5000 [1]\n", None, None, None]
+    assert same_output("0.5000 [1]\n", "\n0.5042 [1]  \n") is None
+    assert "line 1" in same_output("0.5000 [1]", "0.5200 [1]")  # past NUMBER_TOLERANCE
+    assert "line 1" in same_output("0.5000 [1]", "0.5000 [2]")
+    assert "lines" in same_output("a\nb", "a")
 
 
 def test_parser_reads_info_strings_and_nested_fences(tmp_path):

@@ -85,12 +85,25 @@ def test_tei_embed_and_cohere_embed(http_url, reference):
     assert np.array_equal(np.asarray(r.embeddings.int8), np.rint(reference[:len(DOCUMENTS)] * 127))
 
 
+def test_another_tokenizers_ids_are_refused_naming_langchains_flag(oa):
+    """LangChain's OpenAIEmbeddings sends tiktoken's ids (a 100k vocabulary) through the openai SDK unless given
+    check_embedding_ctx_length=False: ids outside all-MiniLM-L6-v2's 30522 are a 400 that names the flag, never a
+    vector of the wrong ids."""
+    foreign = [[9906, 1917, 11, 1268, 656, 40016, 1304, 26828, 30, 100257]]
+    with pytest.raises(openai.BadRequestError) as refused:
+        oa.embeddings.create(model=EMBEDDED_EMBEDDER, input=foreign)
+    error = refused.value.body
+    assert error["type"] == "invalid_request_error"
+    assert "check_embedding_ctx_length=False" in error["message"] and "token id 40016" in error["message"]
+    assert "[0, 30522)" in error["message"]
+
+
 @pytest.mark.parametrize("body, message", [
     ({"input": []}, "input must not be empty"),
     ({"input": ""}, "empty strings"),
     ({"input": ["a"] * (MAX_EMBED_INPUTS + 1)}, "--max-embed-inputs"),
     ({"input": "a", "dimensions": 8}, "not trained for shortened vectors"),
-    ({"input": [[10 ** 9]]}, "token ids in"),
+    ({"input": [[10 ** 9]]}, "outside the embedder all-MiniLM-L6-v2's vocabulary [0, 30522)"),
     ({"input": LONG, "truncate": False}, "takes at most 256"),
     ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
 ])

@@ -7,6 +7,7 @@ import json
 
 import httpx
 
+from service.access_log import status
 from tests.service.conftest import CHAT
 from tests.service.harness import assert_all_blocks_free
 
@@ -53,6 +54,7 @@ async def test_stream_disconnect_frees_blocks(served, http_url):
     lc = _lifecycle(served, stream_id)
     assert lc.finish_reason == "abort" and lc.completion_tokens < LONG
     assert lc.metadata["door"] == "http"
+    assert status(lc) == "499"  # the access log's status: nginx's "client closed request", not a 200 nobody read
 
 
 async def test_disconnects_under_load_leave_other_streams_whole(served, http_url):
@@ -63,6 +65,7 @@ async def test_disconnects_under_load_leave_other_streams_whole(served, http_url
     assert_all_blocks_free(await served.idle_stats())
     for stream_id, tokens in results[:4]:
         assert tokens == 12 and _lifecycle(served, stream_id).finish_reason == "length"
+        assert status(_lifecycle(served, stream_id)) == "200"
     for stream_id in results[4:]:
         lc = _lifecycle(served, stream_id)
         assert lc.finish_reason == "abort" and lc.completion_tokens < LONG
@@ -81,3 +84,18 @@ async def test_non_streaming_client_that_leaves_cancels_its_request(served, http
     finished = [lc for lcs in served.recorder.finished.values() for lc in lcs if id(lc) not in before]
     aborted = [lc for lc in finished if lc.metadata.get("door") == "http" and lc.finish_reason == "abort"]
     assert aborted and all(lc.completion_tokens < LONG for lc in aborted)
+    assert all(status(lc) == "499" for lc in aborted)
+
+
+async def test_a_rerank_whose_client_leaves_is_logged_as_499(served, http_url):
+    before = {id(lc) for lcs in served.recorder.finished.values() for lc in lcs}
+    documents = [f"Document {i} about the capital of France. " * 40 for i in range(8)]
+    async with httpx.AsyncClient(base_url=http_url, timeout=None) as client:
+        call = asyncio.create_task(client.post("/v1/rerank", json={"query": "capital?", "documents": documents}))
+        while (await served.acall(served.bridge.stats()))["num_running"] == 0:  # wait until its pairs run
+            await asyncio.sleep(0.02)
+        call.cancel()
+    assert_all_blocks_free(await served.idle_stats())
+    finished = [lc for lcs in served.recorder.finished.values() for lc in lcs if id(lc) not in before]
+    reranks = [lc for lc in finished if lc.kind == "rerank" and lc.metadata.get("door") == "http"]
+    assert reranks and all(lc.finish_reason == "abort" and status(lc) == "499" for lc in reranks)

@@ -38,7 +38,10 @@ async def test_a_rerank_naming_another_model_is_scored_by_the_one_reranker(http,
 async def test_version_info_openapi_and_docs(http, served):
     assert (await http.get("/version")).json()["version"]
     info = (await http.get("/info")).json()
-    assert info["model_id"] == NAME and "reranker" in info["model_type"]
+    # the shared server reranks by fusion: the embedder's cosine and the LLM's likelihood, each in its own dtype
+    assert info["model_id"] == f"all-MiniLM-L6-v2+{NAME}" and "reranker" in info["model_type"]
+    assert info["rerank_mode"] == "fusion"
+    assert info["model_dtype"] == " + ".join(dict.fromkeys([served.core.info.embedder_dtype, "float32"]))
     assert info["max_client_batch_size"] == served.core.info.max_documents
     document = (await http.get("/openapi.json")).json()
     assert document["openapi"].startswith("3.")
@@ -68,10 +71,8 @@ async def test_a_body_that_is_not_json_is_415_and_no_content_type_reads_as_json(
     for content_type in ("text/plain", "application/xml", "multipart/form-data; boundary=x"):
         r = await http.post("/v1/chat/completions", content=b'{"messages": []}', headers={"content-type": content_type})
         assert r.status_code == 415 and "must be JSON" in r.json()["error"]["message"]
-    # curl -d declares a form; its body is read as JSON (a body that is not JSON is then a 400 saying where)
-    form = {"content-type": "application/x-www-form-urlencoded"}
-    assert (await http.post("/tokenize", content=b'{"prompt": "hi"}', headers=form)).status_code == 200
-    r = await http.post("/tokenize", content=b"prompt=hi", headers=form)
+    # no Content-Type reads as JSON (a body that is not JSON is then a 400 saying where)
+    r = await http.post("/tokenize", content=b"prompt=hi")
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
     r = await http.post("/rerank", content=b"query=x", headers={"content-type": "text/plain"})
     assert r.status_code == 415 and r.json()["error_type"]  # TEI's own error shape

@@ -3,14 +3,23 @@ sentence-transformers' cosine of all-MiniLM-L6-v2 does; the cascade has the LLM 
 records count them) and keeps the other documents in dense order; each response names the mode that scored it."""
 from __future__ import annotations
 
+import io
+import json
+import logging
+
 import httpx
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from clients import Client
 from engine import LLM, EngineConfig
 from engine.config import EMBEDDED_EMBEDDER
 from engine.embed.embedder import embedded_embedder_dir
 from engine.rerank.cascade import top_k
+from service import cli
+from service.access_log import AccessLog
+from service.metrics import Metrics
 from service.server import ServerConfig
 from tests.service.harness import ServerThread
 
@@ -32,6 +41,8 @@ class Served:
         self.records: list = []
         self.engine.add_observer(self.records.append)  # called on the engine thread, once per step
         self.server = ServerThread(self.engine, ServerConfig(host="127.0.0.1", port=0))
+        self.metrics = Metrics()  # first, so it has counted a request by the time the recorder hears of it
+        self.server.bridge.hooks.insert(0, self.metrics)
         self.http_url = self.server.add_http(self.server.server.config).url
 
     def pairs_scored(self) -> int:
@@ -129,3 +140,41 @@ def test_max_tokens_per_doc_tokenizes_each_document_once_per_model(served_mode):
     assert r.status_code == 200, r.text
     assert [emb_tok.times(d) for d in DOCUMENTS] == [1] * len(DOCUMENTS)
     assert [llm_tok.times(d) for d in DOCUMENTS] == [1 if mode == "cascade" else 0] * len(DOCUMENTS)
+
+
+def _pairs_counted(s: Served) -> float:
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(s.metrics.registry).decode())}
+    return sum(x.value for x in families["tandem_rerank_pairs"].samples if x.name.endswith("_total"))
+
+
+def test_every_report_names_the_model_mode_and_dtype_that_scored(served_mode, caplog):
+    """The dense mode is the embedder's work (the cascade's the embedder's, then the LLM's): TEI /info, `tandem info`,
+    the rerank responses and the access log say so, with the dtype the embedder really ran in, and
+    tandem_rerank_pairs counts every document scored, the embedder's too (it stayed 0 under dense)."""
+    mode, s = served_mode
+    embedder = s.engine.embedder.dtype  # --encoder-dtype auto as resolved here (bfloat16 on a CPU with native bf16)
+    name = {"dense": EMBEDDED_EMBEDDER, "cascade": f"{EMBEDDED_EMBEDDER}+SmolLM2-135M-Instruct"}[mode]
+    dtype = {"dense": embedder, "cascade": " + ".join(dict.fromkeys([embedder, "float32"]))}[mode]
+    before = _pairs_counted(s)
+    with httpx.Client(base_url=s.http_url, timeout=1800) as h:
+        info = h.get("/info").json()
+        cohere = h.post("/v2/rerank", json={"query": QUERY, "documents": DOCUMENTS})
+        tei = h.post("/rerank", json={"query": QUERY, "texts": DOCUMENTS[:3]})
+    assert (info["model_id"], info["model_dtype"], info["rerank_mode"]) == (name, dtype, mode)
+    assert cohere.status_code == 200 and cohere.json()["model"] == name
+    assert tei.status_code == 200
+
+    out = io.StringIO()
+    assert cli.client_cli.run(cli.build_parser().parse_args(["info", "--target", s.server.address]), out) == 0
+    said = json.loads(out.getvalue())
+    assert said["rerankMode"] == mode and said["reranker"] != "llm"
+    assert said["reranker"] == {"dense": EMBEDDED_EMBEDDER,
+                                "cascade": f"{EMBEDDED_EMBEDDER} + SmolLM2-135M-Instruct (embedded)"}[mode]
+    assert said["rerankDtype"] == dtype and said["embedderDtype"] == embedder
+
+    reranks = s.server.recorder.wait_finished(lambda lc: lc.kind == "rerank" and lc.metadata.get("route") == "/rerank")
+    log = logging.getLogger("test.access")
+    with caplog.at_level(logging.INFO, logger="test.access"):
+        AccessLog("SmolLM2-135M-Instruct", log).on_finish(reranks[-1])
+    assert f" model={name} " in caplog.records[-1].getMessage()
+    assert _pairs_counted(s) - before == len(DOCUMENTS) + 3
