@@ -76,7 +76,9 @@ def local_path(value: str, flag: str = "--model", revision: str | None = None, g
         if gguf_file and os.path.isdir(os.path.expanduser(str(value))):
             return os.path.join(os.path.expanduser(str(value)), gguf_file)
         return value
-    key = (value, flag, revision, gguf_file)
+    from huggingface_hub import constants
+
+    key = (value, flag, revision, gguf_file, constants.ENDPOINT, constants.HF_HUB_CACHE, constants.is_offline_mode())
     with _lock:
         if key not in _resolved:
             _resolved[key] = str(_fetch(ref, flag, revision, gguf_file))
@@ -95,12 +97,12 @@ def _fetch(ref: HubRef, flag: str, revision: str | None, gguf_file: str | None) 
         elif ref.quant:
             patterns = [_quant_pattern(ref.quant)]
         else:
-            patterns = _patterns(ref, _listing(ref, revision, offline))
+            patterns = _patterns(ref, flag, _listing(ref, revision, offline))
         folder = _snapshot(ref, revision, patterns)
     except HubError:
         raise
     except Exception as exc:  # huggingface_hub's errors (and httpx's), one line each
-        raise _explained(exc, ref, flag, revision, offline) from exc
+        raise _explained(exc, ref, flag, revision, offline, gguf_file) from exc
     if len(patterns) == 1 and patterns[0].endswith(".gguf"):
         return _gguf_in(folder, patterns[0], ref, flag, gguf_file)
     return folder
@@ -138,7 +140,7 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> Path | None:
     return folder if folder.is_dir() else None
 
 
-def _patterns(ref: HubRef, files: list[str]) -> list[str]:
+def _patterns(ref: HubRef, flag: str, files: list[str]) -> list[str]:
     """What to fetch of a repository given without a GGUF selector: a Hugging Face directory's files, or a GGUF
     repository's one file (its only one, or Q4_K_M)."""
     if "config.json" in files:
@@ -152,9 +154,9 @@ def _patterns(ref: HubRef, files: list[str]) -> list[str]:
         return default
     if ggufs:
         quants = ", ".join(_quant_names(ggufs))
-        raise HubError(f"{ref.repo_id} holds {len(ggufs)} GGUF files: pick one with {ref.repo_id}:QUANT (one of "
-                       f"{quants}) or --gguf-file FILE")
-    raise HubError(f"{ref.repo_id} is neither a Hugging Face model directory (no config.json) nor a GGUF repository "
+        raise HubError(f"{flag} {ref.repo_id} holds {len(ggufs)} GGUF files: pick one with {ref.repo_id}:QUANT "
+                       f"(one of {quants}) or --gguf-file FILE")
+    raise HubError(f"{flag} {ref.repo_id} is neither a Hugging Face model directory (no config.json) nor a GGUF repository "
                    "(no .gguf file)")
 
 
@@ -188,14 +190,16 @@ def _gguf_in(folder: Path, pattern: str, ref: HubRef, flag: str, gguf_file: str 
                    "split GGUF files are not served): pick one with --gguf-file FILE")
 
 
-def _explained(exc: Exception, ref: HubRef, flag: str, revision: str | None, offline: bool) -> HubError:
+def _explained(exc: Exception, ref: HubRef, flag: str, revision: str | None, offline: bool,
+               gguf_file: str | None) -> HubError:
     """One line for what went wrong fetching `ref`, with the two ways out: `hf download` where there is a network,
     or a local path."""
     from huggingface_hub import constants
     from huggingface_hub import errors
 
+    which = f" {gguf_file}" if gguf_file else f' --include "*{ref.quant}.gguf"' if ref.quant else ""
     rev = f" --revision {revision}" if revision else ""
-    download = f"`hf download {ref.repo_id}{rev}`"
+    download = f"`hf download {ref.repo_id}{which}{rev}`"
     local = "or give a local path (a GGUF file or a Hugging Face model directory)"
     if isinstance(exc, errors.RevisionNotFoundError):
         return HubError(f"{flag} {ref.repo_id}: the Hub has no revision {revision!r} of it (a branch, tag or commit)")
