@@ -201,9 +201,11 @@ class EngineConfig:
                              f"(got {self.device!r}, {self.dtype!r}); use quantization='none' elsewhere")
         if self.gguf_file is not None and self.model is None:
             raise ValueError("gguf_file names a file of `model` (a Hub repository or a folder); model is not set")
-        # (a Hub id may name a GGUF repository: the loader checks what it holds, engine/models/quantized.py)
-        if (self.quantization == "gguf" and self.model is not None and not str(self.model).endswith(".gguf")
-                and self.gguf_file is None and os.path.isdir(os.path.expanduser(str(self.model)))):
+        # (a Hub id, org/name, may name a GGUF repository: the loader checks what it holds, models/quantized.py)
+        local = self.model is not None and (str(self.model).startswith(("/", "./", "../", "~"))
+                                            or os.path.exists(os.path.expanduser(str(self.model))))
+        if (self.quantization == "gguf" and local and not str(self.model).endswith(".gguf")
+                and self.gguf_file is None):
             raise ValueError("quantization='gguf' serves a GGUF file's blocks (the embedded model's GGUF file or a "
                              ".gguf path); for a Hugging Face directory use 'int8' or 'none'")
         if self.scheduling not in ("continuous", "static"):
