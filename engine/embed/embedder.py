@@ -15,6 +15,7 @@ from engine.config import EMBEDDED_EMBEDDER, EmbedParams
 from engine.embed.encoders import is_decoder, load_token_states
 from engine.errors import InputTooLong
 from engine.embed.pooling import Pooling, SentenceConfig, pool
+from engine.models import hub
 from engine.models.encoder_loader import CrossEncoder, resolve_encoder_dtype
 from engine.models.stages import Finish, StagedForward, StageResult, StageWork
 from engine.settings import Settings
@@ -83,16 +84,17 @@ class Embedder:
     @classmethod
     def load(cls, embedder: str, device: str = "cpu", dtype: str = "float32",
              settings: Settings | None = None, shared: CrossEncoder | None = None,
-             encoder_dtype: str | None = None) -> "Embedder":
-        """EngineConfig.embedder: EMBEDDED_EMBEDDER or a directory; `settings`: the attention backend its encoder
-        runs, the decoder's ops (engine/settings.py; None: the defaults); `shared`: the cross-encoder of this same
-        directory, whose weights and forward it uses; `encoder_dtype`: EngineConfig.encoder_dtype."""
+             encoder_dtype: str | None = None, revision: str | None = None) -> "Embedder":
+        """EngineConfig.embedder: EMBEDDED_EMBEDDER, a directory or a Hub id (`revision`: its branch, tag or
+        commit; engine/models/hub.py); `settings`: the attention backend its encoder runs, the decoder's ops
+        (engine/settings.py; None: the defaults); `shared`: the cross-encoder of this same directory, whose weights
+        and forward it uses; `encoder_dtype`: EngineConfig.encoder_dtype."""
         if embedder == EMBEDDED_EMBEDDER:
             return cls(EMBEDDED_EMBEDDER, embedded_embedder_dir(), device, dtype, settings, shared, encoder_dtype)
-        path = Path(embedder).expanduser()
+        path = Path(hub.local_path(embedder, "--embedder", revision)).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"embedder path {str(path)!r} does not exist")
-        return cls(path.resolve().name, path, device, dtype, settings, shared, encoder_dtype)
+        return cls(hub.display_name(embedder), path, device, dtype, settings, shared, encoder_dtype)
 
     @property
     def pooling(self) -> Pooling:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models import gguf_file
+from engine.models import gguf_file as gguf_files
+from engine.models import hub
 from engine.models.cache_write import write_atomically
 
 log = logging.getLogger("tandem.loader")
@@ -72,12 +73,12 @@ def _convert_gguf(directory: Path, gguf_file: str, target: Path) -> None:
     write_atomically(target, write)
 
 
-def resolve_model_dir(model: str | None, cache: Path) -> Path:
-    """A Hugging Face directory (rerankers, encoders); None: the embedded model's converted directory (under
-    `cache`)."""
+def resolve_model_dir(model: str | None, cache: Path, revision: str | None = None, flag: str = "--reranker") -> Path:
+    """A Hugging Face directory or Hub id (rerankers, encoders; `revision` the id's); None: the embedded model's
+    converted directory (under `cache`)."""
     if model is None:
         return default_model_dir(cache)
-    path = Path(model).expanduser()
+    path = Path(hub.local_path(model, flag, revision)).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if not (path / "config.json").is_file():
@@ -88,19 +89,24 @@ def resolve_model_dir(model: str | None, cache: Path) -> Path:
 @dataclass(frozen=True, slots=True)
 class ModelSource:
     """Where a generation model comes from: `meta_dir` holds config.json and the tokenizer; the weights are the
-    GGUF file `gguf` when set (blocks as stored), else the directory's safetensors."""
+    GGUF file `gguf` when set (blocks as stored), else the directory's safetensors. The embedded model's dense
+    float32 conversion (~540 MB under TANDEM_CACHE_DIR) is made only when its dense weights are asked for
+    (quantization='none', engine/builder.py), not to serve its blocks."""
     meta_dir: Path
     gguf: Path | None = None
     embedded: bool = False
 
 
-def resolve_model(model: str | None, cache: Path) -> ModelSource:
-    """None: the embedded SmolLM2 (its GGUF file; a dense conversion beside it for quantization='none'); a GGUF
-    file, or a directory holding exactly one; or a Hugging Face directory. Anything else: a clear error. `cache`:
-    where conversions and a GGUF file's metadata are kept (TANDEM_CACHE_DIR)."""
+def resolve_model(model: str | None, cache: Path, revision: str | None = None,
+                  gguf_file: str | None = None) -> ModelSource:
+    """None: the embedded SmolLM2 (its GGUF file; its config and tokenizer read from it once); a GGUF file, or a
+    directory holding exactly one (or `gguf_file` among several); a Hugging Face directory; or a Hub id of one of
+    these (fetched into the Hub cache: engine/models/hub.py; `revision` its branch, tag or commit). Anything else: a
+    clear error. `cache`: where conversions and a GGUF file's metadata are kept (TANDEM_CACHE_DIR)."""
     if model is None:
-        return ModelSource(default_model_dir(cache), embedded_gguf_path(), embedded=True)
-    path = Path(model).expanduser()
+        gguf = embedded_gguf_path()
+        return ModelSource(gguf_files.metadata_dir(gguf, cache), gguf, embedded=True)
+    path = Path(hub.local_path(model, "--model", revision, gguf_file)).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
     if path.is_dir():
@@ -111,12 +117,12 @@ def resolve_model(model: str | None, cache: Path) -> ModelSource:
             raise FileNotFoundError(
                 f"model path {str(path)!r} is neither a Hugging Face model directory (no config.json) nor a folder "
                 f"with one .gguf file ({len(ggufs)} found{': ' + ', '.join(g.name for g in ggufs) if ggufs else ''})"
-                "; pass the file itself")
+                "; pass the file itself (or name it with gguf_file, --gguf-file)")
         path = ggufs[0]
-    if not gguf_file.is_gguf(path):
+    if not gguf_files.is_gguf(path):
         raise ValueError(f"model file {str(path)!r} is not a GGUF file (it does not start with b'GGUF'); "
                          "pass a .gguf file or a Hugging Face model directory")
-    return ModelSource(gguf_file.metadata_dir(path, cache), path)
+    return ModelSource(gguf_files.metadata_dir(path, cache), path)
 
 
 def read_config(path: Path) -> dict:

@@ -44,7 +44,8 @@ def build_scorer(config: EngineConfig, tokenizer, model, settings: Settings, sha
         from engine.rerank.cross_encoder import CrossEncoderScorer
 
         dtype = resolve_encoder_dtype(config.encoder_dtype, config.dtype, config.device, settings.native_bf16)
-        encoder = CrossEncoder.from_pretrained(resolve_model_dir(config.reranker, settings.cache_dir), config.device,
+        encoder = CrossEncoder.from_pretrained(resolve_model_dir(config.reranker, settings.cache_dir,
+                                                                 config.reranker_revision), config.device,
                                                dtype, settings.kernels, shared=shared)
         return CrossEncoderScorer(encoder)
     if mode is RerankMode.JUDGE:

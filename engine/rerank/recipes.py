@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import RERANK_RECIPES, RerankRecipe
+from engine.models import hub
 
 TEMPLATE_FILE = "rerank_template.json"  # a model directory's own template, read when no flag names a recipe
 
@@ -110,12 +111,16 @@ def _names(model_dir: Path) -> list[str]:
 
 def recipe_from_dir(model: str | None) -> RerankRecipe | None:
     """The recipe a model directory declares (see the module's docstring), or None: it says none."""
-    if not model or not os.path.isdir(model):
+    if not model:
         return None
-    model_dir = Path(model)
-    if (model_dir / TEMPLATE_FILE).is_file():
+    if not os.path.isdir(model):  # a Hub id's name says its recipe (read before anything is fetched)
+        ref = hub.parse(model)
+        names = [ref.repo_id] if ref else []
+    elif (Path(model) / TEMPLATE_FILE).is_file():
         return RerankRecipe.TEMPLATE
-    for name in _names(model_dir):
+    else:
+        names = _names(Path(model))
+    for name in names:
         for pattern, recipe in _NAMED:
             if pattern.search(name):
                 return recipe

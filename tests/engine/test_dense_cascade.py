@@ -199,3 +199,20 @@ def test_max_document_tokens_cuts_each_document_in_the_tokens_of_the_model_readi
     assert {r.document_tokens for r in cascade} == {3}  # the LLM's tokens of the pairs
     with pytest.raises(ValueError, match="max_document_tokens must be >= 1"):
         RerankParams(max_document_tokens=0)
+
+
+def test_in_a_dense_pipeline_the_default_rerank_gives_the_retrieval_order_back(dense_llm):
+    """Issue 63 item 5: a pipeline that retrieved with tandem's own embedder (its vectors, ranked by cosine as a
+    vector store does) and then reranks with the default mode gets the same order back: say so (start-up line,
+    README, docs/reranking.md) and point to a trained reranker."""
+    corpus = ["Lighthouses warn ships with a rotating beam of light.", "Bananas are rich in potassium.",
+              "A fog horn sounds when the light cannot be seen.", "Ships carry cargo between ports.",
+              "The keeper lit the lamp at dusk every night.", "Stock prices fell on Monday."]
+    query = "how do lighthouses warn ships at night"
+    vectors = dense_llm.embed(corpus)
+    q = dense_llm.embed([query])[0]
+    cosine = [sum(a * b for a, b in zip(q, v)) for v in vectors]
+    retrieved = sorted(range(len(corpus)), key=lambda i: -cosine[i])[:4]  # the vector store's top 4, best first
+    # (dense is the default with an embedder: test_the_default_with_an_embedder_is_dense_... above)
+    reranked = dense_llm.rerank(query, [corpus[i] for i in retrieved], RerankParams(), ranked=True)
+    assert [retrieved[r.index] for r in reranked] == retrieved

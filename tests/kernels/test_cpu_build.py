@@ -39,8 +39,8 @@ def test_make_venv_builds_the_kernels_where_the_engine_loads_them() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    recipe = (root / "Makefile").read_text().split("$(STAMP): pyproject.toml Makefile\n")[1].split("\n\n")[0]
-    assert "$(PY) -m kernels.build" in recipe and recipe.index("kernels.build") < recipe.index("touch $(STAMP)")
+    recipe = (root / "Makefile").read_text().split("$(SERVE_STAMP): pyproject.toml Makefile\n")[1].split("\n\n")[0]
+    assert "$(PY) -m kernels.build" in recipe and recipe.index("kernels.build") < recipe.index("touch $(SERVE_STAMP)")
     done = subprocess.run([sys.executable, "-m", "kernels.build"], cwd=root, timeout=900, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -140,4 +140,6 @@ def test_start_up_says_what_capped_the_context(gemma_server) -> None:
     said = "".join(gemma_server.output)
     assert ("context 29,120 of the model's 32,768 tokens, capped by the KV cache (tandem serve --kv-cache-bytes / "
             "--num-kv-blocks)") in said, said
-    assert "rerank: dense (all-MiniLM-L6-v2's cosine)" in said  # the default with the embedded embedder
+    # the default with the embedded embedder, and what it means for a pipeline that retrieved with it (issue 63)
+    assert ("rerank: dense (all-MiniLM-L6-v2's cosine: documents retrieved by this embedder come back in their "
+            "retrieval order; a trained cross-encoder is --reranker BAAI/bge-reranker-v2-m3)") in said

