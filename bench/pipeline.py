@@ -8,7 +8,7 @@ Systems, each fed over HTTP by client processes of their own (this process only 
   chats' solo p50 time per token on `tandem`.
 * `split_shared`: llama.cpp's `llama-server` (the avx512 build when built, else avx2: bench/llama_server.py) serving
   the chats from the same GGUF file with `-np` = the chats, beside an embedding server for the embeddings and the
-  reranks (Infinity when `--infinity PYTHON` names a venv where `infinity_emb` runs, else bench/st_server.py:
+  reranks (Infinity when `--infinity CMD` names its `infinity_emb` command, else bench/st_server.py:
   sentence-transformers behind a minimal HTTP server, dense cosine reranks like tandem's default), each with every
   core (the OS shares them).
 * `split_pinned`: the same two servers, each pinned to half the cores (`taskset`) with that many threads.
@@ -103,9 +103,12 @@ def _chat_client(url: str, prompts: list[str], max_tokens: int, ready, stop, out
     out.put(("chats", requests))
 
 
-def _rerank_client(url: str, jobs: list[tuple[str, list[str]]], wait, out) -> None:
-    """The reranks one after another (after `wait`, when given): (start, end) of each."""
+def _rerank_client(url: str, embed_path: str | None, jobs: list[tuple[str, list[str]]], wait, out) -> None:
+    """The reranks one after another (after `wait`, when given): (start, end) of each. `embed_path` None: TEI's
+    `/rerank`; else the server only embeds (Infinity with an embedding model): the query and documents are embedded in
+    one request there and ranked by cosine here, as a split deployment's client would."""
     import httpx
+    import numpy as np
 
     if wait is not None:
         wait.wait()
@@ -113,15 +116,23 @@ def _rerank_client(url: str, jobs: list[tuple[str, list[str]]], wait, out) -> No
     with httpx.Client(timeout=600) as http:
         for query, docs in jobs:
             t0 = time.monotonic()
-            r = http.post(f"{url}/rerank", json={"query": query, "texts": docs})
-            r.raise_for_status()
-            assert len(r.json()) == len(docs)
+            if embed_path is None:
+                r = http.post(f"{url}/rerank", json={"query": query, "texts": docs})
+                r.raise_for_status()
+                assert len(r.json()) == len(docs)
+            else:
+                r = http.post(f"{url}{embed_path}", json={"input": [query, *docs]})
+                r.raise_for_status()
+                v = np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
+                v /= np.linalg.norm(v, axis=1, keepdims=True)
+                order = np.argsort(-(v[1:] @ v[0]))
+                assert len(order) == len(docs)
             spans.append((t0, time.monotonic()))
     out.put(("reranks", spans))
 
 
-def _embed_client(url: str, texts: list[str], batch: int, wait, stop, out) -> None:
-    """/v1/embeddings of `batch` texts back to back until `stop`: (end time, texts) of each response."""
+def _embed_client(url: str, embed_path: str, texts: list[str], batch: int, wait, stop, out) -> None:
+    """`embed_path` (OpenAI's shape) of `batch` texts back to back until `stop`: (end time, texts) of each response."""
     import httpx
 
     if wait is not None:
@@ -131,7 +142,7 @@ def _embed_client(url: str, texts: list[str], batch: int, wait, stop, out) -> No
         while not stop.is_set():
             chunk = [texts[(i + k) % len(texts)] for k in range(batch)]
             i += batch
-            r = http.post(f"{url}/v1/embeddings", json={"input": chunk})
+            r = http.post(f"{url}{embed_path}", json={"input": chunk})
             r.raise_for_status()
             done.append((time.monotonic(), len(r.json()["data"])))
     out.put(("embeds", done))
@@ -142,6 +153,9 @@ def _embed_client(url: str, texts: list[str], batch: int, wait, stop, out) -> No
 
 class Proc:
     """A server subprocess that answers GET /health at `url` once ready."""
+
+    embed_path = "/v1/embeddings"  # where it embeds (OpenAI's shape)
+    rerank_by_embedding = False  # True: it has no /rerank for this model; clients rank by the embeddings' cosine
 
     def __init__(self, cmd: list[str], port: int, cores: str | None = None, env: dict | None = None) -> None:
         if cores is not None and shutil.which("taskset"):
@@ -195,9 +209,11 @@ def _embed_server(args, cores: str | None, threads: int) -> tuple[Proc, str]:
     if args.infinity:
         from engine.embed.embedder import embedded_embedder_dir
 
-        cmd = [args.infinity, "-m", "infinity_emb", "v2", "--model-id", str(embedded_embedder_dir()), "--port",
+        cmd = [args.infinity, "v2", "--model-id", str(embedded_embedder_dir()), "--port",
                str(port), "--url-prefix", "", "--engine", "torch", "--device", "cpu"]
-        return Proc(cmd, port, cores, {"OMP_NUM_THREADS": str(threads)}), "infinity-emb"
+        proc = Proc(cmd, port, cores, {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"})
+        proc.embed_path, proc.rerank_by_embedding = "/embeddings", True
+        return proc, "infinity-emb (reranks: its embeddings' cosine, ranked by the client)"
     return (Proc([sys.executable, "-m", "bench.st_server", "--port", str(port), "--threads", str(threads)], port,
                  cores), "sentence-transformers behind bench/st_server.py")
 
@@ -205,7 +221,7 @@ def _embed_server(args, cores: str | None, threads: int) -> tuple[Proc, str]:
 # ---- phases -----------------------------------------------------------------------------------------------------------
 
 
-def _phase(chat_url: str | None, score_url: str, args, prompts, jobs, texts, *, reranks: bool = False,
+def _phase(chat_url: str | None, scorer: Proc, args, prompts, jobs, texts, *, reranks: bool = False,
            embeds: bool = False) -> dict:
     """One phase: chats (if chat_url), and reranks or an embedding flood beside them (or alone); the figures."""
     ctx = mp.get_context("spawn")
@@ -215,9 +231,11 @@ def _phase(chat_url: str | None, score_url: str, args, prompts, jobs, texts, *, 
         procs.append(ctx.Process(target=_chat_client, args=(chat_url, prompts, args.max_tokens, ready, stop, out)))
     wait = ready if chat_url else None
     if reranks:
-        procs.append(ctx.Process(target=_rerank_client, args=(score_url, jobs, wait, out)))
+        procs.append(ctx.Process(target=_rerank_client, args=(
+            scorer.url, scorer.embed_path if scorer.rerank_by_embedding else None, jobs, wait, out)))
     if embeds:
-        procs += [ctx.Process(target=_embed_client, args=(score_url, texts, args.batch, wait, stop, out))
+        procs += [ctx.Process(target=_embed_client, args=(scorer.url, scorer.embed_path, texts, args.batch, wait, stop,
+                                                          out))
                   for _ in range(args.embed_clients)]
     for p in procs:
         p.start()
@@ -264,7 +282,7 @@ def _system_phases(name: str, args, prompts, jobs, texts, solo_p50_ms: float | N
             extra = [] if name == "tandem" else ["--tpot-target-ms", f"{args.t_factor * solo_p50_ms:.1f}"]
             server = _tandem(extra + args.tandem_flags)
             procs.append(server)
-            chat_url = score_url = server.url
+            chat_url, scorer = server.url, server
             info["servers"] = f"tandem serve {' '.join(extra + args.tandem_flags)}".strip()
         else:
             cores = os.cpu_count() or 2
@@ -275,13 +293,13 @@ def _system_phases(name: str, args, prompts, jobs, texts, solo_p50_ms: float | N
             embed, embed_name = _embed_server(args, f"{half}-{cores - 1}" if pinned else None,
                                               cores - half if pinned else cores)
             procs.append(embed)
-            chat_url, score_url = chat.url, embed.url
+            chat_url, scorer = chat.url, embed
             info["servers"] = f"{chat_name} + {embed_name}" + (" (pinned half and half)" if pinned else "")
-        phases = {"chats_alone": _phase(chat_url, score_url, args, prompts, jobs, texts),
-                  "reranks_alone": _phase(None, score_url, args, prompts, jobs, texts, reranks=True),
-                  "embeds_alone": _phase(None, score_url, args, prompts, jobs, texts, embeds=True),
-                  "W1": _phase(chat_url, score_url, args, prompts, jobs, texts, reranks=True),
-                  "W2": _phase(chat_url, score_url, args, prompts, jobs, texts, embeds=True)}
+        phases = {"chats_alone": _phase(chat_url, scorer, args, prompts, jobs, texts),
+                  "reranks_alone": _phase(None, scorer, args, prompts, jobs, texts, reranks=True),
+                  "embeds_alone": _phase(None, scorer, args, prompts, jobs, texts, embeds=True),
+                  "W1": _phase(chat_url, scorer, args, prompts, jobs, texts, reranks=True),
+                  "W2": _phase(chat_url, scorer, args, prompts, jobs, texts, embeds=True)}
         if name == "tandem_T":
             info["T_ms"] = args.t_factor * solo_p50_ms
         return info | {"phases": phases}
@@ -321,7 +339,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=20.0, help="the window of the chats-alone and embedding phases")
     ap.add_argument("--t-factor", type=float, default=1.5, help="W4: T = this x the chats' solo p50 on tandem")
-    ap.add_argument("--infinity", default=None, help="a python whose environment runs infinity_emb")
+    ap.add_argument("--infinity", default=None, help="the infinity_emb command of a venv where Infinity runs (e.g. "
+                    "one made with `pip install torch==2.13.0 'infinity-emb[server,torch]==0.0.78'`)")
     ap.add_argument("--tandem-flags", nargs="*", default=[], help="more `tandem serve` flags (e.g. --model FILE: W6)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "pipeline.json")

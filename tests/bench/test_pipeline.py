@@ -1,0 +1,16 @@
+"""bench/pipeline.py's bookkeeping: each kind beside the others as a ratio to itself alone (no server started)."""
+from __future__ import annotations
+
+import pytest
+
+from bench.pipeline import ratios
+
+
+def test_ratios_divide_each_kind_beside_the_others_by_itself_alone():
+    phases = {"chats_alone": {"tpot_p99_ms": 50.0, "chat_tokens_per_s": 100.0},
+              "reranks_alone": {"rerank_p50_s": 0.3}, "embeds_alone": {"texts_per_s": 80.0},
+              "W1": {"tpot_p99_ms": 70.0, "rerank_p50_s": 1.2},
+              "W2": {"tpot_p99_ms": 60.0, "chat_tokens_per_s": 75.0, "texts_per_s": 20.0}}
+    got = ratios(phases)
+    assert got == pytest.approx({"W1_chat_p99_x": 1.4, "W1_rerank_p50_x": 4.0, "W2_chat_tokens_x": 0.75,
+                                 "W2_chat_p99_x": 1.2, "W2_embed_rate_x": 0.25})
