@@ -12,6 +12,7 @@ from engine.config import EmbedParams, EngineConfig, RerankMode, RerankParams, S
 from engine.embed import EmbedJob
 from engine.intake import RequestIntake
 from engine.jobs import Job, JobContext, RowResult, StepEffects
+from engine.step_time import OnlineStepTime
 from engine.outputs import StepOutput, StepRecord
 from engine.rerank import RerankJob
 from engine.request import FinishReason, Sequence, SequenceStatus
@@ -170,6 +171,9 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self._steps,
             "weight_bytes": self.weight_bytes,
+            # per kind of work: (steps in the step-time model's window that carried it, the fit's median relative
+            # error on them); empty without an online step-time model
+            "step_time_fit_errors": _fit_errors(self.admission),
         }
 
     def model_info(self) -> dict:
@@ -311,3 +315,8 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
 
+
+def _fit_errors(policy) -> dict[str, tuple[int, float]]:
+    """The admission policy's online step-time model's error per kind of work (OnlineStepTime.fit_errors), or {}."""
+    model = getattr(policy, "model", None)
+    return model.fit_errors() if isinstance(model, OnlineStepTime) else {}

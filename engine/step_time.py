@@ -218,6 +218,19 @@ class OnlineStepTime(LinearStepTime):
         self._y[i] = seconds
         self._seen += 1
 
+    def fit_errors(self) -> dict[str, tuple[int, float]]:
+        """Per kind of work, over the window's steps that carried it: (steps, median relative error of the current
+        fit on them); "decodes" for the steps of decodes alone. Where a kind's error stays high, the fit prices it
+        wrongly (the mixed steps that carry it are what it is fitted on)."""
+        self._refit()
+        n = min(self._seen, self.window)
+        x, y = self._x[:n], self._y[:n]
+        rel = np.abs(y - x @ np.asarray(self.coef)) / np.maximum(y, 1e-9)
+        columns = {kind.value: x[:, FEATURES.index(kind.value)] > 0 for kind in TokenKind}
+        others = np.any(np.stack(list(columns.values())), axis=0) if n else np.zeros(0, dtype=bool)
+        columns["decodes"] = (x[:, FEATURES.index("decode_rows")] > 0) & ~others
+        return {name: (int(mask.sum()), float(np.median(rel[mask]))) for name, mask in columns.items() if mask.any()}
+
     def margin(self) -> float:
         self._refit()
         return min(self.max_margin, self.quantile_z * self._spread)

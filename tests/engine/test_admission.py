@@ -763,3 +763,24 @@ def test_every_kind_progresses_beside_decodes_within_the_target():
     assert all(s.status.finished for s in llm + xenc + rows)
     assert late.num_output_tokens > 0
     sim.run()
+
+
+def test_the_online_fit_reports_its_error_per_kind_and_prices_embedding_rows_as_the_mixed_steps_measure():
+    """The online model starts from a calibration that priced the embedder's forward 10x (15 ms where mixed steps
+    measure 1.5 ms: issue #62's mispricing); fitted on the mixed steps that carry embedding rows, it prices them as
+    measured, and reports the error of its fit per kind of work (small once it has followed)."""
+    prices = {**TRUE, "embed_forward": 0.0015, "embed_tokens": 0.0001}
+    model = OnlineStepTime()
+    model.seed({**prices, "embed_forward": 0.015}, 0.0)
+    policy = LatencyAdmission(model=model)
+    sim = ClockSim(policy)
+    sim.true = LinearStepTime(prices)
+    chats(sim, max_tokens=300)
+    sim.step()
+    [sim.add_embed(f"emb/{i}", toks(60, 9000 + 60 * i), stages=6) for i in range(400)]
+    for _ in range(150):
+        sim.step()
+    errors = model.fit_errors()
+    assert errors["embed_tokens"][0] >= 50 and errors["embed_tokens"][1] < 0.02
+    assert errors["decodes"][1] < 0.02 or errors["decodes"][0] == 0
+    assert model.coefficients()["embed_forward"] == pytest.approx(0.0015, rel=0.2)
