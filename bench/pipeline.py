@@ -21,6 +21,8 @@ Workloads (the same requests on every system):
   TEI-shaped `/rerank` (tandem's, or the embedding server's); the window is the reranks' run.
 * W2: the chats, and --embed-clients processes each sending `/v1/embeddings` of --batch texts back to back for
   --seconds; texts/s over that window.
+* W5 (--w5): one chat in a loop beside one rerank of --w5-docs documents; W6: the whole run with --model a Q4_K_M
+  GGUF file (Gemma 3 270M), served by tandem and llama-server alike.
 * Each kind also runs alone on the same system (chats alone, reranks alone, embeddings alone): every figure is a ratio
   to that.
 
@@ -199,7 +201,7 @@ def _llama_server(args, cores: str | None, threads: int) -> tuple[Proc, str]:
         raise RuntimeError("no llama-server build in the cache: python -m bench.llama_server --build avx512")
     port = free_port()
     ctx = args.chats * (args.max_tokens + 128)
-    cmd = [str(tool_path(builds[0])), "-m", str(embedded_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [str(tool_path(builds[0])), "-m", str(args.model or embedded_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(threads), "-tb", str(threads), "-np", str(args.chats), "-c", str(ctx), "--no-warmup"]
     return Proc(cmd, port, cores), f"llama-server ({builds[0].value} build)"
 
@@ -262,7 +264,8 @@ def _phase(chat_url: str | None, scorer: Proc, args, prompts, jobs, texts, *, re
     if chat_url:
         gaps = [b - a for req in results["chats"] for a, b in zip(req, req[1:]) if window[0] <= b <= window[1]]
         tokens = sum(window[0] <= t <= window[1] for req in results["chats"] for t in req)
-        figures |= {"tpot_p50_ms": 1e3 * percentile(gaps, 50), "tpot_p99_ms": 1e3 * percentile(gaps, 99),
+        figures |= {"tpot_p50_ms": 1e3 * percentile(gaps, 50), "tpot_p90_ms": 1e3 * percentile(gaps, 90),
+                    "tpot_p99_ms": 1e3 * percentile(gaps, 99),
                     "chat_tokens_per_s": tokens / (window[1] - window[0])}
     if reranks:
         latencies = [b - a for a, b in results["reranks"]]
@@ -280,6 +283,7 @@ def _system_phases(name: str, args, prompts, jobs, texts, solo_p50_ms: float | N
     try:
         if name in ("tandem", "tandem_T"):
             extra = [] if name == "tandem" else ["--tpot-target-ms", f"{args.t_factor * solo_p50_ms:.1f}"]
+            extra += ["--model", args.model] if args.model else []
             server = _tandem(extra + args.tandem_flags)
             procs.append(server)
             chat_url, scorer = server.url, server
@@ -300,6 +304,11 @@ def _system_phases(name: str, args, prompts, jobs, texts, solo_p50_ms: float | N
                   "embeds_alone": _phase(None, scorer, args, prompts, jobs, texts, embeds=True),
                   "W1": _phase(chat_url, scorer, args, prompts, jobs, texts, reranks=True),
                   "W2": _phase(chat_url, scorer, args, prompts, jobs, texts, embeds=True)}
+        if args.w5:  # one chat beside one big rerank, each also alone
+            one, big = prompts[:1], [(jobs[0][0], [texts[i % len(texts)] for i in range(args.w5_docs)])]
+            phases |= {"W5_chat_alone": _phase(chat_url, scorer, args, one, big, texts),
+                       "W5_rerank_alone": _phase(None, scorer, args, one, big, texts, reranks=True),
+                       "W5": _phase(chat_url, scorer, args, one, big, texts, reranks=True)}
         if name == "tandem_T":
             info["T_ms"] = args.t_factor * solo_p50_ms
         return info | {"phases": phases}
@@ -315,7 +324,10 @@ def ratios(phases: dict) -> dict:
             "W1_rerank_p50_x": w1["rerank_p50_s"] / phases["reranks_alone"]["rerank_p50_s"],
             "W2_chat_tokens_x": w2["chat_tokens_per_s"] / solo["chat_tokens_per_s"],
             "W2_chat_p99_x": w2["tpot_p99_ms"] / solo["tpot_p99_ms"],
-            "W2_embed_rate_x": w2["texts_per_s"] / phases["embeds_alone"]["texts_per_s"]}
+            "W2_embed_rate_x": w2["texts_per_s"] / phases["embeds_alone"]["texts_per_s"]} | (
+        {"W5_chat_p90_x": phases["W5"]["tpot_p90_ms"] / phases["W5_chat_alone"]["tpot_p90_ms"],
+         "W5_rerank_x": phases["W5"]["rerank_p50_s"] / phases["W5_rerank_alone"]["rerank_p50_s"]}
+        if "W5" in phases else {})
 
 
 def _commit() -> str:
@@ -341,7 +353,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--t-factor", type=float, default=1.5, help="W4: T = this x the chats' solo p50 on tandem")
     ap.add_argument("--infinity", default=None, help="the infinity_emb command of a venv where Infinity runs (e.g. "
                     "one made with `pip install torch==2.13.0 'infinity-emb[server,torch]==0.0.78'`)")
-    ap.add_argument("--tandem-flags", nargs="*", default=[], help="more `tandem serve` flags (e.g. --model FILE: W6)")
+    ap.add_argument("--tandem-flags", nargs="*", default=[], help="more `tandem serve` flags")
+    ap.add_argument("--model", default=None, help="W6: a GGUF file both tandem and llama-server serve (default: the "
+                    "embedded SmolLM2)")
+    ap.add_argument("--w5", action="store_true", help="W5 too: one chat beside one --w5-docs-document rerank")
+    ap.add_argument("--w5-docs", type=int, default=1000)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "pipeline.json")
     args = ap.parse_args(argv)
