@@ -163,14 +163,16 @@ def test_the_width_the_planner_prices_is_the_width_the_models_matmuls_use(which,
     assert engine.admission.model.wide_rows == engine.narrow_rows
     if model.walker is not None:
         assert model.walker_rows == (sys.maxsize if engine.narrow_rows is None else engine.narrow_rows)
-    if which == "gemma" and quant.int8_kernel(quant.cpu_isa()):  # K-quants with int8 activations: wider than small_m
-        assert engine.narrow_rows is None or engine.narrow_rows > quant.small_m(quant.cpu_isa())
+    formats = {p.qweight.fmt for p in _projection_parts(model)}
+    if which == "gemma":  # Q4_K_M mixes K-quants with a few 32-wide parts (Q8_0 here): those set the width
+        assert formats & {"Q4_K", "Q6_K"}
+        if formats <= {"Q4_K", "Q5_K", "Q6_K"} and quant.int8_kernel(quant.cpu_isa()):
+            assert engine.narrow_rows is None or engine.narrow_rows > quant.small_m(quant.cpu_isa())
     # the forced AVX2 path: the same model's widths as matmul would route them there
     monkeypatch.setattr(quant, "int8_kernel", lambda isa=None: "avx2")
     monkeypatch.setattr(quant, "best_isa", lambda: quant.CpuIsa.AVX2)
     monkeypatch.setattr(quant, "cpu_path", lambda: quant.CpuPath(quant.CpuIsa.AVX2))
     assert narrow_rows(model) == _expected_narrow(model)
     if which == "gemma":
-        formats = {p.qweight.fmt for p in _projection_parts(model)}
         if formats <= {"Q4_K", "Q5_K", "Q6_K"}:
             assert narrow_rows(model) is None  # every width stays on the int8 kernel: no jump to price
