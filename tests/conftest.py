@@ -13,30 +13,29 @@ import pytest  # noqa: E402
 import uvloop  # noqa: E402
 
 
-# `make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder --max-worker-restart=0`,
-# docs/testing.md). Each test file is one unit of work, so its module fixtures (an engine, a server) are built once;
-# the units known to be longest go first so neither worker is left with a long one at the end, the rest keep the
-# collection order. --max-worker-restart=0: pytest-xdist 3.8.0's loadgroup scheduler hangs for ever when it replaces
-# a crashed worker (pytest-xdist issues #1323 and #1327, fixed after that release); without a restart a crash fails
-# the run at once, naming the test.
-_LONGEST_FIRST = ["tests/models/test_gemma3_gguf.py", "tests/cluster/test_cluster.py",
-                  "tests/reliability/test_fuzz_process.py", "tests/engine/test_rerank_llm.py",
-                  "tests/reliability/test_soak.py", "tests/service/test_gemma_serve.py",
-                  "tests/engine/test_hf_parity.py"]
+# `make test` runs two pytest-xdist workers (`-n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0`,
+# docs/testing.md). Each test file is one unit of work, so its module fixtures (an engine, a server) are built once.
+# loadfile, not loadgroup with a mark per file: under pytest 9.2 xdist 3.8.0's loadgroup sets `item._nodeid`, which
+# pytest 9 no longer reads, so groups were silently ignored and a file's tests (and module fixtures) were spread over
+# both workers. The units known to be longest go first so neither worker is left with a long one at the end; the rest
+# keep the collection order. --max-worker-restart=0: xdist 3.8.0's scope schedulers (loadfile's too) hang for ever
+# when they replace a crashed worker (pytest-xdist issues #1323 and #1327, fixed after that release); without a
+# restart a crash fails the run at once, naming the test.
+_LONGEST_FIRST = ["tests/engine/test_rerank_llm.py", "tests/models/test_gemma3_gguf.py",
+                  "tests/reliability/test_fuzz_process.py", "tests/reliability/test_soak.py",
+                  "tests/service/test_cli_output.py", "tests/service/test_operator.py",
+                  "tests/service/test_gemma_serve.py", "tests/bench/test_rerank_serve.py",
+                  "tests/cluster/test_cluster.py"]
 
 
 def _unit(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks into the node ids
 def pytest_collection_modifyitems(config, items):
-    if not hasattr(config, "workerinput"):
-        return  # not an xdist worker: nothing to group
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_unit(item)))
-    rank = {unit: i for i, unit in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_unit(item), len(rank)))  # stable: every worker sorts alike
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike, so their collections agree
+        rank = {unit: i for i, unit in enumerate(_LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(_unit(item), len(rank)))  # stable: files keep their order otherwise
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-asyncio's hook: a pytest without it (a GPU image's) still starts

@@ -3,7 +3,7 @@
 Why: under `-n 2` a worker once died of a segfault inside protobuf's (upb's) FromString on a fuzzed payload, in the
 fuzz server's thread, after the worker had run other files in the same process; the same file passes alone and after
 the soak and fault files serially. The crash did not reproduce on demand, so its cause is not known (issue #64). What
-is known: a worker crash must not take other files' tests with it, nor hang the run (pytest-xdist 3.8.0's loadgroup
+is known: a worker crash must not take other files' tests with it, nor hang the run (pytest-xdist 3.8.0's loadfile
 scheduler hangs when it replaces a crashed worker; tests/conftest.py says how `make test` avoids that). So on a worker
 the fuzz file runs here, in a fresh `python -m pytest` exactly as a serial run has it: a crash fails this one test with
 the child's output (faulthandler's traceback included) and the rest of the run goes on. Run serially (no xdist),
