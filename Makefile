@@ -7,6 +7,10 @@ SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-peers
 PORT ?= 50051
+# pytest-xdist workers of `make test`: two, as CI's two cores; TEST_WORKERS=0 runs the suite in this one process.
+# Each test file is one unit of work, the longest first (tests/conftest.py); a crashed worker fails the run at once
+# instead of being replaced (pytest-xdist 3.8.0 hangs replacing one under loadfile). docs/testing.md has the rest.
+TEST_WORKERS ?= 2
 
 .PHONY: venv serve-venv test test-gpu soak serve bench proto clean-venv haproxy cluster
 
@@ -35,7 +39,7 @@ $(STAMP): $(SERVE_STAMP)
 # (make prints it: "Error 1" for failed tests, "Error 5" when no test was collected).
 test: $(STAMP) haproxy
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 
 # On a machine with a CUDA GPU only (issue #8): Triton kernels vs the torch reference, the engine on CUDA vs CPU
 # (eager and CUDA graphs, fp32 and bf16), then the kernel benchmark (bench/results/kernels.json). Without CUDA

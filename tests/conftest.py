@@ -13,6 +13,31 @@ import pytest  # noqa: E402
 import uvloop  # noqa: E402
 
 
+# `make test` runs two pytest-xdist workers (`-n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0`,
+# docs/testing.md). Each test file is one unit of work, so its module fixtures (an engine, a server) are built once.
+# loadfile, not loadgroup with a mark per file: under pytest 9.2 xdist 3.8.0's loadgroup sets `item._nodeid`, which
+# pytest 9 no longer reads, so groups were silently ignored and a file's tests (and module fixtures) were spread over
+# both workers. The units known to be longest go first so neither worker is left with a long one at the end; the rest
+# keep the collection order. --max-worker-restart=0: xdist 3.8.0's scope schedulers (loadfile's too) hang for ever
+# when they replace a crashed worker (pytest-xdist issues #1323 and #1327, fixed after that release); without a
+# restart a crash fails the run at once, naming the test.
+_LONGEST_FIRST = ["tests/engine/test_rerank_llm.py", "tests/models/test_gemma3_gguf.py",
+                  "tests/reliability/test_fuzz_process.py", "tests/reliability/test_soak.py",
+                  "tests/service/test_cli_output.py", "tests/service/test_operator.py",
+                  "tests/service/test_gemma_serve.py", "tests/bench/test_rerank_serve.py",
+                  "tests/cluster/test_cluster.py"]
+
+
+def _unit(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts alike, so their collections agree
+        rank = {unit: i for i, unit in enumerate(_LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(_unit(item), len(rank)))  # stable: files keep their order otherwise
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest-asyncio's hook: a pytest without it (a GPU image's) still starts
 def pytest_asyncio_loop_factories(config, item):
     """Every async test runs on uvloop, the loop the service uses."""
@@ -60,7 +85,10 @@ def gemma_prompts() -> list[str]:
 
 @pytest.fixture(scope="session")
 def gemma_reference(gemma_gguf, gemma_prompts):
-    """transformers' greedy continuations and prompt log-probabilities on the same file, once per session."""
-    from tests.gemma import transformers_reference
+    """transformers' greedy continuations and prompt log-probabilities on the same file: the checked-in golden file
+    when its key (the file's sha256, transformers' and torch's versions) matches, else computed once and cached
+    (tests/references.py)."""
+    from tests.gemma import Reference
+    from tests.references import load
 
-    return transformers_reference(gemma_gguf, gemma_prompts)
+    return Reference(**load("gemma"))

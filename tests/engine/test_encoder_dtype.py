@@ -25,6 +25,18 @@ DOCUMENTS = ["Bees collect nectar from flowers and store it in their honey stoma
 # component error 2.0e-3 and score error 6.6e-4 on these texts; the bounds leave ~5x)
 MIN_COSINE = 0.9995
 SCORE_ATOL = 3e-3
+# docs/embeddings.md "Endpoints": one input alone and the same input packed with others, per component, per encoder
+# dtype. float32: summation order only (measured ~2e-7). bfloat16: oneDNN's bf16 GEMMs round per block of the packed
+# batch, so a row's vector depends on its neighbours more (measured up to 1.6e-3 on "hello world" alone and in a batch
+# of 3, AMX, 2026-12); the bound leaves ~3x, and the vectors stay at cosine >= MIN_COSINE of each other.
+BATCHING_ATOL = {"float32": 1e-5, "bfloat16": 5e-3}
+# What `--encoder-dtype auto` runs on this host under the default settings (TANDEM_NATIVE_BF16 unset): bfloat16 on a
+# CPU with native bf16, float32 elsewhere. tests/conftest.py pins float32 for the parity tests; the tests of a promise
+# (batch invariance, the doors' vectors and scores, rerank order) also run under this. Passed by name, so the
+# process-wide quantized-matmul path (chosen from TANDEM_NATIVE_BF16 at each engine build) stays as pinned.
+HOST_ENCODER_DTYPE = resolve_encoder_dtype("auto", "float32", "cpu", native_bf16=True)
+BATCH_TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog near the river bank today.",
+               "Bees make honey from nectar collected from many flowers in the summer months."]
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -116,3 +128,34 @@ def test_a_modernbert_embedder_in_bf16_and_a_decoder_embedder_keeps_the_engine_d
     tiny_qwen3_embedder(tmp_path / "qwen3")
     assert Embedder.load(str(tmp_path / "qwen3"), encoder_dtype="auto", settings=Settings()).dtype == "float32"
     assert Embedder.load(str(tmp_path / "mb"), encoder_dtype="auto", settings=Settings()).dtype == "bfloat16"
+
+
+@pytest.fixture(scope="module")
+def host_default() -> LLM:
+    return LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, rerank_mode="dense", encoder_dtype=HOST_ENCODER_DTYPE,
+                            num_kv_blocks=64))
+
+
+def test_host_default_vectors_hold_the_batching_bound_docs_state_for_its_dtype(host_default) -> None:
+    """docs/embeddings.md: the same text alone and packed with others, within the bound of the dtype the host runs."""
+    assert host_default.engine.embedder.dtype == HOST_ENCODER_DTYPE
+    bound = BATCHING_ATOL[HOST_ENCODER_DTYPE]
+    for text in [*BATCH_TEXTS, *DOCUMENTS[:2]]:
+        alone = np.asarray(host_default.embed([text])[0], dtype=np.float64)
+        for batch in ([text, *BATCH_TEXTS], [*BATCH_TEXTS, text], [*DOCUMENTS, text], [text, text]):
+            vectors = np.asarray(host_default.embed(batch), dtype=np.float64)
+            packed = vectors[len(batch) - 1 if batch[0] != text else 0]
+            assert np.abs(packed - alone).max() < bound, (text, batch)
+            assert float(packed @ alone) >= MIN_COSINE
+
+
+def test_host_default_dense_rerank_keeps_float32s_order_and_scores_alone_or_together(host_default,
+                                                                                     st_vectors) -> None:
+    together = host_default.rerank(QUERY, DOCUMENTS)
+    alone = [host_default.rerank(QUERY, [d])[0] for d in DOCUMENTS]
+    want = [(1 + float(st_vectors[0] @ v)) / 2 for v in st_vectors[1:]]
+    atol = SCORE_ATOL if HOST_ENCODER_DTYPE == "bfloat16" else 1e-5
+    assert together == pytest.approx(want, abs=atol)
+    assert alone == pytest.approx(together, abs=atol)
+    order = sorted(range(len(want)), key=lambda i: -want[i])
+    assert sorted(range(len(together)), key=lambda i: -together[i]) == order

@@ -1,6 +1,8 @@
-"""bf16 encoders (what `--encoder-dtype auto` serves on a CPU with native bf16; forced here by name, so it runs on any
-CPU) through both doors: the default dense rerank (gRPC client, HTTP /v2/rerank) and embeddings (gRPC client, the
-`openai` SDK) against sentence-transformers' float32 all-MiniLM-L6-v2, within docs/embeddings.md "Precision"."""
+"""The encoder dtype the host serves by default (`--encoder-dtype auto`: bf16 on a CPU with native bf16, float32
+elsewhere), and bf16 by name where that is not the host's default (so bf16 runs on any CPU), through both doors: the
+default dense rerank (gRPC client, HTTP /v2/rerank) and embeddings (gRPC client, the `openai` SDK) against
+sentence-transformers' float32 all-MiniLM-L6-v2, within docs/embeddings.md "Precision", and one text alone and in a
+batch within the batching bound docs/embeddings.md states for that dtype."""
 from __future__ import annotations
 
 import httpx
@@ -12,16 +14,21 @@ from clients import Client
 from engine import LLM, EngineConfig
 from engine.config import EMBEDDED_EMBEDDER
 from service.server import ServerConfig
-from tests.engine.test_encoder_dtype import DOCUMENTS, MIN_COSINE, QUERY, SCORE_ATOL
+from tests.engine.test_encoder_dtype import (BATCH_TEXTS, BATCHING_ATOL, DOCUMENTS, HOST_ENCODER_DTYPE, MIN_COSINE,
+                                             QUERY, SCORE_ATOL)
 from tests.service.harness import ServerThread
 
+# the host's default first; bf16 by name too where the host's default is float32
+DTYPES = [HOST_ENCODER_DTYPE] + (["bfloat16"] if HOST_ENCODER_DTYPE != "bfloat16" else [])
 
-@pytest.fixture(scope="module")
-def server():
-    engine = LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, encoder_dtype="bfloat16", num_kv_blocks=256)).engine
-    assert engine.embedder.dtype == "bfloat16"
+
+@pytest.fixture(scope="module", params=DTYPES)
+def server(request):
+    engine = LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, encoder_dtype=request.param, num_kv_blocks=256)).engine
+    assert engine.embedder.dtype == request.param
     s = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0))
     s.http_url = s.add_http(s.server.config).url
+    s.dtype = request.param
     yield s
     s.close()
 
@@ -66,3 +73,18 @@ def test_embeddings_in_bf16_through_both_doors(server, st_vectors) -> None:
     for got in (grpc_vectors, http_vectors):
         assert (got * st_vectors).sum(axis=1).min() >= MIN_COSINE
     assert np.abs(grpc_vectors - http_vectors).max() < 1e-6
+
+
+def test_one_text_alone_and_in_a_batch_through_both_doors_within_the_dtypes_batching_bound(server) -> None:
+    bound = BATCHING_ATOL[server.dtype]
+    text = BATCH_TEXTS[0]
+    with Client(server.address) as c:
+        grpc_alone = np.asarray(c.embed([text])[0])
+        grpc_packed = np.asarray(c.embed([*BATCH_TEXTS[1:], text])[-1])
+    with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused") as oa:
+        http_alone = np.asarray(oa.embeddings.create(model=EMBEDDED_EMBEDDER, input=[text]).data[0].embedding)
+        http_packed = np.asarray(oa.embeddings.create(model=EMBEDDED_EMBEDDER,
+                                                      input=[text, *BATCH_TEXTS[1:]]).data[0].embedding)
+    for packed in (grpc_packed, http_alone, http_packed):
+        assert np.abs(packed - grpc_alone).max() < bound
+        assert float(packed @ grpc_alone) >= MIN_COSINE
