@@ -95,16 +95,15 @@ def cache_key(engine: "LLMEngine") -> str:
 
 
 def calibrate(engine: "LLMEngine", cache_dir: Path, time_budget_s: float = 20.0,
-              load: Callable[[], float] = host_load, force: bool | None = None) -> Calibration | None:
+              load: Callable[[], float] = host_load, force: bool = False) -> Calibration | None:
     """Fit `engine`'s step-time model to this machine (or seed it from the cache, and check that against its first
     real steps); None when its admission policy has no online step-time model (the objective is off, or a policy
-    object was given). `load`: the host's load per core now; `force`: measure whatever the cache holds (None: as
-    TANDEM_RECALIBRATE says)."""
+    object was given). `load`: the host's load per core now; `force`: measure whatever the cache holds
+    (`tandem serve` passes Settings.recalibrate: TANDEM_RECALIBRATE=1)."""
     model = getattr(engine.admission, "model", None)
     if not isinstance(model, OnlineStepTime):
         return None
     path = Path(cache_dir) / "steptime" / f"{cache_key(engine)}.json"
-    force = os.environ.get(RECALIBRATE_ENV, "") not in ("", "0") if force is None else force
     cached = None if force else _read(path)
     now = load()
     if cached is not None and cached["load"] > LOADED and now <= cached["load"] / 2:

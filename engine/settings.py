@@ -41,6 +41,8 @@ class Settings:
     native_bf16: bool = True
     # TANDEM_CACHE_DIR: converted models and GGUF caches (default ~/.cache/tandem)
     cache_dir: Path = field(default_factory=_default_cache_dir)
+    # TANDEM_RECALIBRATE=1: measure the latency objective's step-time model again, whatever the cache holds
+    recalibrate: bool = False
 
     def __post_init__(self) -> None:
         if self.kernels not in MODES:
@@ -64,4 +66,5 @@ class Settings:
                    quant_small_m=int(small_m) if small_m else None,
                    fused_ops=get("TANDEM_FUSED_OPS") != "0", layer_walker=get("TANDEM_LAYER_WALKER") != "0",
                    native_bf16=get("TANDEM_NATIVE_BF16") != "0",
-                   cache_dir=Path(cache) if cache else _default_cache_dir())
+                   cache_dir=Path(cache) if cache else _default_cache_dir(),
+                   recalibrate=get("TANDEM_RECALIBRATE") not in ("", "0"))

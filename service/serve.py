@@ -35,7 +35,8 @@ async def _calibrate(engine):
     if getattr(engine.admission, "model", None) is None:
         return None
     with phase(log, "calibrating the step-time model of the latency objective"):
-        return await _in_own_thread(calibrate, engine, Settings.from_env().cache_dir)
+        settings = Settings.from_env()
+        return await _in_own_thread(lambda: calibrate(engine, settings.cache_dir, force=settings.recalibrate))
 
 
 async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,

@@ -205,7 +205,9 @@ def _explained(exc: Exception, ref: HubRef, flag: str, revision: str | None, off
         return HubError(f"{flag} {ref.repo_id}: the Hub has no revision {revision!r} of it (a branch, tag or commit)")
     if isinstance(exc, (errors.GatedRepoError, errors.RepositoryNotFoundError)) or (
             isinstance(exc, errors.HfHubHTTPError) and getattr(exc.response, "status_code", None) == 401):
-        token = "HF_TOKEN is set but does not grant access" if os.environ.get("HF_TOKEN") else \
+        from huggingface_hub import get_token
+
+        token = "HF_TOKEN is set but does not grant access" if get_token() else \
             "a private or gated one needs HF_TOKEN"
         return HubError(f"{flag} {ref.repo_id}: no such model repository on {constants.ENDPOINT} ({token}); "
                         f"check the id, {local}")

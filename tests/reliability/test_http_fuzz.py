@@ -125,7 +125,7 @@ async def test_a_stalled_sender_holds_no_engine_work_and_blocks_nobody(door):
     server, http = door
     host, port = http.address.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 5000\r\n\r\n{\"messages\": [")
     await writer.drain()
     async with httpx.AsyncClient(base_url=http.url, timeout=None) as client:  # others are served meanwhile
@@ -151,7 +151,7 @@ async def test_a_reader_that_stops_reading_is_cut_off(door):
     # max_tokens must fit this engine's 96-token context (a longer request is refused, not cut off).
     body = json.dumps({**CHAT, "max_tokens": 32, "n": 16, "logprobs": True, "top_logprobs": 20,
                        "ignore_eos": True, "stream": True}).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     # once the request has ended (cut off, or, a failure, finished): waiting for idle alone could return before the
     # server has even read it

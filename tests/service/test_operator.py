@@ -169,8 +169,10 @@ def test_one_access_log_line_per_request_on_both_doors(served):
     while len(served.access_lines()) < 5:
         served.wait_for("tandem.access")
     lines = [m.groups() for m in served.access_lines()]
-    model = lines[0][2]
-    assert model and all(line[2] == model for line in lines)
+    # each line names the model that served it: the LLM for generation, the embedder for a dense rerank (the default)
+    llm, scorer = lines[0][2], lines[1][2]
+    assert llm == "SmolLM2-135M-Instruct" and scorer == "all-MiniLM-L6-v2"
+    assert [line[2] for line in lines] == [llm, scorer, llm, scorer, llm]
     assert [(door, route, status, finish) for door, route, _, status, finish in lines] == [
         ("grpc", "Generate", "OK", "length"), ("grpc", "Rerank", "OK", "stop"),
         ("http", "/v1/chat/completions", "200", "length"), ("http", "/rerank", "200", "stop"),
