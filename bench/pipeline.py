@@ -69,12 +69,22 @@ def _chat_client(url: str, prompts: list[str], max_tokens: int, ready, stop, out
     import httpx
 
     requests: list[list[float]] = []
+    dropped = [0]  # requests whose connection the server dropped (retried)
     lock = threading.Lock()
     started = [False] * len(prompts)
 
     def loop(i: int) -> None:
-        with httpx.Client(timeout=600) as http:
-            while not stop.is_set():
+        while not stop.is_set():
+            try:
+                one(i)
+            except httpx.TransportError:  # a server that dropped the connection (llama-server under load): again
+                with lock:
+                    dropped[0] += 1
+
+    def one(i: int) -> None:
+        # a connection a request: llama-server may close a kept-alive one under load ("Server disconnected")
+        with httpx.Client(timeout=600, headers={"Connection": "close"}) as http:
+            if not stop.is_set():
                 stamps: list[float] = []
                 body = {"prompt": prompts[i], "max_tokens": max_tokens,
                         "temperature": 0.0, "ignore_eos": True, "stream": True}
@@ -103,6 +113,8 @@ def _chat_client(url: str, prompts: list[str], max_tokens: int, ready, stop, out
     for t in threads:
         t.join()
     out.put(("chats", requests))
+    if dropped[0]:
+        print(f"chat client: {dropped[0]} requests dropped by the server and sent again", file=sys.stderr, flush=True)
 
 
 def _rerank_client(url: str, embed_path: str | None, jobs: list[tuple[str, list[str]]], wait, out) -> None:
