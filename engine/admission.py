@@ -245,9 +245,9 @@ class LatencyAdmission(AdmissionPolicy):
         best = min((w.priority for w in held), default=0)
         weight = {w.kind: self.weights[w.kind] * 0.5 ** min(w.priority - best, 30) for w in held}
         total = sum(weight.values())
-        owed = tuple(Owed(w.kind, free * weight[w.kind] / total,
-                          self.model.predict(_plus(view.shape, w.kind, w.least)) - self.model.predict(view.shape))
-                     for w in held)
+        base = self.model.predict(view.shape)
+        owed = tuple(Owed(w.kind, free * weight[w.kind] / total, self.model.predict(_plus(view.shape, w.kind, w.least))
+                          - base) for w in held)
         owed_of = {o.kind: o for o in owed}
         got: dict[TokenKind, int] = {}  # tokens granted per kind, in the order the scheduler fills them
         # kinds with the most saved first: a unit saved for rides before the others' shares fill the step
@@ -260,9 +260,8 @@ class LatencyAdmission(AdmissionPolicy):
             if n:
                 shape, got[w.kind] = _plus(shape, w.kind, n), n
         for w in held:  # work-conserving: what the others left, most urgent first
-            n = self._fit(shape, w, limit, left - sum(got.values()))
-            if n and (w.kind not in got or got[w.kind] < w.tokens):
-                n = min(n, w.tokens - got.get(w.kind, 0))
+            n = min(self._fit(shape, w, limit, left - sum(got.values())), w.tokens - got.get(w.kind, 0))
+            if n > 0:
                 shape, got[w.kind] = _plus(shape, w.kind, n), got.get(w.kind, 0) + n
         seats = _seats(view.free_seats, len(held)) if len(held) > 1 else None
         grants += [Grant(kind, n, seats) for kind, n in got.items()]

@@ -208,17 +208,22 @@ def test_a_unit_larger_than_its_share_rides_when_the_ledger_saved_for_it():
     assert all(p.status.finished for p in pairs)
 
 
+def embed_flood_beside_chats(policy: LatencyAdmission, prices: dict, rows: int, max_tokens: int, **kw):
+    """4 chats decoding on the fake clock priced by `prices`, then `rows` embedding rows of 60 tokens in 6 stages."""
+    sim = ClockSim(policy, **kw)
+    sim.true = LinearStepTime(prices)
+    chats(sim, max_tokens=max_tokens)
+    sim.step()
+    return sim, [sim.add_embed(f"emb/{i}", toks(60, 9000 + 60 * i), stages=6) for i in range(rows)]
+
+
 @pytest.mark.parametrize("decode_share", [0.5, 0.75, 0.9])
 def test_with_a_share_set_the_scoring_rows_get_that_share_of_a_long_run(decode_share):
     """Embedding rows of 6 stages each beside 4 steady decodes under the automatic target: across a long run of mixed
     steps the rows take 1 - decode_share of the time, within 10%, and the decodes the rest."""
     prices = {**TRUE, "embed_forward": 0.001, "embed_tokens": 0.0001}
     policy = LatencyAdmission(model=LinearStepTime(prices), decode_share=decode_share)
-    sim = ClockSim(policy)
-    sim.true = LinearStepTime(prices)
-    chats(sim, max_tokens=300)
-    sim.step()
-    rows = [sim.add_embed(f"emb/{i}", toks(60, 9000 + 60 * i), stages=6) for i in range(1000)]
+    sim, rows = embed_flood_beside_chats(policy, prices, 1000, max_tokens=300)
     for _ in range(200):
         sim.step()
     during = range(3, 200)
@@ -232,11 +237,7 @@ def test_with_nothing_else_waiting_a_kind_takes_the_whole_step():
     (with no decodes at all, any kind takes the whole budget: the test above with no decodes)."""
     prices = {**TRUE, "embed_forward": 0.001, "embed_tokens": 0.0001}
     policy = LatencyAdmission(model=LinearStepTime(prices))
-    sim = ClockSim(policy, budget=256)
-    sim.true = LinearStepTime(prices)
-    chats(sim, max_tokens=100)
-    sim.step()
-    [sim.add_embed(f"emb/{i}", toks(60, 9000 + 60 * i), stages=6) for i in range(200)]
+    sim, _ = embed_flood_beside_chats(policy, prices, 200, max_tokens=100, budget=256)
     for _ in range(8):
         sim.step()
     view_steps = [i for i, b in enumerate(sim.batches) if b.num_decode_tokens == 4 and b.num_embed_tokens]
@@ -773,11 +774,7 @@ def test_the_online_fit_reports_its_error_per_kind_and_prices_embedding_rows_as_
     model = OnlineStepTime()
     model.seed({**prices, "embed_forward": 0.015}, 0.0)
     policy = LatencyAdmission(model=model)
-    sim = ClockSim(policy)
-    sim.true = LinearStepTime(prices)
-    chats(sim, max_tokens=300)
-    sim.step()
-    [sim.add_embed(f"emb/{i}", toks(60, 9000 + 60 * i), stages=6) for i in range(400)]
+    sim, _ = embed_flood_beside_chats(policy, prices, 400, max_tokens=300)
     for _ in range(150):
         sim.step()
     errors = model.fit_errors()
