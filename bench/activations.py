@@ -28,6 +28,8 @@ after (other work on a shared host makes absolute rates noisy: compare the two s
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -47,7 +49,6 @@ SETTINGS = ("float32", "int8")
 def tandem_pass(model: Path | None, activations: str, threads: int, prompts: list[list[int]], n: int,
                 chunks: list[list[int]]) -> dict:
     from engine import LLM, EngineConfig, SamplingParams
-    from kernels import quant
 
     llm = LLM(EngineConfig(model=str(model) if model else None, num_threads=threads, cpu_activations=activations))
     eng = llm.engine
@@ -63,18 +64,32 @@ def tandem_pass(model: Path | None, activations: str, threads: int, prompts: lis
                 times += [time.perf_counter()] * len(step.new_token_ids)
         tokens.append(out)
         rates.append((len(times) - 1) / (times[-1] - times[0]))
-    previous = quant.cpu_path()
-    quant.select_cpu_path(previous.isa.label, 10**9)  # every row through the small-M kernel (see the docstring)
-    try:
+    with _small_m(eng.model, 10**9):  # every row through the small-M kernel (see the docstring)
         logprobs = []
         for chunk in chunks:
             res = llm.generate(chunk, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))[0]
             logprobs += [entry[tok] for entry, tok in zip(res.prompt_logprobs[1:], chunk[1:])]
-    finally:
-        quant.select_cpu_path(previous.isa.label, previous.small_m)
     return {"cpu_kernels": eng.model_info()["cpu_kernels"], "tokens": tokens,
             "decode_tok_s": round(statistics.median(rates), 2), "decode_tok_s_each": [round(r, 2) for r in rates],
             "logprobs": logprobs}
+
+
+@contextlib.contextmanager
+def _small_m(model, rows: int):
+    """Inside the block, every quantized linear of `model` multiplies on its CPU path with `small_m=rows` (what
+    TANDEM_QUANT_SMALL_M sets at start-up): prompts of up to `rows` tokens take the small-M kernels."""
+    from engine.models.quantized import QuantizedLinear
+    from kernels import quant
+
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    previous = [m.path for m in linears]
+    for m in linears:
+        m.path = dataclasses.replace(m.path or quant.default_cpu_path(), small_m=rows)
+    try:
+        yield
+    finally:
+        for m, path in zip(linears, previous):
+            m.path = path
 
 
 class _Timed:
@@ -147,7 +162,7 @@ def paired_pass(model: Path | None, threads: int, prompts: list[list[int]], roun
     out["float32_over_int8_step"] = round(statistics.median(pair_ratios), 3)  # adjacent steps, paired
     f32, i8 = timers["float32"]["rounds"], timers["int8"]["rounds"]
     out["float32_over_int8_step_by_round"] = round(statistics.median(a / b for a, b in zip(f32, i8)), 3)
-    out["int8_kernel"] = quant.int8_kernel()
+    out["int8_kernel"] = quant.int8_kernel(engines["int8"].engine.model.cpu_path.isa)
     return out
 
 
@@ -196,9 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.paired:
         from kernels import quant
 
-        quant.select_cpu_path(args.isa)
-        if not quant.int8_activations_available():
-            raise SystemExit(f"--paired: this process's CPU path ({quant.kernel_path()}) has no int8 kernel")
+        path = quant.resolve_cpu_path(args.isa)  # the engines' (TANDEM_CPU_ISA above)
+        if not quant.int8_activations_available(path):
+            raise SystemExit(f"--paired: the CPU path ({quant.kernel_path(path)}) has no int8 kernel")
         import subprocess
 
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -218,11 +233,11 @@ def main(argv: list[str] | None = None) -> dict:
                     "transformers": {"perplexity": round(math.exp(-statistics.fmean(ref_lp)), 4)}, "settings": {}}
     from kernels import quant
 
-    quant.select_cpu_path(args.isa)
-    result["int8_kernel"] = quant.int8_kernel()
-    settings = SETTINGS if quant.int8_activations_available() else ("float32",)
+    path = quant.resolve_cpu_path(args.isa)  # the engines' (TANDEM_CPU_ISA above)
+    result["int8_kernel"] = quant.int8_kernel(path.isa)
+    settings = SETTINGS if quant.int8_activations_available(path) else ("float32",)
     if len(settings) < len(SETTINGS):
-        result["skipped"] = {"int8": f"this process's CPU path ({quant.kernel_path()}) has no int8 kernel"}
+        result["skipped"] = {"int8": f"the CPU path ({quant.kernel_path(path)}) has no int8 kernel"}
     for setting in settings:
         run = tandem_pass(args.model, setting, args.threads, prompts, args.new_tokens, chunks)
         lp = run.pop("logprobs")

@@ -30,7 +30,6 @@ def measure(threads: int, pair_tokens: list[int], steps: int) -> dict:
     """In this process (its CPU path already chosen): median step / forward seconds per k."""
     from engine import EngineConfig, LLMEngine
     from engine.config import RerankParams, SamplingParams
-    from kernels import quant
 
     out: dict = {"threads": threads, "rows": {}}
     for k in [0, *pair_tokens]:
@@ -55,7 +54,7 @@ def measure(threads: int, pair_tokens: list[int], steps: int) -> dict:
         out["rows"][k] = {"steps": len(timed),
                           "step_ms": 1e3 * statistics.median(r.duration_s for r in timed) if timed else None,
                           "forward_ms": 1e3 * statistics.median(r.forward_s for r in timed) if timed else None}
-    out["isa"] = quant.cpu_isa().label  # after an engine chose its path (TANDEM_CPU_ISA): not before
+    out["isa"] = engine.model.cpu_path.isa.label  # the path the engine's builder chose (TANDEM_CPU_ISA)
     base = out["rows"][0]["step_ms"]
     for k, row in out["rows"].items():
         if k and row["step_ms"] and base:
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     from kernels import quant
 
-    isas = args.isas or list(dict.fromkeys([quant.cpu_isa().label, "avx2"]))
+    isas = args.isas or list(dict.fromkeys([quant.default_cpu_path().isa.label, "avx2"]))
     runs = []
     for isa in isas:
         for threads in args.threads:

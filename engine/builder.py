@@ -87,12 +87,16 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     settings (None: read from the environment here, once: engine/settings.py)."""
     logging.getLogger("transformers.tokenization_utils_base").addFilter(_LENGTH_WARNING)  # once: a set of filters
     settings = settings or Settings.from_env()
-    quant.select_cpu_path(settings.cpu_isa, settings.quant_small_m, settings.native_bf16)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     source = resolve_model(config.model, settings.cache_dir, config.revision, config.gguf_file)
     model_dir = source.meta_dir
     quantization = resolve_quantization(config, source.gguf is not None)
+    quantized = quantization in ("gguf", "int8")
+    # The CPU path this engine's quantized matmuls take, resolved once here and held by its model (kernels/quant.py
+    # CpuPath); a dense model never builds the C++ module to ask.
+    cpu_path = (quant.resolve_cpu_path(settings.cpu_isa, settings.quant_small_m, settings.native_bf16) if quantized
+                else None)
     if admission is not None:
         policy_for(config, admission)  # a policy object that is none is refused before anything slow is loaded
     from transformers import AutoTokenizer
@@ -109,21 +113,21 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     args = DecoderArgs.from_hf_config(hf_config)
     weights = _load_weights(source, args, quantization, settings.cache_dir)
     model = build_decoder(args, weights, config.device, DTYPES[config.dtype],
-                          quant.Activations(config.cpu_activations), settings)
+                          quant.Activations(config.cpu_activations), settings, cpu_path)
     # The quantized CPU matmuls leave their narrow kernels above the model's narrow_rows (the one owner of that width):
     # a fixed cost the objective's step-time model gets as its own feature, and the width calibration sweeps past.
-    narrow = narrow_rows(model) if quantization in ("gguf", "int8") else None
+    narrow = narrow_rows(model) if quantized else None
     policy = policy_for(config, admission, wide_rows=narrow)
-    cpu_kernels = quant.kernel_path() if quantization in ("gguf", "int8") else ""
+    cpu_kernels = quant.kernel_path(cpu_path) if quantized else ""
     if cpu_kernels and config.cpu_activations == "int8":
-        if not quant.int8_activations_available():
-            raise ValueError(f"cpu_activations='int8' needs the avx2 or avx512 CPU path; this process's is {cpu_kernels}")
+        if not quant.int8_activations_available(cpu_path):
+            raise ValueError(f"cpu_activations='int8' needs the avx2 or avx512 CPU path; this engine's is {cpu_kernels}")
         cpu_kernels += " int8-activations"
-    elif cpu_kernels and config.cpu_activations == "auto" and quant.int8_activations_available():
+    elif cpu_kernels and config.cpu_activations == "auto" and quant.int8_activations_available(cpu_path):
         int8_formats = int8_activation_formats(model)  # the K-quants among the model's formats (none: all float32)
         if int8_formats:
             cpu_kernels += f" int8-activations({'+'.join(int8_formats)})"
-    if "int8-activations" in cpu_kernels and quant.cpu_path().bf16_gemm:
+    if "int8-activations" in cpu_kernels and cpu_path.bf16_gemm:
         cpu_kernels += " bf16-wide"  # their steps past the int8 kernel's width multiply bf16 (kernels/quant.py)
     log.info("weights: %s, %.1f MB%s", weight_format(model), weight_bytes(model) / 1e6,
              f", CPU kernels: {cpu_kernels}" if cpu_kernels else "")

@@ -2,7 +2,8 @@
 
 `Settings.from_env()` is the one place of engine/ and kernels/ that reads `TANDEM_*` variables (kernels/cpu_build.py
 reads torch's own `TORCH_EXTENSIONS_DIR`); the builder calls it once and hands the values down in signatures: the
-kernel backend to the models, the CPU path to kernels.quant, the cache folder to the loaders. Nothing reads the
+kernel backend to the models, the CPU path (resolved by kernels.quant.resolve_cpu_path) to the model's quantized
+weights, the cache folder to the loaders. Nothing reads the
 environment per step, per layer or per matmul. None of these has a `tandem serve` flag: they are for operators and
 A/B runs (docs/configuration.md "Environment").
 """

@@ -24,7 +24,7 @@ def main() -> int:
     built = build()
     from kernels import quant
 
-    path = quant.cpu_isa().label if built["quantized matmul"] else "none"
+    path = quant.default_cpu_path().isa.label if built["quantized matmul"] else "none"
     states = ", ".join(f"{name} {'ready' if ok else 'unavailable'}" for name, ok in built.items())
     print(f"C++ CPU kernels: {states} (CPU path {path}; {time.monotonic() - started:.0f} s)")
     return 0

@@ -15,9 +15,12 @@ per output channel) and `matmul(x, w)` computes `x @ dequantize(w).T` in float32
   the activations are rounded anyway (int8 for the format) and the CPU multiplies bf16 natively, the tiles are
   dequantized into bf16 for oneDNN's bf16 GEMM instead (`CpuPath.bf16_gemm`, `_bf16_gemm`).
 
-The CPU path (`CpuIsa`: AVX-512, AVX2, portable) is chosen once per process: the widest this CPU has, or
-`TANDEM_CPU_ISA=avx2|portable` to force a narrower one (`select_cpu_path`, called by the engine's builder with
-engine/settings.py's values; tests and A/B runs pass `isa=` per call instead).
+The CPU path (`CpuPath`: its `CpuIsa`, AVX-512, AVX2 or portable, and the widths and wide-step precision that go
+with it) is a value, not process state: an engine's builder resolves one from engine/settings.py's values
+(`resolve_cpu_path`: the widest this CPU has, or `TANDEM_CPU_ISA=avx2|portable` to force a narrower one) and its model
+holds it and hands it to every call (`matmul(..., path=)`), so two engines in one process each compute with their own.
+Callers with no model (kernel tests, benchmarks) get this CPU's auto path (`default_cpu_path`); tests and A/B runs
+also pass `isa=` per call.
 
 The kernel is built like the decode-attention kernel (kernels/cpu_decode.py: torch cpp_extension + ninja,
 -O3 -march=native, cached under a name keyed by this CPU). When it cannot be built, `available()` is False, the
@@ -116,19 +119,20 @@ class QuantWeight:
     def _scales(self) -> torch.Tensor:
         return self.scales if self.scales is not None else _NO_SCALES
 
-    def dequantize(self, start: int = 0, count: int | None = None) -> torch.Tensor:
-        """Rows [start, start + count) as float32."""
+    def dequantize(self, start: int = 0, count: int | None = None, isa: CpuIsa | None = None) -> torch.Tensor:
+        """Rows [start, start + count) as float32, by the C++ code of vector path `isa` (None: `default_cpu_path()`'s;
+        the values are the same on every path)."""
         count = self.shape[0] - start if count is None else count
         module = _module() if self.fmt in CPP_FORMATS else None
         if module is None:
             return reference_dequantize(self.data[start:start + count], self.fmt, self.shape[1],
                                         None if self.scales is None else self.scales[start:start + count])
         return module.dequantize(self.data, CPP_FORMATS[self.fmt], self.shape[1], self._scales(), start, count,
-                                 cpu_isa())
+                                 default_cpu_path().isa if isa is None else isa)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor, isa: CpuIsa | None = None) -> torch.Tensor:
         """The rows named by int64 `ids` (any shape) as float32 [*ids.shape, K]: an embedding lookup that
-        dequantizes only those rows."""
+        dequantizes only those rows (on vector path `isa`, as `dequantize`)."""
         module = _module() if self.fmt in CPP_FORMATS else None
         if module is None:
             flat = ids.reshape(-1)
@@ -136,7 +140,7 @@ class QuantWeight:
                                          None if self.scales is None else self.scales[flat])
             return dense.view(*ids.shape, self.shape[1])
         return module.dequantize_rows(self.data, CPP_FORMATS[self.fmt], self.shape[1], self._scales(), ids,
-                                      cpu_isa())
+                                      default_cpu_path().isa if isa is None else isa)
 
 
 _NO_SCALES = torch.empty(0, dtype=torch.float32)
@@ -161,43 +165,40 @@ def best_isa() -> CpuIsa:
 
 @dataclass(frozen=True, slots=True)
 class CpuPath:
-    """The CPU path this process computes with: its vector instructions; when set, the most rows the in-register
-    kernel takes (None: the measured value of that path, `_SMALL_M`); and whether wide steps with reduced-precision
-    activations multiply bfloat16 (`bf16_gemm`)."""
+    """A CPU path the quantized kernels compute with: its vector instructions; when set, the most rows the
+    in-register kernel takes (None: the measured value of that path, `_SMALL_M`); and whether wide steps with
+    reduced-precision activations multiply bfloat16 (`bf16_gemm`). An engine's is resolved once by its builder
+    (`resolve_cpu_path`) and held by its model; callers with no model take `default_cpu_path()`."""
     isa: CpuIsa
     small_m: int | None = None
     bf16_gemm: bool = False
 
 
 _ISAS = {isa.label: isa for isa in CpuIsa}
-_wanted: tuple[str, int | None, bool] = ("auto", None, False)  # what select_cpu_path was asked for
-_selected: CpuPath | None = None  # that, resolved on first use
 
 
-def select_cpu_path(wanted: str = "auto", small_m: int | None = None, native_bf16: bool = False) -> None:
-    """Choose the path this process computes with, once at start-up (the engine's builder, from TANDEM_CPU_ISA,
-    TANDEM_QUANT_SMALL_M and TANDEM_NATIVE_BF16 in engine/settings.py): `wanted` is auto (the widest this CPU has) or
-    a CpuIsa label. It is resolved on first use, so a process that never multiplies blocks never builds the C++
-    module; asking then for a path this CPU lacks is an error, not a silent downgrade. `native_bf16=True` (the
-    builder's default, Settings.native_bf16) lets wide steps with reduced-precision activations multiply bf16 where
-    `bf16_gemm_available`; False (and a process that never selects) keeps them float32 on every CPU."""
-    global _wanted, _selected
+def resolve_cpu_path(wanted: str = "auto", small_m: int | None = None, native_bf16: bool = False) -> CpuPath:
+    """The path these settings ask for (the engine's builder, from TANDEM_CPU_ISA, TANDEM_QUANT_SMALL_M and
+    TANDEM_NATIVE_BF16 in engine/settings.py): `wanted` is auto (the widest this CPU has) or a CpuIsa label; asking
+    for a path this CPU lacks is an error, not a silent downgrade. `native_bf16=True` (the builder's default,
+    Settings.native_bf16) lets wide steps with reduced-precision activations multiply bf16 where
+    `bf16_gemm_available`; False keeps them float32 on every CPU. A function of its arguments and this CPU only (it
+    builds the C++ module to ask what the CPU has, so the builder calls it only for a model with quantized
+    weights)."""
     if wanted != "auto" and wanted not in _ISAS:
         raise ValueError(f"TANDEM_CPU_ISA={wanted!r}: expected auto or one of {', '.join(_ISAS)}")
-    _wanted, _selected = (wanted, small_m, native_bf16), None
+    best = best_isa()
+    if wanted != "auto" and _ISAS[wanted] > best:
+        raise ValueError(f"TANDEM_CPU_ISA={wanted}: this CPU's kernels go up to {best.label}")
+    isa = best if wanted == "auto" else _ISAS[wanted]
+    return CpuPath(isa, small_m, native_bf16 and bf16_gemm_available(isa))
 
 
-def cpu_path() -> CpuPath:
-    """The path `select_cpu_path` chose (auto where nothing chose)."""
-    global _selected
-    if _selected is None:
-        wanted, small_m, native_bf16 = _wanted
-        best = best_isa()
-        if wanted != "auto" and _ISAS[wanted] > best:
-            raise ValueError(f"TANDEM_CPU_ISA={wanted}: this CPU's kernels go up to {best.label}")
-        isa = best if wanted == "auto" else _ISAS[wanted]
-        _selected = CpuPath(isa, small_m, native_bf16 and bf16_gemm_available(isa))
-    return _selected
+@functools.cache
+def default_cpu_path() -> CpuPath:
+    """The path of a call that names none (kernel tests, benchmarks, weights outside a model): this CPU's auto path,
+    with the measured widths and float32 wide steps (`resolve_cpu_path()`), resolved on first use."""
+    return resolve_cpu_path()
 
 
 def bf16_gemm_available(isa: CpuIsa) -> bool:
@@ -208,14 +209,9 @@ def bf16_gemm_available(isa: CpuIsa) -> bool:
 
 
 def _bf16_wide(path: CpuPath, isa: CpuIsa) -> bool:
-    """Whether a call on path `isa` (the process's, or one a test forces) takes the process's bf16 wide steps: only
-    on the AVX-512 path they were chosen for."""
+    """Whether a call on path `isa` (`path`'s, or one a test forces) takes `path`'s bf16 wide steps: only on the
+    AVX-512 path they were chosen for."""
     return path.bf16_gemm and isa is CpuIsa.AVX512
-
-
-def cpu_isa() -> CpuIsa:
-    """The vector instructions this process computes with (`cpu_path`)."""
-    return cpu_path().isa
 
 
 class Activations(enum.Enum):
@@ -248,29 +244,31 @@ def takes_int8(activations: Activations, fmt: str) -> bool:
 
 
 def int8_kernel(isa: CpuIsa | None = None) -> str:
-    """The kernel that multiplies int8 activations on CPU path `isa` (default: this process's): "vnni", "avx2", or
-    "" where there is none (the portable path, no C++ build)."""
+    """The kernel that multiplies int8 activations on CPU path `isa` (default: `default_cpu_path()`'s): "vnni",
+    "avx2", or "" where there is none (the portable path, no C++ build)."""
     module = _module()
-    return module.int8_kernel(int(cpu_isa() if isa is None else isa)) if module is not None else ""
+    return module.int8_kernel(int(default_cpu_path().isa if isa is None else isa)) if module is not None else ""
 
 
-def int8_activations_available() -> bool:
-    """Whether this process's CPU path has int8-activation kernels (avx512 or avx2, not portable)."""
-    return bool(int8_kernel())
+def int8_activations_available(path: CpuPath | None = None) -> bool:
+    """Whether CPU path `path` (default: `default_cpu_path()`) has int8-activation kernels (avx512 or avx2, not
+    portable)."""
+    return bool(int8_kernel(None if path is None else path.isa))
 
 
-def small_m(isa: CpuIsa) -> int:
-    """The most rows `matmul` gives the register kernel on this path; more go to dequantize + GEMM."""
-    override = cpu_path().small_m
+def small_m(isa: CpuIsa, path: CpuPath | None = None) -> int:
+    """The most rows `matmul` gives the register kernel on vector path `isa`; more go to dequantize + GEMM. `path`
+    sets it where its `small_m` does (TANDEM_QUANT_SMALL_M; None: the measured value)."""
+    override = None if path is None else path.small_m
     return _SMALL_M[isa.label] if override is None else override
 
 
-def int8_rows(isa: CpuIsa, fmt: str, bf16: bool = False) -> int | None:
-    """The most rows `matmul` gives the int8 kernel for `fmt` on path `isa` (int8 activations; None: every step): the
-    K-quants' int8 kernels go wider than `small_m` (`_INT8_KQUANT_M`; `_INT8_KQUANT_M_AMX` where the wider steps
-    multiply bf16 on AMX tiles, `bf16`), and on a host without AVX-512 (whose GEMM is AVX2 too) the avx2 one takes
-    every width; the rest stop at small_m. TANDEM_QUANT_SMALL_M sets all of them."""
-    override = cpu_path().small_m
+def int8_rows(isa: CpuIsa, fmt: str, bf16: bool = False, path: CpuPath | None = None) -> int | None:
+    """The most rows `matmul` gives the int8 kernel for `fmt` on vector path `isa` (int8 activations; None: every
+    step): the K-quants' int8 kernels go wider than `small_m` (`_INT8_KQUANT_M`; `_INT8_KQUANT_M_AMX` where the wider
+    steps multiply bf16 on AMX tiles, `bf16`), and on a host without AVX-512 (whose GEMM is AVX2 too) the avx2 one
+    takes every width; the rest stop at small_m. `path`'s `small_m` (TANDEM_QUANT_SMALL_M) sets all of them."""
+    override = None if path is None else path.small_m
     if override is not None:
         return override
     if fmt not in INT8_KQUANTS:
@@ -288,21 +286,22 @@ def amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
-def register_rows(fmt: str, activations: Activations, isa: CpuIsa | None = None) -> int | None:
-    """The most rows `matmul` keeps on an in-register kernel for `fmt` under `activations` on path `isa` (default:
-    this process's): the int8 kernel's width where it takes the format (`int8_rows`, None: every width), else
-    `small_m`. The layer walker takes decode steps up to the least of its projections' widths, so a step gives the
-    same bits walked or looped."""
-    path = cpu_path()
-    isa = path.isa if isa is None else isa
+def register_rows(fmt: str, activations: Activations, path: CpuPath | None = None) -> int | None:
+    """The most rows `matmul(..., path=path)` keeps on an in-register kernel for `fmt` under `activations` (`path`
+    default: `default_cpu_path()`): the int8 kernel's width where it takes the format (`int8_rows`, None: every
+    width), else `small_m`. The layer walker takes decode steps up to the least of its projections' widths, so a step
+    gives the same bits walked or looped."""
+    path = default_cpu_path() if path is None else path
+    isa = path.isa
     if takes_int8(activations, fmt) and int8_kernel(isa):
-        return int8_rows(isa, fmt, _bf16_wide(path, isa))
-    return small_m(isa)
+        return int8_rows(isa, fmt, _bf16_wide(path, isa), path)
+    return small_m(isa, path)
 
 
-def kernel_path() -> str:
-    """What ModelInfo and the step spans name as the CPU path of the quantized kernels ("" when none is built)."""
-    return cpu_isa().label if available() else ""
+def kernel_path(path: CpuPath | None = None) -> str:
+    """What ModelInfo and the step spans name as the CPU path of the quantized kernels on `path` (default:
+    `default_cpu_path()`; "" when none is built)."""
+    return (default_cpu_path() if path is None else path).isa.label if available() else ""
 
 
 def extension_name() -> str:
@@ -354,29 +353,32 @@ def projection(parts: list[QuantWeight], bias: torch.Tensor | None = None,
 
 
 def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
-           activations: Activations = Activations.FLOAT32, bf16: bool | None = None) -> torch.Tensor:
-    """x [M, K] float32 @ dequantize(w).T -> [M, N] float32; `isa` overrides the process's CPU path (tests).
-    `activations=INT8` (AUTO: for the formats `takes_int8` names) quantizes x's rows (per block of 32, or 256 for a
-    K-quant) in the small-M kernel where the path and format have it; steps wider than that kernel takes multiply
-    in bfloat16 where `bf16` (None: the process's `CpuPath.bf16_gemm`, on the AVX-512 path) and float32 otherwise.
-    float32 activations are float32 at every width."""
+           activations: Activations = Activations.FLOAT32, bf16: bool | None = None,
+           path: CpuPath | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ dequantize(w).T -> [M, N] float32 on CPU path `path` (the model's; None:
+    `default_cpu_path()`); `isa` overrides its vector instructions (tests). `activations=INT8` (AUTO: for the formats
+    `takes_int8` names) quantizes x's rows (per block of 32, or 256 for a K-quant) in the small-M kernel where the
+    path and format have it; steps wider than that kernel takes multiply in bfloat16 where `bf16` (None: the path's
+    `CpuPath.bf16_gemm`, on the AVX-512 path) and float32 otherwise. float32 activations are float32 at every
+    width."""
     module = _module() if w.fmt in CPP_FORMATS else None
-    path = cpu_path() if module is not None else None
-    isa = path.isa if isa is None and path is not None else isa
+    if module is None:
+        return _dequantize_gemm(x, w)
+    path = default_cpu_path() if path is None else path
+    isa = path.isa if isa is None else isa
     if bf16 is None:
-        bf16 = path is not None and _bf16_wide(path, isa)
-    if module is not None:
-        rows = x.shape[0]
-        reduced = takes_int8(activations, w.fmt)
-        if reduced and module.int8_kernel(int(isa)):
-            wide = int8_rows(isa, w.fmt, bf16)
-            if wide is None or rows <= wide:
-                return module.quant_matmul_int8(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], int(isa))
-        if rows <= small_m(isa):
-            return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(), isa)
-        if reduced and bf16:
-            return _bf16_gemm(module, x, w, isa)
-    return _dequantize_gemm(x, w)
+        bf16 = _bf16_wide(path, isa)
+    rows = x.shape[0]
+    reduced = takes_int8(activations, w.fmt)
+    if reduced and module.int8_kernel(int(isa)):
+        wide = int8_rows(isa, w.fmt, bf16, path)
+        if wide is None or rows <= wide:
+            return module.quant_matmul_int8(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], int(isa))
+    if rows <= small_m(isa, path):
+        return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(), isa)
+    if reduced and bf16:
+        return _bf16_gemm(module, x, w, isa)
+    return _dequantize_gemm(x, w, path.isa)
 
 
 def _bf16_gemm(module, x: torch.Tensor, w: QuantWeight, isa: CpuIsa) -> torch.Tensor:
@@ -397,17 +399,17 @@ def _bf16_gemm(module, x: torch.Tensor, w: QuantWeight, isa: CpuIsa) -> torch.Te
     return out
 
 
-def _dequantize_gemm(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+def _dequantize_gemm(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None) -> torch.Tensor:
     n, k = w.shape
     rows = max(64, TILE_BYTES // (4 * k))
     if n <= rows:
-        return torch.mm(x, w.dequantize().t())
+        return torch.mm(x, w.dequantize(isa=isa).t())
     # out^T tile by tile: a row slice of out^T is contiguous, so torch.mm writes it in place.
     out_t = torch.empty(n, x.shape[0], dtype=torch.float32)
     x_t = x.t()
     for start in range(0, n, rows):
         count = min(rows, n - start)
-        torch.mm(w.dequantize(start, count), x_t, out=out_t[start:start + count])
+        torch.mm(w.dequantize(start, count, isa), x_t, out=out_t[start:start + count])
     return out_t.t().contiguous()
 
 

@@ -105,6 +105,9 @@ class DecoderForCausalLM(nn.Module):
         self.walker = None  # the C++ layer walker of small decode steps (`layer_walker`), when the model has one
         self.walker_rows = 0  # the widest decode step it takes (decoder_walker.walker_rows)
         self.kernels = "auto"  # the attention backend (TANDEM_KERNELS, kernels/dispatch.py)
+        # the CPU path its quantized weights multiply on (build_decoder: the builder's, from the settings); None where
+        # no weight is quantized. The walker and narrow_rows read it; two models in one process may hold different ones
+        self.cpu_path: quant.CpuPath | None = None
 
     def use_ops(self, ops: TorchOps, walker=None, kernels: str = "auto", walker_rows: int = 0) -> "DecoderForCausalLM":
         self.ops, self.walker, self.kernels, self.walker_rows = ops, walker, kernels, walker_rows
@@ -126,9 +129,11 @@ class DecoderForCausalLM(nn.Module):
         paged = kernels.plan_step(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, h,
                                   kv_caches, self.kernels)
         if self.walker is not None and paged.backend == "cpp" and paged.decode_only and T <= self.walker_rows:
-            # sequences decoding, as many as every projection's in-register kernel takes: every layer in one C++ call
+            # sequences decoding, as many as every projection's in-register kernel takes: every layer in one C++ call,
+            # on the model's CPU path
+            isa = (self.cpu_path or quant.default_cpu_path()).isa
             return self.walker.forward(h, residual, kv_caches, [c for c, _ in tables], [s for _, s in tables],
-                                       paged.slot_mapping, paged.block_tables, paged.seq_lens, int(quant.cpu_isa()))
+                                       paged.slot_mapping, paged.block_tables, paged.seq_lens, int(isa))
         keys, values = kv_caches.unbind(1)  # [layers, blocks, ...] each: two views here, not two per layer
         for i, (layer, k_cache, v_cache) in enumerate(zip(layers, keys.unbind(0), values.unbind(0))):
             attn = layer.self_attn

@@ -39,11 +39,12 @@ def layer_walker(model: DecoderForCausalLM):
 
 def narrow_rows(model: DecoderForCausalLM) -> int | None:
     """The widest step whose projections all stay on their narrow (in-register) kernels: the least width
-    (`quant.register_rows`) of every quantized projection part's kernel on this process's path; None where no step
-    leaves it (dense weights, or every part's kernel takes every width: the K-quants' int8 kernel on a CPU without
-    AVX-512). The one owner of that width: the walker takes decode steps up to it, and the step-time model prices a
-    step past it as the costlier wide path (engine/builder.py hands it to the admission policy and calibration)."""
-    widths = [quant.register_rows(p.qweight.fmt, p.activations) for layer in model.model.layers
+    (`quant.register_rows`) of every quantized projection part's kernel on the model's CPU path (`cpu_path`); None
+    where no step leaves it (dense weights, or every part's kernel takes every width: the K-quants' int8 kernel on a
+    CPU without AVX-512). The one owner of that width: the walker takes decode steps up to it, and the step-time
+    model prices a step past it as the costlier wide path (engine/builder.py hands it to the admission policy and
+    calibration)."""
+    widths = [quant.register_rows(p.qweight.fmt, p.activations, model.cpu_path) for layer in model.model.layers
               for m in _projections(layer) for p in _parts(m) if isinstance(p, QuantizedLinear)]
     bounded = [w for w in widths if w is not None]
     return min(bounded) if bounded else None

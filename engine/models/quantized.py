@@ -4,7 +4,8 @@ choice between them.
 `EngineConfig.quantization` picks (see engine/config.py): "gguf" serves a GGUF file's tensors as they are stored
 (engine/models/gguf_file.py reads them; engine/models/decoder_weights.py's `build_decoder` turns every block-format
 matrix into a `QuantizedLinear` or the embedding table); "int8" quantizes every linear layer and the embedding of a dense
-checkpoint per output channel. Activations stay float32; kernels/quant.py computes with the blocks.
+checkpoint per output channel. Activations stay float32; kernels/quant.py computes with the blocks, on the CPU path
+(`quant.CpuPath`) each module was built with: the model's, resolved once by the engine's builder.
 """
 from __future__ import annotations
 
@@ -24,13 +25,16 @@ _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_at
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ dequantize(W).T (+ bias), W kept quantized. The blocks are buffers, so state_dict sees them."""
+    """y = x @ dequantize(W).T (+ bias), W kept quantized, multiplied on CPU path `path` (the model's; None:
+    `quant.default_cpu_path()`). The blocks are buffers, so state_dict sees them."""
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None,
-                 activations: quant.Activations = quant.Activations.FLOAT32) -> None:
+                 activations: quant.Activations = quant.Activations.FLOAT32,
+                 path: quant.CpuPath | None = None) -> None:
         super().__init__()
         self.qweight = weight
         self.activations = activations
+        self.path = path
         self.out_features, self.in_features = weight.shape
         self.register_buffer("qdata", weight.data)
         self.register_buffer("qscales", weight.scales)
@@ -38,34 +42,36 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the decoder's [T, hidden]: no reshape and view back (two ops per matmul, 120 a step)
-            y = quant.matmul(x, self.qweight, activations=self.activations)
+            y = quant.matmul(x, self.qweight, activations=self.activations, path=self.path)
             return y if self.bias is None else y + self.bias
         lead = x.shape[:-1]
-        y = quant.matmul(x.reshape(-1, self.in_features), self.qweight, activations=self.activations)
+        y = quant.matmul(x.reshape(-1, self.in_features), self.qweight, activations=self.activations, path=self.path)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)
 
     def rows(self, ids: list[int]) -> torch.Tensor:
         """Dense float32 rows of the weight (e.g. the judge's two lm_head rows)."""
-        return self.qweight.rows(torch.tensor(ids, dtype=torch.int64))
+        return self.qweight.rows(torch.tensor(ids, dtype=torch.int64), None if self.path is None else self.path.isa)
 
     def extra_repr(self) -> str:
+        path = "" if self.path is None else f", path={self.path.isa.label}"
         return (f"in={self.in_features}, out={self.out_features}, format={self.qweight.fmt}, "
-                f"activations={self.activations.value}")
+                f"activations={self.activations.value}{path}")
 
 
 class QuantizedEmbedding(nn.Module):
-    """Embedding lookup that dequantizes only the rows it is asked for."""
+    """Embedding lookup that dequantizes only the rows it is asked for (on CPU path `path`, as QuantizedLinear)."""
 
-    def __init__(self, weight: QuantWeight) -> None:
+    def __init__(self, weight: QuantWeight, path: quant.CpuPath | None = None) -> None:
         super().__init__()
         self.qweight = weight
+        self.path = path
         self.register_buffer("qdata", weight.data)
         self.register_buffer("qscales", weight.scales)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.qweight.rows(ids)
+        return self.qweight.rows(ids, None if self.path is None else self.path.isa)
 
 
 # ---- int8 ---------------------------------------------------------------------------------------------------

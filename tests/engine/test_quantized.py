@@ -22,8 +22,8 @@ def test_the_embedded_model_serves_its_gguf_blocks_in_under_150_mb(llm) -> None:
     info, stats = eng.model_info(), eng.stats()
     assert info["quantization"] == "gguf" and info["weight_format"].startswith("gguf Q4_1 + Q8_0")
     assert stats["weight_bytes"] == info["weight_bytes"] < 150e6
-    assert info["cpu_kernels"] == quant.cpu_isa().label  # the path picked at start-up, named for the operator
     model = eng.model
+    assert info["cpu_kernels"] == model.cpu_path.isa.label  # the path picked at start-up, named for the operator
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 4 * model.args.num_layers + 1  # every projection and the LM head
     assert {m.qweight.fmt for m in layers[:-1]} == {"Q4_1"}
@@ -130,14 +130,14 @@ def test_int8_activations_are_one_setting_away_and_stay_close_to_float32(llm, pr
     """cpu_activations='int8': the Q4_1 / Q8_0 projections of the embedded model multiply int8-rounded rows in
     steps of up to small_m rows (decode steps; these short prompts too). Logprobs move (the rounding is real) and
     stay near float32's. On a path with no int8 kernel (TANDEM_CPU_ISA=portable) the setting is refused, naming it."""
-    # Asked after `llm` was built: that is when the process takes its path from TANDEM_CPU_ISA (a skipif would ask
-    # at collection, before, and see the widest path whatever the variable says).
-    if not quant.int8_activations_available():
-        with pytest.raises(ValueError, match="needs the avx2 or avx512 CPU path; this process's is portable"):
+    # Asked of the engine `llm`, built from TANDEM_CPU_ISA (a skipif would ask at collection, of this CPU's auto path,
+    # and see the widest path whatever the variable says).
+    if not quant.int8_activations_available(llm.engine.model.cpu_path):
+        with pytest.raises(ValueError, match="needs the avx2 or avx512 CPU path; this engine's is portable"):
             make_llm(cpu_activations="int8")
         return
     int8 = make_llm(cpu_activations="int8")
-    assert int8.engine.model_info()["cpu_kernels"] == f"{quant.cpu_isa().label} int8-activations"
+    assert int8.engine.model_info()["cpu_kernels"] == f"{int8.engine.model.cpu_path.isa.label} int8-activations"
     linears = [m for m in int8.engine.model.modules() if isinstance(m, QuantizedLinear)]
     assert linears and all(m.activations is quant.Activations.INT8 for m in linears)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -149,6 +149,45 @@ def test_int8_activations_are_one_setting_away_and_stay_close_to_float32(llm, pr
             moved.append(abs(got.logprobs[i][got.token_ids[i]] - ref.logprobs[i][ref.token_ids[i]]))
     assert moved and max(moved) < 0.5 and max(moved) > 0
     assert_no_leaks(int8)
+
+
+@pytest.mark.skipif(not quant.available(), reason="the C++ kernels did not build here")
+def test_two_engines_in_one_process_each_compute_on_their_own_cpu_path(monkeypatch, prompts) -> None:
+    """The CPU path is a value each engine's model holds (issue #62 item 4), not process state: an engine built with
+    TANDEM_CPU_ISA=portable and TANDEM_QUANT_SMALL_M=3 keeps that path after a second engine is built on the auto
+    path beside it, and each routes a 5-row step by its own (dequantize + GEMM past 3 rows; the in-register kernel
+    to 16), names its own path in ModelInfo and walks decode steps up to its own width."""
+    monkeypatch.setenv("TANDEM_CPU_ISA", "portable")
+    monkeypatch.setenv("TANDEM_QUANT_SMALL_M", "3")
+    forced = make_llm()
+    monkeypatch.delenv("TANDEM_CPU_ISA")
+    monkeypatch.delenv("TANDEM_QUANT_SMALL_M")
+    auto = make_llm()  # built last: a process-wide path would now be this one for both
+    narrow, wide = forced.engine.model, auto.engine.model
+    assert narrow.cpu_path == quant.CpuPath(quant.CpuIsa.PORTABLE, 3)
+    assert wide.cpu_path.isa == quant.best_isa() and wide.cpu_path.small_m is None
+    for model in (narrow, wide):  # every quantized module multiplies on its model's path
+        held = {m.path for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}
+        assert held == {model.cpu_path}
+    assert forced.engine.model_info()["cpu_kernels"] == "portable"
+    assert auto.engine.model_info()["cpu_kernels"] == quant.best_isa().label
+    assert (forced.engine.narrow_rows, narrow.walker_rows) == (3, 3)
+    assert (auto.engine.narrow_rows, wide.walker_rows) == (16, 16)
+    qkv_narrow, qkv_wide = narrow.model.layers[0].self_attn.qkv_proj, wide.model.layers[0].self_attn.qkv_proj
+    w = qkv_wide.qweight
+    assert torch.equal(qkv_narrow.qweight.data, w.data)  # the same blocks: only the path differs
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(62))
+    gemm = quant._dequantize_gemm(x, w)
+    kernel = quant._module().quant_matmul(x, w.data, quant.CPP_FORMATS[w.fmt], w.shape[1], w._scales(),
+                                          int(wide.cpu_path.isa))
+    assert not torch.equal(gemm, kernel)  # the two routes are told apart by their bits
+    for _ in range(2):  # interleaved: neither call leaves anything behind for the other
+        assert torch.equal(qkv_narrow(x), gemm)
+        assert torch.equal(qkv_wide(x), kernel)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for llm in (forced, auto):  # decode steps of 2 rows: walked on each engine's own path
+        assert all(len(o.token_ids) == 3 for o in llm.generate(prompts[:2], params))
+        assert_no_leaks(llm)
 
 
 def test_small_decode_steps_of_the_embedded_model_walk_its_layers_in_one_call(llm, prompts, hf_greedy) -> None:
@@ -170,15 +209,15 @@ def test_small_decode_steps_of_the_embedded_model_walk_its_layers_in_one_call(ll
         llm.engine.remove_observer(steps.append)
     assert [o.token_ids for o in outs] == hf_greedy[:4]
     decode_only = [s for s in steps if s.prefill_tokens == 0 and s.rerank_tokens == 0
-                   and 0 < s.decode_tokens <= quant.small_m(quant.cpu_isa())]
+                   and 0 < s.decode_tokens <= quant.small_m(model.cpu_path.isa, model.cpu_path)]
     assert decode_only and counter.calls == len(decode_only)
     assert make_llm(quantization="none").engine.model.walker is None
 
 
-# The int8 walker on the path this process picks by default and on AVX2 forced (the path most CPUs take; on an
-# AVX-512 VNNI host the two run different int8 kernels).
+# The int8 walker on the path this CPU takes by default and on AVX2 forced (the path most CPUs take; on an AVX-512
+# VNNI host the two run different int8 kernels).
 INT8_PATHS = [pytest.param("auto", marks=pytest.mark.skipif(
-    not quant.int8_activations_available(), reason="this process's CPU path (portable) has no int8-activation kernel")),
+    not quant.int8_activations_available(), reason="this CPU's auto path (portable) has no int8-activation kernel")),
     pytest.param("avx2", marks=pytest.mark.skipif(
         quant.best_isa() < quant.CpuIsa.AVX2, reason=f"this CPU's kernels go up to {quant.best_isa().label}, not avx2"))]
 
@@ -190,14 +229,13 @@ def test_int8_decode_steps_walk_the_layers_with_the_loops_values(path: str, prom
     and log-probability is bit-identical to the Python layer loop's (TANDEM_LAYER_WALKER=0) with int8."""
     from tests.models.test_tiny_decoders import _CountingWalker
 
-    monkeypatch.setattr(quant, "_wanted", quant._wanted)  # restored afterwards: what this process chose
-    monkeypatch.setattr(quant, "_selected", quant._selected)
     monkeypatch.setenv("TANDEM_CPU_ISA", path)
     walked = make_llm(cpu_activations="int8")
     monkeypatch.setenv("TANDEM_LAYER_WALKER", "0")
     looped = make_llm(cpu_activations="int8")
-    assert quant.cpu_isa() == (quant.best_isa() if path == "auto" else quant.CpuIsa.AVX2)
-    assert walked.engine.model_info()["cpu_kernels"] == f"{quant.cpu_isa().label} int8-activations"
+    isa = quant.best_isa() if path == "auto" else quant.CpuIsa.AVX2
+    assert walked.engine.model.cpu_path.isa == looped.engine.model.cpu_path.isa == isa
+    assert walked.engine.model_info()["cpu_kernels"] == f"{isa.label} int8-activations"
     assert walked.engine.model.walker is not None and looped.engine.model.walker is None
     counter = walked.engine.model.walker = _CountingWalker(walked.engine.model.walker)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)

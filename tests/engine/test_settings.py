@@ -49,15 +49,14 @@ def test_the_variables_reach_the_model_when_the_engine_is_built(monkeypatch, tmp
     from tests.engine.conftest import make_llm
 
     cache = default_model_dir(Settings.from_env().cache_dir).parent  # the converted embedded model, reused
-    monkeypatch.setattr(quant, "_wanted", quant._wanted)  # the CPU path this build selects is undone afterwards
-    monkeypatch.setattr(quant, "_selected", quant._selected)
     for name, value in {"TANDEM_KERNELS": "torch", "TANDEM_FUSED_OPS": "0", "TANDEM_QUANT_SMALL_M": "3",
                         "TANDEM_CACHE_DIR": str(cache)}.items():
         monkeypatch.setenv(name, value)
-    llm = make_llm(quantization="none", num_kv_blocks=32)
+    llm = make_llm(num_kv_blocks=32)  # the embedded GGUF blocks: the quantized matmuls take the CPU path's settings
     model = llm.engine.model
     assert model.kernels == "torch" and not isinstance(model.ops, FusedOps) and model.walker is None
-    assert quant.small_m(quant.cpu_isa()) == 3
+    assert model.cpu_path.small_m == 3 and llm.engine.narrow_rows == 3  # the model's path, not the process's
+    assert quant.default_cpu_path().small_m is None
     monkeypatch.setenv("TANDEM_KERNELS", "nonsense")  # read once: a step after the build never looks again
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 2

@@ -71,26 +71,50 @@ def test_the_kernel_builds_here() -> None:
 
 
 # Every CPU path: the one this machine takes by default and each narrower one (forced by `isa=`, as TANDEM_CPU_ISA
-# forces it for a whole process through select_cpu_path) run here; a wider one is skipped, saying why
+# forces it for an engine's model through resolve_cpu_path) run here; a wider one is skipped, saying why
 # (test_cpu_paths_compile.py still compiles it).
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(
     isa > quant.best_isa(), reason=f"this CPU's kernels go up to {quant.best_isa().label}, not {isa.label}"))
     for isa in quant.CpuIsa]
 
 
-def test_the_default_path_is_the_widest_this_cpu_has(monkeypatch) -> None:
+def test_the_default_path_is_the_widest_this_cpu_has() -> None:
     flags = open("/proc/cpuinfo").read().split()  # x86 Linux: the kernel's own feature flags
     expected = (quant.CpuIsa.AVX512 if {"avx512f", "avx512bw", "avx512vl"} <= set(flags)
                 else quant.CpuIsa.AVX2 if {"avx2", "fma", "f16c"} <= set(flags) else quant.CpuIsa.PORTABLE)
     assert quant.best_isa() == expected
-    monkeypatch.setattr(quant, "_wanted", ("auto", None, False))  # both restored afterwards: what this process chose
-    monkeypatch.setattr(quant, "_selected", None)
-    assert quant.cpu_isa() == expected and quant.kernel_path() == expected.label  # nothing chose: auto
+    assert quant.default_cpu_path() == quant.CpuPath(expected)  # a call that names no path: auto, float32 wide steps
+    assert quant.kernel_path() == expected.label and quant.resolve_cpu_path("auto") == quant.CpuPath(expected)
     assert quant.small_m(expected) == 16
-    quant.select_cpu_path("portable", 3)  # what the builder does with TANDEM_CPU_ISA and TANDEM_QUANT_SMALL_M
-    assert quant.cpu_isa() == quant.CpuIsa.PORTABLE and quant.small_m(quant.CpuIsa.PORTABLE) == 3
+    forced = quant.resolve_cpu_path("portable", 3)  # what the builder does with TANDEM_CPU_ISA and TANDEM_QUANT_SMALL_M
+    assert forced == quant.CpuPath(quant.CpuIsa.PORTABLE, 3) and quant.small_m(forced.isa, forced) == 3
+    assert quant.kernel_path(forced) == "portable" and not quant.int8_activations_available(forced)
+    assert quant.default_cpu_path() == quant.CpuPath(expected)  # resolving a path changed nothing process-wide
     with pytest.raises(ValueError, match="expected auto or one of"):
-        quant.select_cpu_path("sse9")
+        quant.resolve_cpu_path("sse9")
+    if expected < quant.CpuIsa.AVX512:  # a path this CPU lacks is an error, not a silent downgrade
+        with pytest.raises(ValueError, match=f"this CPU's kernels go up to {expected.label}"):
+            quant.resolve_cpu_path("avx512")
+
+
+def test_each_call_routes_by_the_path_it_is_given() -> None:
+    """The CPU path is a value each call gets (a model hands its own to every matmul), not process state: a path with
+    small_m 3 sends a 5-row step to dequantize + GEMM while the default path keeps it on the in-register kernel, in
+    any order of calls, and `register_rows` names each path's width."""
+    w = make("Q8_0", 40, 256, seed=5)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(5))
+    auto, narrow = quant.default_cpu_path(), quant.CpuPath(quant.best_isa(), 3)
+    kernel = quant._module().quant_matmul(x, w.data, quant.CPP_FORMATS["Q8_0"], 256, w._scales(), int(auto.isa))
+    gemm = quant._dequantize_gemm(x, w)
+    assert not torch.equal(kernel, gemm)  # the two routes are told apart by their bits
+    for _ in range(2):
+        assert torch.equal(quant.matmul(x, w, path=narrow), gemm)
+        assert torch.equal(quant.matmul(x, w, path=auto), kernel)
+        assert torch.equal(quant.matmul(x, w), kernel)  # no path: the default
+    assert torch.equal(quant.matmul(x[:3], w, path=narrow), quant.matmul(x[:3], w, path=auto))  # both: the kernel
+    assert quant.register_rows("Q8_0", quant.Activations.AUTO, narrow) == 3
+    assert quant.register_rows("Q8_0", quant.Activations.AUTO, auto) == quant.register_rows(
+        "Q8_0", quant.Activations.AUTO) == 16
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda isa: isa.label)
@@ -140,7 +164,7 @@ def test_matmul_matches_dequantize_then_matmul(fmt: str, m: int) -> None:
     # and both paths at every M: the C++ kernel (formats that have one) and dequantize + GEMM
     if fmt in quant.CPP_FORMATS:
         kernel = quant._module().quant_matmul(x, w.data, quant.CPP_FORMATS[fmt], w.shape[1], w._scales(),
-                                              int(quant.cpu_isa()))
+                                              int(quant.default_cpu_path().isa))
         assert_within_roundoff(kernel, x, dense)
     assert_within_roundoff(quant._dequantize_gemm(x, w), x, dense)
 
@@ -182,8 +206,7 @@ def test_without_the_cpp_build_the_reference_computes(monkeypatch, caplog) -> No
         raise RuntimeError("Error building extension: g++: command not found")
 
     quant._module.cache_clear()
-    monkeypatch.setattr(quant, "_wanted", ("auto", None, False))
-    monkeypatch.setattr(quant, "_selected", None)
+    quant.default_cpu_path.cache_clear()  # resolved again by whichever module is built
     try:
         monkeypatch.setattr(cpp_extension, "load", broken)
         with caplog.at_level(logging.WARNING, logger="tandem.kernels"):
@@ -200,6 +223,7 @@ def test_without_the_cpp_build_the_reference_computes(monkeypatch, caplog) -> No
     finally:
         monkeypatch.undo()
         quant._module.cache_clear()
+        quant.default_cpu_path.cache_clear()
     assert quant.available()
 
 
@@ -537,7 +561,7 @@ def test_the_walker_refuses_what_does_not_fit() -> None:
     with pytest.raises(RuntimeError, match="float32 bias of N"):
         quant.projection([make("Q8_0", 8, 64)], torch.zeros(7))
     with pytest.raises(RuntimeError, match="contiguous \\[M, K\\] input"):
-        quant.projection([make("Q8_0", 8, 64)])(torch.zeros(2, 32), int(quant.cpu_isa()))
+        quant.projection([make("Q8_0", 8, 64)])(torch.zeros(2, 32), int(quant.default_cpu_path().isa))
     walker = quant.decode_layers(num_heads=2, num_kv_heads=1, head_dim=16, eps=1e-6, gelu=False)
     assert walker is not None and walker.num_layers() == 0
     qkv, o = quant.projection([make("Q8_0", 64, 32)]), quant.projection([make("Q8_0", 32, 32)])
@@ -550,7 +574,7 @@ def test_the_walker_refuses_what_does_not_fit() -> None:
     with pytest.raises(RuntimeError, match="kv_caches must be"):  # a cache for two layers
         walker.forward(torch.zeros(1, 32), torch.zeros(1, 32), torch.zeros(2, 2, 4, 16, 1, 16), [torch.zeros(1, 16)],
                        [torch.zeros(1, 16)], torch.zeros(1, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int32),
-                       torch.ones(1, dtype=torch.int32), int(quant.cpu_isa()))
+                       torch.ones(1, dtype=torch.int32), int(quant.default_cpu_path().isa))
     import datetime  # its C API is a PyCapsule of another name
 
     with pytest.raises(RuntimeError, match="must be a tandem.paged_decode_qkv capsule"):

@@ -98,28 +98,27 @@ def test_steps_the_int8_kernel_takes_stay_int8_beside_the_bf16_path() -> None:
     assert torch.equal(inside[:1], quant.matmul(x[:1], w, isa=isa, activations=AUTO, bf16=True))
     past = quant.matmul(x, w, isa=isa, activations=AUTO, bf16=True)
     assert torch.equal(past, quant._bf16_gemm(quant._module(), x, w, isa))
+    # a path with bf16 wide steps (a model's, built with native bf16) takes them without being told per call
+    assert torch.equal(quant.matmul(x, w, activations=AUTO, path=quant.CpuPath(isa, None, True)), past)
 
 
-def test_which_processes_take_the_bf16_path(monkeypatch) -> None:
+def test_which_paths_take_the_bf16_path(monkeypatch) -> None:
     """`CpuPath.bf16_gemm`: the AVX-512 path on a CPU with native bf16, where the builder asks for it
-    (Settings.native_bf16); never a forced narrower path, a CPU without native bf16, or a process that never
-    selected; `matmul`'s default follows it, and a call forcing a narrower `isa` stays float32."""
-    monkeypatch.setattr(quant, "_wanted", quant._wanted)  # restored afterwards: what this process chose
-    monkeypatch.setattr(quant, "_selected", None)
+    (Settings.native_bf16); never a forced narrower path, a CPU without native bf16, or a call that names no path
+    (`default_cpu_path`); `matmul`'s default follows the path it is given (`_bf16_wide`), and a call forcing a
+    narrower `isa` stays float32."""
     monkeypatch.setattr(quant, "best_isa", lambda: quant.CpuIsa.AVX512)
     for native in (True, False):
         monkeypatch.setattr("kernels.linear.native_bf16", lambda native=native: native)
         assert quant.bf16_gemm_available(quant.CpuIsa.AVX512) is native
         assert not quant.bf16_gemm_available(quant.CpuIsa.AVX2)
-        quant.select_cpu_path("auto", None, True)
-        assert quant.cpu_path().bf16_gemm is native
-        quant.select_cpu_path("auto", None, False)
-        assert quant.cpu_path().bf16_gemm is False
-        quant.select_cpu_path("avx2", None, True)
-        assert quant.cpu_path().bf16_gemm is False
-    monkeypatch.setattr(quant, "_wanted", ("auto", None, False))
-    monkeypatch.setattr(quant, "_selected", None)
-    assert quant.cpu_path().bf16_gemm is False  # nothing selected: float32 wide steps
+        assert quant.resolve_cpu_path("auto", None, True).bf16_gemm is native
+        assert quant.resolve_cpu_path("auto", None, False).bf16_gemm is False
+        assert quant.resolve_cpu_path("avx2", None, True).bf16_gemm is False
+        assert quant.resolve_cpu_path().bf16_gemm is False  # asked for nothing: float32 wide steps
+    bf16 = quant.CpuPath(quant.CpuIsa.AVX512, None, True)
+    assert quant._bf16_wide(bf16, quant.CpuIsa.AVX512) and not quant._bf16_wide(bf16, quant.CpuIsa.AVX2)
+    assert not quant._bf16_wide(quant.CpuPath(quant.CpuIsa.AVX512), quant.CpuIsa.AVX512)
 
 
 def test_amx_lowers_the_kquant_int8_width_only_beside_the_bf16_path(monkeypatch) -> None:
@@ -127,7 +126,6 @@ def test_amx_lowers_the_kquant_int8_width_only_beside_the_bf16_path(monkeypatch)
     AMX, or with the wide steps float32, at `_INT8_KQUANT_M`."""
     monkeypatch.setattr(quant, "int8_kernel", lambda isa=None: "vnni")
     monkeypatch.setattr(quant, "best_isa", lambda: quant.CpuIsa.AVX512)
-    monkeypatch.setattr(quant, "cpu_path", lambda: quant.CpuPath(quant.CpuIsa.AVX512))
     for amx in (True, False):
         monkeypatch.setattr(quant, "amx", lambda amx=amx: amx)
         widest = quant._INT8_KQUANT_M_AMX if amx else quant._INT8_KQUANT_M

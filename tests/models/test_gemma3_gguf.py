@@ -116,8 +116,6 @@ def test_bf16_wide_steps_keep_prompt_logprobs_near_transformers(gemma_gguf, gemm
     chunks past the int8 kernel's width multiply bf16 (ModelInfo says so), and the long prompts' logprobs, whose
     chunks are that wide, stay within BF16_LOGPROB of transformers' float32 ones, and past the 1e-3 that float32
     steps hold (test_greedy_and_prompt_logprobs_match_transformers): the bf16 path ran."""
-    monkeypatch.setattr(quant, "_wanted", quant._wanted)  # the CPU path this build selects is undone afterwards
-    monkeypatch.setattr(quant, "_selected", quant._selected)
     monkeypatch.setenv("TANDEM_NATIVE_BF16", "1")
     monkeypatch.delenv("TANDEM_CPU_ISA", raising=False)  # the default path, also in a run that forces a narrower one
     long = [i for i, ids in enumerate(gemma_reference.prompt_ids) if len(ids) > 256]

@@ -14,7 +14,7 @@ import torch
 from engine import SamplingParams
 from engine.models.decoder import ConcatLinear
 from engine.models.decoder_walker import layer_walker, walker_rows
-from engine.models.quantized import QuantizedLinear
+from engine.models.quantized import QuantizedEmbedding, QuantizedLinear
 from kernels import quant
 from tests.engine.conftest import assert_no_leaks, make_llm
 from tests.models.test_tiny_decoders import VOCAB, _CountingWalker
@@ -58,7 +58,8 @@ def _kquant_llm(tmp_path, fmt_of=lambda name: "Q4_K"):
             assert isinstance(old, QuantizedLinear) and not isinstance(old, ConcatLinear)
             if fmt_of(name) == "Q4_K":
                 seed += 1
-                setattr(owner, name, QuantizedLinear(_q4_k(*old.qweight.shape, seed), old.bias, quant.Activations.AUTO))
+                setattr(owner, name, QuantizedLinear(_q4_k(*old.qweight.shape, seed), old.bias, quant.Activations.AUTO,
+                                                     model.cpu_path))
     walker = layer_walker(model)
     model.use_ops(model.ops, walker, model.kernels, walker_rows(model))
     return llm
@@ -68,14 +69,14 @@ def _kquant_llm(tmp_path, fmt_of=lambda name: "Q4_K"):
 def test_wide_decode_steps_of_kquant_projections_walk_with_the_loops_bits(tmp_path) -> None:
     llm = _kquant_llm(tmp_path)
     model = llm.engine.model
-    isa = quant.cpu_isa()
-    width = quant.register_rows("Q4_K", quant.Activations.AUTO)
+    path = model.cpu_path
+    width = quant.register_rows("Q4_K", quant.Activations.AUTO, path)
     assert model.walker is not None
     assert model.walker_rows == (sys.maxsize if width is None else width)
-    if quant.int8_kernel(isa):  # the avx2 / avx512 paths: wider than small_m
-        assert model.walker_rows > quant.small_m(isa) and model.walker_rows >= WIDE
+    if quant.int8_kernel(path.isa):  # the avx2 / avx512 paths: wider than small_m
+        assert model.walker_rows > quant.small_m(path.isa, path) and model.walker_rows >= WIDE
     else:  # the portable path: no int8 kernel, so the float32 small-M kernel's width
-        assert model.walker_rows == quant.small_m(isa)
+        assert model.walker_rows == quant.small_m(path.isa, path)
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist()
                for n in torch.randint(3, 20, (WIDE,), generator=g)]
@@ -107,7 +108,8 @@ def test_one_float32_part_keeps_the_walker_at_small_m(tmp_path) -> None:
     """A projection whose kernel stops at small_m (here: int8 blocks, which multiply float32 activations) sets the
     walker's width for the whole model."""
     llm = _kquant_llm(tmp_path, fmt_of=lambda name: "I8" if name == "o_proj" else "Q4_K")
-    assert llm.engine.model.walker_rows == quant.small_m(quant.cpu_isa())
+    path = llm.engine.model.cpu_path
+    assert llm.engine.model.walker_rows == quant.small_m(path.isa, path)
 
 
 def test_register_rows_is_matmuls_choice(monkeypatch) -> None:
@@ -117,22 +119,25 @@ def test_register_rows_is_matmuls_choice(monkeypatch) -> None:
     monkeypatch.setattr(quant, "int8_kernel", lambda isa=None: "vnni")
     monkeypatch.setattr(quant, "best_isa", lambda: isa)
     monkeypatch.setattr(quant, "amx", lambda: True)
+    auto, f32 = quant.Activations.AUTO, quant.Activations.FLOAT32
     for bf16 in (False, True):
-        monkeypatch.setattr(quant, "cpu_path", lambda bf16=bf16: quant.CpuPath(isa, None, bf16))
-        auto, f32 = quant.Activations.AUTO, quant.Activations.FLOAT32
-        assert quant.register_rows("Q4_K", auto) == quant.int8_rows(isa, "Q4_K", bf16)
-        assert quant.register_rows("Q4_K", auto) == (32 if bf16 else 64)
-        assert quant.register_rows("Q4_K", f32) == quant.register_rows("Q8_0", auto) == quant.small_m(isa)
-        assert quant.register_rows("Q8_0", quant.Activations.INT8) == quant.small_m(isa)
+        path = quant.CpuPath(isa, None, bf16)
+        assert quant.register_rows("Q4_K", auto, path) == quant.int8_rows(isa, "Q4_K", bf16)
+        assert quant.register_rows("Q4_K", auto, path) == (32 if bf16 else 64)
+        assert quant.register_rows("Q4_K", f32, path) == quant.register_rows("Q8_0", auto, path) == quant.small_m(isa)
+        assert quant.register_rows("Q8_0", quant.Activations.INT8, path) == quant.small_m(isa)
+    small = quant.CpuPath(isa, 3)  # TANDEM_QUANT_SMALL_M=3: every kernel's width
+    assert quant.register_rows("Q4_K", auto, small) == quant.register_rows("Q8_0", auto, small) == 3
     monkeypatch.setattr(quant, "int8_kernel", lambda isa=None: "avx2")
     monkeypatch.setattr(quant, "best_isa", lambda: quant.CpuIsa.AVX2)
-    monkeypatch.setattr(quant, "cpu_path", lambda: quant.CpuPath(quant.CpuIsa.AVX2))
-    assert quant.register_rows("Q6_K", quant.Activations.AUTO) is None  # every width on a CPU without AVX-512
+    avx2 = quant.CpuPath(quant.CpuIsa.AVX2)
+    assert quant.register_rows("Q6_K", quant.Activations.AUTO, avx2) is None  # every width on a CPU without AVX-512
 
 
 def _matmul_widths(model) -> list[int]:
-    """Every quantized projection part's in-register width, as matmul routes it (None: every width)."""
-    return [quant.register_rows(m.qweight.fmt, m.activations) for m in model.modules()
+    """Every quantized projection part's in-register width, as matmul routes it on the part's own path (None: every
+    width)."""
+    return [quant.register_rows(m.qweight.fmt, m.activations, m.path) for m in model.modules()
             if isinstance(m, QuantizedLinear) and not isinstance(m, ConcatLinear) and m in _projection_parts(model)]
 
 
@@ -140,6 +145,14 @@ def _projection_parts(model) -> list:
     from engine.models.decoder_walker import _parts, _projections
 
     return [p for layer in model.model.layers for m in _projections(layer) for p in _parts(m)]
+
+
+def _hold_path(model, path: quant.CpuPath) -> None:
+    """The model and its quantized modules on `path`, as build_decoder leaves a model built with it."""
+    model.cpu_path = path
+    for m in model.modules():
+        if isinstance(m, (QuantizedLinear, QuantizedEmbedding)):
+            m.path = path
 
 
 def _expected_narrow(model) -> int | None:
@@ -166,12 +179,13 @@ def test_the_width_the_planner_prices_is_the_width_the_models_matmuls_use(which,
     formats = {p.qweight.fmt for p in _projection_parts(model)}
     if which == "gemma":  # Q4_K_M mixes K-quants with a few 32-wide parts (Q8_0 here): those set the width
         assert formats & {"Q4_K", "Q6_K"}
-        if formats <= {"Q4_K", "Q5_K", "Q6_K"} and quant.int8_kernel(quant.cpu_isa()):
-            assert engine.narrow_rows is None or engine.narrow_rows > quant.small_m(quant.cpu_isa())
-    # the forced AVX2 path: the same model's widths as matmul would route them there
+        if formats <= {"Q4_K", "Q5_K", "Q6_K"} and quant.int8_kernel(model.cpu_path.isa):
+            assert engine.narrow_rows is None or engine.narrow_rows > quant.small_m(model.cpu_path.isa, model.cpu_path)
+    # the forced AVX2 path (on a host without AVX-512): the same model holding that path, its widths as matmul would
+    # route them there
     monkeypatch.setattr(quant, "int8_kernel", lambda isa=None: "avx2")
     monkeypatch.setattr(quant, "best_isa", lambda: quant.CpuIsa.AVX2)
-    monkeypatch.setattr(quant, "cpu_path", lambda: quant.CpuPath(quant.CpuIsa.AVX2))
+    _hold_path(model, quant.CpuPath(quant.CpuIsa.AVX2))
     assert narrow_rows(model) == _expected_narrow(model)
     if which == "gemma":
         if formats <= {"Q4_K", "Q5_K", "Q6_K"}:

@@ -7,7 +7,6 @@ import grpc
 import pytest
 
 from clients import AsyncClient, Client, TandemError
-from kernels import quant
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
 from tests.service.conftest import CHAT, PROMPTS, UNENDING
@@ -149,7 +148,7 @@ async def test_chat_and_token_ids_inputs_match_offline(served, offline):
     assert ids.token_ids == offline.greedy[6].token_ids
 
 
-async def test_every_response_names_the_replica(served):
+async def test_every_response_names_the_replica(served, offline):
     async with grpc.aio.insecure_channel(served.address) as channel:
         stub = pb_grpc.TandemStub(channel)
         stream = stub.Generate()
@@ -161,7 +160,7 @@ async def test_every_response_names_the_replica(served):
             assert dict(await call.initial_metadata())["x-tandem-replica"] == served.address
         assert [m.WhichOneof("kind") async for m in stream][-1] == "final"
         assert (await unary).replica == served.address
-        assert (await unary).cpu_kernels == quant.cpu_isa().label  # embedded GGUF on CPU
+        assert (await unary).cpu_kernels == offline.llm.engine.model.cpu_path.isa.label  # embedded GGUF on CPU
         assert await refused.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
