@@ -364,7 +364,8 @@ def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
     module = _module() if w.fmt in CPP_FORMATS else None
     if module is None:
         return _dequantize_gemm(x, w)
-    path = default_cpu_path() if path is None else path
+    if path is None:  # the default path, or a test's `isa` with the default's widths (no default resolved for it)
+        path = default_cpu_path() if isa is None else CpuPath(isa)
     isa = path.isa if isa is None else isa
     if bf16 is None:
         bf16 = _bf16_wide(path, isa)
