@@ -68,7 +68,8 @@ class LLMEngine:
     def prepare(self, spec: JobSpec) -> Job:
         """Check and tokenize a request of any kind (engine/specs.py) into its job, without queueing it: reads the
         tokenizers and the engine's fixed parts only, so another thread may call it while this one steps (the
-        service's intake thread does). Raises ValueError naming the field (NotLoaded where a model is missing)."""
+        service's intake thread does; a grammar is compiled there too). Raises ValueError naming the field (NotLoaded
+        where a model is missing), TypeError for a spec the intake has no builder for."""
         job = self.intake.job(spec)
         if job.request_id != spec.request_id:
             raise ValueError(f"prepared job is {job.request_id!r}, not {spec.request_id!r}")
