@@ -17,7 +17,7 @@ import uvloop
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bench.report import RESULTS, write_result
-from engine import EngineConfig, LLMEngine, RerankParams, SamplingParams
+from engine import EngineConfig, GenerateSpec, LLMEngine, RerankParams, RerankSpec, SamplingParams
 from service.bridge import EngineBridge
 from service.tracing import TracingHooks, tracer_provider_from_env
 
@@ -42,11 +42,11 @@ async def _round(engine: LLMEngine, tracing: bool, requests: int, tokens: int) -
         done = loop.create_future()
         sink = _resolve_when_finished(done)
         if i % 8 == 7:
-            bridge.submit_rerank(f"r{i}", f"r{i}", sink, query="how do bees make honey",
-                                 documents=[f"doc {j} about bees and honey" for j in range(16)],
-                                 params=RerankParams())
+            spec = RerankSpec(f"r{i}", "how do bees make honey",
+                              [f"doc {j} about bees and honey" for j in range(16)], RerankParams())
         else:
-            bridge.submit_generate(f"g{i}", f"g{i}", sink, params=params, prompt=f"Tell me fact number {i} about bees.")
+            spec = GenerateSpec(f"g{i}", f"Tell me fact number {i} about bees.", params)
+        bridge.submit(spec, spec.request_id, sink)
         pending.append(done)
     await asyncio.gather(*pending)
     wall = time.perf_counter() - start

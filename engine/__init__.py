@@ -4,7 +4,8 @@ from engine.engine import LLMEngine
 from engine.llm import LLM
 from engine.outputs import (CompletionOutput, EmbedOutput, RequestOutput, RerankOutput, RerankResult, StepOutput,
                             StepRecord, TokenDelta)
+from engine.specs import EmbedSpec, GenerateSpec, JobSpec, RerankSpec
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RerankParams", "EmbedParams", "StructuredOutputsParams",
            "CompletionOutput", "RequestOutput", "RerankResult", "StepOutput", "TokenDelta", "RerankOutput", "EmbedOutput",
-           "StepRecord"]
+           "StepRecord", "JobSpec", "GenerateSpec", "RerankSpec", "EmbedSpec"]

@@ -1,4 +1,5 @@
-"""LLMEngine: add requests, abort them, and step. step() is the only place compute happens."""
+"""LLMEngine: prepare a request of any kind into its job (any thread), add it, abort it, and step. step() is the only
+place compute happens."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +18,7 @@ from engine.outputs import StepOutput, StepRecord
 from engine.rerank import RerankJob
 from engine.request import FinishReason, Sequence, SequenceStatus
 from engine.runner import RunnerOutput
+from engine.specs import EmbedSpec, GenerateSpec, JobSpec, RerankSpec
 
 if TYPE_CHECKING:
     from engine.structured import GrammarCompiler
@@ -63,51 +65,61 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
+    def prepare(self, spec: JobSpec) -> Job:
+        """Check and tokenize a request of any kind (engine/specs.py) into its job, without queueing it: reads the
+        tokenizers and the engine's fixed parts only, so another thread may call it while this one steps (the
+        service's intake thread does; a grammar is compiled there too). Raises ValueError naming the field (NotLoaded
+        where a model is missing), TypeError for a spec the intake has no builder for."""
+        job = self.intake.job(spec)
+        if job.request_id != spec.request_id:
+            raise ValueError(f"prepared job is {job.request_id!r}, not {spec.request_id!r}")
+        return job
+
+    def add(self, job: Job) -> None:
+        """Queue a prepared job: its rows join the scheduler's queues, served from the next step. Raises ValueError
+        when its request_id is empty or in use by a live request; nothing is queued then."""
+        self._check_new_id(job.request_id)
+        self._queue(job)
+
+    def _add_spec(self, spec: JobSpec) -> Job:
+        """prepare() and add(), the id checked first: nothing is tokenized for a request that could not be queued."""
+        self._check_new_id(spec.request_id)
+        job = self.prepare(spec)
+        self.add(job)
+        return job
+
+    # The per-kind calls (DESIGN.md's public API, the offline LLM, tests): each one spec through prepare() and add().
+
     def add_request(self, request_id: str, prompt: str | list[int] | None = None,
                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
                     chat: bool = False) -> list[int]:
         """Queue a generation; returns its prompt token ids. Raises ValueError naming the field for bad input;
         nothing is queued then. `chat`: the prompt is token ids a chat template rendered (prompt_token_ids of
         messages), so it stops at the template's end-of-turn tokens as a request with `messages` does."""
-        self._check_new_id(request_id)
-        gen = self.intake.generation(request_id, prompt, params, messages, chat=chat)
-        self._queue(gen)
-        return list(gen.seq.token_ids)
+        job = self._add_spec(GenerateSpec(request_id, prompt, params, messages=messages, chat=chat))
+        return list(job.sequences[0].token_ids)
 
     def prepare_rerank(self, request_id: str, query: str, documents: list[str],
                        params: RerankParams | None = None) -> RerankJob:
-        """Check and tokenize a rerank request into a job, without queueing it: reads the tokenizer and the rerank
-        mode only, so another thread may call it while this one steps (the service tokenizes there). Raises
-        ValueError naming the field."""
-        return self.intake.rerank(request_id, query, documents, params)
+        """prepare() of a RerankSpec: the checked, tokenized job, not queued (any thread may call it)."""
+        return self.prepare(RerankSpec(request_id, query, documents, params))
 
     def add_rerank(self, request_id: str, query: str, documents: list[str],
-                   params: RerankParams | None = None, *, prepared: RerankJob | None = None) -> None:
-        """Queue a rerank job: one prefill-only pair per document, scored in the same steps as generation.
-        `prepared`: the job prepare_rerank made of these arguments (else it is made here)."""
-        self._check_new_id(request_id)
-        job = prepared if prepared is not None else self.intake.rerank(request_id, query, documents, params)
-        if job.request_id != request_id:
-            raise ValueError(f"prepared job is {job.request_id!r}, not {request_id!r}")
-        self._queue(job)
+                   params: RerankParams | None = None) -> None:
+        """Queue a rerank job: one prefill-only pair per document, scored in the same steps as generation."""
+        self._add_spec(RerankSpec(request_id, query, documents, params))
 
     def prepare_embed(self, request_id: str, inputs: list[str] | list[list[int]],
                       params: EmbedParams | None = None) -> EmbedJob:
-        """Check and tokenize an embedding request into a job, without queueing it: reads the embedder's tokenizer
-        only, so another thread may call it while this one steps (the service tokenizes there). Raises ValueError
-        naming the field."""
-        return self.intake.embed(request_id, inputs, params)
+        """prepare() of an EmbedSpec: the checked, tokenized job, not queued (any thread may call it)."""
+        return self.prepare(EmbedSpec(request_id, inputs, params))
 
-    def add_embed(self, request_id: str, inputs: list[str] | list[list[int]], params: EmbedParams | None = None,
-                  *, prepared: EmbedJob | None = None) -> None:
+    def add_embed(self, request_id: str, inputs: list[str] | list[list[int]],
+                  params: EmbedParams | None = None) -> None:
         """Queue an embedding request: one prefill-only, KV-free row per input, run whole by the embedder in the
-        same steps as generation and reranking (its own scoring queue, in one priority order with rerank pairs'). Its one output
-        carries `embeddings`. `prepared`: the job prepare_embed made of these arguments (else it is made here)."""
-        self._check_new_id(request_id)
-        job = prepared if prepared is not None else self.intake.embed(request_id, inputs, params)
-        if job.request_id != request_id:
-            raise ValueError(f"prepared job is {job.request_id!r}, not {request_id!r}")
-        self._queue(job)
+        same steps as generation and reranking (its own scoring queue, in one priority order with rerank pairs').
+        Its one output carries `embeddings`."""
+        self._add_spec(EmbedSpec(request_id, inputs, params))
 
     def _queue(self, job: Job) -> None:
         self._requests[job.request_id] = job

@@ -4,13 +4,17 @@ Every check raises ValueError naming the field, so the service can answer INVALI
 (NotLoaded, a ValueError, where the engine lacks what the request needs: FAILED_PRECONDITION). These checks are the
 only ones: the service's core API and its doors do not repeat them (an empty input, the document and input counts,
 no embedder), they pass what the engine says on.
+
+One method per kind of work (generation, rerank, embed), each taking its spec (engine/specs.py); `job(spec)` picks it
+from one table keyed by the spec's type (`_BUILDERS`), so `LLMEngine.prepare` and its callers never branch on the
+kind.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import xxhash
@@ -21,9 +25,11 @@ from engine.detokenizer import TextStream
 from engine.embed import EmbedJob, Embedder
 from engine.errors import InputTooLong, NotLoaded
 from engine.generation import Generation
+from engine.jobs import Job
 from engine.rerank import PairPhase, PairScorer, RerankJob
 from engine.rerank.pairs import covered, split_windows
 from engine.request import RerankPair, RowExec, Sequence, SeqKind
+from engine.specs import EmbedSpec, GenerateSpec, JobSpec, RerankSpec
 
 if TYPE_CHECKING:
     from engine.structured import GrammarCompiler
@@ -46,16 +52,26 @@ class RequestIntake:
         # A chat stops at its template's end-of-turn tokens as at EOS (Gemma's <end_of_turn> is not its GGUF's EOS).
         self.end_of_turn_ids = chat_templates.end_of_turn_ids(tokenizer, getattr(tokenizer, "chat_template", None))
 
-    def generation(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams | None,
-                   messages: list[dict] | None, chat: bool = False) -> Generation:
+    def job(self, spec: JobSpec) -> Job:
+        """The checked, tokenized job of a request of any kind (not queued): reads the tokenizers and the engine's
+        fixed parts only, so any thread may call it. Raises ValueError naming the field (NotLoaded where the engine
+        lacks a model), TypeError for a spec this intake has no builder for."""
+        build = _BUILDERS.get(type(spec))
+        if build is None:
+            raise TypeError(f"no intake for a {type(spec).__name__}: the engine takes "
+                            f"{', '.join(t.__name__ for t in _BUILDERS)}")
+        return build(self, spec)
+
+    def generation(self, spec: GenerateSpec) -> Generation:
         """n sequences over the same prompt. Completion 0 prefills it; the others wait for that and share its full
         blocks. With prompt_logprobs, completion 0 scores every prompt position from 1 on, so a prefix the cache
         holds is recomputed for it (a cached position has no logits), never refused."""
-        params = params if params is not None else SamplingParams()
+        request_id = spec.request_id
+        params = spec.params if spec.params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
-        token_ids = self.prompt_token_ids(prompt, messages)
-        if (chat or messages is not None) and not params.ignore_eos:
+        token_ids = self.prompt_token_ids(spec.prompt, spec.messages, spec.tools)
+        if (spec.chat or spec.messages is not None) and not params.ignore_eos:
             params = self._stop_at_end_of_turn(params)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
@@ -106,9 +122,10 @@ class RequestIntake:
         compiled = compiler.compile(params.structured_outputs)
         return lambda: compiler.matcher(compiled)
 
-    def rerank(self, request_id: str, query: str, documents: list[str], params: RerankParams | None) -> RerankJob:
+    def rerank(self, spec: RerankSpec) -> RerankJob:
         """A job with one prefill-only pair sequence per document."""
-        params = params if params is not None else RerankParams()
+        request_id, query, documents = spec.request_id, spec.query, spec.documents
+        params = spec.params if spec.params is not None else RerankParams()
         if not isinstance(params, RerankParams):
             raise ValueError("params must be a RerankParams")
         if not isinstance(query, str) or not query.strip():
@@ -254,9 +271,10 @@ class RequestIntake:
                              "--max-num-batched-tokens)")
         return seqs
 
-    def embed(self, request_id: str, inputs: list[str] | list[list[int]], params: EmbedParams | None) -> EmbedJob:
+    def embed(self, spec: EmbedSpec) -> EmbedJob:
         """A job with one prefill-only, KV-free row per input (texts, or token ids in the embedder's vocabulary)."""
-        params = params if params is not None else EmbedParams()
+        request_id, inputs = spec.request_id, spec.inputs
+        params = spec.params if spec.params is not None else EmbedParams()
         if not isinstance(params, EmbedParams):
             raise ValueError("params must be an EmbedParams")
         embedder = self.embedder
@@ -352,6 +370,14 @@ class RequestIntake:
         if prompt is None:
             raise ValueError("request has no input: set prompt, messages or token_ids")
         raise ValueError("prompt must be a string or a list of token ids")
+
+
+# The one dispatch on the kind of request: each spec type (engine/specs.py) and the intake method that builds its job.
+_BUILDERS: dict[type, Callable[[RequestIntake, Any], Job]] = {
+    GenerateSpec: RequestIntake.generation,
+    RerankSpec: RequestIntake.rerank,
+    EmbedSpec: RequestIntake.embed,
+}
 
 
 def _generator(seed: int | None, index: int) -> torch.Generator | None:

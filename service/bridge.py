@@ -2,17 +2,19 @@
 
 The engine is synchronous and not thread-safe, so exactly one thread (started
 here) ever changes it. The loop side submits requests and aborts as commands on
-a thread-safe queue, one dataclass per command (AddGeneration, AddRerank, Abort,
-Query, Stop); the engine thread applies them between steps, runs `step()`, and
-hands each step's outputs back with one `loop.call_soon_threadsafe`. Nothing
-here blocks the loop.
+a thread-safe queue, one dataclass per command (AddJob, Abort, Query, Stop); the
+engine thread applies them between steps, runs `step()`, and hands each step's
+outputs back with one `loop.call_soon_threadsafe`. Nothing here blocks the loop.
 
-Commands pass through an intake thread first, in order: it tokenizes every
-request (`LLMEngine.prompt_token_ids` for a prompt or chat, `prepare_rerank` for
-a rerank job; both read the tokenizer and touch no engine state) so that
-rendering and tokenizing (40 documents: ~50 ms on a CPU) happens while the engine
-steps, never on the engine thread between two steps that running chats wait for
-(measured by bench/mixed_serve.py as `tandem_step_gap_seconds`).
+Every kind of request is one path: the core builds its spec (engine/specs.py:
+GenerateSpec, RerankSpec, EmbedSpec), `submit(spec, ...)` admits it, and the
+engine's `prepare(spec)` / `add(job)` do the rest; nothing here names a kind.
+Commands pass through an intake thread first, in order: it prepares every
+request's job (`LLMEngine.prepare`: it reads the tokenizers and touches no
+engine state) so that rendering and tokenizing (40 documents: ~50 ms on a CPU)
+happens while the engine steps, never on the engine thread between two steps
+that running chats wait for (measured by bench/mixed_serve.py as
+`tandem_step_gap_seconds`).
 
 A generation with n > 1 sends the outputs of all its completions (TokenDelta.index) to its sink; only the one
 with finished=True ends it, and an abort stops all n.
@@ -32,16 +34,17 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-
 from engine.errors import InputTooLong, NotLoaded
 from engine.outputs import TokenDelta
-from engine.request import FinishReason, SeqKind
+from engine.request import FinishReason
 from service.errors import ErrorKind, ServiceError, draining
 from service.lifecycle import LifecycleHooks, RequestLifecycle
 
 if TYPE_CHECKING:
-    from engine import EmbedParams, LLMEngine, RerankParams, SamplingParams
+    from engine import LLMEngine
+    from engine.jobs import Job
     from engine.outputs import StepOutput, StepRecord
+    from engine.specs import JobSpec
 
 log = logging.getLogger("tandem.bridge")
 
@@ -62,33 +65,10 @@ class _Handle:
 # ---- commands: what the loop asks of the engine thread, one type per command ----------------------------------
 
 @dataclass(frozen=True, slots=True)
-class AddGeneration:
-    """Queue a generation: exactly one of prompt (text or token ids) and messages (chat, templated by the engine)."""
-    request_id: str
-    params: "SamplingParams"
-    prompt: str | list[int] | None = None
-    messages: list[dict] | None = None
-    tools: list[dict] | None = None  # function definitions the chat template renders (tool calling)
-    prepared: Any = None  # set by the intake thread: the prompt's token ids, or the ValueError that refused it
-
-
-@dataclass(frozen=True, slots=True)
-class AddRerank:
-    """Queue a rerank job: one pair per document, scored against query."""
-    request_id: str
-    query: str
-    documents: list[str]
-    params: "RerankParams"
-    prepared: Any = None  # set by the intake thread: the engine's RerankJob, or the ValueError that refused it
-
-
-@dataclass(frozen=True, slots=True)
-class AddEmbed:
-    """Queue an embedding job: one encoder row per input (texts, or token ids in the embedder's vocabulary)."""
-    request_id: str
-    inputs: list[str] | list[list[int]]
-    params: "EmbedParams"
-    prepared: Any = None  # set by the intake thread: the engine's EmbedJob, or the ValueError that refused it
+class AddJob:
+    """Queue a request of any kind: its spec, and what the intake thread made of it (LLMEngine.prepare)."""
+    spec: "JobSpec"
+    prepared: "Job | Exception | None" = None  # set by the intake thread: the job, or the exception that refused it
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +88,7 @@ class Stop:
     """End the engine thread after the commands taken with this one."""
 
 
-Command = AddGeneration | AddRerank | AddEmbed | Abort | Query | Stop
+Command = AddJob | Abort | Query | Stop
 
 
 class EngineBridge:
@@ -190,38 +170,25 @@ class EngineBridge:
 
     # ---- requests (loop side) --------------------------------------------------------------------
 
-    def submit_generate(self, request_id: str, client_id: str, sink: Sink, *, params: "SamplingParams",
-                        prompt: str | list[int] | None = None, messages: list[dict] | None = None,
-                        tools: list[dict] | None = None, timeout_ms: int = 0,
-                        metadata: dict[str, str] | None = None) -> RequestLifecycle:
-        """Admit a generation under `request_id` (the core API's, unique in the process); its outputs (or a
-        ServiceError) go to sink on the loop. Raises ServiceError."""
+    def submit(self, spec: "JobSpec", client_id: str, sink: Sink, *, timeout_ms: int = 0,
+               metadata: dict[str, str] | None = None) -> RequestLifecycle:
+        """Admit a request of any kind under `spec.request_id` (the core API's, unique in the process); its outputs
+        (a generation's token deltas, a rerank's or embedding's one final output) or a ServiceError go to sink on
+        the loop. Raises ServiceError."""
         self._check_room()
-        command = AddGeneration(request_id, params, prompt=prompt, messages=messages, tools=tools)
-        lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.GENERATE.value,
-                              metadata=dict(metadata or {}), completions=params.n)
-        return self._submit(command, lc, sink, timeout_ms)
-
-    def submit_rerank(self, request_id: str, client_id: str, sink: Sink, *, query: str, documents: list[str],
-                      params: "RerankParams", timeout_ms: int = 0,
-                      metadata: dict[str, str] | None = None) -> RequestLifecycle:
-        """Admit a rerank job; one RerankOutput (or a ServiceError) goes to sink. Raises ServiceError."""
-        self._check_room()
-        command = AddRerank(request_id, query=query, documents=documents, params=params)
-        lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.RERANK.value,
-                              metadata=dict(metadata or {}), documents=len(documents))
-        return self._submit(command, lc, sink, timeout_ms)
-
-    def submit_embed(self, request_id: str, client_id: str, sink: Sink, *, inputs: list[str] | list[list[int]],
-                     params: "EmbedParams", timeout_ms: int = 0,
-                     metadata: dict[str, str] | None = None) -> RequestLifecycle:
-        """Admit an embedding job; one EmbedOutput (or a ServiceError) goes to sink. Raises
-        ServiceError."""
-        self._check_room()
-        command = AddEmbed(request_id, inputs=inputs, params=params)
-        lc = RequestLifecycle(engine_id=command.request_id, client_id=client_id, kind=SeqKind.EMBED.value,
-                              metadata=dict(metadata or {}), documents=len(inputs))
-        return self._submit(command, lc, sink, timeout_ms)
+        lc = RequestLifecycle(engine_id=spec.request_id, client_id=client_id, kind=str(spec.kind),
+                              metadata=dict(metadata or {}), completions=spec.completions,
+                              documents=spec.num_inputs)
+        engine_id = spec.request_id
+        handle = _Handle(lc, sink, timeout_ms=timeout_ms)
+        if timeout_ms > 0:
+            handle.timer = self._loop.call_later(timeout_ms / 1000, self._expire, engine_id)
+        self._handles[engine_id] = handle
+        self._waiting.add(engine_id)
+        self._idle.clear()
+        self._emit("on_arrival", lc)
+        self._intake.put(AddJob(spec))
+        return lc
 
     def refused(self, client_id: str, kind: str, metadata: dict[str, str], error: str | None,
                 message: str | None = None) -> None:
@@ -250,19 +217,6 @@ class EngineBridge:
                                f"server is at capacity: {len(self._waiting)} requests are waiting for the engine "
                                f"(limit {self.max_waiting}, --max-waiting); retry with backoff or use another replica")
 
-    def _submit(self, command: AddGeneration | AddRerank | AddEmbed, lc: RequestLifecycle, sink: Sink,
-                timeout_ms: int) -> RequestLifecycle:
-        engine_id = command.request_id
-        handle = _Handle(lc, sink, timeout_ms=timeout_ms)
-        if timeout_ms > 0:
-            handle.timer = self._loop.call_later(timeout_ms / 1000, self._expire, engine_id)
-        self._handles[engine_id] = handle
-        self._waiting.add(engine_id)
-        self._idle.clear()
-        self._emit("on_arrival", lc)
-        self._intake.put(command)
-        return lc
-
     def _expire(self, engine_id: str) -> None:
         handle = self._handles.get(engine_id)
         if handle is not None:
@@ -272,23 +226,15 @@ class EngineBridge:
     # ---- the engine thread -----------------------------------------------------------------------
 
     def _run_intake(self) -> None:
-        """Forward every command to the engine thread in order, tokenizing requests on the way."""
+        """Forward every command to the engine thread in order, preparing requests' jobs on the way."""
         engine = self.engine
         while True:
             command = self._intake.get()
-            try:
-                match command:
-                    case AddGeneration():
-                        command = replace(command, prepared=engine.prompt_token_ids(command.prompt, command.messages,
-                                                                                    command.tools))
-                    case AddRerank():
-                        command = replace(command, prepared=engine.prepare_rerank(
-                            command.request_id, command.query, command.documents, command.params))
-                    case AddEmbed():
-                        command = replace(command, prepared=engine.prepare_embed(
-                            command.request_id, command.inputs, command.params))
-            except Exception as exc:  # refused (ValueError) or a bug: the engine thread fails the request
-                command = replace(command, prepared=exc)
+            if isinstance(command, AddJob):
+                try:
+                    command = replace(command, prepared=engine.prepare(command.spec))
+                except Exception as exc:  # refused (ValueError) or a bug: the engine thread fails the request
+                    command = replace(command, prepared=exc)
             self._commands.put(command)
             if isinstance(command, Stop):
                 return
@@ -332,16 +278,8 @@ class EngineBridge:
         """Carry out one command on the engine thread; True for Stop."""
         engine = self.engine
         match command:
-            case AddGeneration():
-                self._add(command.request_id, failures, lambda: engine.add_request(
-                    command.request_id, _prepared(command), command.params, chat=command.messages is not None))
-            case AddRerank():
-                self._add(command.request_id, failures, lambda: engine.add_rerank(
-                    command.request_id, command.query, command.documents, command.params,
-                    prepared=_prepared(command)))
-            case AddEmbed():
-                self._add(command.request_id, failures, lambda: engine.add_embed(
-                    command.request_id, command.inputs, command.params, prepared=_prepared(command)))
+            case AddJob():
+                self._add(command, failures)
             case Abort():
                 engine.abort(command.request_id)
             case Query():
@@ -357,11 +295,13 @@ class EngineBridge:
                 raise TypeError(f"unknown bridge command {command!r}")
         return False
 
-    def _add(self, request_id: str, failures: list[tuple[str, ServiceError]], add: Callable[[], None]) -> None:
-        """Run add() (engine.add_request / add_rerank): a ValueError (bad input) fails the request with
-        INVALID_ARGUMENT, NotLoaded (no embedder) with FAILED_PRECONDITION, anything else with INTERNAL."""
+    def _add(self, command: AddJob, failures: list[tuple[str, ServiceError]]) -> None:
+        """Queue the command's prepared job (engine.add), or fail its request with what refused it: a ValueError (bad
+        input) with INVALID_ARGUMENT, NotLoaded (no embedder) with FAILED_PRECONDITION, anything else with
+        INTERNAL."""
+        request_id = command.spec.request_id
         try:
-            add()
+            self.engine.add(_prepared(command))
             self._live.add(request_id)
         except NotLoaded as exc:
             failures.append((request_id, ServiceError(ErrorKind.FAILED_PRECONDITION, str(exc))))
@@ -477,9 +417,8 @@ class EngineBridge:
                 log.exception("lifecycle hook %s raised", name)
 
 
-def _prepared(command: AddGeneration | AddRerank | AddEmbed) -> Any:
-    """What the intake thread made of the command (token ids, a RerankJob, an EmbedJob), or the refusal it met,
-    raised."""
+def _prepared(command: AddJob) -> "Job":
+    """What the intake thread made of the command (the request's job), or the refusal it met, raised."""
     if isinstance(command.prepared, Exception):
         raise command.prepared
     return command.prepared

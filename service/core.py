@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 from engine.config import MAX_LOGPROBS, MAX_N, EmbedParams, RerankParams, SamplingParams
 from engine.outputs import EmbedOutput, RerankOutput, RerankResult, TokenDelta, rank_scores
 from engine.request import FinishReason, SeqKind
+from engine.specs import EmbedSpec, GenerateSpec, RerankSpec
 from service.errors import ErrorKind, ServiceError, invalid
 from service.lifecycle import CLIENT_GONE, RequestLifecycle
 from service.tokens import TokenTexts, build_token_texts
@@ -456,10 +457,10 @@ class CoreAPI:
         try:
             for index, inp in enumerate(inputs):
                 self._check_generate(inp)
-                lc = self.bridge.submit_generate(new_request_id(SeqKind.GENERATE), inp.request_id,
-                                                 stream.sink(index, inp.request_id),
-                                                 params=inp.params, prompt=inp.prompt, messages=inp.messages,
-                                                 tools=inp.tools, timeout_ms=inp.timeout_ms, metadata=metadata)
+                spec = GenerateSpec(new_request_id(SeqKind.GENERATE), inp.prompt, inp.params, messages=inp.messages,
+                                    tools=inp.tools)
+                lc = self.bridge.submit(spec, inp.request_id, stream.sink(index, inp.request_id),
+                                        timeout_ms=inp.timeout_ms, metadata=metadata)
                 stream._admitted(inp.request_id, lc)
         except ServiceError as exc:
             stream.abort()
@@ -502,10 +503,9 @@ class CoreAPI:
             params = replace(params, max_document_tokens=inp.max_tokens_per_doc)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         with self._admitting(SeqKind.RERANK, inp.request_id, metadata):
-            lc = self.bridge.submit_rerank(new_request_id(SeqKind.RERANK), inp.request_id,
-                                           lambda event: future.done() or future.set_result(event),
-                                           query=inp.query, documents=inp.documents, params=params,
-                                           timeout_ms=inp.timeout_ms, metadata=metadata)
+            lc = self.bridge.submit(RerankSpec(new_request_id(SeqKind.RERANK), inp.query, inp.documents, params),
+                                    inp.request_id, lambda event: future.done() or future.set_result(event),
+                                    timeout_ms=inp.timeout_ms, metadata=metadata)
         event: RerankOutput = await self._final(future, lc, "rerank", inp.cut_hint)
         params = inp.params
         results = rank_scores(event.scores, inp.documents, params.top_n, params.return_documents,
@@ -546,10 +546,9 @@ class CoreAPI:
                                    f"model {inp.model!r} is not an embedding model of this replica; it embeds with "
                                    f"{self.info.embedder!r} (leave model empty for it)")
             future: asyncio.Future = asyncio.get_running_loop().create_future()
-            lc = self.bridge.submit_embed(new_request_id(SeqKind.EMBED), inp.request_id,
-                                          lambda event: future.done() or future.set_result(event),
-                                          inputs=inp.inputs, params=inp.params, timeout_ms=inp.timeout_ms,
-                                          metadata=metadata)
+            lc = self.bridge.submit(EmbedSpec(new_request_id(SeqKind.EMBED), inp.inputs, inp.params),
+                                    inp.request_id, lambda event: future.done() or future.set_result(event),
+                                    timeout_ms=inp.timeout_ms, metadata=metadata)
         event: EmbedOutput = await self._final(future, lc, "embed", inp.cut_hint)
         return EmbedOutcome(inp.request_id, event.embeddings, event.truncated, Usage.of(lc), self.info.embedder,
                             id=lc.engine_id)

@@ -50,3 +50,37 @@ def test_the_walk_finds_the_branches_it_forbids():
               "if isinstance(job, (RerankJob, EmbedJob)):\n    pass\n"
               "y = seq.kind\nz = isinstance(job, dict)\nrow = Sequence(kind=SeqKind.EMBED)\n")
     assert sorted(line for line, _ in kind_checks(source)) == [1, 3, 4]
+
+
+SERVICE = ENGINE.parent / "service"
+# The engine's per-kind entry points, kept as thin wrappers over prepare() and add() for the offline LLM and tests.
+PER_KIND_CALLS = {"add_request", "add_rerank", "add_embed", "prepare_rerank", "prepare_embed"}
+KIND_NAMES = {"SeqKind", "GenerateSpec", "RerankSpec", "EmbedSpec"}
+
+
+def _names(source: str) -> tuple[set[str], set[str]]:
+    """(attributes read or called, plain names and imported names) in `source`."""
+    tree = ast.parse(source)
+    attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    return attrs, names
+
+
+@pytest.mark.parametrize("path", sorted(SERVICE.rglob("*.py")), ids=lambda p: str(p.relative_to(SERVICE)))
+def test_the_service_queues_work_through_prepare_and_add_only(path):
+    """One add(job) path (issue #62): service/ builds a spec and submits it; it never calls the engine's per-kind
+    wrappers, so a new kind of work needs no new entry point in the bridge."""
+    attrs, _ = _names(path.read_text())
+    assert not attrs & PER_KIND_CALLS, f"service/{path.relative_to(SERVICE)} calls {sorted(attrs & PER_KIND_CALLS)}"
+
+
+def test_the_bridge_names_no_kind_of_work():
+    """The bridge reads a request through its spec's protocol (engine/specs.py JobSpec) only: no kind, no spec class."""
+    _, names = _names((SERVICE / "bridge.py").read_text())
+    assert not names & KIND_NAMES, f"service/bridge.py names {sorted(names & KIND_NAMES)}"
+
+
+def test_the_service_walk_finds_what_it_forbids():
+    attrs, names = _names("from engine.specs import RerankSpec\nengine.add_rerank('r', 'q', ['d'])\nx = SeqKind.EMBED\n")
+    assert "add_rerank" in attrs and {"RerankSpec", "SeqKind"} <= names

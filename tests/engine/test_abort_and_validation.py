@@ -1,9 +1,11 @@
 """Aborts anywhere free every block; bad input is rejected with a clear error and harms nobody else."""
+import dataclasses
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine import EngineConfig, SamplingParams
+from engine import EngineConfig, GenerateSpec, RerankSpec, SamplingParams
 from engine.request import SequenceStatus
 from tests.engine.conftest import assert_no_leaks, make_llm
 
@@ -130,4 +132,39 @@ def test_final_outputs_report_usage_and_timings(llm):
     assert gen.queue_time_s is not None and gen.queue_time_s >= 0
     assert gen.first_token_time is not None and gen.first_token_time >= gen.arrival_time
     assert job.queue_time_s is not None and job.queue_time_s >= 0 and job.prompt_tokens > 0
+    assert_no_leaks(llm)
+
+
+@dataclasses.dataclass(frozen=True)
+class _UnknownSpec:
+    request_id: str
+    kind = "unknown"
+    completions = 1
+    num_inputs = 0
+
+
+def test_prepare_checks_off_thread_and_add_queues_every_kind_once(llm):
+    """One path for every kind: prepare(spec) checks and tokenizes on any thread and queues nothing; add(job) queues
+    the job, once; a spec the intake has no builder for is a TypeError naming it."""
+    eng = llm.engine
+    p = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    specs = [GenerateSpec("g", "The sky is", p), RerankSpec("r", "greeting", ["hello", "goodbye"])]
+    with ThreadPoolExecutor(1) as pool:  # as the service's intake thread does
+        gen, job = pool.map(eng.prepare, specs)
+    assert not eng.has_unfinished()  # prepared, not queued
+    assert gen.sequences[0].token_ids == llm.tokenizer("The sky is").input_ids and len(job.sequences) == 2
+    with pytest.raises(ValueError, match="prompt must not be empty"):
+        eng.prepare(GenerateSpec("bad", "", p))
+    with pytest.raises(ValueError, match="query must be a non-empty string"):
+        eng.prepare(RerankSpec("bad", " ", ["d"]))
+    with pytest.raises(TypeError, match="_UnknownSpec"):
+        eng.prepare(_UnknownSpec("u"))
+    eng.add(gen)
+    eng.add(job)
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add(job)
+    finals = {o.request_id: o for o in _drain(eng) if o.finished}
+    assert finals["g"].completion_tokens == 2 and len(finals["r"].scores) == 2
+    assert eng.add_request("again", "The sky is", p) == gen.sequences[0].token_ids[:gen.sequences[0].num_prompt_tokens]
+    _drain(eng)
     assert_no_leaks(llm)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from engine import SamplingParams
+from engine import GenerateSpec, RerankSpec, SamplingParams
 from engine.outputs import StepOutput, StepRecord, TokenDelta
 from engine.request import FinishReason
 from service.bridge import EngineBridge
@@ -22,8 +22,26 @@ def _record(**values) -> StepRecord:
     return StepRecord(**{**required, **values})
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FakeJob:
+    """What the fake engine queues: a request emitting `tokens` tokens, one a step."""
+    request_id: str
+    tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CountdownSpec:
+    """A kind of work the bridge has never heard of: it implements engine/specs.py's JobSpec and nothing else."""
+    request_id: str
+    steps: int
+    kind = "countdown"
+    completions = 3
+    num_inputs = 5
+
+
 class FakeEngine:
-    """Emits one token "t" per step for every admitted request until max_tokens; steps only while `running` is set."""
+    """Emits one token "t" per step for every admitted request until max_tokens (a CountdownSpec: its steps); steps
+    only while `running` is set."""
 
     def __init__(self) -> None:
         self.live: dict[str, int] = {}  # id -> tokens left
@@ -41,20 +59,21 @@ class FakeEngine:
     def remove_observer(self, fn) -> None:
         self.observers.remove(fn)
 
-    def prompt_token_ids(self, prompt, messages=None, tools=None) -> list[int]:
+    def prepare(self, spec) -> FakeJob:
         """Called on the bridge's intake thread, never the engine's."""
         self.intake_thread_ids.add(threading.get_ident())
-        if not prompt:
+        if isinstance(spec, CountdownSpec):
+            return FakeJob(spec.request_id, spec.steps)
+        if isinstance(spec, RerankSpec):
+            raise ValueError("this fake engine does not rerank")
+        if not spec.prompt:
             raise ValueError("prompt must not be empty")
-        return [1] * len(prompt)
+        return FakeJob(spec.request_id, spec.params.max_tokens)
 
-    def prepare_rerank(self, request_id, query, documents, params=None):
-        raise ValueError("this fake engine does not rerank")
-
-    def add_request(self, request_id, prompt=None, params=None, *, chat=False) -> None:
+    def add(self, job: FakeJob) -> None:
         self.thread_ids.add(threading.get_ident())
-        assert isinstance(prompt, list), "the bridge hands the engine token ids, tokenized off its thread"
-        self.live[request_id] = params.max_tokens
+        assert isinstance(job, FakeJob), "the bridge hands the engine the job prepared off its thread"
+        self.live[job.request_id] = job.tokens
 
     def abort(self, request_id: str) -> bool:
         if self.live.pop(request_id, None) is None:
@@ -110,8 +129,8 @@ def _collect(events: list, done: asyncio.Event):
 
 async def _generate(bridge: EngineBridge, client_id: str, max_tokens: int = 3, prompt: str = "hi", **kw):
     events, done = [], asyncio.Event()
-    lc = bridge.submit_generate(f"id-{client_id}", client_id, _collect(events, done), prompt=prompt,
-                                params=SamplingParams(max_tokens=max_tokens), **kw)
+    lc = bridge.submit(GenerateSpec(f"id-{client_id}", prompt, SamplingParams(max_tokens=max_tokens)), client_id,
+                       _collect(events, done), **kw)
     return lc, events, done
 
 
@@ -201,3 +220,27 @@ async def test_a_stopped_bridge_no_longer_observes_the_engine():
     assert len(engine.observers) == 1
     await b.stop()
     assert engine.observers == []  # an engine outlives its bridges (tests, benchmarks): no records pile up
+
+
+async def test_a_new_kind_of_work_rides_the_one_submit_path_unchanged(bridge):
+    """The bridge reads a request only through its spec (JobSpec): a kind it has never heard of is admitted,
+    prepared on the intake thread, queued on the engine thread and finished like any other, and its lifecycle
+    carries the spec's own kind and counts."""
+    events, done = [], asyncio.Event()
+    lc = bridge.submit(CountdownSpec("id-new", steps=2), "new", _collect(events, done))
+    await done.wait()
+    assert [e.finished for e in events] == [False, True] and events[-1].finish_reason == "length"
+    assert (lc.kind, lc.completions, lc.documents, lc.finish_reason) == ("countdown", 3, 5, "length")
+    assert bridge.recorder.finished["new"] == [lc]
+    assert not bridge.engine.intake_thread_ids & bridge.engine.thread_ids
+
+
+async def test_the_lifecycle_counts_come_from_the_spec(bridge):
+    """A rerank's documents, a generation's n: what the lifecycle (metrics, spans) records is the spec's."""
+    events, done = [], asyncio.Event()
+    lc = bridge.submit(RerankSpec("id-r", "q", ["a", "b", "c"]), "r", _collect(events, done))
+    await done.wait()
+    assert (lc.kind, lc.completions, lc.documents) == ("rerank", 1, 3)
+    assert events[0].kind is ErrorKind.INVALID_ARGUMENT and events[0].message == "this fake engine does not rerank"
+    gen = bridge.submit(GenerateSpec("id-g", "hi", SamplingParams(max_tokens=1, n=2)), "g", lambda event: None)
+    assert (gen.kind, gen.completions, gen.documents) == ("generate", 2, 0)
