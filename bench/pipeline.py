@@ -33,6 +33,8 @@ p99 TPOT and the scoring figure; W4 (tandem_T) chats' p99 <= max(1.25 T, 1.1x so
     python -m bench.pipeline                 # every system, --runs 3 (about 30 minutes on 2 idle cores)
     python -m bench.pipeline --quick         # small sizes, one run: checks the wiring
     python -m bench.pipeline --systems tandem tandem_T
+    python -m bench.pipeline --systems tandem --tandem-flags=--step-log=/tmp/steps.jsonl
+    python -m bench.step_shares /tmp/steps.jsonl --phases bench/results/pipeline.json   # where each phase's time went
 
 Writes bench/results/pipeline.json (one JSON line: per system, run and phase the raw figures, and the medians over
 runs of the ratios), with the CPU's flags, the commit and the 1-minute load average beside them.
@@ -272,7 +274,9 @@ def _phase(chat_url: str | None, scorer: Proc, args, prompts, jobs, texts, *, re
     for p in procs:
         p.join()
     window = (results["reranks"][0][0], results["reranks"][-1][1]) if reranks else (t0, t1)
-    figures: dict = {"window_s": window[1] - window[0]}
+    # window_mono_ms: the window on the monotonic clock the server's step log uses (bench/step_shares.py cuts it
+    # there), whole milliseconds (ints: the result's floats are rounded to 4 digits)
+    figures: dict = {"window_s": window[1] - window[0], "window_mono_ms": [round(1e3 * t) for t in window]}
     if chat_url:
         gaps = [b - a for req in results["chats"] for a, b in zip(req, req[1:]) if window[0] <= b <= window[1]]
         tokens = sum(window[0] <= t <= window[1] for req in results["chats"] for t in req)
