@@ -33,7 +33,7 @@ import pytest
 
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
-from tests.service.test_process import ServeProcess
+from tests.service.process_harness import ServeProcess
 
 ROUNDS = int(os.environ.get("TANDEM_SOAK_ROUNDS", "8"))
 WARMUP_ROUNDS = 2  # first-use allocations (arenas, caches, gRPC pools) happen here; the trend starts after them

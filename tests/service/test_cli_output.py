@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import io
 import json
-import os
+import logging
 import shutil
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,9 +20,7 @@ from proto import tandem_pb2_grpc as pb_grpc
 from service.cli import OPENMP_SPINS, build_engine_config, build_parser, threading_environment
 from service.metrics import Metrics
 from tests.service.conftest import CHAT, PROMPTS
-
-ROOT = Path(__file__).resolve().parents[2]
-SERVE = [sys.executable, "-m", "service.cli", "serve"]  # this checkout's code, as `tandem serve`
+from tests.service.process_harness import HANG, ROOT, SERVE, serve_env, serve_in_process
 
 
 def _cli(*argv: str) -> tuple[int, str]:
@@ -175,22 +172,36 @@ def _cuda(tmp_path: Path) -> None:
     ("unsupported architecture", ("--model", "{path}"), "unsupported architecture 'FooForCausalLM' (model_type 'foo'); supported: "),
     ("no CUDA", ("--device", "cuda"), "--device cuda: CUDA is not available"),
 ])
-def test_start_up_failures_are_one_line_and_the_traceback_waits_for_debug(tmp_path, case, argv, says):
+def test_start_up_failures_are_one_line_and_the_traceback_waits_for_debug(tmp_path, monkeypatch, capsys, caplog, case,
+                                                                          argv, says):
+    """In this process (each fails before a model is served, so no interpreter need start; serve_in_process); what
+    --log-level debug prints on stderr, a subprocess's own logging, is checked once below."""
     path = {"not a GGUF file": _not_gguf, "unsupported architecture": _unsupported_architecture,
             "no CUDA": _cuda}.get(case, lambda _: None)(tmp_path)
     argv = [a.format(tmp=tmp_path, path=path) for a in argv]
-    base = [*SERVE, "--port", "0", "--http-port", "off", "--metrics-port", "off", *argv]
-    env = {**os.environ, "TANDEM_LOG_LEVEL": ""}
-    # A hang guard, not a time limit: a server that starts instead of failing would otherwise serve forever.
-    quiet = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    mine = [line for line in quiet.stderr.splitlines() if line.startswith("tandem serve:")]
-    assert quiet.returncode == 1 and len(mine) == 1, quiet.stderr
-    assert says.format(tmp=tmp_path) in mine[0] and "Traceback" not in quiet.stderr
+    monkeypatch.delenv("TANDEM_LOG_LEVEL", raising=False)
+    caplog.set_level(logging.DEBUG, logger="tandem.serve")
+    code = serve_in_process(*argv)
+    err = capsys.readouterr().err
+    mine = [line for line in err.splitlines() if line.startswith("tandem serve:")]
+    assert code == 1 and len(mine) == 1, err
+    assert says.format(tmp=tmp_path) in mine[0] and "Traceback" not in err
     if case != "no CUDA":  # found before the engine is built: there is no traceback to show
         assert mine[0].endswith("(the traceback: --log-level debug)")
-        loud = subprocess.run([*base, "--log-level", "debug"], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=900)
-        assert loud.returncode == 1 and "Traceback (most recent call last)" in loud.stderr
+        failed = [r for r in caplog.records if r.getMessage() == "start-up failed"]
+        assert len(failed) == 1 and failed[0].levelno == logging.DEBUG and failed[0].exc_info  # what debug prints
+
+
+def test_the_traceback_of_a_start_up_failure_is_on_stderr_at_debug(tmp_path):
+    """`tandem serve` as a process (its own logging set up by --log-level): the traceback only at debug."""
+    base = [*SERVE, "--port", "0", "--http-port", "off", "--metrics-port", "off", "--model", str(tmp_path / "nope")]
+    # A hang guard, not a time limit: a server that starts instead of failing would otherwise serve forever.
+    loud = subprocess.run([*base, "--log-level", "debug"], cwd=ROOT, env=serve_env(TANDEM_LOG_LEVEL=""),
+                          capture_output=True, text=True, timeout=HANG)
+    assert loud.returncode == 1 and "Traceback (most recent call last)" in loud.stderr, loud.stderr
+    mine = [line for line in loud.stderr.splitlines() if line.startswith("tandem serve:")]
+    assert len(mine) == 1 and f"--model {tmp_path / 'nope'}: no such file or directory" in mine[0], loud.stderr
+    assert not mine[0].endswith("(the traceback: --log-level debug)")  # it is there already
 
 
 def test_threads_flag_and_a_passive_openmp_wait_policy_unless_the_user_chose():

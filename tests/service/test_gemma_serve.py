@@ -5,66 +5,26 @@ model (its GGUF has no template) a chat that stops at `<end_of_turn>`, `--served
 from __future__ import annotations
 
 import asyncio
-import os
-import queue
-import socket
-import subprocess
-import sys
-import threading
-from pathlib import Path
 
 import httpx
 import pytest
 
 from clients import AsyncClient
+from service.cluster import free_port
 from tests.gemma import MAX_TOKENS, check_greedy
 from tests.service.conftest import GUARD_S
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-class _Serve:
-    """`python -m service.cli serve --port 0 ...` from this checkout; address from its 'tandem listening on' line."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", "0", "--http-port", "off",
-                                      "--metrics-port", "off", *args], cwd=ROOT,
-                                     env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout] + [lines.put(None)],
-                         daemon=True).start()
-        output = []
-        while True:
-            line = lines.get(timeout=900)
-            if line is None:
-                raise RuntimeError("tandem serve exited early:\n" + "".join(output))
-            output.append(line)
-            if line.startswith("tandem listening on "):
-                self.address = line.split()[-1]
-                self.output = output
-                return
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.service.process_harness import ServeProcess
 
 
 @pytest.fixture(scope="module")
 def gemma_server(gemma_gguf):
-    http_port = _free_port()
+    http_port = free_port()
     # float32 activations: the greedy check against transformers allows summation order only (tests/gemma.py
     # check_greedy); under the default (`auto`: the K-quants' activations rounded to int8 in decode-only steps, float32
     # in mixed ones) two of the sixteen continuations diverged as this server schedules them.
-    server = _Serve("--model", str(gemma_gguf), "--host", "127.0.0.1", "--http-port", str(http_port),
-                    "--metrics-port", "-1", "--chat-template", "gemma", "--served-model-name", "gemma", "gemma3",
-                    "--cpu-activations", "float32")
+    server = ServeProcess("--model", str(gemma_gguf), "--host", "127.0.0.1", "--http-port", str(http_port),
+                          "--metrics-port", "-1", "--chat-template", "gemma", "--served-model-name", "gemma", "gemma3",
+                          "--cpu-activations", "float32")
     server.http = f"http://127.0.0.1:{http_port}"
     yield server
     server.stop()

@@ -7,7 +7,7 @@ import pytest
 
 from clients import Client
 from tests.hub import GGUF_REPO, TINY_BERT, TINY_LLAMA, TOKEN, FakeHub, build_repos
-from tests.service.test_process import ServeProcess
+from tests.service.process_harness import ServeProcess
 
 FLAGS = ("--embedder", "none", "--tpot-target-ms", "off", "--num-kv-blocks", "64")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from clients import AsyncClient
-from tests.service.test_process import ServeProcess
+from tests.service.process_harness import ServeProcess
 
 CHAT_TOKENS = 48
 # ~6,000 words: cut to the embedded model's 8,192-token context, one LLM-scored pair of ~8,000 tokens. Plain budget

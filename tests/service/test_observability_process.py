@@ -4,7 +4,6 @@ line for a step while the server is still running. The OTEL_* variables are read
 from __future__ import annotations
 
 import json
-import queue
 import re
 import socket
 
@@ -12,7 +11,7 @@ import pytest
 
 from clients import Client
 from service import tracing
-from tests.service.test_process import ServeProcess
+from tests.service.process_harness import ServeProcess
 
 
 @pytest.mark.parametrize(("env", "names"), [
@@ -47,20 +46,6 @@ def test_a_bad_setting_says_what_to_set(monkeypatch) -> None:
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
     with pytest.raises(ValueError, match="no trace exporter 'zipkin' is installed \\(console, otlp or none\\)"):
         tracing.tracer_provider_from_env()
-
-
-def _wait_for(proc: ServeProcess, found) -> str:
-    """The server's output since it started, once `found(output)` holds (read line by line as it is printed; a hang
-    guard, not a time the test relies on)."""
-    while not found("".join(proc.output)):
-        try:
-            line = proc.lines.get(timeout=300)
-        except queue.Empty:
-            raise AssertionError("the server printed no more lines:\n" + "".join(proc.output[-40:])) from None
-        if line is None:
-            raise AssertionError("tandem serve exited:\n" + "".join(proc.output[-40:]))
-        proc.output.append(line)
-    return "".join(proc.output)
 
 
 def _free_port() -> int:
@@ -103,7 +88,7 @@ def test_console_spans_and_a_step_log_written_as_steps_end(served) -> None:
     records = [json.loads(line) for line in served.step_log.read_text().splitlines()]
     assert any(r["decode_tokens"] > 0 for r in records) and any(r["embed_rows"] > 0 for r in records)
     assert served.proc.poll() is None
-    spans = _wait_for(served, lambda out: all(f'"name": "{n}"' in out
+    spans = served.wait_until(lambda out: all(f'"name": "{n}"' in out
                                               for n in ("tandem.generate", "tandem.embed", "tandem.step")))
     assert '"tandem.request.id": "traced"' in spans and '"service.name": "rag-dev"' in spans
 
@@ -120,7 +105,7 @@ def test_the_access_log_names_the_model_asked_for_and_why_a_request_failed(serve
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="prompt token ids must be integers"):
         client.completions.create(model="", prompt=[10**7], max_tokens=4)
-    out = _wait_for(served, lambda out: "/v1/completions model=" in out)
+    out = served.wait_until(lambda out: "/v1/completions model=" in out)
     lines = {line.split(" model=")[0].split()[-1]: line for line in out.splitlines() if "tandem.access" in line}
     assert "model=all-MiniLM-L6-v2 status=200 finish=stop" in lines["/v1/embeddings"], lines
     assert "model=gpt-4o status=404 finish=rejected reason=\"model 'gpt-4o' is not served" in \

@@ -1,5 +1,5 @@
 """What an operator meets on the first day, through `tandem serve` as a subprocess (issue #38): a taken port stops it
-with one line naming the flag; start-up phases say their size and time; one access-log line per request on both
+with one line naming the flag (checked in this process: it fails before anything loads); start-up phases say their size and time; one access-log line per request on both
 doors; vLLM's metric names and process_* beside tandem's, health paths on the metrics port; a second Ctrl-C stops
 at once, and the last line says how it ended.
 
@@ -8,17 +8,14 @@ health status, the process's exit); a timeout only turns a hang into a failure."
 from __future__ import annotations
 
 import json
+import logging
 import os
-import queue
 import re
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,30 +23,40 @@ from prometheus_client.parser import text_string_to_metric_families
 from clients import AsyncClient, Client
 from service.cli import build_parser
 from service.cluster import free_port
+from tests.service.process_harness import HANG, ROOT, SERVE, ServeProcess, serve_env, serve_in_process
 
-ROOT = Path(__file__).resolve().parents[2]
-SERVE = [sys.executable, "-m", "service.cli", "serve"]  # this checkout's code, as `tandem serve`
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TANDEM_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
-HANG = 900  # a hang guard, never a time limit: start-up on a loaded 2-core machine may take minutes
+LOUD = {"TANDEM_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
+ENV = serve_env(**LOUD)
 ACCESS = re.compile(r" INFO tandem\.access: (\S+) (\S+) model=(.+?) status=(\S+) finish=(\S+) ")
+
+
+class _NoModel:
+    """Stands in for engine.LLMEngine: a port check that came after loading fails the test at once."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        raise AssertionError("the model was loaded before the ports were checked")
 
 
 @pytest.mark.parametrize("door, flag", [("gRPC", "--port"), ("HTTP", "--http-port"),
                                         ("Prometheus metrics", "--metrics-port")])
-def test_a_taken_port_stops_serve_with_one_line_naming_the_port_and_its_flag(door, flag):
+def test_a_taken_port_stops_serve_with_one_line_naming_the_port_and_its_flag(door, flag, monkeypatch, capsys, caplog):
+    # In this process (serve_in_process): the check runs before anything loads, so no interpreter need start.
+    import engine
+
+    monkeypatch.setattr(engine, "LLMEngine", _NoModel)
+    caplog.set_level(logging.INFO)
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         taken = holder.getsockname()[1]
         ports = {"--port": "0", "--http-port": "off", "--metrics-port": "off", flag: str(taken)}
-        argv = [a for pair in ports.items() for a in pair]
-        done = subprocess.run([*SERVE, "--host", "127.0.0.1", *argv], cwd=ROOT, env=ENV, capture_output=True,
-                              text=True, timeout=HANG)
-    mine = [line for line in done.stderr.splitlines() if line.startswith("tandem serve:")]
-    assert done.returncode == 1 and len(mine) == 1, done.stderr
+        code = serve_in_process("--host", "127.0.0.1", *[a for pair in ports.items() for a in pair])
+    err = capsys.readouterr().err
+    mine = [line for line in err.splitlines() if line.startswith("tandem serve:")]
+    assert code == 1 and len(mine) == 1, err
     assert f"cannot listen for {door} on 127.0.0.1:{taken} (Address already in use)" in mine[0]
-    assert f"move it with {flag}" in mine[0] and "Traceback" not in done.stderr
-    assert "loading the model" not in done.stderr  # found before minutes of loading, not after
+    assert f"move it with {flag}" in mine[0] and "Traceback" not in err
+    assert "loading the model" not in caplog.text  # found before minutes of loading, not after
 
 
 def _default_sigint() -> None:
@@ -85,53 +92,21 @@ def test_no_access_log_flag_and_its_variable(monkeypatch):
     assert build_parser().parse_args(["serve"]).no_access_log is True
 
 
-class Served:
-    """`tandem serve` with both doors and the metrics port on free ports; its output lines, as they come."""
-
-    def __init__(self) -> None:
-        self.http_port, self.metrics_port = free_port(), free_port()
-        self.proc = subprocess.Popen(
-            [*SERVE, "--host", "127.0.0.1", "--port", "0", "--http-port", str(self.http_port), "--metrics-port",
-             str(self.metrics_port), "--num-threads", "1", "--max-num-seqs", "4", "--num-kv-blocks", "600",
-             "--drain-timeout", "3600"],
-            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: queue.Queue = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.address = self.wait_for("tandem listening on ").split()[-1]
-        self.http = f"http://127.0.0.1:{self.http_port}"
-        self.metrics = f"http://127.0.0.1:{self.metrics_port}"
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def wait_for(self, text: str) -> str:
-        while True:
-            line = self.lines.get(timeout=HANG)
-            if line is None:
-                raise AssertionError(f"tandem serve exited before {text!r}:\n" + "\n".join(self.output))
-            self.output.append(line)
-            if text in line:
-                return line
-
-    def rest(self) -> list[str]:
-        """Every line up to the end of the output (the process has exited)."""
-        self.output += [line for line in iter(lambda: self.lines.get(timeout=HANG), None)]
-        return self.output
-
-    def access_lines(self) -> list[re.Match]:
-        return [m for line in self.output if (m := ACCESS.search(line))]
+def _access_lines(served: ServeProcess) -> list[re.Match]:
+    return [m for line in served.output if (m := ACCESS.search(line))]
 
 
 @pytest.fixture(scope="module")
 def served():
-    server = Served()
+    """`tandem serve` with both doors and the metrics port on free ports."""
+    http_port, metrics_port = free_port(), free_port()
+    server = ServeProcess("--host", "127.0.0.1", "--http-port", str(http_port), "--metrics-port", str(metrics_port),
+                          "--num-threads", "1", "--max-num-seqs", "4", "--num-kv-blocks", "600", "--drain-timeout",
+                          "3600", env=LOUD)
+    server.http = f"http://127.0.0.1:{http_port}"
+    server.metrics = f"http://127.0.0.1:{metrics_port}"
     yield server
-    if server.proc.poll() is None:
-        server.proc.kill()
-    server.proc.wait(60)
+    server.stop()
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
@@ -152,7 +127,7 @@ def _get(url: str) -> tuple[int, str]:
 
 
 def test_start_up_phases_say_their_size_and_time_taken(served):
-    said = "\n".join(served.output)
+    said = served.text
     assert re.search(r"loading the model \(embedded SmolLM2-135M-Instruct\) \([\d,]+ MB\): started", said), said
     assert re.search(r"loading the model \(embedded SmolLM2-135M-Instruct\): done in [\d.]+ s", said), said
 
@@ -166,9 +141,9 @@ def test_one_access_log_line_per_request_on_both_doors(served):
     assert _post(served.http + "/rerank", {"query": "capital of France", "texts": ["Paris", "Bananas"]})[0] == 200
     status, body = _post(served.http + "/v1/completions", {"prompt": "Hi", "max_tokens": 1_000_000})
     assert status == 400, body
-    while len(served.access_lines()) < 5:
+    while len(_access_lines(served)) < 5:
         served.wait_for("tandem.access")
-    lines = [m.groups() for m in served.access_lines()]
+    lines = [m.groups() for m in _access_lines(served)]
     # each line names the model that served it: the LLM for generation, the embedder for a dense rerank (the default)
     llm, scorer = lines[0][2], lines[1][2]
     assert llm == "SmolLM2-135M-Instruct" and scorer == "all-MiniLM-L6-v2"
@@ -201,7 +176,7 @@ def test_vllm_metric_names_process_metrics_and_health_paths_on_the_metrics_port(
 
 
 async def test_ctrl_c_drains_and_a_second_ctrl_c_stops_at_once_saying_how_it_ended(served):
-    before = len(served.access_lines())
+    before = len(_access_lines(served))
     async with AsyncClient(served.address, max_retries=0) as client:
         # Cannot end on its own (EOS ignored, thousands of tokens) and --drain-timeout is an hour: only the second
         # Ctrl-C ends it.
@@ -217,7 +192,7 @@ async def test_ctrl_c_drains_and_a_second_ctrl_c_stops_at_once_saying_how_it_end
     assert last.finish_reason == "abort"
     assert served.proc.wait(HANG) == 0
     output = served.rest()
-    assert "second SIGINT: aborting 1 in-flight requests and stopping now" in "\n".join(output)
-    assert output[-1].endswith("tandem serve stopped (second SIGINT): drained 0 requests, aborted 1"), output[-5:]
-    assert len(served.access_lines()) == before + 1  # the aborted request has its line too
-    assert served.access_lines()[-1].group(5) == "abort"
+    assert "second SIGINT: aborting 1 in-flight requests and stopping now" in "".join(output)
+    assert output[-1].rstrip("\n").endswith("tandem serve stopped (second SIGINT): drained 0 requests, aborted 1"), output[-5:]
+    assert len(_access_lines(served)) == before + 1  # the aborted request has its line too
+    assert _access_lines(served)[-1].group(5) == "abort"

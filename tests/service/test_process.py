@@ -3,13 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import grpc
@@ -19,41 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients import AsyncClient, TandemError
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
+from tests.service.process_harness import ROOT, ServeProcess
 
-ROOT = Path(__file__).resolve().parents[2]
 TANDEM = str(Path(sys.executable).parent / "tandem")
 PROMPT = "Tell me a long story about a lighthouse keeper."
-
-
-class ServeProcess:
-    """`tandem serve --port 0` in a subprocess; address parsed from its 'tandem listening on' line."""
-
-    def __init__(self, *args: str, env: dict[str, str]) -> None:
-        # PYTHONPATH: this checkout's code even where the venv's editable install points at another one.
-        self.proc = subprocess.Popen([TANDEM, "serve", "--port", "0", "--http-port", "off", "--metrics-port", "0",
-                                      *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.output: list[str] = []
-        while True:
-            line = self.lines.get(timeout=900)  # a hang guard: start-up is a state awaited
-            if line is None:
-                raise RuntimeError("tandem serve exited early:\n" + "".join(self.output))
-            self.output.append(line)
-            if line.startswith("tandem listening on "):
-                self.address = line.split()[-1]
-                return
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +124,7 @@ async def test_sigterm_drains_in_flight_work_refuses_new_work_and_exits_zero(ser
     assert sum(len(d.token_ids) for d in deltas) == 48
     assert holder.finish_reason == pb.FINISH_REASON_ABORT and holder.usage.completion_tokens < 2048 - 64
     assert serve_proc.proc.wait(120) == 0
-    said = "".join(serve_proc.output) + "".join(iter(serve_proc.lines.get, None))
+    said = "".join(serve_proc.rest())
     # Start-up said where traces and metrics go; the first signal said how to force the stop, the second did.
     assert "tracing off: set OTEL_TRACES_EXPORTER=console" in said and "Prometheus metrics" in said
     assert "Press Ctrl-C again (or send SIGTERM again) to abort them and stop now" in said
