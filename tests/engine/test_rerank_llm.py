@@ -160,31 +160,40 @@ def test_ranked_results_honour_top_n_and_return_documents(llm):
 
 
 def test_rerank_job_shares_steps_with_running_decodes(llm):
+    """A job of many pairs is spread over many steps beside four decoding generations: none of their steps is skipped
+    while it runs, their tokens are the ones they get alone, and no step passes the budget. Sized so the whole job runs
+    while the generations decode (24 pairs of ~30 tokens at rerank_share 0.5 of a 128-token step: ~12 steps, against
+    their 32 tokens), so every step the job rides in is one where a skipped decode would show; 200 pairs (the old
+    size) spent ~50 more steps scoring alone after the decodes ended, which tested nothing more."""
     prompts = [f"List facts about planet number {i}:" for i in range(4)]
-    gen = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    max_tokens = 32
+    gen = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     solo = [o.token_ids for o in llm.generate(prompts, gen)]
 
-    eng = make_llm(max_num_batched_tokens=128).engine
-    records = []
-    eng.add_observer(records.append)
+    shared = make_llm(max_num_batched_tokens=128)
+    eng = shared.engine
+    records = record_steps(shared)
     for i, p in enumerate(prompts):
         eng.add_request(f"g{i}", p, gen)
     outs = eng.step()  # prefill the generations
-    docs = [f"Document {i}: bees, {'flowers ' * (i % 7)}and honey." for i in range(200)]
+    docs = [f"Document {i}: bees, {'flowers ' * (i % 7)}and honey." for i in range(24)]
     eng.add_rerank("job", QUERY, docs)
     while eng.has_unfinished():
         outs.extend(eng.step())
     tokens = {f"g{i}": [t for o in outs if o.request_id == f"g{i}" for t in o.new_token_ids] for i in range(4)}
     scores = next(o.scores for o in outs if o.request_id == "job")
     assert [tokens[f"g{i}"] for i in range(4)] == solo
-    assert scores is not None and len(scores) == 200 and all(0.0 <= s <= 1.0 for s in scores)
+    assert scores is not None and len(scores) == len(docs) and all(0.0 <= s <= 1.0 for s in scores)
     job_steps = [r for r in records if "job" in r.request_ids]
     assert len(job_steps) > 5  # the job was spread over many steps
+    last_decode = {g: _finish_step(records, g) for g in tokens}  # the step that decoded each one's last token
+    assert _finish_step(records, "job") < min(last_decode.values())  # as sized: the job ends while all decode
     live = [r for r in job_steps if r.rerank_pairs and len(r.decode_request_ids) > 0]
     assert live, "no step held decode tokens and rerank pairs together"
     for r in job_steps:
-        still_running = [g for g in tokens if len(tokens[g]) < 48 and r.step < _finish_step(records, g)]
-        assert set(still_running) <= set(r.decode_request_ids), f"step {r.step} skipped a decode"
+        # (the old check also asked len(tokens[g]) < 48 of the final token lists, always false: it never ran)
+        still_running = [g for g in tokens if r.step <= last_decode[g]]
+        assert still_running and set(still_running) <= set(r.decode_request_ids), f"step {r.step} skipped a decode"
     assert max(r.budget_used for r in records) <= 128
 
 

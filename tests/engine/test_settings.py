@@ -52,7 +52,9 @@ def test_the_variables_reach_the_model_when_the_engine_is_built(monkeypatch, tmp
     for name, value in {"TANDEM_KERNELS": "torch", "TANDEM_FUSED_OPS": "0", "TANDEM_QUANT_SMALL_M": "3",
                         "TANDEM_CACHE_DIR": str(cache)}.items():
         monkeypatch.setenv(name, value)
-    llm = make_llm(num_kv_blocks=32)  # the embedded GGUF blocks: the quantized matmuls take the CPU path's settings
+    # Fresh (not shared): built under the variables above. The embedded GGUF blocks: the quantized matmuls take the CPU
+    # path's settings.
+    llm = make_llm(num_kv_blocks=32, fresh=True)
     model = llm.engine.model
     assert model.kernels == "torch" and not isinstance(model.ops, FusedOps) and model.walker is None
     assert model.cpu_path.small_m == 3 and llm.engine.narrow_rows == 3  # the model's path, not the process's
