@@ -21,7 +21,7 @@ Workloads (the same requests on every system):
   TEI-shaped `/rerank` (tandem's, or the embedding server's); the window is the reranks' run.
 * W2: the chats, and --embed-clients processes each sending `/v1/embeddings` of --batch texts back to back for
   --seconds; texts/s over that window.
-* W5 (--w5): one chat in a loop beside one rerank of --w5-docs documents; W6: the whole run with --model a Q4_K_M
+* W5 (--w5, or --only-w5 without W1/W2): one chat in a loop beside one rerank of --w5-docs documents; W6: the whole run with --model a Q4_K_M
   GGUF file (Gemma 3 270M), served by tandem and llama-server alike.
 * Each kind also runs alone on the same system (chats alone, reranks alone, embeddings alone): every figure is a ratio
   to that.
@@ -315,12 +315,14 @@ def _system_phases(name: str, args, prompts, jobs, texts, solo_p50_ms: float | N
             procs.append(embed)
             chat_url, scorer = chat.url, embed
             info["servers"] = f"{chat_name} + {embed_name}" + (" (pinned half and half)" if pinned else "")
-        phases = {"chats_alone": _phase(chat_url, scorer, args, prompts, jobs, texts),
-                  "reranks_alone": _phase(None, scorer, args, prompts, jobs, texts, reranks=True),
-                  "embeds_alone": _phase(None, scorer, args, prompts, jobs, texts, embeds=True),
-                  "W1": _phase(chat_url, scorer, args, prompts, jobs, texts, reranks=True),
-                  "W2": _phase(chat_url, scorer, args, prompts, jobs, texts, embeds=True)}
-        if args.w5:  # one chat beside one big rerank, each also alone
+        phases = {}
+        if not args.only_w5:
+            phases = {"chats_alone": _phase(chat_url, scorer, args, prompts, jobs, texts),
+                      "reranks_alone": _phase(None, scorer, args, prompts, jobs, texts, reranks=True),
+                      "embeds_alone": _phase(None, scorer, args, prompts, jobs, texts, embeds=True),
+                      "W1": _phase(chat_url, scorer, args, prompts, jobs, texts, reranks=True),
+                      "W2": _phase(chat_url, scorer, args, prompts, jobs, texts, embeds=True)}
+        if args.w5 or args.only_w5:  # one chat beside one big rerank, each also alone
             one, big = prompts[:1], [(jobs[0][0], [texts[i % len(texts)] for i in range(args.w5_docs)])]
             phases |= {"W5_chat_alone": _phase(chat_url, scorer, args, one, big, texts),
                        "W5_rerank_alone": _phase(None, scorer, args, one, big, texts, reranks=True),
@@ -335,15 +337,18 @@ def _system_phases(name: str, args, prompts, jobs, texts, solo_p50_ms: float | N
 
 def ratios(phases: dict) -> dict:
     """Each kind beside the others as a ratio to itself alone on the same system."""
-    solo, w1, w2 = phases["chats_alone"], phases["W1"], phases["W2"]
-    return {"W1_chat_p99_x": w1["tpot_p99_ms"] / solo["tpot_p99_ms"],
-            "W1_rerank_p50_x": w1["rerank_p50_s"] / phases["reranks_alone"]["rerank_p50_s"],
-            "W2_chat_tokens_x": w2["chat_tokens_per_s"] / solo["chat_tokens_per_s"],
-            "W2_chat_p99_x": w2["tpot_p99_ms"] / solo["tpot_p99_ms"],
-            "W2_embed_rate_x": w2["texts_per_s"] / phases["embeds_alone"]["texts_per_s"]} | (
-        {"W5_chat_p90_x": phases["W5"]["tpot_p90_ms"] / phases["W5_chat_alone"]["tpot_p90_ms"],
-         "W5_rerank_x": phases["W5"]["rerank_p50_s"] / phases["W5_rerank_alone"]["rerank_p50_s"]}
-        if "W5" in phases else {})
+    out = {}
+    if "W1" in phases:
+        solo, w1, w2 = phases["chats_alone"], phases["W1"], phases["W2"]
+        out = {"W1_chat_p99_x": w1["tpot_p99_ms"] / solo["tpot_p99_ms"],
+               "W1_rerank_p50_x": w1["rerank_p50_s"] / phases["reranks_alone"]["rerank_p50_s"],
+               "W2_chat_tokens_x": w2["chat_tokens_per_s"] / solo["chat_tokens_per_s"],
+               "W2_chat_p99_x": w2["tpot_p99_ms"] / solo["tpot_p99_ms"],
+               "W2_embed_rate_x": w2["texts_per_s"] / phases["embeds_alone"]["texts_per_s"]}
+    if "W5" in phases:
+        out |= {"W5_chat_p90_x": phases["W5"]["tpot_p90_ms"] / phases["W5_chat_alone"]["tpot_p90_ms"],
+                "W5_rerank_x": phases["W5"]["rerank_p50_s"] / phases["W5_rerank_alone"]["rerank_p50_s"]}
+    return out
 
 
 def _commit() -> str:
@@ -373,6 +378,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default=None, help="W6: a GGUF file both tandem and llama-server serve (default: the "
                     "embedded SmolLM2)")
     ap.add_argument("--w5", action="store_true", help="W5 too: one chat beside one --w5-docs-document rerank")
+    ap.add_argument("--only-w5", action="store_true", help="W5 alone (its phases only; tandem_T then skips: it "
+                    "takes T from the chats-alone phase)")
     ap.add_argument("--w5-docs", type=int, default=1000)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "pipeline.json")
@@ -401,7 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             got["ratios"] = ratios(got["phases"])
             result["runs"].setdefault(name, []).append(got)
-            if name == "tandem":
+            if name == "tandem" and "chats_alone" in got["phases"]:
                 solo_p50 = got["phases"]["chats_alone"]["tpot_p50_ms"]
             print(f"run {run} {name}: {json.dumps(got['ratios'])}", file=sys.stderr, flush=True)
     result["median"] = {name: {k: statistics.median(r["ratios"][k] for r in runs) for k in runs[0]["ratios"]}
