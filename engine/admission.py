@@ -14,7 +14,9 @@ Two policies:
   rows of the model's narrow path, / decode_share); under a fixed `tpot_target_s` what T (less the model's margin, as
   the cadence guard scales it) leaves beside the decodes (a T the decodes alone break: the automatic share). One rule
   splits that time among the kinds that wait (prompts, LLM-scored pairs, cross-encoder pairs, embedding rows) by
-  weight (`weights`, halved per priority level below the most urgent waiting one): each kind's owed seconds, plus
+  weight (`weights`, halved per priority level below the most urgent waiting one; under the automatic shares the
+  chats' prompts are the chats' own time: the scoring kinds split all of it among themselves, and the prompts'
+  weight's part comes on top of T): each kind's owed seconds, plus
   what the ledger saved for it, buy its tokens as the step-time model prices them; then each may take what the
   others left (work-conserving). The ledger keeps, per waiting kind, the time it was owed and could not use, up to
   the price of its least unit: a unit bigger than a step's share (a cross-encoder pair, an encoder stage) rides once
@@ -245,10 +247,21 @@ class LatencyAdmission(AdmissionPolicy):
         best = min((w.priority for w in held), default=0)
         weight = {w.kind: self.weights[w.kind] * 0.5 ** min(w.priority - best, 30) for w in held}
         total = sum(weight.values())
+        # Under the automatic shares the chats' prompts are the chats' own time: a chat waiting to join is already a
+        # decode row of T, and its prompt's weight of the others' time comes on top of T rather than out of the
+        # scoring kinds' share (which they split by weight among themselves). Under a user's T every kind fits in it.
+        scoring = total - weight.get(TokenKind.PREFILL, 0.0)
+        chats_own = (self.tpot_target_s is None or not feasible) and scoring > 0
+
+        def share(kind: TokenKind) -> float:
+            return free * weight[kind] / (scoring if chats_own and kind is not TokenKind.PREFILL else total)
+
         base = self.model.predict(view.shape)
-        owed = tuple(Owed(w.kind, free * weight[w.kind] / total, self.model.predict(_plus(view.shape, w.kind, w.least))
-                          - base) for w in held)
+        owed = tuple(Owed(w.kind, share(w.kind), self.model.predict(_plus(view.shape, w.kind, w.least)) - base)
+                     for w in held)
         owed_of = {o.kind: o for o in owed}
+        if chats_own and TokenKind.PREFILL in owed_of:
+            limit += owed_of[TokenKind.PREFILL].seconds
         got: dict[TokenKind, int] = {}  # tokens granted per kind, in the order the scheduler fills them
         # kinds with the most saved first: a unit saved for rides before the others' shares fill the step
         for w in sorted(held, key=lambda w: -self.credit.get(w.kind, 0.0)):

@@ -232,6 +232,39 @@ def test_with_a_share_set_the_scoring_rows_get_that_share_of_a_long_run(decode_s
     assert not all(r.status.finished for r in rows)  # still a flood: the share, not the whole step
 
 
+def test_under_the_automatic_target_a_chats_prompt_comes_on_top_of_the_scoring_share():
+    """Under the automatic target a chat's prompt is the chats' own time (the chat waiting to join is already a decode
+    row of T): while a late chat's 400-token prompt is chunked beside 4 decodes, the embedding flood still gets all
+    the time T leaves beside the decodes, as with no prompt waiting (not half of it, as two kinds of equal weight),
+    and the prompt its weight's part of that time on top, every step until it is done."""
+    prices = {**TRUE, "embed_forward": 0.001, "embed_tokens": 0.0001}
+    policy = LatencyAdmission(model=LinearStepTime(prices))
+    sim, rows = embed_flood_beside_chats(policy, prices, 1000, max_tokens=300)
+    for _ in range(10):
+        sim.step()
+    late = sim.add("late", toks(400, 7000), max_tokens=2)
+    during, taken = [], []
+    while late.num_output_tokens == 0:
+        batch = sim.step()
+        n = sum(k for s, k in zip(batch.seqs, batch.num_new_tokens) if s is late)
+        if n and late.num_output_tokens == 0:  # a chunk, not the last
+            during.append(len(sim.batches) - 1)
+            taken.append(n)
+    assert len(during) >= 5 and all(taken)
+    true = sim.true
+    embed_s = free_s = 0.0
+    for i in during:
+        batch = sim.batches[i]
+        shape = StepShape.of_batch(batch)
+        decodes = StepShape(shape.decode_rows, shape.decode_context_tokens)
+        assert shape.decode_rows == 4
+        embed_s += true.predict(replace(decodes, embed_tokens=shape.embed_tokens)) - true.predict(decodes)
+        free_s += batch.target_s - true.predict(decodes)
+        assert sim.predicted[i] > batch.target_s  # the prompt rode on top of T
+    assert embed_s / free_s == pytest.approx(1.0, rel=0.1)
+    assert not all(r.status.finished for r in rows)  # still a flood: the share, not the whole step
+
+
 def test_with_nothing_else_waiting_a_kind_takes_the_whole_step():
     """Work-conserving: with decodes and no other kind waiting, embedding rows take the whole share the step leaves
     (with no decodes at all, any kind takes the whole budget: the test above with no decodes)."""
