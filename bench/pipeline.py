@@ -237,6 +237,29 @@ def _embed_server(args, cores: str | None, threads: int) -> tuple[Proc, str]:
 # ---- phases -----------------------------------------------------------------------------------------------------------
 
 
+class ClientDied(RuntimeError):
+    """A client process exited without its report (its traceback is on stderr)."""
+
+
+def _next_report(out, procs: list) -> tuple:
+    """The next (kind, data) a client put on `out`; a client that died without putting its report (a request that
+    raised: a peer's 4xx/5xx, a dropped connection) fails the phase instead of leaving it waiting for ever."""
+    import queue
+
+    while True:
+        try:
+            return out.get(timeout=1.0)
+        except queue.Empty:
+            _check_alive(procs)
+
+
+def _check_alive(procs: list) -> None:
+    dead = [p for p in procs if p.exitcode not in (None, 0)]
+    if dead:
+        raise ClientDied(f"client process(es) {[p.name for p in dead]} exited with {[p.exitcode for p in dead]} "
+                         f"before reporting (the traceback is above)")
+
+
 def _phase(chat_url: str | None, scorer: Proc, args, prompts, jobs, texts, *, reranks: bool = False,
            embeds: bool = False) -> dict:
     """One phase: chats (if chat_url), and reranks or an embedding flood beside them (or alone); the figures."""
@@ -256,20 +279,21 @@ def _phase(chat_url: str | None, scorer: Proc, args, prompts, jobs, texts, *, re
     for p in procs:
         p.start()
     if chat_url:
-        ready.wait()
+        while not ready.wait(1.0):
+            _check_alive(procs)
     t0 = time.monotonic()
     results: dict[str, list] = {"embeds": []}
     if reranks:
-        kind, spans = out.get()
+        kind, spans = _next_report(out, procs)
         while kind != "reranks":  # (only the reranks report before stop)
-            kind, spans = out.get()
+            kind, spans = _next_report(out, procs)
         results["reranks"] = spans
     else:
         time.sleep(args.seconds)  # a fixed window of chats and/or an embedding flood (a benchmark, not a test)
     t1 = time.monotonic()
     stop.set()
     for _ in range(len(procs) - (1 if reranks else 0)):
-        kind, data = out.get()
+        kind, data = _next_report(out, procs)
         results[kind] = data if kind != "embeds" else results["embeds"] + data
     for p in procs:
         p.join()

@@ -14,3 +14,18 @@ def test_ratios_divide_each_kind_beside_the_others_by_itself_alone():
     got = ratios(phases)
     assert got == pytest.approx({"W1_chat_p99_x": 1.4, "W1_rerank_p50_x": 4.0, "W2_chat_tokens_x": 0.75,
                                  "W2_chat_p99_x": 1.2, "W2_embed_rate_x": 0.25})
+
+
+def test_a_client_that_dies_fails_the_phase_instead_of_hanging_it():
+    """The rerank client's request fails (nothing listens on the port), so its process exits without a report: the
+    phase raises, naming it, where it used to wait on the queue for ever (a split run's W5 hung so)."""
+    from types import SimpleNamespace
+
+    from bench.pipeline import ClientDied, _phase
+    from service.cluster import free_port
+
+    scorer = SimpleNamespace(url=f"http://127.0.0.1:{free_port()}", embed_path="/v1/embeddings",
+                             rerank_by_embedding=False)
+    args = SimpleNamespace(max_tokens=4, batch=2, embed_clients=1, seconds=0.1)
+    with pytest.raises(ClientDied, match="exited with"):
+        _phase(None, scorer, args, [], [("q", ["a", "b"])], ["a"], reranks=True)
