@@ -21,7 +21,9 @@ Workloads (the same requests on every system):
   TEI-shaped `/rerank` (tandem's, or the embedding server's); the window is the reranks' run.
 * W2: the chats, and --embed-clients processes each sending `/v1/embeddings` of --batch texts back to back for
   --seconds; texts/s over that window.
-* W5 (--w5, or --only-w5 without W1/W2): one chat in a loop beside one rerank of --w5-docs documents; W6: the whole run with --model a Q4_K_M
+* W5 (--w5, or --only-w5 without W1/W2): one chat in a loop beside one rerank of --w5-docs documents, and beside
+  one --w5-long-words-word document with max_chunks_per_doc --w5-chunks (Cohere's `/v1/rerank`; the split's client
+  cuts it into as many runs of words and takes the best); W6: the whole run with --model a Q4_K_M
   GGUF file (Gemma 3 270M), served by tandem and llama-server alike.
 * Each kind also runs alone on the same system (chats alone, reranks alone, embeddings alone): every figure is a ratio
   to that.
@@ -119,10 +121,20 @@ def _chat_client(url: str, prompts: list[str], max_tokens: int, ready, stop, out
         print(f"chat client: {dropped[0]} requests dropped by the server and sent again", file=sys.stderr, flush=True)
 
 
-def _rerank_client(url: str, embed_path: str | None, jobs: list[tuple[str, list[str]]], wait, out) -> None:
+def chunk_words(doc: str, chunks: int) -> list[str]:
+    """`doc` cut into `chunks` runs of whole words, as even as words allow (the split's client-side windows)."""
+    words = doc.split()
+    step = -(-len(words) // chunks)
+    return [" ".join(words[i:i + step]) for i in range(0, len(words), step)]
+
+
+def _rerank_client(url: str, embed_path: str | None, jobs: list[tuple[str, list[str]]], wait, out,
+                   max_chunks: int | None = None) -> None:
     """The reranks one after another (after `wait`, when given): (start, end) of each. `embed_path` None: TEI's
-    `/rerank`; else the server only embeds (Infinity with an embedding model): the query and documents are embedded in
-    one request there and ranked by cosine here, as a split deployment's client would."""
+    `/rerank` (with `max_chunks`: Cohere's `/v1/rerank` with `max_chunks_per_doc`, a long document scored as its best
+    window); else the server only embeds (Infinity with an embedding model): the query and documents are embedded in
+    one request there and ranked by cosine here, as a split deployment's client would (with `max_chunks`: each
+    document cut into that many runs of words here, scored as its best run)."""
     import httpx
     import numpy as np
 
@@ -132,16 +144,27 @@ def _rerank_client(url: str, embed_path: str | None, jobs: list[tuple[str, list[
     with httpx.Client(timeout=600) as http:
         for query, docs in jobs:
             t0 = time.monotonic()
-            if embed_path is None:
+            if embed_path is None and max_chunks is None:
                 r = http.post(f"{url}/rerank", json={"query": query, "texts": docs})
                 r.raise_for_status()
                 assert len(r.json()) == len(docs)
+            elif embed_path is None:
+                r = http.post(f"{url}/v1/rerank", json={"query": query, "documents": docs,
+                                                        "max_chunks_per_doc": max_chunks})
+                r.raise_for_status()
+                assert len(r.json()["results"]) == len(docs)
             else:
-                r = http.post(f"{url}{embed_path}", json={"input": [query, *docs]})
+                pieces = [chunk_words(d, max_chunks) if max_chunks else [d] for d in docs]
+                flat = [p for ps in pieces for p in ps]
+                r = http.post(f"{url}{embed_path}", json={"input": [query, *flat]})
                 r.raise_for_status()
                 v = np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
                 v /= np.linalg.norm(v, axis=1, keepdims=True)
-                order = np.argsort(-(v[1:] @ v[0]))
+                sims, scores, at = v[1:] @ v[0], [], 0
+                for ps in pieces:
+                    scores.append(float(sims[at:at + len(ps)].max()))
+                    at += len(ps)
+                order = np.argsort(-np.array(scores))
                 assert len(order) == len(docs)
             spans.append((t0, time.monotonic()))
     out.put(("reranks", spans))
@@ -162,6 +185,16 @@ def _embed_client(url: str, embed_path: str, texts: list[str], batch: int, wait,
             r.raise_for_status()
             done.append((time.monotonic(), len(r.json()["data"])))
     out.put(("embeds", done))
+
+
+def long_document(texts: list[str], words: int) -> str:
+    """A document of `words` words, the bench's texts one after another (repeated as needed)."""
+    out: list[str] = []
+    i = 0
+    while len(out) < words:
+        out += texts[i % len(texts)].split()
+        i += 1
+    return " ".join(out[:words])
 
 
 # ---- servers ----------------------------------------------------------------------------------------------------------
@@ -261,7 +294,7 @@ def _check_alive(procs: list) -> None:
 
 
 def _phase(chat_url: str | None, scorer: Proc, args, prompts, jobs, texts, *, reranks: bool = False,
-           embeds: bool = False) -> dict:
+           embeds: bool = False, max_chunks: int | None = None) -> dict:
     """One phase: chats (if chat_url), and reranks or an embedding flood beside them (or alone); the figures."""
     ctx = mp.get_context("spawn")
     out, ready, stop = ctx.Queue(), ctx.Event(), ctx.Event()
@@ -271,7 +304,7 @@ def _phase(chat_url: str | None, scorer: Proc, args, prompts, jobs, texts, *, re
     wait = ready if chat_url else None
     if reranks:
         procs.append(ctx.Process(target=_rerank_client, args=(
-            scorer.url, scorer.embed_path if scorer.rerank_by_embedding else None, jobs, wait, out)))
+            scorer.url, scorer.embed_path if scorer.rerank_by_embedding else None, jobs, wait, out, max_chunks)))
     if embeds:
         procs += [ctx.Process(target=_embed_client, args=(scorer.url, scorer.embed_path, texts, args.batch, wait, stop,
                                                           out))
@@ -348,9 +381,16 @@ def _system_phases(name: str, args, prompts, jobs, texts, solo_p50_ms: float | N
                       "W2": _phase(chat_url, scorer, args, prompts, jobs, texts, embeds=True)}
         if args.w5 or args.only_w5:  # one chat beside one big rerank, each also alone
             one, big = prompts[:1], [(jobs[0][0], [texts[i % len(texts)] for i in range(args.w5_docs)])]
+            # and beside a long document (--w5-long-words words) cut into up to --w5-chunks windows, sent
+            # --w5-long-reranks times one after another (one request a time, as W5 says; several for a median)
+            long = [(jobs[0][0], [long_document(texts, args.w5_long_words)])] * args.w5_long_reranks
             phases |= {"W5_chat_alone": _phase(chat_url, scorer, args, one, big, texts),
                        "W5_rerank_alone": _phase(None, scorer, args, one, big, texts, reranks=True),
-                       "W5": _phase(chat_url, scorer, args, one, big, texts, reranks=True)}
+                       "W5": _phase(chat_url, scorer, args, one, big, texts, reranks=True),
+                       "W5_long_rerank_alone": _phase(None, scorer, args, one, long, texts, reranks=True,
+                                                      max_chunks=args.w5_chunks),
+                       "W5_long": _phase(chat_url, scorer, args, one, long, texts, reranks=True,
+                                         max_chunks=args.w5_chunks)}
         if name == "tandem_T":
             info["T_ms"] = args.t_factor * solo_p50_ms
         return info | {"phases": phases}
@@ -372,6 +412,10 @@ def ratios(phases: dict) -> dict:
     if "W5" in phases:
         out |= {"W5_chat_p90_x": phases["W5"]["tpot_p90_ms"] / phases["W5_chat_alone"]["tpot_p90_ms"],
                 "W5_rerank_x": phases["W5"]["rerank_p50_s"] / phases["W5_rerank_alone"]["rerank_p50_s"]}
+    if "W5_long" in phases:
+        out |= {"W5_long_chat_p90_x": phases["W5_long"]["tpot_p90_ms"] / phases["W5_chat_alone"]["tpot_p90_ms"],
+                "W5_long_rerank_x": phases["W5_long"]["rerank_p50_s"]
+                / phases["W5_long_rerank_alone"]["rerank_p50_s"]}
     return out
 
 
@@ -405,11 +449,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--only-w5", action="store_true", help="W5 alone (its phases only; tandem_T then skips: it "
                     "takes T from the chats-alone phase)")
     ap.add_argument("--w5-docs", type=int, default=1000)
+    ap.add_argument("--w5-long-words", type=int, default=6000, help="W5's long document, in words")
+    ap.add_argument("--w5-chunks", type=int, default=32, help="its max_chunks_per_doc")
+    ap.add_argument("--w5-long-reranks", type=int, default=3, help="how many times it is sent, one after another")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "pipeline.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.runs, args.chats, args.max_tokens, args.reranks, args.docs, args.seconds = 1, 2, 8, 2, 4, 3.0
+        args.w5_docs, args.w5_long_words, args.w5_chunks, args.w5_long_reranks = 20, 600, 4, 1
     from bench.http import chat_prompts
     from bench.mixed_serve import _documents
 

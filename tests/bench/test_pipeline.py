@@ -29,3 +29,21 @@ def test_a_client_that_dies_fails_the_phase_instead_of_hanging_it():
     args = SimpleNamespace(max_tokens=4, batch=2, embed_clients=1, seconds=0.1)
     with pytest.raises(ClientDied, match="exited with"):
         _phase(None, scorer, args, [], [("q", ["a", "b"])], ["a"], reranks=True)
+
+
+def test_w5s_long_document_has_its_words_and_the_splits_windows_cover_it_once():
+    from bench.pipeline import chunk_words, long_document
+
+    doc = long_document(["one two three", "four five"], 11)
+    assert doc.split() == ["one", "two", "three", "four", "five", "one", "two", "three", "four", "five", "one"]
+    pieces = chunk_words(doc, 4)
+    assert len(pieces) == 4 and " ".join(pieces) == doc  # every word once, in order
+    assert max(len(p.split()) for p in pieces) - min(len(p.split()) for p in pieces) <= 2
+
+
+def test_w5_long_is_a_ratio_to_its_own_rerank_alone_and_the_one_chat_alone():
+    phases = {"W5_chat_alone": {"tpot_p90_ms": 10.0}, "W5_rerank_alone": {"rerank_p50_s": 20.0},
+              "W5": {"tpot_p90_ms": 15.0, "rerank_p50_s": 30.0},
+              "W5_long_rerank_alone": {"rerank_p50_s": 2.0}, "W5_long": {"tpot_p90_ms": 12.0, "rerank_p50_s": 2.5}}
+    assert ratios(phases) == pytest.approx({"W5_chat_p90_x": 1.5, "W5_rerank_x": 1.5,
+                                            "W5_long_chat_p90_x": 1.2, "W5_long_rerank_x": 1.25})
