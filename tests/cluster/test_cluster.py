@@ -24,8 +24,10 @@ pytestmark = pytest.mark.skipif(
            "the scale-out tests run replicas behind it")
 
 SYSTEM = {"role": "system", "content": "You are a helpful travel assistant. Answer in one short sentence."}
+# 12 conversations and 12 queries, 8 at a time (20 each before issue #64: 40% of the run for no more coverage): enough
+# that hashing puts some on each replica and round-robin splits some conversation's turns, both asserted below.
 PLACES = ["Lisbon", "Kyoto", "Oslo", "Lima", "Cairo", "Hanoi", "Quebec", "Tbilisi", "Dakar", "Perth",
-          "Bergen", "Cusco", "Seville", "Hobart", "Tallinn", "Oaxaca", "Zanzibar", "Krakow", "Ushuaia", "Luang"]
+          "Bergen", "Cusco"]
 DOCS = ["The museum opens at nine and closes at five on weekdays.",
         "Trains leave the central station every twenty minutes.",
         "Bicycles can be rented near the harbour for a small fee.",
@@ -70,7 +72,7 @@ async def rerank_batches(target: str, tag: str, place: str, batches: int = 3) ->
 
 
 async def workload(target: str, tag: str) -> tuple[list[list[str]], list[list[str]]]:
-    """20 conversations and 20 repeated rerank queries, at most 8 at a time."""
+    """A conversation and a repeated rerank query per place, at most 8 at a time."""
     gate = asyncio.Semaphore(8)
 
     async def bounded(coro):
