@@ -47,3 +47,12 @@ def test_w5_long_is_a_ratio_to_its_own_rerank_alone_and_the_one_chat_alone():
               "W5_long_rerank_alone": {"rerank_p50_s": 2.0}, "W5_long": {"tpot_p90_ms": 12.0, "rerank_p50_s": 2.5}}
     assert ratios(phases) == pytest.approx({"W5_chat_p90_x": 1.5, "W5_rerank_x": 1.5,
                                             "W5_long_chat_p90_x": 1.2, "W5_long_rerank_x": 1.25})
+
+
+def test_embedding_texts_are_counted_by_the_part_of_each_response_inside_the_window():
+    from bench.pipeline import texts_in_window
+
+    responses = [(0.0, 4.0, 32), (4.0, 12.0, 32), (12.0, 20.0, 32), (1.0, 3.0, 8)]
+    # window 2..14: half of the first (16), all of the second (32), a quarter of the third (8), half of the last (4)
+    assert texts_in_window(responses, (2.0, 14.0)) == pytest.approx(16 + 32 + 8 + 4)
+    assert texts_in_window(responses, (20.0, 30.0)) == 0
