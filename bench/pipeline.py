@@ -65,6 +65,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---- clients (each in its own process) ------------------------------------------------------------------------------
 
 
+def _orphaned() -> bool:
+    """True once the bench that started this client is gone (killed): the client stops instead of retrying a dead
+    server in a loop on a core of its own (a killed run left one spinning under the next run)."""
+    parent = mp.parent_process()
+    return parent is not None and not parent.is_alive()
+
+
 def _chat_client(url: str, prompts: list[str], max_tokens: int, ready, stop, out) -> None:
     """len(prompts) streams in a loop until `stop`; sets `ready` once every stream has had a token; puts the token
     arrival times (time.monotonic, one list a request) on `out`."""
@@ -78,7 +85,7 @@ def _chat_client(url: str, prompts: list[str], max_tokens: int, ready, stop, out
     started = [False] * len(prompts)
 
     def loop(i: int) -> None:
-        while not stop.is_set():
+        while not stop.is_set() and not _orphaned():
             try:
                 one(i)
             except httpx.TransportError:  # a server that dropped the connection (llama-server under load): again
@@ -179,7 +186,7 @@ def _embed_client(url: str, embed_path: str, texts: list[str], batch: int, wait,
         wait.wait()
     done, i = [], 0
     with httpx.Client(timeout=600) as http:
-        while not stop.is_set():
+        while not stop.is_set() and not _orphaned():
             chunk = [texts[(i + k) % len(texts)] for k in range(batch)]
             i += batch
             sent = time.monotonic()
