@@ -51,6 +51,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -104,6 +105,8 @@ def _chat_client(url: str, prompts: list[str], max_tokens: int, ready, stop, out
                         r.read()
                         raise RuntimeError(f"{url}/v1/completions: {r.status_code} {r.text[:300]}")
                     for line in r.iter_lines():
+                        if stop.is_set():  # whatever the line (a peer's stream seen trickling non-token lines)
+                            break
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
                         choices = json.loads(line[6:]).get("choices") or [{}]
@@ -232,13 +235,18 @@ class Proc:
         if cores is not None and shutil.which("taskset"):
             cmd = ["taskset", "-c", cores, *cmd]
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        # Its log goes to a file, not a pipe: nobody reads a pipe while the phases run, and llama-server logs every
+        # request, so after a few hundred its 64 KiB pipe buffer filled, its writes blocked and it stopped serving
+        # mid-phase (the split runs that "hung" in W5, this session and the last).
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log, text=True,
                                      env={**os.environ, **(env or {})})
         import httpx
 
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited with {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"{cmd[0]} exited with {self.proc.returncode}: {self.log.read()[-2000:]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return
@@ -253,6 +261,7 @@ class Proc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.log.close()
 
 
 def _tandem(extra: list[str]) -> Proc:
