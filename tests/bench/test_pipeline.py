@@ -1,5 +1,7 @@
-"""bench/pipeline.py's bookkeeping: each kind beside the others as a ratio to itself alone (no server started)."""
+"""bench/pipeline.py's bookkeeping (each kind beside the others as a ratio to itself alone) and its harness."""
 from __future__ import annotations
+
+import sys
 
 import pytest
 
@@ -56,3 +58,40 @@ def test_embedding_texts_are_counted_by_the_part_of_each_response_inside_the_win
     # window 2..14: half of the first (16), all of the second (32), a quarter of the third (8), half of the last (4)
     assert texts_in_window(responses, (2.0, 14.0)) == pytest.approx(16 + 32 + 8 + 4)
     assert texts_in_window(responses, (20.0, 30.0)) == 0
+
+
+_CHATTY_SERVER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path != "/health":  # ready at once; then a request's worth of log, past a pipe's 64 KiB
+            sys.stderr.write("x" * 100_000 + "\\n")
+            sys.stderr.flush()
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_a_server_that_logs_every_request_keeps_serving(tmp_path):
+    """llama-server logs each request to stderr; Proc kept it in a pipe nobody read, so once 64 KiB had piled up its
+    writes blocked and it stopped answering mid-phase. A server writing 100 KB a request answers every one."""
+    import httpx
+
+    from bench.pipeline import Proc
+    from service.cluster import free_port
+
+    script = tmp_path / "chatty.py"
+    script.write_text(_CHATTY_SERVER)
+    port = free_port()
+    proc = Proc([sys.executable, str(script), str(port)], port)
+    try:
+        # a timeout only so a regression fails instead of hanging the suite: a blocked server never answers at all
+        assert all(httpx.get(f"{proc.url}/x", timeout=60).text == "ok" for _ in range(5))
+    finally:
+        proc.stop()
