@@ -472,6 +472,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=20.0, help="the window of the chats-alone and embedding phases")
     ap.add_argument("--t-factor", type=float, default=1.5, help="W4: T = this x the chats' solo p50 on tandem")
+    ap.add_argument("--t-ms", type=float, default=None, help="W4: T itself (e.g. from an earlier run's tandem "
+                    "chats-alone p50), so tandem_T runs without the tandem system first")
     ap.add_argument("--infinity", default=None, help="the infinity_emb command of a venv where Infinity runs (e.g. "
                     "one made with `pip install torch==2.13.0 'infinity-emb[server,torch]==0.0.78'`)")
     ap.add_argument("--tandem-flags", nargs="*", default=[], help="more `tandem serve` flags")
@@ -499,7 +501,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"bench": "pipeline", "host": cpu_identity(), "commit": _commit(), "nproc": os.cpu_count(),
                     "load_1m_start": os.getloadavg()[0], "args": {k: str(v) for k, v in vars(args).items()},
                     "runs": {}, "skipped": {}}
-    solo_p50 = None
+    solo_p50 = args.t_ms / args.t_factor if args.t_ms else None
     for run in range(args.runs):
         for name in args.systems:
             if name == "tandem_T" and solo_p50 is None:
