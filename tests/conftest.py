@@ -38,6 +38,20 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: rank.get(_unit(item), len(rank)))  # stable: files keep their order otherwise
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread_per_worker():
+    """Under `make test`'s two xdist workers on two cores, each worker's torch runs one intra-op thread (set before
+    every test: a test that builds an engine with `num_threads` changes the process's setting for good). Two threads a
+    worker put four on two cores, and each parallel region waited at its barrier for a thread the other worker's had
+    preempted (issue #64). `tandem serve` subprocesses keep their own default; a serial run (TEST_WORKERS=0) keeps
+    torch's."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+    yield
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest-asyncio's hook: a pytest without it (a GPU image's) still starts
 def pytest_asyncio_loop_factories(config, item):
     """Every async test runs on uvloop, the loop the service uses."""
