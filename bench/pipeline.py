@@ -30,7 +30,9 @@ Workloads (the same requests on every system):
 
 Targets (issue #62): W1 chats' p99 TPOT <= 1.5x alone and rerank p50 <= 4x alone; W2 chats >= 0.7x their tokens/s
 alone, p99 <= 1.5x, embeddings >= 0.25x their rate alone; W3 tandem ahead of each split variant on both the chats'
-p99 TPOT and the scoring figure; W4 (tandem_T) chats' p99 <= max(1.25 T, 1.1x solo p99) and rerank p50 <= 4x alone.
+p99 TPOT and the scoring figure; W4 (tandem_T) chats' p99 <= max(1.25 T, 1.1x solo p99) and rerank p50 <= 4x alone;
+W5 the chat's p90 <= 2x alone and each rerank <= 1.3x alone; W6 W1's and W2's targets on the --model file.
+Results on a 2-core AVX2 host: docs/latency-objective.md "Every workload against both splits".
 
     python -m bench.pipeline                 # every system, --runs 3 (about 30 minutes on 2 idle cores)
     python -m bench.pipeline --quick         # small sizes, one run: checks the wiring
