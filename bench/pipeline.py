@@ -41,7 +41,8 @@ Results on a 2-core AVX2 host: docs/latency-objective.md "Every workload against
     python -m bench.step_shares /tmp/steps.jsonl --phases bench/results/pipeline.json   # where each phase's time went
 
 Writes bench/results/pipeline.json (one JSON line: per system, run and phase the raw figures, and the medians over
-runs of the ratios), with the CPU's flags, the commit and the 1-minute load average beside them.
+runs of the ratios), with the CPU's flags, the commit and the 1-minute load average beside them, and prints the table:
+each median against its target (MISS where missed), W4's bound per run, and W3's figures against each split.
 """
 from __future__ import annotations
 
@@ -453,6 +454,51 @@ def ratios(phases: dict) -> dict:
     return out
 
 
+# Each ratio's target (issue #62): (">=" or "<=", bound). W4's p99 bound is absolute (w4_verdicts).
+TARGETS = {"W1_chat_p99_x": ("<=", 1.5), "W1_rerank_p50_x": ("<=", 4.0), "W2_chat_tokens_x": (">=", 0.7),
+           "W2_chat_p99_x": ("<=", 1.5), "W2_embed_rate_x": (">=", 0.25), "W5_chat_p90_x": ("<=", 2.0),
+           "W5_rerank_x": ("<=", 1.3), "W5_long_chat_p90_x": ("<=", 2.0), "W5_long_rerank_x": ("<=", 1.3)}
+# W3: the absolute figures tandem must be ahead on against each split, and which way is ahead.
+W3_FIGURES = {("W1", "tpot_p99_ms"): "lower", ("W1", "rerank_p50_s"): "lower", ("W2", "tpot_p99_ms"): "lower",
+              ("W2", "texts_per_s"): "higher"}
+
+
+def _median_phase(runs: list[dict], phase: str, key: str) -> float | None:
+    vals = [r["phases"][phase][key] for r in runs if key in r["phases"].get(phase, {})]
+    return statistics.median(vals) if vals else None
+
+
+def table(result: dict) -> str:
+    """The medians of every ratio per system beside its target, W4's bound per run and W3's comparison, as text."""
+    systems = list(result["runs"])
+    keys = [k for k in TARGETS if any(k in result["median"][s] for s in systems)]
+    lines = ["target".ljust(28) + "".join(s.rjust(14) for s in systems)]
+    for k in keys:
+        op, bound = TARGETS[k]
+        cells = []
+        for s in systems:
+            v = result["median"][s].get(k)
+            met = v is not None and (v <= bound if op == "<=" else v >= bound)
+            cells.append("" if v is None else f"{v:.2f}x{'' if met else ' MISS'}")
+        lines.append(f"{k} {op} {bound}".ljust(28) + "".join(c.rjust(14) for c in cells))
+    for run in result["runs"].get("tandem_T", []):
+        if "W1" in run["phases"]:
+            bound = max(1.25 * run["T_ms"], 1.1 * run["phases"]["chats_alone"]["tpot_p99_ms"])
+            got = run["phases"]["W1"]["tpot_p99_ms"]
+            lines.append(f"W4 run: W1 chats' p99 {got:.0f} ms <= {bound:.0f} ms: {'met' if got <= bound else 'MISS'}")
+    tandem = result["runs"].get("tandem")
+    for split in (s for s in systems if s.startswith("split") and tandem):
+        parts = []
+        for (phase, key), better in W3_FIGURES.items():
+            ours, theirs = _median_phase(tandem, phase, key), _median_phase(result["runs"][split], phase, key)
+            if ours is not None and theirs is not None:
+                ahead = ours < theirs if better == "lower" else ours > theirs
+                parts.append(f"{phase} {key} {ours:.3g} vs {theirs:.3g} ({'ahead' if ahead else 'behind'})")
+        if parts:
+            lines.append(f"W3 tandem vs {split}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -523,6 +569,8 @@ def main(argv: list[str] | None = None) -> dict:
                         for name, runs in result["runs"].items()}
     result["load_1m_end"] = os.getloadavg()[0]
     write_result(result, args.out)
+    if result["runs"]:
+        print(table(result), flush=True)
     return result
 
 

@@ -95,3 +95,25 @@ def test_a_server_that_logs_every_request_keeps_serving(tmp_path):
         assert all(httpx.get(f"{proc.url}/x", timeout=60).text == "ok" for _ in range(5))
     finally:
         proc.stop()
+
+
+def test_the_printed_table_marks_each_median_against_its_target_and_w3_per_split():
+    from bench.pipeline import table
+
+    def run(w1_p99, rerank, texts):
+        return {"phases": {"chats_alone": {"tpot_p99_ms": 100.0}, "W1": {"tpot_p99_ms": w1_p99, "rerank_p50_s": rerank},
+                           "W2": {"tpot_p99_ms": w1_p99, "texts_per_s": texts}}}
+
+    result = {"runs": {"tandem": [run(120.0, 5.0, 9.0)], "split_pinned": [run(130.0, 2.0, 20.0)],
+                       "tandem_T": [run(130.0, 6.0, 8.0) | {"T_ms": 45.0}]},
+              "median": {"tandem": {"W1_chat_p99_x": 1.2, "W1_rerank_p50_x": 5.4},
+                         "split_pinned": {"W1_chat_p99_x": 1.3, "W1_rerank_p50_x": 1.0},
+                         "tandem_T": {"W1_chat_p99_x": 1.3, "W1_rerank_p50_x": 6.0}}}
+    text = table(result).splitlines()
+    rerank = next(line for line in text if line.startswith("W1_rerank_p50_x"))
+    assert rerank.split()[3:] == ["5.40x", "MISS", "1.00x", "6.00x", "MISS"]
+    assert "MISS" not in next(line for line in text if line.startswith("W1_chat_p99_x"))
+    assert "W4 run: W1 chats' p99 130 ms <= 110 ms: MISS" in text  # max(1.25 x 45, 1.1 x 100)
+    w3 = next(line for line in text if line.startswith("W3 tandem vs split_pinned"))
+    assert "W1 tpot_p99_ms 120 vs 130 (ahead)" in w3 and "W1 rerank_p50_s 5 vs 2 (behind)" in w3
+    assert "W2 texts_per_s 9 vs 20 (behind)" in w3
