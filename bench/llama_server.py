@@ -236,11 +236,14 @@ class LlamaServer:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "LlamaServer":
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # stderr to a file, not a pipe nobody reads while it serves: a full 64 KiB pipe blocks the server's writes
+        # and it stops serving (bench/pipeline.py's split runs hung so)
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         while True:  # wait on the server's own health state, or on its exit
             if self.proc.poll() is not None:
-                raise PeerUnavailable(f"llama-server exited with {self.proc.returncode}: "
-                                      f"{self.proc.stderr.read()[-2000:] if self.proc.stderr else ''}")
+                self.log.seek(0)
+                raise PeerUnavailable(f"llama-server exited with {self.proc.returncode}: {self.log.read()[-2000:]}")
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
                 conn.request("GET", "/health")
@@ -260,6 +263,7 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            self.log.close()
 
     def complete(self, token_ids: list[int], max_tokens: int) -> Completion:
         """Greedy, EOS ignored, streamed; the prompt is sent as token ids (no BOS added, no template applied)."""
