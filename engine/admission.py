@@ -55,6 +55,7 @@ class Waiting:
     unit: int  # its natural unit: a chunk of a prompt or an LLM-scored pair, one stage, a whole pair
     least: int  # the fewest tokens of that head a step can take (a token of a chunked kind, else `unit`)
     tokens: int  # tokens of this kind that could run (what any grant can use at most)
+    deadline: float | None = None  # when that head's request's first result is due (None: it has no deadline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,10 @@ class StepView:
     waiting: tuple[Waiting, ...] = ()  # most urgent first
     wide_budget: int = 0  # a step of embedding rows alone may take this many tokens (max_embed_batch_tokens)
     joining: int = 0  # chats waiting to join the decodes (prompts not done yet), at most the free seats
+    now: float = 0.0  # the clock the deadlines are on
+    # Per decode row that has a deadline: (its first token's deadline, the tokens it has produced); its next token
+    # is due that many paces after the first (the policy knows the pace).
+    paces: tuple[tuple[float, int], ...] = ()
 
     def of(self, kind: TokenKind) -> Waiting | None:
         return next((w for w in self.waiting if w.kind is kind), None)
@@ -102,6 +107,11 @@ class AdmissionPolicy(Protocol):
 
     def predict(self, batch: Batch) -> float | None:
         """Predicted seconds of the step that runs `batch` (None: this policy has no step-time model)."""
+        return None
+
+    def deadline(self, alone: StepShape, arrival_time: float) -> float | None:
+        """When a request that arrived at `arrival_time` is due its first result (a chat's first token, a rerank's
+        scores, an embedding's vectors), given `alone`: all of its work as one step (None: no deadline)."""
         return None
 
     def observe(self, record: "StepRecord") -> None:
@@ -145,12 +155,21 @@ class LatencyAdmission(AdmissionPolicy):
     decode_share: float = 0.75  # automatic target: the decodes' share of a step's time while other work waits
     weights: dict[TokenKind, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
     min_target_s: float = 0.005  # the automatic target is never under this
+    # Deadlines: a request is due its first result `stretch` times what its work costs alone after it arrived; a
+    # chat's later tokens one pace apart after its first (`pace`). A step may run past its limit for work that is
+    # still on time while every decode is ahead of its pace, up to when the most urgent one's next token is due and
+    # at most one pace.
+    stretch: float = 4.0
+    max_lend: float = 1.5  # the automatic pace: this many times the decodes' own step
     rerank_share: float = 0.5  # the fallback's (no decodes in the step)
     fallback: AdmissionPolicy | None = None
     cadence: CadenceGuard | None = None
     # The ledger: seconds of step time each waiting kind was owed and could not use yet (its least unit cost more),
     # written by observe() alone, read by plan().
     credit: dict[TokenKind, float] = field(default_factory=dict)
+    # The target of the last step that had one (observe() writes it): a request that arrives waits up to one such
+    # step before its work can start, which its deadline allows on top of its stretched price.
+    step_s: float = 0.0
 
     observes_steps = True
 
@@ -160,6 +179,8 @@ class LatencyAdmission(AdmissionPolicy):
         if not 0.0 < self.decode_share < 1.0 or not self.min_target_s > 0:
             raise ValueError(f"decode_share must be in (0, 1) and min_target_s > 0, got {self.decode_share!r}, "
                              f"{self.min_target_s!r}")
+        if not self.stretch >= 1.0 or not self.max_lend >= 1.0:
+            raise ValueError(f"stretch and max_lend must be >= 1, got {self.stretch!r}, {self.max_lend!r}")
         unknown = set(self.weights) - set(TokenKind)
         if unknown or any(not w > 0 for w in self.weights.values()):
             raise ValueError(f"weights must map kinds of work to weights > 0, got {self.weights!r}")
@@ -196,7 +217,33 @@ class LatencyAdmission(AdmissionPolicy):
     def predict(self, batch: Batch) -> float:
         return self.model.predict(StepShape.of_batch(batch))
 
+    def deadline(self, alone: StepShape, arrival_time: float) -> float | None:
+        """`stretch` times the work's price alone after its arrival, plus the step it may have to wait for (None
+        until the model has prices)."""
+        if not self.model.ready:
+            return None
+        return arrival_time + self.stretch * self.model.predict(alone) + self.step_s
+
+    def pace(self, shape: StepShape) -> float:
+        """Seconds between a chat's tokens that its deadlines allow, beside decodes `shape`: a user's target, or
+        `max_lend` times the decodes' own step (the automatic target's bound on a chat's time per token)."""
+        if self.tpot_target_s is not None:
+            return self.tpot_target_s
+        return self.max_lend * self.model.predict(shape)
+
+    def lend_limit(self, view: StepView, limit: float) -> float:
+        """How long this step may run for work that is still on time: `limit`, or longer while every decode is
+        ahead of its pace (its next token due a pace per token after its first), up to when the most urgent one's
+        next token is due and at most one pace."""
+        if not view.paces:
+            return limit
+        pace = self.pace(view.shape)
+        due = min(first + n * pace for first, n in view.paces)
+        return max(limit, min(due - view.now, pace))
+
     def observe(self, record: "StepRecord") -> None:
+        if record.target_s is not None:
+            self.step_s = record.target_s
         shape = StepShape.of_record(record)
         self.model.observe(shape, record.duration_s)
         if self.cadence is not None and record.target_s is not None and self.tpot_target_s is not None:
@@ -263,12 +310,23 @@ class LatencyAdmission(AdmissionPolicy):
         if chats_own and TokenKind.PREFILL in owed_of:
             limit += owed_of[TokenKind.PREFILL].seconds
         got: dict[TokenKind, int] = {}  # tokens granted per kind, in the order the scheduler fills them
-        # kinds with the most saved first: a unit saved for rides before the others' shares fill the step
-        for w in sorted(held, key=lambda w: -self.credit.get(w.kind, 0.0)):
+        # Work past its deadline (or with none) first takes its share, those with the most saved first (a unit saved
+        # for rides before the others' shares fill the step): late work is served, never starved, but no longer goes
+        # before work that can still make it. Then the work still on time, earliest deadline first, takes the rest of
+        # the step, up to `lend` (the limit, or more on the decodes' slack).
+        lend = self.lend_limit(view, limit)
+        on_time = sorted((w for w in held if w.deadline is not None and w.deadline >= view.now),
+                         key=lambda w: w.deadline)
+        rest = sorted((w for w in held if w not in on_time), key=lambda w: -self.credit.get(w.kind, 0.0))
+        base = self.model.predict(shape)
+        for w in rest + on_time:
             o = owed_of[w.kind]
-            cap = self.model.predict(shape) + o.seconds + self.credit.get(w.kind, 0.0)
+            saved = o.seconds + self.credit.get(w.kind, 0.0)
+            cap = min(self.model.predict(shape) + saved, max(limit, base + saved))
             if feasible and self.tpot_target_s is not None and o.unit_s <= free:
                 cap = min(cap, limit)  # a user's T: held, unless the ledger saved for a unit that never fits under it
+            if w in on_time:
+                cap = max(cap, lend)
             n = self._fit(shape, w, cap, left - sum(got.values()))
             if n:
                 shape, got[w.kind] = _plus(shape, w.kind, n), n
@@ -280,7 +338,7 @@ class LatencyAdmission(AdmissionPolicy):
         grants += [Grant(kind, n, seats) for kind, n in got.items()]
         # planned: work sized under the target beside the decodes (what the cadence guard judges)
         planned = bool(got) and feasible and self.model.predict(shape) <= limit * (1 + 1e-9)
-        return Quota(tuple(grants), target_s=target, limit_s=limit, planned=planned, owed=owed)
+        return Quota(tuple(grants), target_s=target, limit_s=max(limit, lend), planned=planned, owed=owed)
 
     def _fit(self, shape: StepShape, w: Waiting, limit: float, budget: int) -> int:
         """Tokens of `w`'s kind under `limit` (0 when fewer than the least of it a step can take fit)."""

@@ -13,7 +13,7 @@ from engine.config import EmbedParams, EngineConfig, RerankMode, RerankParams, S
 from engine.embed import EmbedJob
 from engine.intake import RequestIntake
 from engine.jobs import Job, JobContext, RowResult, StepEffects
-from engine.step_time import OnlineStepTime
+from engine.step_time import OnlineStepTime, StepShape
 from engine.outputs import StepOutput, StepRecord
 from engine.rerank import RerankJob
 from engine.request import FinishReason, Sequence, SequenceStatus
@@ -120,8 +120,10 @@ class LLMEngine:
 
     def _queue(self, job: Job) -> None:
         self._requests[job.request_id] = job
-        for seq in job.sequences:
-            self.scheduler.add(seq)
+        rows = job.sequences
+        deadline = self.admission.deadline(StepShape.of_rows(rows), rows[0].arrival_time) if rows else None
+        for seq in rows:
+            self.scheduler.add(seq, deadline)
 
     def chat_token_ids(self, messages: list[dict]) -> list[int]:
         return self.intake.chat_token_ids(messages)
@@ -234,7 +236,7 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         start = time.monotonic()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(start)
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = start
@@ -329,3 +331,4 @@ def _fit_errors(policy) -> dict[str, tuple[int, float]]:
     """The admission policy's online step-time model's error per kind of work (OnlineStepTime.fit_errors), or {}."""
     model = getattr(policy, "model", None)
     return model.fit_errors() if isinstance(model, OnlineStepTime) else {}
+

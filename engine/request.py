@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -130,6 +131,15 @@ class Sequence:
     # the scheduler counts the ones done. Its tokens count as computed once the last stage ran.
     stages: int = 1
     stages_done: int = 0
+    # When its request's first result is due (a chat's first token, a pair's score, a row's vector), on the clock of
+    # arrival_time: written once by Scheduler.add from what the admission policy said (None: no deadline, served in
+    # arrival order after the work that has one). A generation's later tokens are due a pace apart from it.
+    deadline: float | None = None
+
+    @property
+    def deadline_key(self) -> float:
+        """The deadline as an order key (no deadline: after every deadline)."""
+        return self.deadline if self.deadline is not None else math.inf
 
     @property
     def uses_kv(self) -> bool:

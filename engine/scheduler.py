@@ -13,6 +13,8 @@ a fork.
 from __future__ import annotations
 
 import heapq
+import math
+import time
 from collections.abc import Mapping
 
 from engine.admission import AdmissionPolicy, StepView, Waiting
@@ -30,55 +32,67 @@ MIN_CHUNK_TOKENS = 16
 
 
 class WaitQueue:
-    """Priority classes, FIFO inside each; a class head gains one level per `aging_steps` steps waited."""
+    """Priority classes; inside each, work still on time first, earliest deadline first, then late work (its deadline
+    passed: it keeps its share of the steps, but no longer goes before work that can still make it), then work with no
+    deadline, each in arrival order among equal deadlines (FIFO when no policy sets deadlines). A class head gains one
+    level per `aging_steps` steps waited. Lateness is read at `now`, the clock schedule() was given."""
 
     def __init__(self, aging_steps: int) -> None:
         self.aging_steps = aging_steps
-        self._classes: dict[int, list[tuple[int, Sequence]]] = {}
+        # per class: (on-time heap, late heap), both of (deadline, arrival, seq); a row moves to late once, for good
+        self._classes: dict[int, tuple[list[tuple[float, int, Sequence]], list[tuple[float, int, Sequence]]]] = {}
         self._len = 0
 
     def __len__(self) -> int:
         return self._len
 
     def __iter__(self):
-        for heap in self._classes.values():
-            for _, seq in heap:
-                yield seq
+        for heaps in self._classes.values():
+            for heap in heaps:
+                for *_, seq in heap:
+                    yield seq
 
     def push(self, seq: Sequence, step: int) -> None:
         seq.waiting_since_step = step
-        heapq.heappush(self._classes.setdefault(seq.priority, []), (seq.arrival, seq))
+        heapq.heappush(self._classes.setdefault(seq.priority, ([], []))[0], (seq.deadline_key, seq.arrival, seq))
         self._len += 1
 
-    def peek(self, step: int) -> Sequence | None:
-        return self.peek_keyed(step)[1]
+    def peek(self, step: int, now: float = -math.inf) -> Sequence | None:
+        return self.peek_keyed(step, now)[1]
 
-    def peek_keyed(self, step: int) -> tuple[tuple[int, int] | None, Sequence | None]:
-        """The head and its order key (aged priority, arrival): lower keys go first, across queues too."""
+    def peek_keyed(self, step: int, now: float = -math.inf
+                   ) -> tuple[tuple[int, int, float, int] | None, Sequence | None]:
+        """The head and its order key (aged priority, late, deadline, arrival): lower keys go first, across queues
+        too."""
         best, best_key = None, None
-        for heap in self._classes.values():
+        for on_time, late in self._classes.values():
+            while on_time and on_time[0][0] < now:  # its deadline passed: late from now on
+                heapq.heappush(late, heapq.heappop(on_time))
+            heap, is_late = (on_time, 0) if on_time else (late, 1)
             if not heap:
                 continue
-            head = heap[0][1]
-            key = (head.priority - (step - head.waiting_since_step) // self.aging_steps, head.arrival)
+            head = heap[0][-1]
+            key = (head.priority - (step - head.waiting_since_step) // self.aging_steps, is_late,
+                   head.deadline_key, head.arrival)
             if best_key is None or key < best_key:
                 best, best_key = head, key
         return best_key, best
 
     def pop(self, seq: Sequence) -> None:
         """Remove `seq`, which must be the head of its class (as `peek` returned it)."""
-        heapq.heappop(self._classes[seq.priority])
+        on_time, late = self._classes[seq.priority]
+        heapq.heappop(on_time if on_time and on_time[0][-1] is seq else late)
         self._len -= 1
 
     def remove(self, seq: Sequence) -> bool:
-        heap = self._classes.get(seq.priority, [])
-        for i, (_, s) in enumerate(heap):
-            if s is seq:
-                heap[i] = heap[-1]
-                heap.pop()
-                heapq.heapify(heap)
-                self._len -= 1
-                return True
+        for heap in self._classes.get(seq.priority, ()):
+            for i, (*_, s) in enumerate(heap):
+                if s is seq:
+                    heap[i] = heap[-1]
+                    heap.pop()
+                    heapq.heapify(heap)
+                    self._len -= 1
+                    return True
         return False
 
 
@@ -104,11 +118,17 @@ class Scheduler:
         self.waiting_embed = WaitQueue(config.priority_aging_steps)  # embedding rows (also a fused rerank's)
         self.running: list[Sequence] = []
         self.num_steps = 0  # schedule() calls: the clock of priority aging
+        self._now = -math.inf  # the clock of deadlines at the step being scheduled (schedule()'s `now`)
         self.num_preemptions = 0
 
     # ---- queue management -------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, deadline: float | None = None) -> None:
+        """Queue `seq`; `deadline` (its request's first result is due then, admission.AdmissionPolicy.deadline)
+        orders it within its priority class and tells the policy how urgent it is. A row queued again (a later
+        stage of its job) keeps the deadline it had when None is given."""
+        if deadline is not None:
+            seq.deadline = deadline
         seq.status = SequenceStatus.WAITING
         self._queue_of(seq).push(seq, self.num_steps)
 
@@ -136,8 +156,11 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def schedule(self) -> Batch:
+    def schedule(self, now: float | None = None) -> Batch:
+        """One step's batch; `now` is the clock the deadlines are on (the engine's time.monotonic(); the simulator's
+        fake clock), read only to tell the policy how much slack each piece of work has."""
         self.num_steps += 1
+        self._now = time.monotonic() if now is None else now
         batch = Batch(budget=self.budget)
         self.running.sort(key=lambda s: (s.priority, s.arrival))
         budget = self._schedule_decodes(batch, self.budget)
@@ -147,7 +170,7 @@ class Scheduler:
         if batch.preempted or (self.static and self.running):
             self._continue_prefills(batch, budget)
             return batch
-        view = self._view(batch, budget)
+        view = self._view(batch, budget, self._now)
         quota = self.policy.plan(view)
         batch.target_s, batch.limit_s, batch.planned = quota.target_s, quota.limit_s, quota.planned
         batch.owed = quota.owed
@@ -166,11 +189,11 @@ class Scheduler:
             budget -= used
         return batch
 
-    def _view(self, batch: Batch, budget: int) -> StepView:
+    def _view(self, batch: Batch, budget: int, now: float) -> StepView:
         """What the policy sees of this step: the decodes in `batch`, and per kind what waits (StepView)."""
-        heads: dict[TokenKind, tuple[tuple[int, int], Sequence, int]] = {}  # kind -> (key, head, tokens)
+        heads: dict[TokenKind, tuple[tuple, Sequence, int]] = {}  # kind -> (key, head, tokens)
 
-        def offer(key: tuple[int, int], seq: Sequence, tokens: int) -> None:
+        def offer(key: tuple, seq: Sequence, tokens: int) -> None:
             kind = work_kind(seq)
             old = heads.get(kind)
             if old is None:
@@ -180,20 +203,22 @@ class Scheduler:
 
         for seq in self.running:  # part-way through: a prompt's chunks, a pair's chunks, a row's stages
             if seq.num_uncomputed_tokens > (1 if seq.samples else 0) and not _in_batch(seq, batch):
-                offer((seq.priority, seq.arrival), seq, seq.num_uncomputed_tokens)
+                offer((seq.priority, *self._lateness(seq), seq.arrival), seq, seq.num_uncomputed_tokens)
         for queue in (self.waiting, self.waiting_rerank, self.waiting_embed):
-            key, head = queue.peek_keyed(self.num_steps)
+            key, head = queue.peek_keyed(self.num_steps, self._now)
             if head is not None and not head.blocked:
                 offer(key, head, _tokens_up_to(queue, budget))
         waiting = []
         for kind, (key, head, tokens) in sorted(heads.items(), key=lambda kv: kv[1][0]):
             unit = self._unit(head)
-            waiting.append(Waiting(kind, key[0], _urgency(kind, key[0], head), key[1], unit,
-                                   1 if head.uses_kv else unit, tokens))
+            waiting.append(Waiting(kind, key[0], _urgency(kind, key[0], head), key[-1], unit,
+                                   1 if head.uses_kv else unit, tokens, head.deadline))
         free = self.max_seqs - len(self.running)
         joining = min(len(self.waiting), free) + sum(1 for s in self.running if s.samples and not s.num_output_tokens)
+        paces = tuple((s.deadline, s.num_output_tokens) for s in batch.seqs
+                      if s.samples and s.deadline is not None and s.num_uncomputed_tokens == 1)
         return StepView(StepShape.of_batch(batch), batch.min_decode_priority, budget, free, tuple(waiting),
-                        self.embed_budget, joining)
+                        self.embed_budget, joining, now, paces)
 
     def _unit(self, seq: Sequence) -> int:
         """The smallest unit of `seq`'s work a step can take: a chunk of a prompt or an LLM-scored pair, one stage of
@@ -242,17 +267,22 @@ class Scheduler:
         and the two scoring queues' heads; at equal priority the running one."""
         waiting, best = None, None
         for queue in (self.waiting_rerank, self.waiting_embed):
-            key, head = queue.peek_keyed(self.num_steps)
+            key, head = queue.peek_keyed(self.num_steps, self._now)
             if head is not None and (kind is None or work_kind(head) is kind) and (best is None or key < best):
                 waiting, best = head, key
-        for seq in scoring:  # running is sorted by (priority, arrival)
-            if kind is not None and work_kind(seq) is not kind:
-                continue
-            if seq.num_computed_tokens < seq.num_tokens and not _in_batch(seq, batch):
-                if waiting is None or seq.priority <= waiting.priority:
-                    return seq
-                break
+        # the most urgent running one (priority, then on time before late, then deadline; running is in (priority,
+        # arrival) order)
+        part_way = min((s for s in scoring if (kind is None or work_kind(s) is kind)
+                        and s.num_computed_tokens < s.num_tokens and not _in_batch(s, batch)),
+                       key=lambda s: (s.priority, *self._lateness(s)), default=None)
+        if part_way is not None and (waiting is None or (part_way.priority, *self._lateness(part_way))
+                                     <= (waiting.priority, *self._lateness(waiting))):
+            return part_way
         return waiting
+
+    def _lateness(self, seq: Sequence) -> tuple[int, float]:
+        """(1 if its deadline passed else 0, its deadline): the order within a priority, as WaitQueue keeps it."""
+        return (int(seq.deadline_key < self._now), seq.deadline_key)
 
     def _admit_scoring(self, batch: Batch, budget: int, seats: int | None, kind: TokenKind | None = None) -> int:
         """Scoring tokens (rerank pairs and embedding rows), at most `budget` of them: the next chunk (stages) of each
@@ -291,7 +321,7 @@ class Scheduler:
         used = 0
         max_running = self.max_seqs if seats is None else min(self.max_seqs, len(self.running) + seats)
         while used < budget and len(self.running) < max_running:
-            seq = queue.peek(self.num_steps)
+            seq = queue.peek(self.num_steps, self._now)
             if seq is None or seq.blocked:
                 break
             prefix = self._prefix_of(seq) if seq.uses_kv else NO_PREFIX

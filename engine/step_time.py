@@ -68,6 +68,17 @@ class StepShape:
                    batch.num_embed_tokens)
 
     @classmethod
+    def of_rows(cls, rows: "list[Sequence]") -> "StepShape":
+        """A job's rows as one step, as if it ran alone: each row's tokens as its kind of work (a completion that
+        forks another's prompt adds nothing)."""
+        shape = cls()
+        for seq in rows:
+            if seq.fork_of is None:
+                kind = work_kind(seq).value
+                setattr(shape, kind, getattr(shape, kind) + seq.num_tokens)
+        return shape
+
+    @classmethod
     def of_record(cls, r) -> "StepShape":
         return cls(r.decode_tokens, r.decode_context_tokens, r.prefill_tokens,
                    r.rerank_tokens - r.cross_encoder_tokens, r.cross_encoder_tokens, r.embed_tokens)

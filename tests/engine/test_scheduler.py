@@ -52,46 +52,50 @@ class Sim:
         self.finished_order: list[str] = []
         self.preempted: list[str] = []
         self.steps = 0
+        self.clock = 0.0  # the deadlines' clock: arrival times and schedule(now) (ClockSim advances it)
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int = 4, priority: int = 0) -> Sequence:
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 4, priority: int = 0,
+            deadline: float | None = None) -> Sequence:
         seq = Sequence(request_id=rid, token_ids=list(prompt), num_prompt_tokens=len(prompt),
                        params=SamplingParams(max_tokens=max_tokens, priority=priority),
-                       arrival=next(self._arrivals), arrival_time=0.0, priority=priority)
+                       arrival=next(self._arrivals), arrival_time=self.clock, priority=priority)
         self.seqs[rid] = seq
-        self.sched.add(seq)
+        self.sched.add(seq, deadline)
         return seq
 
     def add_rerank(self, rid: str, prompt: list[int], priority: int = 0, *, uses_kv: bool = True,
-                   wait_for: Sequence | None = None) -> Sequence:
+                   wait_for: Sequence | None = None, deadline: float | None = None) -> Sequence:
         """A prefill-only pair: scored (finished) in the step that computes it; cross-encoder pairs
         (uses_kv=False) take no blocks; `wait_for` is the job's first pair, as the engine sets it."""
         seq = Sequence(request_id=rid, token_ids=list(prompt), num_prompt_tokens=len(prompt),
-                       params=RerankParams(priority=priority), arrival=next(self._arrivals), arrival_time=0.0,
-                       kind=SeqKind.RERANK, priority=priority,
+                       params=RerankParams(priority=priority), arrival=next(self._arrivals),
+                       arrival_time=self.clock, kind=SeqKind.RERANK, priority=priority,
                        execution=RowExec.CAUSAL if uses_kv else RowExec.ENCODER,
                        pair=RerankPair(index=0, wait_for=wait_for))
         self.seqs[rid] = seq
-        self.sched.add(seq)
+        self.sched.add(seq, deadline)
         return seq
 
-    def add_embed(self, rid: str, prompt: list[int], priority: int = 0, stages: int = 1) -> Sequence:
+    def add_embed(self, rid: str, prompt: list[int], priority: int = 0, stages: int = 1,
+                  deadline: float | None = None) -> Sequence:
         """An embedding row: KV-free, done in the step that computes its last stage (stages=1: run whole)."""
         seq = Sequence(request_id=rid, token_ids=list(prompt), num_prompt_tokens=len(prompt),
-                       params=EmbedParams(priority=priority), arrival=next(self._arrivals), arrival_time=0.0,
-                       kind=SeqKind.EMBED, priority=priority, execution=RowExec.ENCODER, stages=stages)
+                       params=EmbedParams(priority=priority), arrival=next(self._arrivals),
+                       arrival_time=self.clock, kind=SeqKind.EMBED, priority=priority, execution=RowExec.ENCODER,
+                       stages=stages)
         self.seqs[rid] = seq
-        self.sched.add(seq)
+        self.sched.add(seq, deadline)
         return seq
 
     def add_rerank_job(self, rid: str, prefix: list[int], docs: list[list[int]], priority: int = 0,
-                       uses_kv: bool = True) -> list[Sequence]:
+                       uses_kv: bool = True, deadline: float | None = None) -> list[Sequence]:
         first = None
         pairs = []
         for i, doc in enumerate(docs):
             pair = self.add_rerank(f"{rid}/{i}", prefix + doc, priority, uses_kv=uses_kv,
-                                   wait_for=first if uses_kv else None)
+                                   wait_for=first if uses_kv else None, deadline=deadline)
             first = first or pair
             pairs.append(pair)
         return pairs
@@ -102,7 +106,7 @@ class Sim:
         sched = self.sched
         decodes_before = [s for s in sched.running if s.num_uncomputed_tokens == 1 and s.kind is SeqKind.GENERATE]
         running_before = set(map(id, sched.running))
-        batch = sched.schedule()
+        batch = sched.schedule(self.clock)
         self.admissions += [s.request_id for s in batch.seqs if id(s) not in running_before]
         self.steps += 1
         self.batches.append(batch)
