@@ -203,3 +203,27 @@ def test_a_deadline_is_the_stretch_times_the_price_alone_and_none_before_the_mod
     assert p.step_s == sim.batches[-1].target_s > 0
     assert p.deadline(shape, 10.0) == pytest.approx(10.0 + 3.0 * LinearStepTime(PRICES).predict(shape) + p.step_s)
     assert LatencyAdmission().deadline(shape, 10.0) is None  # an online model with no steps yet
+
+
+def test_the_engine_gives_every_row_of_a_request_its_deadline_from_its_price_alone():
+    """LLMEngine queues each request with the policy's deadline: all rows of one request share it, and it is the
+    stretch times the price of the request's work alone (an embedding's rows, a chat's prompt) after its arrival."""
+    from engine import SamplingParams
+    from engine.config import EMBEDDED_EMBEDDER
+    from engine.request import SeqKind
+    from tests.engine.conftest import assert_no_leaks, make_llm, run_to_end
+
+    model = LinearStepTime(PRICES)
+    llm = make_llm(admission=LatencyAdmission(model=model), embedder=EMBEDDED_EMBEDDER)
+    engine = llm.engine
+    engine.add_embed("emb", ["bees make honey", "stocks fell on Monday", "honey bees live in colonies"])
+    engine.add_request("chat", "The capital of France is", SamplingParams(max_tokens=2))
+    queued = [*engine.scheduler.waiting_embed, *engine.scheduler.waiting]
+    rows = [s for s in queued if s.kind is SeqKind.EMBED]
+    chat = next(s for s in queued if s.kind is SeqKind.GENERATE)
+    assert len(rows) == 3 and len({r.deadline for r in rows}) == 1
+    assert rows[0].deadline == pytest.approx(rows[0].arrival_time + 4.0 * model.predict(StepShape.of_rows(rows)))
+    assert chat.deadline == pytest.approx(chat.arrival_time + 4.0 * model.predict(
+        StepShape(prefill_tokens=chat.num_prompt_tokens)))
+    run_to_end(engine)
+    assert_no_leaks(llm)
