@@ -306,7 +306,7 @@ def call_grammar(parser: ToolParser, functions: list[dict], marker_token: int | 
     key = "parameters" if parser is ToolParser.LLAMA3_JSON else "arguments"
     rules = []
     for j, f in enumerate(functions):
-        name = json.dumps({"const": f["name"]}, ensure_ascii=False)
+        name = json.dumps({"const": f["name"], "x-guidance": _JSON_STYLE}, ensure_ascii=False)
         arguments = json.dumps({**parameters(f), "x-guidance": _JSON_STYLE}, ensure_ascii=False)
         rules += [f'call{j}: "{{\\"name\\": " name{j} ", \\"{key}\\": " arguments{j} "}}"',
                   f"name{j}: %json {name}", f"arguments{j}: %json {arguments}"]
