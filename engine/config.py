@@ -223,11 +223,13 @@ class StructuredOutputsParams:
     """Constrain a generation to a language (vLLM's StructuredOutputsParams): exactly one of a JSON schema (a dict
     or its JSON text), a regular expression, a list of choices, or a grammar (llguidance's Lark syntax, which may
     embed JSON schemas with %json: tool calls in a model's own format, service/tool_formats.py). Checked and
-    compiled at submission."""
+    compiled at submission. `source`: where the client sent it (`response_format.json_schema.schema`,
+    `tools[0].function.parameters`), named by a refusal; unset: `structured_outputs.<kind>`."""
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    source: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]

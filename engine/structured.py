@@ -27,6 +27,8 @@ import torch
 
 from engine.config import StructuredOutputsParams
 
+# Tokens probe() walks a new grammar before it is used: where llguidance's limits stop the grammars it gives up on.
+PROBE_TOKENS = 32
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # The characters Rust's regex::escape escapes (llguidance parses regexes with Rust's regex-syntax).
 _REGEX_META = re.compile(r"([\\.+*?()|\[\]{}^$#&\-~])")
@@ -84,14 +86,15 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """The grammar for params (cached); ValueError naming the problem for a bad schema, regex or choice list."""
+        """The grammar for params (cached); ValueError naming the problem for a bad schema, regex or choice list, or
+        one the grammar library gives up on (probe()), named as the client sent it (params.source)."""
         kind, key = canonical(params)
         with self._lock:
             hit = self._cache.get((kind, key))
             if hit is not None:
                 self._cache.move_to_end((kind, key))
                 return hit
-        compiled = self._build(kind, key)
+        compiled = self._build(kind, key, params.source or f"structured_outputs.{kind}")
         with self._lock:
             self._cache[(kind, key)] = compiled
             while len(self._cache) > self._cache_size:
@@ -101,7 +104,7 @@ class GrammarCompiler:
     def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         return GrammarMatcher(compiled, self.stop_token_ids)
 
-    def _build(self, kind: str, key: str) -> CompiledGrammar:
+    def _build(self, kind: str, key: str, where: str) -> CompiledGrammar:
         L = llguidance.LLMatcher
         if kind == "json":
             grammar = L.grammar_from_json_schema(key, overrides=JSON_OPTIONS)
@@ -113,22 +116,40 @@ class GrammarCompiler:
         if template.is_error():
             what = {"json": "not a usable JSON schema", "regex": "not a usable regular expression",
                     "choice": "not usable", "grammar": "not a usable grammar"}[kind]
-            raise ValueError(f"structured_outputs.{kind} is {what}: {_library_message(template.get_error())}")
+            raise ValueError(f"{where} is {what}: {_library_message(template.get_error())}")
         compiled = CompiledGrammar(kind, key, grammar, template)
-        self._check_not_empty(compiled)
+        self._probe(compiled, where)
         return compiled
 
-    def _check_not_empty(self, compiled: CompiledGrammar) -> None:
-        """A spec whose only output is the empty text would end every sequence at once; for JSON that is never
-        valid, so refuse it at submission (the library refuses the plainly unsatisfiable ones itself)."""
-        if compiled.kind != "json":
-            return
+    def _probe(self, compiled: CompiledGrammar, where: str) -> None:
+        """Walk a copy of the grammar PROBE_TOKENS tokens (the highest-numbered token it allows each time, never a
+        stop token) so that what llguidance builds lazily is built now, under its own limits (ParserLimits: lexer
+        fuel, Earley items, lexer states), and a grammar it gives up on is refused at submission instead of failing
+        its request a few tokens in: a recursive `$ref` every value must take (`{"a": {"$ref": "#"}}` required:
+        an infinite forced prefix), a pattern or regex of large nested repetitions (`(x{1000}){1000}`). A JSON
+        grammar whose only output is the empty text is refused too (it would end every sequence at once; the
+        library refuses the plainly unsatisfiable ones itself). Costs a few milliseconds for a usable grammar."""
+        matcher = compiled.template.deep_copy()
         bitmask = allocate_bitmask(1, self.vocab_size)
-        self.matcher(compiled).fill_bitmask(bitmask, 0)
-        for t in self.stop_token_ids:
-            bitmask[0, t // 32] &= ~_bit(t % 32)
-        if not bitmask.any():
-            raise ValueError("structured_outputs.json admits no JSON value")
+        for step in range(PROBE_TOKENS):
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+            if matcher.is_error():
+                break
+            for t in self.stop_token_ids:
+                bitmask[0, t // 32] &= ~_bit(t % 32)
+            words = bitmask[0].nonzero()
+            if words.numel() == 0:  # only a stop token may come: the output is complete
+                if step == 0 and compiled.kind == "json":
+                    raise ValueError(f"{where} admits no JSON value")
+                return
+            w = int(words[-1])
+            word = int(bitmask[0, w]) & 0xFFFFFFFF
+            if not matcher.consume_token(32 * w + word.bit_length() - 1):
+                break
+        if matcher.is_error():
+            raise ValueError(f"{where} cannot be served: the grammar library gives up on it "
+                             f"({matcher.get_error().strip().splitlines()[0]}); a recursive $ref that every value must "
+                             "take, or a pattern or regex of large nested repetitions, is the usual cause")
 
 
 def grammar_problem(grammar: str) -> str | None:
@@ -164,9 +185,10 @@ def canonical(params: StructuredOutputsParams) -> tuple[str, str]:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            raise ValueError(f"{params.source or 'structured_outputs.json'} is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
-        raise ValueError(f"structured_outputs.json must be a JSON schema object, got a JSON {type(schema).__name__}")
+        raise ValueError(f"{params.source or 'structured_outputs.json'} must be a JSON schema object, got a JSON "
+                         f"{type(schema).__name__}")
     return "json", json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
 
 

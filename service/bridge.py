@@ -60,6 +60,7 @@ class _Handle:
     timer: asyncio.TimerHandle | None = None
     timeout_ms: int = 0
     expired: bool = False
+    server_aborted: bool = False  # by abort_all (the drain's timeout), not by its client
 
 
 # ---- commands: what the loop asks of the engine thread, one type per command ----------------------------------
@@ -205,7 +206,11 @@ class EngineBridge:
             self._intake.put(Abort(engine_id))
 
     def abort_all(self) -> None:
-        for engine_id in list(self._handles):
+        """Abort everything live (the drain's timeout). A generation ends with finish reason abort; a job with no
+        partial answer (a rerank, an embedding) ends with UNAVAILABLE, which is what its client receives, so the
+        lifecycle hooks (the access log) record that, not the engine's abort."""
+        for engine_id, handle in list(self._handles.items()):
+            handle.server_aborted = True
             self.abort(engine_id)
 
     def _check_room(self) -> None:
@@ -379,6 +384,9 @@ class EngineBridge:
                 ErrorKind.DEADLINE_EXCEEDED, f"request exceeded its timeout_ms of {handle.timeout_ms} ms"))
         elif out.finish_reason is FinishReason.ERROR:
             self._finish_error(out.request_id, ServiceError(ErrorKind.INTERNAL, out.error or "engine error"))
+        elif handle.server_aborted and out.finish_reason is FinishReason.ABORT and not isinstance(out, TokenDelta):
+            self._finish_error(out.request_id, ServiceError(
+                ErrorKind.UNAVAILABLE, f"{lc.kind} aborted: the server is shutting down; retry"))
         else:
             self._close(out.request_id, out.finish_reason)
             self._send(handle, out)

@@ -276,11 +276,12 @@ def _structured_outputs(msg: pb.SamplingParams) -> StructuredOutputsParams | Non
     """The response_format oneof; a json_schema that is not a JSON object is refused here, before the engine."""
     which = msg.WhichOneof("response_format")
     if which == "json_schema":
-        return StructuredOutputsParams(json=json_schema(msg.json_schema, "response_format.json_schema"))
+        return StructuredOutputsParams(json=json_schema(msg.json_schema, "response_format.json_schema"),
+                                       source="response_format.json_schema")
     if which == "regex":
-        return StructuredOutputsParams(regex=msg.regex)
+        return StructuredOutputsParams(regex=msg.regex, source="response_format.regex")
     if which == "choice":
-        return StructuredOutputsParams(choice=list(msg.choice.choices))
+        return StructuredOutputsParams(choice=list(msg.choice.choices), source="response_format.choice")
     return None
 
 

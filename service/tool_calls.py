@@ -120,7 +120,13 @@ class ToolPlan:
             return None
         functions = [self._function(self.name)] if self.choice is ToolChoice.NAMED else \
             [t["function"] for t in self.tools]
-        return StructuredOutputsParams(grammar=call_grammar(self.parser, functions, self.marker_token))
+        if len(functions) == 1:  # what a refusal names: the schema as the client sent it
+            index = next(i for i, t in enumerate(self.tools) if t["function"] is functions[0])
+            source = f"tools[{index}].function.parameters"
+        else:
+            source = "tools[*].function.parameters"
+        return StructuredOutputsParams(grammar=call_grammar(self.parser, functions, self.marker_token),
+                                       source=source)
 
     def _function(self, name: str | None) -> dict:
         for t in self.tools:
@@ -149,6 +155,7 @@ def plan(tools: list[dict] | None, tool_choice: str | dict | None, parallel: boo
             raise ValueError(f"tool_choice {_said(tool_choice)} needs tools")
         return None
     tools = list(tools)
+    _check_names(tools)
     if tool_choice == "none":
         return ToolPlan(tools, ToolChoice.NONE)
     if tool_choice is None or tool_choice == "auto":
@@ -173,6 +180,18 @@ def plan(tools: list[dict] | None, tool_choice: str | dict | None, parallel: boo
     if out.constrained:
         _check_schemas(out)
     return out
+
+
+def _check_names(tools: list[dict]) -> None:
+    """Two tools of one name are refused: a call names its function, so which schema it was held to, and which
+    function the client should run, would be a guess."""
+    seen: dict[str, int] = {}
+    for i, t in enumerate(tools):
+        name = t["function"]["name"]
+        if name in seen:
+            raise ValueError(f"tools[{i}].function.name {name!r} is also tools[{seen[name]}]'s: each tool needs a "
+                             "name of its own")
+        seen[name] = i
 
 
 def _check_schemas(tool_plan: ToolPlan) -> None:

@@ -297,14 +297,19 @@ def parameters(function: dict) -> dict:
 def call_grammar(parser: ToolParser, functions: list[dict], marker_token: int | None = None) -> str:
     """The Lark grammar (llguidance's) of exactly one call, in `parser`'s format, to one of `functions` (OpenAI
     function definitions) with arguments valid against its (closed) parameters schema. `marker_token`: the id of
-    Mistral's [TOOL_CALLS] where the vocabulary has it as one token."""
+    Mistral's [TOOL_CALLS] where the vocabulary has it as one token.
+
+    The call object's frame is the grammar's own text and the arguments are their own `%json` rule, so the
+    parameters schema is the root of its JSON schema: its `$ref`s to `#/$defs/...`, `#/definitions/...`,
+    `#/properties/...` and `#` resolve in the schema the client wrote (pydantic's `model_json_schema()`), as they
+    do in a response_format."""
     key = "parameters" if parser is ToolParser.LLAMA3_JSON else "arguments"
     rules = []
     for j, f in enumerate(functions):
-        schema = {"x-guidance": _JSON_STYLE, "type": "object",
-                  "properties": {"name": {"const": f["name"]}, key: parameters(f)},
-                  "required": ["name", key], "additionalProperties": False}
-        rules.append(f"call{j}: %json {json.dumps(schema, ensure_ascii=False)}")
+        name = json.dumps({"const": f["name"], "x-guidance": _JSON_STYLE}, ensure_ascii=False)
+        arguments = json.dumps({**parameters(f), "x-guidance": _JSON_STYLE}, ensure_ascii=False)
+        rules += [f'call{j}: "{{\\"name\\": " name{j} ", \\"{key}\\": " arguments{j} "}}"',
+                  f"name{j}: %json {name}", f"arguments{j}: %json {arguments}"]
     call = " | ".join(f"call{j}" for j in range(len(functions)))
     if parser is ToolParser.HERMES:
         frame = f'start: "{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}"'

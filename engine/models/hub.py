@@ -18,6 +18,7 @@ import fnmatch
 import logging
 import os
 import re
+import shlex
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,9 +198,11 @@ def _explained(exc: Exception, ref: HubRef, flag: str, revision: str | None, off
     from huggingface_hub import constants
     from huggingface_hub import errors
 
-    which = f" {gguf_file}" if gguf_file else f' --include "*{ref.quant}.gguf"' if ref.quant else ""
-    rev = f" --revision {revision}" if revision else ""
-    download = f"`hf download {ref.repo_id}{which}{rev}`"
+    # Every value the operator gave is quoted for a shell: the command is for copying and must run only itself.
+    which = f" {shlex.quote(gguf_file)}" if gguf_file else \
+        f" --include {shlex.quote(f'*{ref.quant}.gguf')}" if ref.quant else ""
+    rev = f" --revision {shlex.quote(revision)}" if revision else ""
+    download = f"`hf download {shlex.quote(ref.repo_id)}{which}{rev}`"
     local = "or give a local path (a GGUF file or a Hugging Face model directory)"
     if isinstance(exc, errors.RevisionNotFoundError):
         return HubError(f"{flag} {ref.repo_id}: the Hub has no revision {revision!r} of it (a branch, tag or commit)")

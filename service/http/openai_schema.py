@@ -206,17 +206,18 @@ class _Sampling(_Model):
         if rf is not None and rf.type != "text":
             refuse_extras(rf, "response_format.")
             if rf.type == "json_object":
-                formats.append(("response_format", {"json": {"type": "object"}}))
+                formats.append(("response_format", {"json": {"type": "object"}, "source": "response_format"}))
             else:
                 if rf.json_schema is None or rf.json_schema.schema_ is None:
                     raise HttpError(400, "response_format.json_schema.schema is required with type json_schema",
                                     param="response_format.json_schema")
                 refuse_extras(rf.json_schema, "response_format.json_schema.")
-                formats.append(("response_format", {"json": rf.json_schema.schema_}))
+                formats.append(("response_format", {"json": rf.json_schema.schema_,
+                                                    "source": "response_format.json_schema.schema"}))
         so = self.structured_outputs
         if so is not None:
             refuse_extras(so, "structured_outputs.")
-            formats += _vllm_format("structured_outputs", so.json_, so.regex, so.choice)
+            formats += _vllm_format("structured_outputs.", so.json_, so.regex, so.choice)
         formats += _vllm_format("guided_", self.guided_json, self.guided_regex, self.guided_choice)
         if len(formats) > 1:
             raise HttpError(400, f"give one output format, not {[name for name, _ in formats]}",
@@ -252,11 +253,11 @@ def _vllm_format(where: str, schema, regex, choice) -> list[tuple[str, dict]]:
                 schema = json_schema(schema, "response_format.json_schema")
             except ValueError as exc:
                 raise HttpError(400, str(exc), param=f"{where}json") from None
-        out.append((f"{where}json", {"json": schema}))
+        out.append((f"{where}json", {"json": schema, "source": f"{where}json"}))
     if regex is not None:
-        out.append((f"{where}regex", {"regex": regex}))
+        out.append((f"{where}regex", {"regex": regex, "source": f"{where}regex"}))
     if choice is not None:
-        out.append((f"{where}choice", {"choice": choice}))
+        out.append((f"{where}choice", {"choice": choice, "source": f"{where}choice"}))
     return out
 
 

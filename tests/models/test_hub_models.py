@@ -7,6 +7,9 @@ real variables for `tandem serve`.
 """
 from __future__ import annotations
 
+import re
+import shlex
+
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
@@ -79,7 +82,12 @@ def test_offline_the_cache_serves_and_nothing_is_asked(online_cache, fake_hub, m
         LLM(EngineConfig(model=GGUF_REPO + ":Q4_1"))
     message = str(caught.value)
     assert "\n" not in message and "HF_HUB_OFFLINE=1" in message
-    assert f'hf download {GGUF_REPO} --include "*Q4_1.gguf"' in message and "local path" in message
+    assert f"hf download {GGUF_REPO} --include '*Q4_1.gguf'" in message and "local path" in message
+    # what the operator gave is quoted: the suggested command, pasted into a shell, runs only itself
+    with pytest.raises(HubError) as caught:
+        LLM(EngineConfig(model=GGUF_REPO, revision="main; touch /tmp/x", gguf_file="a b$(id).gguf"))
+    command = re.search(r"run `([^`]*)`", str(caught.value)).group(1)
+    assert shlex.split(command) == ["hf", "download", GGUF_REPO, "a b$(id).gguf", "--revision", "main; touch /tmp/x"]
     assert len(fake_hub.requests) == asked
 
 

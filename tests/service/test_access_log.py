@@ -60,3 +60,34 @@ def test_the_tally_counts_only_after_the_stop_signal():
     for reason in ("stop", "length", "abort", "error"):
         tally.on_finish(lifecycle(reason=reason))
     assert tally.summary("SIGTERM") == "tandem serve stopped (SIGTERM): drained 2 requests, aborted 2"
+
+
+async def test_a_rerank_the_drain_aborts_is_logged_with_the_status_its_client_received(served):
+    """The drain's timeout aborts a rerank: its client gets UNAVAILABLE (HTTP 503), and its access-log line says so,
+    not `status=200 finish=abort`."""
+    import asyncio
+
+    from engine.config import RerankParams
+    from service.core import RerankInput
+    from service.errors import ErrorKind, ServiceError
+    from tests.service.conftest import DOCUMENTS, MAX_DOCUMENTS, QUERY
+
+    documents = [" ".join(DOCUMENTS) * 20] * MAX_DOCUMENTS  # several steps' work: the abort comes first
+
+    async def rerank_then_abort() -> ServiceError | None:
+        task = asyncio.ensure_future(served.core.rerank(
+            RerankInput("drained", QUERY, documents, RerankParams(truncate="end")),
+            {"door": "http", "route": "/v2/rerank"}))
+        while not any(h.lifecycle.client_id == "drained" for h in served.bridge._handles.values()):
+            await asyncio.sleep(0)  # until it is admitted
+        served.core.abort_all()
+        try:
+            await task
+        except ServiceError as exc:
+            return exc
+        return None
+
+    error = await served.acall(rerank_then_abort())
+    assert error is not None and error.kind is ErrorKind.UNAVAILABLE and "shutting down" in error.message
+    (lc,) = served.recorder.wait_finished(lambda lc: lc.client_id == "drained")
+    assert (status(lc), lc.finish_reason) == ("503", "error")

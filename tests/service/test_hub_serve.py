@@ -41,6 +41,6 @@ def test_serve_by_hub_ids_then_offline_without_the_cache(fake_hub, tmp_path) -> 
     lines = [line for line in str(failed.value).splitlines() if line.startswith("tandem serve: cannot start")]
     assert len(lines) == 1, str(failed.value)
     assert (f'--model {GGUF_REPO}: not in the Hugging Face cache ({tmp_path / "hf"}) and HF_HUB_OFFLINE=1: run '
-            f'`hf download {GGUF_REPO} --include "*Q4_1.gguf"` where there is a network, or give a local path') \
+            f"`hf download {GGUF_REPO} --include '*Q4_1.gguf'` where there is a network, or give a local path") \
         in lines[0]
     assert len(fake_hub.requests) == asked
