@@ -46,10 +46,15 @@ class Batch:
     limit_s: float | None = None
     planned: bool = False
     owed: tuple[Owed, ...] = ()
+    _members: set[int] = field(default_factory=set, repr=False)  # id() of each sequence add() put in `seqs`
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return id(seq) in self._members
 
     def add(self, seq: Sequence, n: int, stages: tuple[int, int] | None = None) -> None:
         """`n` tokens of `seq`; an encoder row gives the stages it runs (n is then what they cost; default: the rest)."""
         self.seqs.append(seq)
+        self._members.add(id(seq))
         self.num_new_tokens.append(n)
         if stages is None and seq.execution is RowExec.ENCODER:
             stages = (seq.stages_done, seq.stages)  # the rest of its forward

@@ -414,4 +414,4 @@ def _tokens_up_to(queue: WaitQueue, budget: int) -> int:
 
 
 def _in_batch(seq: Sequence, batch: Batch) -> bool:
-    return any(s is seq for s in batch.seqs)
+    return seq in batch  # by identity (Batch.__contains__), in O(1): called per running row for every admission
