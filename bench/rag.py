@@ -66,7 +66,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from bench.host import cpu_identity
-from bench.report import RESULTS, percentile, rounded
+from bench.report import RESULTS, percentile, rotated, rounded
 
 DEFAULT_RATES = (0.05, 0.1, 0.2, 0.3)
 SLOT_CONTEXT = 1024  # llama-server's context a slot: the ~550-token prompt, the answer and the chat template
@@ -272,11 +272,12 @@ class Endpoints:
     embed_path: str
     rerank_api: RerankApi
     rerank_model: str | None = None
+    embed_model: str | None = None  # named in each embedding request (Infinity serving two models)
     priority: bool = False  # the embedding endpoint takes tandem's `priority` field
 
 
 async def embed(http, ep: Endpoints, texts: list[str], priority: int | None = None) -> list[list[float]]:
-    body: dict = {"input": texts}
+    body: dict = {"input": texts, **({"model": ep.embed_model} if ep.embed_model else {})}
     if priority is not None and ep.priority:
         body["priority"] = priority
     r = await http.post(f"{ep.embed_url}{ep.embed_path}", json=body)
@@ -491,6 +492,15 @@ def _split_chat(args, cores: str | None, threads: int) -> tuple:
     return proc, ChatServer.LLAMA_SERVER, f"{name}, {threads} threads, -np {args.slots}"
 
 
+def _infinity_embedder(scorer) -> str | None:
+    """The embedder's model id when Infinity serves a cross-encoder beside it (two models: requests name theirs)."""
+    if not scorer.rerank_model:
+        return None
+    from engine.embed.embedder import embedded_embedder_dir
+
+    return str(embedded_embedder_dir())
+
+
 def start_system(system: System, args) -> tuple[list, Endpoints, dict]:
     """The system's server processes (started; the caller stops them), its endpoints, and what they are."""
     from bench.pipeline import _embed_server, _tandem
@@ -518,7 +528,7 @@ def start_system(system: System, args) -> tuple[list, Endpoints, dict]:
         raise
     api = (RerankApi.CLIENT_COSINE if scorer.rerank_by_embedding else
            RerankApi.INFINITY if scorer.rerank_model else RerankApi.TEI)
-    ep = Endpoints(chat.url, scorer.url, scorer.embed_path, api, scorer.rerank_model)
+    ep = Endpoints(chat.url, scorer.url, scorer.embed_path, api, scorer.rerank_model, _infinity_embedder(scorer))
     embed_kind = EmbedServer.INFINITY if args.infinity else EmbedServer.SENTENCE_TRANSFORMERS
     info = {"chat_server_kind": chat_kind.value, "chat_server": chat_name, "embed_server_kind": embed_kind.value,
             "embed_server": scorer_name, "rerank_api": api.value,
@@ -722,7 +732,8 @@ async def run_all(args, wl: Workload) -> tuple[dict[str, list[dict]], Slo, dict]
     skipped: dict[str, str] = {}
     calibrate = slo is None and System.TANDEM not in order  # the SLOs come from tandem idle: one tandem session first
     for run in range(args.runs):
-        for system in ([System.TANDEM, *order] if calibrate and run == 0 else order):
+        # each system goes first in turn (a shared host's drift spreads over all); tandem first in run 0 for the SLOs
+        for system in ([System.TANDEM, *order] if calibrate and run == 0 else rotated(order, run)):
             try:
                 got = await session(system, args, wl, run)
             except RuntimeError as exc:
