@@ -20,7 +20,7 @@ from bench.report import RESULTS, write_result
 BENCHMARKS = ("throughput", "rerank", "mixed", "latency", "prefill", "sampling", "rerank_quality", "single", "structured",
               "http", "cpu_peer", "mixed_serve", "activations", "embed_speed")
 # Results loaded beside them, written by a benchmark run with other options (see each Target's comment).
-EXTRA_RESULTS = ("mixed_serve_xenc",)
+EXTRA_RESULTS = ("mixed_serve_xenc", "rag")
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,15 @@ TARGETS = (
            ("ratios", "alone_batch_p50_vs_infinity"), 1.0, higher_is_better=False),
     Target("Embeddings: min cosine of tandem's vectors to sentence-transformers' (same texts)", "embed_speed",
            ("targets", "min_cosine_tandem_vs_st_torch", "measured"), 0.9999, unit=""),
+    # Issue #70: `python -m bench.rag` (hours: not one of BENCHMARKS), whole RAG requests arriving open-loop, against
+    # the split deployment on the same cores (llama-server or tandem serving chats alone, beside Infinity or
+    # sentence-transformers), the same TTFT and TPOT SLOs for every system (docs/benchmarks.md "RAG goodput").
+    Target("RAG goodput (req/s within the TTFT and TPOT SLOs), tandem / the best split", "rag",
+           ("targets", "goodput_vs_best_split"), 3.0),
+    Target("RAG: tandem's p90 TTFT at 0.2 req/s / its idle p50 TTFT", "rag", ("targets", "p90_ttft_at_0.2_over_idle_p50"),
+           2.5, higher_is_better=False),
+    Target("RAG: tandem's p90 TTFT at 0.3 req/s / its idle p50 TTFT", "rag", ("targets", "p90_ttft_at_0.3_over_idle_p50"),
+           4.0, higher_is_better=False),
 )
 
 

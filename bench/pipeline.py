@@ -233,6 +233,7 @@ class Proc:
 
     embed_path = "/v1/embeddings"  # where it embeds (OpenAI's shape)
     rerank_by_embedding = False  # True: it has no /rerank for this model; clients rank by the embeddings' cosine
+    rerank_model: str | None = None  # Infinity serving a cross-encoder beside the embedder: its /rerank's `model`
 
     def __init__(self, cmd: list[str], port: int, cores: str | None = None, env: dict | None = None) -> None:
         if cores is not None and shutil.which("taskset"):
@@ -267,13 +268,14 @@ class Proc:
         self.log.close()
 
 
-def _tandem(extra: list[str]) -> Proc:
+def _tandem(extra: list[str], cores: str | None = None) -> Proc:
     port = free_port()
     return Proc([sys.executable, "-m", "service.cli", "serve", "--port", "0", "--http-port", str(port),
-                 "--metrics-port", "off", "--no-access-log", *extra], port)
+                 "--metrics-port", "off", "--no-access-log", *extra], port, cores)
 
 
-def _llama_server(args, cores: str | None, threads: int) -> tuple[Proc, str]:
+def _llama_server(args, cores: str | None, threads: int, ctx: int | None = None) -> tuple[Proc, str]:
+    """llama-server with `args.chats` slots; `ctx` its whole context (default: --max-tokens + 128 a slot)."""
     from bench.llama_server import Build, tool_path
     from engine.models.loader import embedded_gguf_path
 
@@ -281,24 +283,34 @@ def _llama_server(args, cores: str | None, threads: int) -> tuple[Proc, str]:
     if not builds:
         raise RuntimeError("no llama-server build in the cache: python -m bench.llama_server --build avx512")
     port = free_port()
-    ctx = args.chats * (args.max_tokens + 128)
+    ctx = ctx or args.chats * (args.max_tokens + 128)
     cmd = [str(tool_path(builds[0])), "-m", str(args.model or embedded_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(threads), "-tb", str(threads), "-np", str(args.chats), "-c", str(ctx), "--no-warmup"]
     return Proc(cmd, port, cores), f"llama-server ({builds[0].value} build)"
 
 
 def _embed_server(args, cores: str | None, threads: int) -> tuple[Proc, str]:
+    """The split's embedding server; with `args.reranker` (a cross-encoder directory; bench/rag.py's option) it
+    serves that cross-encoder's /rerank beside the embedder."""
     port = free_port()
+    reranker = getattr(args, "reranker", None)
     if args.infinity:
         from engine.embed.embedder import embedded_embedder_dir
 
-        cmd = [args.infinity, "v2", "--model-id", str(embedded_embedder_dir()), "--port",
-               str(port), "--url-prefix", "", "--engine", "torch", "--device", "cpu"]
+        cmd = [args.infinity, "v2", "--model-id", str(embedded_embedder_dir()), *(["--model-id", reranker] if reranker
+                                                                                   else []),
+               "--port", str(port), "--url-prefix", "", "--engine", "torch", "--device", "cpu"]
         proc = Proc(cmd, port, cores, {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"})
-        proc.embed_path, proc.rerank_by_embedding = "/embeddings", True
+        proc.embed_path = "/embeddings"
+        if reranker:
+            proc.rerank_model = reranker
+            return proc, "infinity-emb (bi-encoder + the cross-encoder on its /rerank)"
+        proc.rerank_by_embedding = True
         return proc, "infinity-emb (reranks: its embeddings' cosine, ranked by the client)"
-    return (Proc([sys.executable, "-m", "bench.st_server", "--port", str(port), "--threads", str(threads)], port,
-                 cores), "sentence-transformers behind bench/st_server.py")
+    cmd = [sys.executable, "-m", "bench.st_server", "--port", str(port), "--threads", str(threads),
+           *(["--reranker", reranker] if reranker else [])]
+    return Proc(cmd, port, cores), ("sentence-transformers behind bench/st_server.py"
+                                    + (" (bi-encoder + CrossEncoder)" if reranker else ""))
 
 
 # ---- phases -----------------------------------------------------------------------------------------------------------
