@@ -100,8 +100,10 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
         await _stop_telemetry(http, tracing)
         raise StartupError(exc) from exc
     _freeze_startup_objects()
-    ready(address)
+    # The stop signals are handled before the replica says it is ready: a SIGTERM sent the moment it does (a test,
+    # an orchestrator that saw the line) drains it, where before the handlers were in place it killed the process.
     signals = _StopSignals(server, tally)
+    ready(address)
     await signals.wait()
     await server.drain()  # both doors: the bridge refuses new work, in-flight work of either door finishes
     if door is not None:
