@@ -246,7 +246,8 @@ async def _sse(first: GenerateEvent, stream: GenerationStream, out: Completion) 
         if event.error is not None:
             yield HttpError.from_service(event.error).sse()
             continue
-        yield out.chunk(event)
+        if data := out.chunk(event):
+            yield data
     yield out.closing()
 
 
