@@ -263,16 +263,18 @@ class RerankResult(_message.Message):
     def __init__(self, index: _Optional[int] = ..., score: _Optional[float] = ..., document: _Optional[str] = ..., document_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ..., windows: _Optional[int] = ...) -> None: ...
 
 class RerankResponse(_message.Message):
-    __slots__ = ("request_id", "results", "usage", "mode")
+    __slots__ = ("request_id", "results", "usage", "mode", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     results: _containers.RepeatedCompositeFieldContainer[RerankResult]
     usage: Usage
     mode: str
-    def __init__(self, request_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., mode: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., mode: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RerankStreamResponse(_message.Message):
     __slots__ = ("request_id", "response", "error")
@@ -327,7 +329,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "served_names", "architecture", "max_model_len", "block_size", "kv_blocks_total", "reranker", "device", "dtype", "replica", "limits", "rerank_mode", "weight_format", "weight_bytes", "vocab_size", "rerank_max_pair_tokens", "rerank_limit_by", "cpu_kernels", "embedder", "embedding_dimensions", "embedder_max_tokens", "embedder_matryoshka", "rerank_dtype", "embedder_dtype")
+    __slots__ = ("model", "served_names", "architecture", "max_model_len", "block_size", "kv_blocks_total", "reranker", "device", "dtype", "replica", "limits", "rerank_mode", "weight_format", "weight_bytes", "vocab_size", "rerank_max_pair_tokens", "rerank_limit_by", "cpu_kernels", "embedder", "embedding_dimensions", "embedder_max_tokens", "embedder_matryoshka", "rerank_dtype", "embedder_dtype", "models")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SERVED_NAMES_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +354,7 @@ class ModelInfoResponse(_message.Message):
     EMBEDDER_MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
     RERANK_DTYPE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDER_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     served_names: _containers.RepeatedScalarFieldContainer[str]
     architecture: str
@@ -376,7 +379,18 @@ class ModelInfoResponse(_message.Message):
     embedder_matryoshka: bool
     rerank_dtype: str
     embedder_dtype: str
-    def __init__(self, model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., reranker: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., replica: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., rerank_mode: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., rerank_max_pair_tokens: _Optional[int] = ..., rerank_limit_by: _Optional[str] = ..., cpu_kernels: _Optional[str] = ..., embedder: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., embedder_max_tokens: _Optional[int] = ..., embedder_matryoshka: _Optional[bool] = ..., rerank_dtype: _Optional[str] = ..., embedder_dtype: _Optional[str] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[ServedModel]
+    def __init__(self, model: _Optional[str] = ..., served_names: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., reranker: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., replica: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., rerank_mode: _Optional[str] = ..., weight_format: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., rerank_max_pair_tokens: _Optional[int] = ..., rerank_limit_by: _Optional[str] = ..., cpu_kernels: _Optional[str] = ..., embedder: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., embedder_max_tokens: _Optional[int] = ..., embedder_matryoshka: _Optional[bool] = ..., rerank_dtype: _Optional[str] = ..., embedder_dtype: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ...) -> None: ...
+
+class ServedModel(_message.Message):
+    __slots__ = ("name", "tasks", "max_tokens")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tasks: _containers.RepeatedScalarFieldContainer[str]
+    max_tokens: int
+    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_waiting", "max_documents", "max_message_bytes", "max_n", "max_logprobs", "max_embed_inputs")

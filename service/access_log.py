@@ -13,9 +13,9 @@ the engine admitted it (an unknown model, a full queue, draining; on HTTP also a
 Content-Type, a missing token) gets its line too, `finish=rejected`, from `on_refused`; one the engine's intake
 refuses (an empty input, too many documents, a prompt too long) ends `finish=error` with the same status.
 An error or a refusal says why, short (` reason="max_tokens is too large: ..."`, cut at REASON_CHARS). `model=` is
-the model the request named, else the one its kind is served by (the embedder for an embedding, the LLM for a chat,
-for a rerank what scored it: CoreAPI.rerank_name, e.g. the embedder in the dense mode); a refused name is logged as
-given.
+the model that did the work (the LLM's served name for a chat, the embedder for an embedding, for a rerank what
+scored it: CoreAPI.rerank_name, e.g. the embedder in the dense mode), followed by `requested=NAME` where the request
+named it otherwise (an alias, another model's name); a refused request's model is logged as given.
 `tandem serve --no-access-log` leaves this observer out.
 """
 from __future__ import annotations
@@ -79,9 +79,11 @@ class AccessLog(Hooks):
                       self._model(lc), status(lc), _reason(lc), lc.metadata.get("peer") or "-")
 
     def _model(self, lc: RequestLifecycle) -> str:
-        """The model the request named, or the one its kind is served by (the core API puts it in the metadata);
-        the served LLM's name for a request refused before the core read it (an HTTP body that does not parse)."""
-        return lc.metadata.get("model") or self.model_name
+        """The model that did the work (the core API puts it in the metadata), with ` requested=NAME` where the
+        request named another; the served LLM's name for a request refused before the core read it (an HTTP body
+        that does not parse)."""
+        requested = lc.metadata.get("requested_model")
+        return (lc.metadata.get("model") or self.model_name) + (f" requested={requested}" if requested else "")
 
 
 REASON_CHARS = 120  # an error's message is cut here in the log (the client got all of it)

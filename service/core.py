@@ -74,8 +74,9 @@ class Limits:
 class Names:
     """What a request's `model` may say. `served`: the names to answer to (`--served-model-name`; the first is the
     one responses echo when a request names none); empty: the model's short id (the GGUF file's stem, the Hugging
-    Face directory's name, the embedded model's name). A rerank naming another model is scored by the one reranker
-    anyway (as TEI does) unless `strict`."""
+    Face directory's name, the embedded model's name). A rerank or an embedding naming no model of this replica is
+    served by the one reranker or embedder anyway (as TEI does), and a rerank naming the LLM is scored by the
+    reranker (as before /v1/models stopped listing the LLM as a reranker), unless `strict`."""
     served: tuple[str, ...] = ()
     strict: bool = False
 
@@ -185,6 +186,7 @@ class RerankOutcome:
     usage: Usage
     mode: str  # the rerank mode that scored it
     id: str = ""  # the request's one id (new_request_id): what the engine, spans and HTTP responses call it
+    model: str = ""  # the model that scored it (CoreAPI.rerank_name), whatever name the request gave
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +326,20 @@ class Task(str, enum.Enum):
 
 
 _VERBS = {Task.GENERATE: "generate (chat, completions)", Task.EMBED: "embed", Task.RERANK: "rerank"}
+# The rerank modes the LLM scores in (engine RerankMode values), alone or beside the embedder; the embedder's cosine
+# scores in dense, fusion and cascade.
+_LLM_SCORES = ("likelihood", "judge", "fusion", "cascade")
+_EMBEDDER_SCORES = ("dense", "fusion", "cascade")
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model this replica serves and the kinds of work it does (HTTP /v1/models, gRPC ModelInfo.models), the
+    served LLM's names first; `max_tokens`: its input limit (the LLM's context, the embedder's input, a
+    cross-encoder's pair)."""
+    name: str
+    tasks: tuple[Task, ...]
+    max_tokens: int
 
 
 class CoreAPI:
@@ -367,7 +383,7 @@ class CoreAPI:
 
     @property
     def rerank_model(self) -> str:
-        """The cross-encoder's id ("" in the other modes: the LLM's names take reranks then, as they always did)."""
+        """The cross-encoder's id ("" in the other modes: the embedder, the LLM or both score reranks then)."""
         return short_name(self.info.reranker) if self.info.rerank_mode == "cross-encoder" else ""
 
     @property
@@ -384,26 +400,52 @@ class CoreAPI:
             return f"{info.embedder}+{info.model}"
         return info.model
 
+    def models(self) -> list[ServedModel]:
+        """Each model this replica serves with what it does: the LLM's names generate (and rerank in the modes it
+        scores in), the embedder embeds (and reranks in the modes its cosine scores in), a cross-encoder reranks."""
+        info, mode = self.info, self.info.rerank_mode
+        llm = (Task.GENERATE, Task.RERANK) if mode in _LLM_SCORES else (Task.GENERATE,)
+        out = {name: ServedModel(name, llm, info.max_model_len) for name in info.served_names}
+        if info.embedder:
+            tasks = (Task.EMBED, Task.RERANK) if mode in _EMBEDDER_SCORES else (Task.EMBED,)
+            out.setdefault(info.embedder, ServedModel(info.embedder, tasks, info.embedder_max_tokens))
+        if self.rerank_model:
+            out.setdefault(self.rerank_model, ServedModel(self.rerank_model, (Task.RERANK,),
+                                                          info.rerank_max_pair_tokens))
+        return list(out.values())
+
     def model_tasks(self) -> dict[str, tuple[Task, ...]]:
         """Each listed model's id and what it does, the served LLM's names first."""
-        llm = (Task.GENERATE,) if self.rerank_model else (Task.GENERATE, Task.RERANK)
-        out: dict[str, tuple[Task, ...]] = {name: llm for name in self.info.served_names}
-        for name, task in ((self.rerank_model, Task.RERANK), (self.info.embedder, Task.EMBED)):
-            if name and task not in out.get(name, ()):
-                out[name] = (*out.get(name, ()), task)
-        return out
+        return {m.name: m.tasks for m in self.models()}
+
+    def _known(self, model: str) -> tuple[Task, ...] | None:
+        """What the model a request names does; None: no model of this replica (an alias of the LLM, the path as
+        given, counts as the LLM)."""
+        tasks = self.model_tasks()
+        if model in tasks:
+            return tasks[model]
+        return tasks[self.info.model] if model and model in self._accepted else None
 
     def _check_task(self, model: str, task: Task) -> None:
         """A request naming a model this replica serves for something else (an embedding sent to the chat model's
-        name, a chat to the embedder's) is refused, never served by another model under the name it gave."""
-        tasks = self.model_tasks()
-        known = tasks.get(model, tasks[self.info.model] if model in self._accepted and model else None)
+        name, a chat to the embedder's) is refused, never served by another model under the name it gave: 400
+        naming the models that do its kind. Backwards compatible: a rerank naming the LLM where the LLM does not
+        score is scored by the reranker (/v1/models listed the LLM as a reranker until issue 72), unless names are
+        strict."""
+        known = self._known(model)
         if known is None or task in known:
             return
-        able = [name for name, t in tasks.items() if task in t]
-        where = f"send it to {able[0]!r} (or leave model empty)" if able else "this replica serves none that does"
+        if task is Task.RERANK and Task.GENERATE in known and not self._strict:
+            return
         raise invalid(f"model {model!r} does not {_VERBS[task]}: it is served to {' and '.join(_VERBS[t] for t in known)}"
-                      f"; {where}")
+                      f"; {self._who(task)}")
+
+    def _who(self, task: Task) -> str:
+        """Which models do `task`, for a refusal."""
+        able = [m.name for m in self.models() if task in m.tasks]
+        if not able:
+            return "this replica serves none that does"
+        return f"send it to {' or '.join(repr(n) for n in able)} (or leave model empty)"
 
     def check_model(self, model: str) -> None:
         if model not in self._accepted:
@@ -411,10 +453,13 @@ class CoreAPI:
                                f"model {model!r} is not served by this replica; it serves "
                                f"{list(self.info.served_names)} (leave model empty for the default)")
 
-    def _check_reranker(self, model: str) -> None:
-        """One reranker is served: a request naming another is scored by it anyway, unless names are strict."""
-        if self._strict and model != self.rerank_model:
-            self.check_model(model)
+    def _check_served(self, model: str, task: Task) -> None:
+        """A rerank or an embedding naming no model of this replica is served by the one that does its kind anyway
+        (as TEI does), unless names are strict: then NOT_FOUND naming the models that do."""
+        if self._strict and model and self._known(model) is None:
+            able = [m.name for m in self.models() if task in m.tasks]
+            raise ServiceError(ErrorKind.NOT_FOUND, f"model {model!r} is not served by this replica; it serves "
+                                                    f"{able} for {_VERBS[task]} (leave model empty for it)")
 
     def model_name(self, model: str) -> str:
         """The name a response echoes: the one the client gave, else the served model's."""
@@ -434,9 +479,19 @@ class CoreAPI:
 
     @staticmethod
     def _named(metadata: dict[str, str], model: str, default: str) -> dict[str, str]:
-        """The request's metadata with the model it named (else the one its kind is served by), for the access log:
-        an embedding names the embedder, a refused name is logged as given."""
+        """The request's metadata with the model it named (else the one its kind is served by), for the access log of
+        a request refused before it ran: a refused name is logged as given."""
         return {**metadata, "model": model or default}
+
+    @staticmethod
+    def _worked(metadata: dict[str, str], model: str, worker: str) -> dict[str, str]:
+        """The metadata of an admitted request, for the access log and its span: `model` the model that does the
+        work (the scorer of a rerank, the embedder, the LLM's served name), `requested_model` what the request
+        named where that was another name."""
+        out = {**metadata, "model": worker}
+        if model and model != worker:
+            out["requested_model"] = model
+        return out
 
     @contextlib.contextmanager
     def _admitting(self, kind: SeqKind, request_id: str, metadata: dict[str, str]) -> Iterator[None]:
@@ -453,7 +508,10 @@ class CoreAPI:
         caller moves each event at once into a bounded channel of its own (the gRPC door's stream session), which
         is then the one bound, so the returned stream counts nothing (GenerationStream)."""
         stream = GenerationStream(self.bridge, None if relayed else self.limits.max_stream_buffer_bytes)
-        metadata = self._named(metadata, inputs[0].model if inputs else "", self.info.model)
+        named = inputs[0].model if inputs else ""
+        # An accepted name is one of the LLM's (an alias, the path as given): its served name did the work.
+        metadata = self._worked(metadata, named, self.info.model) if named in self._accepted else \
+            self._named(metadata, named, self.info.model)
         try:
             for index, inp in enumerate(inputs):
                 self._check_generate(inp)
@@ -492,12 +550,13 @@ class CoreAPI:
 
     async def rerank(self, inp: RerankInput, metadata: dict[str, str]) -> RerankOutcome:
         """Score inp's documents; raises ServiceError. Cancelling the await aborts the engine job."""
-        metadata = self._named(metadata, inp.model, self.rerank_name)
-        with self._admitting(SeqKind.RERANK, inp.request_id, metadata):
+        scorer = self.rerank_name
+        with self._admitting(SeqKind.RERANK, inp.request_id, self._named(metadata, inp.model, scorer)):
             self._check_task(inp.model, Task.RERANK)
-            self._check_reranker(inp.model)
+            self._check_served(inp.model, Task.RERANK)
             if inp.max_tokens_per_doc is not None and inp.max_tokens_per_doc < 1:
                 raise invalid(f"max_tokens_per_doc must be >= 1, got {inp.max_tokens_per_doc}")
+        metadata = self._worked(metadata, inp.model, scorer)
         params = inp.params
         if inp.max_tokens_per_doc is not None:  # cut where the engine tokenizes the documents anyway (once)
             params = replace(params, max_document_tokens=inp.max_tokens_per_doc)
@@ -510,7 +569,8 @@ class CoreAPI:
         params = inp.params
         results = rank_scores(event.scores, inp.documents, params.top_n, params.return_documents,
                               event.document_tokens, event.truncated, event.windows)
-        return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode, id=lc.engine_id)
+        return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode, id=lc.engine_id,
+                             model=scorer)
 
     async def _final(self, future: asyncio.Future, lc: RequestLifecycle, what: str, cut_hint: str
                      ) -> RerankOutput | EmbedOutput:
@@ -538,13 +598,12 @@ class CoreAPI:
     async def embed(self, inp: EmbedInput, metadata: dict[str, str]) -> EmbedOutcome:
         """One vector per input; raises ServiceError. Cancelling the await aborts the engine job. A request naming
         another model is embedded by the one embedder anyway (as a rerank is scored), unless names are strict."""
-        metadata = self._named(metadata, inp.model, self.info.embedder)
-        with self._admitting(SeqKind.EMBED, inp.request_id, metadata):
+        embedder = self.info.embedder
+        with self._admitting(SeqKind.EMBED, inp.request_id, self._named(metadata, inp.model, embedder)):
             self._check_task(inp.model, Task.EMBED)
-            if self._strict and self.info.embedder and inp.model not in ("", self.info.embedder):
-                raise ServiceError(ErrorKind.NOT_FOUND,
-                                   f"model {inp.model!r} is not an embedding model of this replica; it embeds with "
-                                   f"{self.info.embedder!r} (leave model empty for it)")
+            self._check_served(inp.model, Task.EMBED)
+        metadata = self._worked(metadata, inp.model, embedder)
+        with self._admitting(SeqKind.EMBED, inp.request_id, metadata):
             future: asyncio.Future = asyncio.get_running_loop().create_future()
             lc = self.bridge.submit(EmbedSpec(new_request_id(SeqKind.EMBED), inp.inputs, inp.params),
                                     inp.request_id, lambda event: future.done() or future.set_result(event),
@@ -637,4 +696,4 @@ def _plain_ids(tokenizer, text: str) -> list[int]:
 
 
 __all__ = ["new_request_id", "CHAT_ROLES", "CoreAPI", "GRPC_CUT_HINT", "Task", "EmbedInput", "EmbedOutcome", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
-           "Names", "RerankInput", "RerankOutcome", "Usage", "json_schema", "short_name"]
+           "Names", "RerankInput", "RerankOutcome", "ServedModel", "Usage", "json_schema", "short_name"]

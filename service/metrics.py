@@ -9,6 +9,7 @@ from service/vllm_metrics.py, vLLM's metric names.
 """
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from socketserver import ThreadingMixIn
@@ -17,7 +18,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
 
+from service.http.hosts import host_allowed
 from service.lifecycle import Hooks, RequestLifecycle
+
+log = logging.getLogger("tandem.metrics")
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -114,16 +118,25 @@ class Metrics(Hooks):
         self.running.set(record.num_running)
         self.waiting.set(record.num_waiting)
 
-    def serve(self, host: str, port: int, healthy: Callable[[], bool] = lambda: True):
+    def serve(self, host: str, port: int, healthy: Callable[[], bool] = lambda: True,
+              hosts: tuple[str, ...] | None = None):
         """Expose /metrics and /healthz on host:port from a daemon thread; returns (http server, thread).
 
         `healthy()` decides /ready and /healthz: 200 "SERVING" when true, 503 "NOT_SERVING" when false; /health is
-        200 "OK" while the process answers at all. /metrics answers the metrics; any other path is 404.
+        200 "OK" while the process answers at all. /metrics answers the metrics; any other path is 404. `hosts`: the
+        Host header patterns answered, as the HTTP door's (service/http/hosts.py, --allowed-hosts; None: any): a
+        page in a browser that rebinds its own name to 127.0.0.1 reads neither door; another Host gets 400.
         """
         metrics_app = make_wsgi_app(self.registry)
 
         def app(environ, start_response):
             path = environ.get("PATH_INFO")
+            header = environ.get("HTTP_HOST")
+            if not host_allowed(header, hosts):
+                log.warning("metrics request refused: Host %r is not allowed (--allowed-hosts)", header)
+                start_response("400 Bad Request", [("Content-Type", "text/plain")])
+                return [f"Host {header!r} is not allowed: this server answers {', '.join(hosts or ())} (tandem serve "
+                        "--allowed-hosts adds names)\n".encode("latin-1", "replace")]
             if path in ("/ready", "/healthz"):
                 ok = healthy()
                 start_response("200 OK" if ok else "503 Service Unavailable", _no_store())

@@ -12,6 +12,7 @@ from service import ports
 from service.access_log import AccessLog
 from service.bridge import EngineBridge, settle
 from service.core import CoreAPI, short_name
+from service.http.hosts import allowed_hosts
 from service.lifecycle import LifecycleHooks
 from service.metrics import Metrics
 from service.phases import phase, weights_size
@@ -86,7 +87,8 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     server = TandemServer(core, server_config)
     http = door = None
     try:
-        http = _serve_metrics(metrics, server_config.host, metrics_port, lambda: server.serving)
+        http = _serve_metrics(metrics, server_config.host, metrics_port, lambda: server.serving,
+                              allowed_hosts(server_config.host, server_config.allowed_hosts))
         # The HTTP door first: gRPC's start turns health SERVING, and a balancer that sees it may send HTTP at once.
         door = await _serve_http(core, server_config, server, metrics)
         address = await server.start()
@@ -98,8 +100,10 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
         await _stop_telemetry(http, tracing)
         raise StartupError(exc) from exc
     _freeze_startup_objects()
-    ready(address)
+    # The stop signals are handled before the replica says it is ready: a SIGTERM sent the moment it does (a test,
+    # an orchestrator that saw the line) drains it, where before the handlers were in place it killed the process.
     signals = _StopSignals(server, tally)
+    ready(address)
     await signals.wait()
     await server.drain()  # both doors: the bridge refuses new work, in-flight work of either door finishes
     if door is not None:
@@ -214,13 +218,15 @@ async def _serve_http(core: CoreAPI, config: ServerConfig, server: TandemServer,
     return door
 
 
-def _serve_metrics(metrics: Metrics, host: str, port: int | None, healthy: Callable[[], bool]):
-    """Start the /metrics and health endpoint; PortInUse (one line naming --metrics-port) if it cannot bind."""
+def _serve_metrics(metrics: Metrics, host: str, port: int | None, healthy: Callable[[], bool],
+                   hosts: tuple[str, ...] | None = None):
+    """Start the /metrics and health endpoint, answering the Host headers the HTTP door answers (`hosts`);
+    PortInUse (one line naming --metrics-port) if it cannot bind."""
     if port is None or port < 0:
         log.info("Prometheus metrics off (--metrics-port off)")
         return None
     try:
-        http, _ = metrics.serve(host, port, healthy)
+        http, _ = metrics.serve(host, port, healthy, hosts)
     except OSError as exc:
         listener = ports.Listener("Prometheus metrics", port, "--metrics-port", "--metrics-port off")
         raise ports.PortInUse(listener.problem(host, exc.strerror or str(exc))) from None

@@ -230,6 +230,8 @@ class TandemServicer:
             embedding_dimensions=info.embedding_dimensions, embedder_max_tokens=info.embedder_max_tokens,
             embedder_matryoshka=info.embedder_matryoshka, rerank_dtype=info.rerank_dtype,
             embedder_dtype=info.embedder_dtype,
+            models=[pb.ServedModel(name=m.name, tasks=[t.value for t in m.tasks], max_tokens=m.max_tokens)
+                    for m in self.core.models()],
             limits=pb.Limits(max_waiting=info.max_waiting, max_documents=info.max_documents,
                              max_embed_inputs=info.max_embed_inputs, max_message_bytes=info.max_message_bytes, max_n=info.max_n,
                              max_logprobs=info.max_logprobs))
@@ -359,7 +361,7 @@ def rerank_response(outcome: RerankOutcome) -> pb.RerankResponse:
     results = [pb.RerankResult(index=r.index, score=r.score, document=r.document, document_tokens=r.document_tokens,
                                truncated=r.truncated, windows=r.windows) for r in outcome.results]
     return pb.RerankResponse(request_id=outcome.request_id, results=results, usage=_usage(outcome.usage),
-                             mode=str(outcome.mode))
+                             mode=str(outcome.mode), model=outcome.model)
 
 
 def embed_response(outcome: EmbedOutcome) -> pb.EmbedResponse:

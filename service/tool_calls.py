@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import StructuredOutputsParams
-from service.tool_formats import TEMPLATE_OF, ToolParser, call_grammar, detect, names, renders_tools, scan
+from service.tool_formats import TEMPLATE_OF, CallText, ToolParser, call_grammar, detect, names, renders_tools, scan
 
 
 class ToolChoice(str, enum.Enum):
@@ -136,7 +137,12 @@ class ToolPlan:
 
     def reader(self) -> "CallReader | None":
         """A reader of one choice's reply (None: the reply is all content)."""
-        return CallReader(self.parser) if self.parser is not None and self.choice is not ToolChoice.NONE else None
+        if self.parser is None or self.choice is ToolChoice.NONE:
+            return None
+        if not self.constrained:
+            return CallReader(self.parser)
+        names = (self.name,) if self.choice is ToolChoice.NAMED else tuple(t["function"]["name"] for t in self.tools)
+        return CallReader(self.parser, names)
 
     def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished reply."""
@@ -215,6 +221,9 @@ def _said(value: Any) -> str:
 
 # ---- reading a reply back ----------------------------------------------------------------------------------------
 
+# A call's name as far as a reply has written it, and its closing quote once whole (every format writes "name" first).
+_NAME_SO_FAR = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*\\?)(")?')
+
 @dataclass(frozen=True, slots=True)
 class CallDelta:
     """What one streamed step adds to call `index`: its id and name the first time, then argument text."""
@@ -225,10 +234,14 @@ class CallDelta:
 
 
 class CallReader:
-    """One choice's reply read as content and tool calls: whole (read) or as it streams (feed, then feed(final))."""
+    """One choice's reply read as content and tool calls: whole (read) or as it streams (feed, then feed(final)).
+    `constrained`: the names a constrained reply's one call may have (tool_choice "required" or named): the whole
+    reply is that call, so one cut short by max_tokens before its name was whole is still read as the call, as far
+    as it got (_cut_call)."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, constrained: tuple[str, ...] | None = None) -> None:
         self.parser = parser
+        self.constrained = constrained
         self._content = 0  # characters of the text given out as content
         self._ids: list[str] = []
         self._arguments: list[str] = []  # each call's argument text given out
@@ -241,17 +254,35 @@ class CallReader:
         """(content, calls) of a whole reply: text that is not a well-formed call stays content; a call cut short
         (max_tokens) comes back as far as it got, once its name is whole."""
         found = scan(self.parser, text, final=True)
-        calls = [c for c in found.calls if c.name is not None]
+        calls = [c for c in found.calls if c.name is not None] or self._cut_call(text)
         if found.malformed or not calls:
             return text, []
-        content = text[:found.held].strip()
+        content = text[:found.held].strip() if found.calls else ""
         return content or None, [ToolCall(c.name or "", c.arguments) for c in calls]
+
+    def _cut_call(self, text: str) -> list[CallText]:
+        """A constrained reply cut short (max_tokens) before its call's name was whole: the call as far as it got, no
+        arguments yet. Its name is the one allowed name that begins as written (the grammar allows no other), else
+        what was written of it (several allowed names begin so); [] for a reply that is not constrained."""
+        if self.constrained is None:
+            return []
+        match = _NAME_SO_FAR.search(text)
+        written, whole = (match.group(1), bool(match.group(2))) if match else ("", False)
+        try:
+            written = json.loads(f'"{written}"')
+        except ValueError:  # cut inside an escape
+            pass
+        able = [n for n in self.constrained if (n == written if whole else n.startswith(written))]
+        return [CallText(able[0] if len(able) == 1 else written)]
 
     def feed(self, text: str, final: bool) -> tuple[str, list[CallDelta]]:
         """The content and call deltas `text` (the reply so far) adds to what was given out; `final`: the reply is
         whole (held-back text that is no call goes out as content)."""
         found = scan(self.parser, text, final)
         calls = [c for c in found.calls if c.name is not None]
+        if final and not calls and not found.malformed:
+            calls = self._cut_call(text)
+            found.held = 0 if calls else found.held
         if final and not self._ids and (found.malformed or not calls):
             out, self._content = text[self._content:], len(text)
             return out, []

@@ -107,7 +107,11 @@ class TracingHooks(Hooks):
             attributes={"tandem.request.kind": lc.kind, "tandem.request.id": lc.client_id,
                         "tandem.request.engine_id": lc.engine_id,
                         "tandem.stream": lc.metadata.get("stream", ""),
-                        "tandem.door": lc.metadata.get("door", "")})
+                        "tandem.door": lc.metadata.get("door", ""),
+                        # the model that does the work (a rerank's scorer, the embedder, the LLM's served name), and
+                        # the name the request gave where that was another
+                        "tandem.model": lc.metadata.get("model", ""),
+                        "tandem.model.requested": lc.metadata.get("requested_model", "")})
 
     def on_first_token(self, lc: RequestLifecycle) -> None:
         span = self._spans.get(lc.engine_id)

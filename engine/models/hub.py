@@ -203,7 +203,8 @@ def _explained(exc: Exception, ref: HubRef, flag: str, revision: str | None, off
         f" --include {shlex.quote(f'*{ref.quant}.gguf')}" if ref.quant else ""
     rev = f" --revision {shlex.quote(revision)}" if revision else ""
     download = f"`hf download {shlex.quote(ref.repo_id)}{which}{rev}`"
-    local = "or give a local path (a GGUF file or a Hugging Face model directory)"
+    # an LLM may be a GGUF file; a reranker or an embedder is an encoder's Hugging Face directory only
+    local = f"or give a local path ({'a GGUF file or ' if flag == '--model' else ''}a Hugging Face model directory)"
     if isinstance(exc, errors.RevisionNotFoundError):
         return HubError(f"{flag} {ref.repo_id}: the Hub has no revision {revision!r} of it (a branch, tag or commit)")
     if isinstance(exc, (errors.GatedRepoError, errors.RepositoryNotFoundError)) or (

@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from service.auth import TokenTable
 from service.core import CoreAPI, GenerateEvent, GenerateInput, GenerationStream, RerankInput, RerankOutcome
-from service.core import EmbedInput, EmbedOutcome, Task
+from service.core import EmbedInput, EmbedOutcome, ServedModel
 from service.errors import ServiceError
 from service.http import embed_schema, openai_schema, openapi, rerank_schema, tokens_schema
 from service.http.errors import HttpError, Shape
@@ -246,7 +246,8 @@ async def _sse(first: GenerateEvent, stream: GenerationStream, out: Completion) 
         if event.error is not None:
             yield HttpError.from_service(event.error).sse()
             continue
-        yield out.chunk(event)
+        if data := out.chunk(event):
+            yield data
     yield out.closing()
 
 
@@ -319,7 +320,7 @@ async def _cohere(door: Door, request: Request, default_return_documents: bool) 
     door.authorize(request, "Rerank")
     body = openai_schema.parse(rerank_schema.CohereRerank, await request.body())
     outcome = await _rerank(door, request, body.to_input(default_return_documents))
-    return JSONResponse(rerank_schema.cohere_response(outcome, model=body.model or door.core.rerank_name),
+    return JSONResponse(rerank_schema.cohere_response(outcome, model=outcome.model),
                         headers=rerank_schema.mode_header(outcome))
 
 
@@ -367,20 +368,17 @@ async def _version(request: Request) -> Response:
 
 # ---- models, health, metrics ---------------------------------------------------------------------
 
-def _model_card(door: Door, name: str, tasks: tuple[Task, ...]) -> dict:
-    """OpenAI's model object plus what the model does: `task` (vLLM's word for it: generate, embed, rerank) and
-    every one of them in `capabilities` (Infinity's field), and its input limit."""
-    info = door.core.info
-    limit = info.embedder_max_tokens if tasks == (Task.EMBED,) else \
-        info.rerank_max_pair_tokens if tasks == (Task.RERANK,) else info.max_model_len
-    return {"id": name, "object": "model", "created": door.started, "owned_by": "tandem", "task": tasks[0].value,
-            "capabilities": [t.value for t in tasks], "max_model_len": limit}
+def _model_card(door: Door, model: ServedModel, name: str | None = None) -> dict:
+    """OpenAI's model object plus what the model does: `task` (vLLM's word for its main one: generate, embed, rerank)
+    and every one of them in `capabilities` (Infinity's field), and its input limit."""
+    return {"id": name or model.name, "object": "model", "created": door.started, "owned_by": "tandem",
+            "task": model.tasks[0].value, "capabilities": [t.value for t in model.tasks],
+            "max_model_len": model.max_tokens}
 
 
 async def _models(door: Door, request: Request) -> Response:
     door.authorize(request, "ModelInfo")
-    cards = [_model_card(door, name, tasks) for name, tasks in door.core.model_tasks().items()]
-    return JSONResponse({"object": "list", "data": cards})
+    return JSONResponse({"object": "list", "data": [_model_card(door, m) for m in door.core.models()]})
 
 
 async def _model(door: Door, request: Request) -> Response:
@@ -388,10 +386,10 @@ async def _model(door: Door, request: Request) -> Response:
     name = request.path_params["model"]
     if not name:
         raise HttpError(404, "no model name given", code="model_not_found")
-    tasks = door.core.model_tasks()
-    if name not in tasks:
+    models = {m.name: m for m in door.core.models()}
+    if name not in models:
         door.core.check_model(name)  # 404 unless an alias of the served model (the path as given)
-    return JSONResponse(_model_card(door, name, tasks.get(name, tasks[door.core.info.model])))
+    return JSONResponse(_model_card(door, models.get(name, models[door.core.info.model]), name))
 
 
 async def _health(request: Request) -> Response:
@@ -470,7 +468,7 @@ async def _openai_embeddings(door: Door, request: Request) -> Response:
     door.authorize(request, "Embed")
     body = openai_schema.parse(embed_schema.OpenAIEmbed, await request.body())
     outcome = await _embed(door, request, body.to_input())
-    return JSONResponse(embed_schema.openai_response(outcome, body.encoding_format, body.model or outcome.model))
+    return JSONResponse(embed_schema.openai_response(outcome, body.encoding_format, outcome.model))
 
 
 async def _tei_embed(door: Door, request: Request) -> Response:

@@ -132,7 +132,8 @@ class Completion:
     # ---- streaming -------------------------------------------------------------------------------
 
     def chunk(self, event: GenerateEvent) -> bytes:
-        """The server-sent event for one output."""
+        """The server-sent event for one output; b"" where a reply read for tool calls has nothing to send yet (its
+        text held back as a call's possible start: no empty content deltas)."""
         index, text, logprobs, finish = self.add(event)
         choice = self.choices[index]
         lp = self._choice_logprobs(logprobs) if self.top_logprobs is not None else None
@@ -142,6 +143,8 @@ class Completion:
                 text, deltas = choice.calls.feed("".join(choice.text), final=finish is not None)
                 if finish is not None and choice.calls.made_calls:
                     finish = _with_calls(finish)
+                if choice.started and not text and not deltas and finish is None and not logprobs:
+                    return b""
             delta: dict = {"content": text if text or not deltas else None}
             if not choice.started:
                 delta = {"role": "assistant", **delta}

@@ -115,12 +115,15 @@ def test_hub_errors_say_what_to_do_in_one_line(fake_hub, tmp_path, monkeypatch) 
     _use(monkeypatch, fake_hub, tmp_path / "cache")
     monkeypatch.delenv("HF_TOKEN")
     with pytest.raises(HubError, match=r"--reranker tandem-test/tiny-bert-reranker: no such model repository .*\(a "
-                                       r"private or gated one needs HF_TOKEN"):
+                                       r"private or gated one needs HF_TOKEN") as caught:
         hub.local_path(TINY_BERT, "--reranker")
+    # a reranker (an embedder) is a Hugging Face directory, never a GGUF file: the way out says so
+    assert str(caught.value).endswith("or give a local path (a Hugging Face model directory)"), caught.value
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     with pytest.raises(HubError, match=r"the Hub has no revision 'v9'"):
         LLM(EngineConfig(model=TINY_LLAMA, revision="v9"))
-    with pytest.raises(HubError, match=r"--model nobody/nothing: no such model repository"):
+    with pytest.raises(HubError, match=r"--model nobody/nothing: no such model repository.*local path \(a GGUF "
+                                       r"file or a Hugging Face model directory\)"):
         LLM(EngineConfig(model="nobody/nothing"))
 
 

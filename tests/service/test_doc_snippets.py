@@ -217,3 +217,26 @@ def test_relative_links_of_the_docs_point_at_files_that_exist():
             if not resolved.exists() and str(rel) not in PENDING_PAGES:
                 missing.append(f"{f.relative_to(ROOT)} -> {target}")
     assert not missing, f"links to files that do not exist: {missing}"
+
+
+def test_the_readmes_langchain_lines_name_models_the_default_server_serves(default_served):
+    """README's LangChain lines (prose: langchain is not installed here) run as written: ChatOpenAI and
+    OpenAIEmbeddings call the OpenAI API through the `openai` SDK with the `model` they were given, so the same calls
+    with the README's names must be served, and the SDK's default name, what ChatOpenAI sends without `model=`, is
+    OpenAI's 404 (issue 72: the README's ChatOpenAI had no `model=`)."""
+    import openai
+
+    text = (ROOT / "README.md").read_text()
+    calls = {name: re.search(rf"`{name}\(([^`]*)\)`", text) for name in ("ChatOpenAI", "OpenAIEmbeddings")}
+    assert all(calls.values()), calls
+    models = {name: re.search(r'model="([^"]+)"', m.group(1)) for name, m in calls.items()}
+    assert all(models.values()), f"a LangChain line without model=: {calls}"
+    client = openai.OpenAI(base_url=f"{default_served.http_url}/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(model=models["ChatOpenAI"].group(1), max_tokens=1,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert chat.model == models["ChatOpenAI"].group(1)
+    embedded = client.embeddings.create(model=models["OpenAIEmbeddings"].group(1), input="Hi")
+    assert embedded.model == models["OpenAIEmbeddings"].group(1) and embedded.data[0].embedding
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-3.5-turbo", max_tokens=1, messages=[{"role": "user", "content": "Hi"}])
+    client.close()

@@ -160,3 +160,24 @@ def test_the_allow_list_by_bind_address():
     assert host_allowed(None, allowed_hosts("127.0.0.1"))  # no Host (HTTP/1.0): not a browser's request
     with pytest.raises(ValueError, match="allowed-hosts"):
         ServerConfig(allowed_hosts=("api.*.example",))
+
+
+def test_the_metrics_port_checks_the_host_as_the_door_does():
+    """`--metrics-port` (/metrics, /health, /ready, /healthz) answers the same hosts: a rebinding page reads neither
+    port; a probe without Host (HAProxy's `option httpchk`, HTTP/1.0) and an --allowed-hosts name still pass."""
+    from service.metrics import Metrics
+
+    http, _ = Metrics().serve("127.0.0.1", 0, hosts=allowed_hosts("127.0.0.1", ("api.example",)))
+    url = f"http://127.0.0.1:{http.server_address[1]}"
+    try:
+        for path in ("/metrics", "/health", "/healthz"):
+            for host, status in (("rebound.example", 400), ("localhost", 200), ("api.example:9464", 200)):
+                r = httpx.get(url + path, headers={"host": host}, timeout=GUARD_S)
+                assert r.status_code == status, (path, host, r.text)
+            assert "--allowed-hosts" in httpx.get(url + path, headers={"host": "rebound.example"},
+                                                  timeout=GUARD_S).text
+        with socket.create_connection(("127.0.0.1", http.server_address[1]), timeout=GUARD_S) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")  # no Host at all
+            assert _read_reply(sock).split(b"\r\n", 1)[0].endswith(b" 200 OK")
+    finally:
+        http.shutdown()

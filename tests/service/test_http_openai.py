@@ -193,7 +193,8 @@ def test_tools_on_a_template_that_renders_none_are_refused_naming_the_templates(
 
 def test_a_model_named_for_another_task_is_refused(client, http_url, served):
     """An embedding sent to the chat model's name, a chat sent to the embedder's: 400 in the API's own shape, not
-    served by the other model under the name given."""
+    served by the other model under the name given. A rerank may name the embedder: it scores (here, in the fusion
+    mode, beside the LLM), and the response names both."""
     chat_model, embedder = served.core.info.model, served.core.info.embedder
     with pytest.raises(openai.BadRequestError) as embed:
         client.embeddings.create(model=chat_model, input="hello")
@@ -205,14 +206,18 @@ def test_a_model_named_for_another_task_is_refused(client, http_url, served):
         tei = h.post("/embed", json={"inputs": "hello"})  # no model field: the embedder
         cohere_ = h.post("/v2/rerank", json={"query": "q", "documents": ["d"], "model": embedder})
     assert tei.status_code == 200
-    assert cohere_.status_code == 400 and "does not rerank" in cohere_.json()["message"]
+    assert cohere_.status_code == 200 and cohere_.json()["model"] == f"{embedder}+{chat_model}", cohere_.text
+    embedded = client.embeddings.create(model="text-embedding-3-small", input="hello")  # no model here: the embedder's
+    assert embedded.model == embedder
 
 
 def test_models_say_what_each_model_does(client, served):
     cards = {m.id: m for m in client.models.list().data}
     llm, embedder = cards[served.core.info.model], cards[served.core.info.embedder]
-    assert (llm.task, llm.capabilities) == ("generate", ["generate", "rerank"])  # the LLM scores rerank pairs
-    assert (embedder.task, embedder.capabilities) == ("embed", ["embed"])
+    assert (llm.task, llm.capabilities) == ("generate", ["generate", "rerank"])  # fusion: the LLM scores pairs
+    assert (embedder.task, embedder.capabilities) == ("embed", ["embed", "rerank"])  # and the embedder's cosine
+    assert llm.max_model_len == served.core.info.max_model_len
+    assert embedder.max_model_len == served.core.info.embedder_max_tokens < llm.max_model_len
     assert client.models.retrieve(served.core.info.embedder).task == "embed"
 
 

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 
+import grpc
 import httpx
 import pytest
 from prometheus_client import generate_latest
@@ -178,3 +179,69 @@ def test_every_report_names_the_model_mode_and_dtype_that_scored(served_mode, ca
         AccessLog("SmolLM2-135M-Instruct", log).on_finish(reranks[-1])
     assert f" model={name} " in caplog.records[-1].getMessage()
     assert _pairs_counted(s) - before == len(DOCUMENTS) + 3
+
+
+def test_each_surface_names_the_model_that_scored_whatever_the_request_named(served_mode, caplog):
+    """/v1/models and gRPC ModelInfo list the embedder as a reranker (it scores in both modes) and the LLM as one only
+    where it scores (the cascade); a rerank naming the embedder is served, one naming the LLM too (as before issue
+    72, when /v1/models listed the LLM as the reranker), and the responses of both doors, the access log and the
+    request's span name the model that scored, not the name given (issue 72: a rerank naming the embedder was
+    refused, and one naming the LLM was reported as the LLM's in the dense mode)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from proto import tandem_pb2 as pb
+    from proto import tandem_pb2_grpc as pb_grpc
+    from service.tracing import TracingHooks, tracer_provider_from_env
+
+    mode, s = served_mode
+    llm = s.server.core.info.model
+    scorer = {"dense": EMBEDDED_EMBEDDER, "cascade": f"{EMBEDDED_EMBEDDER}+{llm}"}[mode]
+    with httpx.Client(base_url=s.http_url, timeout=1800) as h:
+        cards = {m["id"]: m["capabilities"] for m in h.get("/v1/models").json()["data"]}
+        assert cards == {llm: ["generate", "rerank"] if mode == "cascade" else ["generate"],
+                         EMBEDDED_EMBEDDER: ["embed", "rerank"]}
+        for named in (EMBEDDED_EMBEDDER, llm, "rerank-english-v3.0", ""):
+            r = h.post("/v2/rerank", json={"model": named, "query": QUERY, "documents": DOCUMENTS[:2]})
+            assert r.status_code == 200 and r.json()["model"] == scorer, (named, r.text)
+        # a chat may not name the embedder: 400 in OpenAI's shape naming the model that generates
+        chat = h.post("/v1/chat/completions", json={"model": EMBEDDED_EMBEDDER, "max_tokens": 1,
+                                                     "messages": [{"role": "user", "content": "Hi"}]})
+        assert chat.status_code == 400 and repr(llm) in chat.json()["error"]["message"], chat.text
+
+    with grpc.insecure_channel(s.server.address) as channel:
+        stub = pb_grpc.TandemStub(channel)
+        ranked = stub.Rerank(pb.RerankRequest(query=QUERY, documents=DOCUMENTS[:2], model=llm))
+        listed = {m.name: list(m.tasks) for m in stub.ModelInfo(pb.ModelInfoRequest()).models}
+    assert ranked.model == scorer and listed == cards
+
+    named_llm = s.server.recorder.wait_finished(
+        lambda lc: lc.kind == "rerank" and lc.metadata.get("door") == "http" and lc.metadata.get("requested_model") == llm)
+    log = logging.getLogger("test.access")
+    with caplog.at_level(logging.INFO, logger="test.access"):
+        AccessLog(llm, log).on_finish(named_llm[-1])
+    assert f" model={scorer} requested={llm} " in caplog.records[-1].getMessage()
+    exporter = InMemorySpanExporter()
+    tracing = TracingHooks(tracer_provider_from_env(exporter))
+    tracing.on_arrival(named_llm[-1])
+    tracing.on_finish(named_llm[-1])
+    tracing.shutdown()
+    (span,) = exporter.get_finished_spans()
+    assert (span.attributes["tandem.model"], span.attributes["tandem.model.requested"]) == (scorer, llm)
+
+
+def test_strict_names_refuse_a_rerank_naming_a_model_that_does_not_score(served_mode, monkeypatch):
+    """--strict-model-names: a rerank naming the LLM where the LLM does not score (dense) is a 400 naming the models
+    that rerank, and an unknown name a 404 naming them; where the LLM scores (the cascade) it is served."""
+    mode, s = served_mode
+    monkeypatch.setattr(s.server.core, "_strict", True)
+    llm = s.server.core.info.model
+    with httpx.Client(base_url=s.http_url, timeout=1800) as h:
+        named_llm = h.post("/v2/rerank", json={"model": llm, "query": QUERY, "documents": DOCUMENTS[:2]})
+        other = h.post("/v1/rerank", json={"model": "rerank-english-v3.0", "query": QUERY,
+                                            "documents": DOCUMENTS[:2]})
+    if mode == "dense":
+        assert named_llm.status_code == 400 and "does not rerank" in named_llm.json()["message"], named_llm.text
+        assert repr(EMBEDDED_EMBEDDER) in named_llm.json()["message"]
+    else:
+        assert named_llm.status_code == 200, named_llm.text
+    assert other.status_code == 404 and EMBEDDED_EMBEDDER in other.json()["message"], other.text
