@@ -159,7 +159,7 @@ class LatencyAdmission(AdmissionPolicy):
     # chat's later tokens one pace apart after its first (`pace`). A step may run past its limit for work that is
     # still on time while every decode is ahead of its pace, up to when the most urgent one's next token is due and
     # at most one pace.
-    stretch: float = 4.0
+    stretch: float | None = 4.0  # None: no deadlines
     max_lend: float = 1.5  # the automatic pace: this many times the decodes' own step
     rerank_share: float = 0.5  # the fallback's (no decodes in the step)
     fallback: AdmissionPolicy | None = None
@@ -179,7 +179,7 @@ class LatencyAdmission(AdmissionPolicy):
         if not 0.0 < self.decode_share < 1.0 or not self.min_target_s > 0:
             raise ValueError(f"decode_share must be in (0, 1) and min_target_s > 0, got {self.decode_share!r}, "
                              f"{self.min_target_s!r}")
-        if not self.stretch >= 1.0 or not self.max_lend >= 1.0:
+        if (self.stretch is not None and not self.stretch >= 1.0) or not self.max_lend >= 1.0:
             raise ValueError(f"stretch and max_lend must be >= 1, got {self.stretch!r}, {self.max_lend!r}")
         unknown = set(self.weights) - set(TokenKind)
         if unknown or any(not w > 0 for w in self.weights.values()):
@@ -220,7 +220,7 @@ class LatencyAdmission(AdmissionPolicy):
     def deadline(self, alone: StepShape, arrival_time: float) -> float | None:
         """`stretch` times the work's price alone after its arrival, plus the step it may have to wait for (None
         until the model has prices)."""
-        if not self.model.ready:
+        if not self.model.ready or self.stretch is None:
             return None
         return arrival_time + self.stretch * self.model.predict(alone) + self.step_s
 
@@ -371,4 +371,5 @@ def policy_for(config: EngineConfig, given: AdmissionPolicy | None = None, wide_
         return ShareAdmission(config.rerank_share)
     target = None if config.tpot_target_ms == AUTO else config.tpot_target_ms / 1000
     return LatencyAdmission(target, model=OnlineStepTime(wide_rows=wide_rows), decode_share=config.decode_share,
+                            stretch=config.deadline_stretch,
                             rerank_share=config.rerank_share, cadence=CadenceGuard() if target is not None else None)

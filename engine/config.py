@@ -126,6 +126,10 @@ class EngineConfig:
     # evenly among the kinds that wait: prompts, rerank pairs, embedding rows); a fixed tpot_target_ms gives the
     # decodes what they need under it and the rest to the others. docs/latency-objective.md says why 0.75.
     decode_share: float = 0.75
+    # Under the objective, each request is due its first result this many times its work's price alone after it
+    # arrives, and work still on time is served earliest deadline first (docs/latency-objective.md "Deadlines");
+    # None: no deadlines (arrival order inside the shares).
+    deadline_stretch: float | None = 4.0
     max_rerank_documents: int = 1000  # documents of one rerank request (tandem serve --max-documents)
     max_embed_inputs: int = 1000  # inputs of one embedding request (tandem serve --max-embed-inputs)
     priority_aging_steps: int = 64  # a waiting request gains one priority level per this many steps
@@ -165,6 +169,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if self.deadline_stretch is not None and not (isinstance(self.deadline_stretch, (int, float))
+                                                      and self.deadline_stretch >= 1.0):
+            raise ValueError(f"deadline_stretch must be >= 1 or None (no deadlines), got {self.deadline_stretch!r}")
         if not (isinstance(self.decode_share, (int, float)) and 0.0 < self.decode_share < 1.0):
             raise ValueError(f"decode_share must be in (0, 1), got {self.decode_share!r}")
         if not 0.0 < self.rerank_share <= 1.0:

@@ -86,6 +86,9 @@ _ENGINE_FLAGS = [
     ("--decode-share", float, None, "under --tpot-target-ms auto, the chats' decodes' share of each step's time "
                                     "while other work waits (default 0.75: chats keep ~3/4 of their speed, and a "
                                     "rerank or embedding beside them takes ~4x its time alone)"),
+    ("--deadline-stretch", float, None, "under the latency objective, each request is due its first result this "
+                                        "many times its work's price alone after it arrives, and work still on "
+                                        "time goes first, earliest deadline first (default 4; 0: no deadlines)"),
     ("--num-threads", int, None, "CPU threads for torch and OpenMP (also --threads; default: torch's, one per "
                                  "core). Idle OpenMP threads sleep after a short spin (OMP_WAIT_POLICY=PASSIVE, "
                                  f"GOMP_SPINCOUNT={OPENMP_SPINS}, unless set); nothing is pinned to cores"),
@@ -160,7 +163,7 @@ _GROUPS = [
     ("engine", "memory, context and scheduling", [
         "--kv-cache-bytes", "--num-kv-blocks", "--max-model-len", "--block-size", "--max-num-batched-tokens",
         "--max-embed-batch-tokens", "--max-num-seqs", "--rerank-share", "--tpot-target-ms", "--decode-share",
-        "--num-threads",
+        "--deadline-stretch", "--num-threads",
         "--enforce-eager"]),
     ("ports", "where it listens: gRPC on --port, HTTP on --http-port, Prometheus on --metrics-port", [
         "--host", "--port", "--http-port", "--allowed-hosts", "--metrics-port", "--replica"]),
@@ -178,6 +181,7 @@ _GROUPS = [
 # --help; tests/service/test_cli.py checks them against EngineConfig.
 ENGINE_DEFAULTS = {"--device": "cpu", "--dtype": "float32", "--encoder-dtype": "auto", "--kv-cache-bytes": "1GiB",
                    "--block-size": "16", "--max-num-seqs": "128", "--rerank-share": "0.5", "--decode-share": "0.75",
+                   "--deadline-stretch": "4.0",
                    "--max-model-len": "the model's own context, lowered to what the KV cache holds"}
 _SHOWN = {"--max-message-bytes": "4MiB"}  # a default shown in its unit rather than in bytes
 _ALIASES = {"--num-threads": ("--threads",)}
@@ -333,6 +337,8 @@ def build_engine_config(args: argparse.Namespace):
     fields["embedder"] = serve_embedder(args.embedder)
     if fields.get("tpot_target_ms") == "off":
         fields["tpot_target_ms"] = None
+    if fields.get("deadline_stretch") == 0:
+        fields["deadline_stretch"] = None
     return EngineConfig(**fields, max_rerank_documents=args.max_documents, max_embed_inputs=args.max_embed_inputs)
 
 

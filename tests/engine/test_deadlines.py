@@ -227,3 +227,15 @@ def test_the_engine_gives_every_row_of_a_request_its_deadline_from_its_price_alo
         StepShape(prefill_tokens=chat.num_prompt_tokens)))
     run_to_end(engine)
     assert_no_leaks(llm)
+
+
+def test_the_config_sets_the_stretch_and_none_turns_deadlines_off():
+    from engine.admission import policy_for
+    from engine.config import EngineConfig
+
+    assert policy_for(EngineConfig(deadline_stretch=6.0)).stretch == 6.0
+    off = policy_for(EngineConfig(deadline_stretch=None))
+    off.model = LinearStepTime(PRICES)  # ready: still no deadline
+    assert off.deadline(StepShape(prefill_tokens=10), 1.0) is None
+    with pytest.raises(ValueError):
+        EngineConfig(deadline_stretch=0.5)

@@ -185,6 +185,12 @@ def test_tpot_target_flag_and_variable_reach_the_engine_config(monkeypatch, caps
         assert "not a latency objective" in capsys.readouterr().err
 
 
+def test_deadline_stretch_flag_reaches_the_engine_config_and_zero_turns_deadlines_off():
+    assert _engine_config().deadline_stretch == 4.0
+    assert _engine_config("--deadline-stretch", "6").deadline_stretch == 6.0
+    assert _engine_config("--deadline-stretch", "0").deadline_stretch is None
+
+
 def test_quantization_flag_and_dtype_float32_asking_for_the_dense_path(monkeypatch):
     assert _engine_config().quantization is None  # the engine decides: the embedded model's GGUF blocks on CPU
     assert _engine_config("--quantization", "int8").quantization == "int8"
