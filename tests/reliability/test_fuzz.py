@@ -47,6 +47,29 @@ TEMPLATES = {
 }
 
 
+# Schemas and regexes as clients write them, the ones grammars choke on among them (issue #73): a recursive $ref
+# every value must take, recursion with a way out, pydantic's $defs, JSON pointers into the schema, and nested
+# repetitions of 10^6 states. Each is served or refused (INVALID_ARGUMENT), never INTERNAL mid-generation.
+GRAMMARS: dict[str, list[str]] = {
+    "json_schema": [
+        '{"$ref": "#"}',
+        '{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}',
+        '{"type": "object", "properties": {"name": {"type": "string"}, "children": {"type": "array", '
+        '"items": {"$ref": "#"}, "maxItems": 2}}, "required": ["name"]}',
+        '{"$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}, '
+        '"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"]}',
+        '{"$defs": {"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}, '
+        '"required": ["next"]}}, "$ref": "#/$defs/Node"}',
+        '{"definitions": {"a": {"type": "integer"}}, "type": "object", "properties": {"x": {"$ref": '
+        '"#/definitions/a"}, "y": {"$ref": "#/properties/x"}}}',
+        '{"$ref": "#/$defs/missing"}',
+        '{"type": "string", "pattern": "^(.{1,1000}){1000}$"}',
+        '{"type": "object", "properties": {"s": {"type": "string", "pattern": "(x{1000}){1000}"}}, "required": ["s"]}',
+    ],
+    "regex": ["^(.{1,1000}){1000}$", "(x{1000}){1000}", "(a|aa)*b", "((a+)+)+c", "[a-z]{1,100000}"],
+}
+
+
 def _edge_strings(rng: random.Random) -> list[str]:
     return ["", " ", "t", "x" * rng.choice([1000, 65_000]), "\U0001F600\U0001D11E" * rng.randint(1, 500),
             "\x00", "a\x00b", "\u202e\u0301\ufeff", "t" * 3, "Hello there", "<|im_end|>", "é" * 40]
@@ -55,7 +78,7 @@ def _edge_strings(rng: random.Random) -> list[str]:
 def _edge_values(f: FD, rng: random.Random) -> list:
     t = f.type
     if t == FD.TYPE_STRING:
-        return _edge_strings(rng)
+        return _edge_strings(rng) + GRAMMARS.get(f.name, [])
     if t == FD.TYPE_BYTES:
         return [b"", b"\xff\xfe", bytes(rng.randrange(256) for _ in range(64)), b"x" * 100_000]
     if t == FD.TYPE_BOOL:
