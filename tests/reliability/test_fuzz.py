@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from service.server import ServerConfig
+from tests.reliability.grammars import GRAMMARS
 from tests.reliability.tiny import tiny_engine
 from tests.service.harness import ServerThread, assert_all_blocks_free
 
@@ -44,29 +45,6 @@ TEMPLATES = {
     "GenerateClientMessage": {"request": {"request_id": "t", "prompt": "Hello there",
                                           "params": {"max_tokens": 4, "temperature": 0.0}}},
     "RerankRequest": {"query": "what is blue", "documents": ["the sky", "a stone"], "request_id": "t"},
-}
-
-
-# Schemas and regexes as clients write them, the ones grammars choke on among them (issue #73): a recursive $ref
-# every value must take, recursion with a way out, pydantic's $defs, JSON pointers into the schema, and nested
-# repetitions of 10^6 states. Each is served or refused (INVALID_ARGUMENT), never INTERNAL mid-generation.
-GRAMMARS: dict[str, list[str]] = {
-    "json_schema": [
-        '{"$ref": "#"}',
-        '{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}',
-        '{"type": "object", "properties": {"name": {"type": "string"}, "children": {"type": "array", '
-        '"items": {"$ref": "#"}, "maxItems": 2}}, "required": ["name"]}',
-        '{"$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}, '
-        '"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"]}',
-        '{"$defs": {"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}, '
-        '"required": ["next"]}}, "$ref": "#/$defs/Node"}',
-        '{"definitions": {"a": {"type": "integer"}}, "type": "object", "properties": {"x": {"$ref": '
-        '"#/definitions/a"}, "y": {"$ref": "#/properties/x"}}}',
-        '{"$ref": "#/$defs/missing"}',
-        '{"type": "string", "pattern": "^(.{1,1000}){1000}$"}',
-        '{"type": "object", "properties": {"s": {"type": "string", "pattern": "(x{1000}){1000}"}}, "required": ["s"]}',
-    ],
-    "regex": ["^(.{1,1000}){1000}$", "(x{1000}){1000}", "(a|aa)*b", "((a+)+)+c", "[a-z]{1,100000}"],
 }
 
 
