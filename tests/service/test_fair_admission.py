@@ -49,15 +49,18 @@ async def _read_until(call, request_id: str, kinds: tuple[str, ...]) -> pb.Gener
             return message
 
 
-async def _refusals(call, count: int) -> list[pb.GenerateServerMessage]:
-    """The first `count` errors the stream receives (the flood's refused requests)."""
+async def _refusals_before(call, marker: str) -> list[pb.GenerateServerMessage]:
+    """The errors the stream receives before the answer to a cancel of `marker` (an id never sent: NOT_FOUND), which
+    the server sends after it has handled every message written before it."""
     errors = []
-    while len(errors) < count:
+    while True:
         message = await asyncio.wait_for(call.read(), GUARD_S)
         assert message is not grpc.aio.EOF
+        if message.request_id == marker:
+            assert message.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+            return errors
         if message.WhichOneof("kind") == "error":
             errors.append(message)
-    return errors
 
 
 async def _until_waiting(server: ServerThread, count: int) -> None:
@@ -79,7 +82,8 @@ async def test_a_flooding_stream_is_refused_its_excess_and_other_clients_are_ser
         await _read_until(flood, "running", ("delta",))  # it holds the engine's one sequence slot
         for i in range(FLOOD):
             await flood.write(_request(f"flood-{i}", 2))
-        refused = await _refusals(flood, FLOOD - share)
+        await flood.write(pb.GenerateClientMessage(cancel=pb.CancelRequest(request_id="marker")))
+        refused = await _refusals_before(flood, "marker")
         assert {m.request_id for m in refused} == {f"flood-{i}" for i in range(share, FLOOD)}
         assert all(m.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] for m in refused)
         assert "over its share of the waiting queue" in refused[0].error.message
