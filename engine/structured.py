@@ -53,8 +53,16 @@ class GrammarMatcher:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (a CPU int32 row, bit t of word t // 32 = token t).
-        Once the grammar has ended only the stop tokens are allowed."""
+        Once the grammar has ended only the stop tokens are allowed; before its output may end they are not, even
+        where llguidance's mask lets one through (a choice or literal that is a stop token's text, `<|im_end|>`: the
+        mask allows the token, consuming it is refused, and the request would fail mid-generation)."""
         llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        if self._matcher.is_accepting() or self._matcher.is_error():
+            return
+        kept = bitmask[row].clone()
+        clear_tokens(bitmask, row, self._stops)
+        if not bitmask[row].any():  # a dead end (the probe refuses those it meets): leave the mask as it was
+            bitmask[row] = kept
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False (and no change) when the grammar does not allow it, or when the matcher has
@@ -135,12 +143,14 @@ class GrammarCompiler:
             llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
             if matcher.is_error():
                 break
-            for t in self.stop_token_ids:
-                bitmask[0, t // 32] &= ~_bit(t % 32)
+            clear_tokens(bitmask, 0, self.stop_token_ids)
             words = bitmask[0].nonzero()
             if words.numel() == 0:  # only a stop token may come: the output is complete
                 if step == 0 and compiled.kind == "json":
                     raise ValueError(f"{where} admits no JSON value")
+                if not matcher.is_accepting():
+                    raise ValueError(f"{where} cannot be served: no token can continue it (text the tokenizer "
+                                     "keeps for a special token, such as `<|im_end|>`, cannot be generated)")
                 return
             w = int(words[-1])
             word = int(bitmask[0, w]) & 0xFFFFFFFF
@@ -164,6 +174,12 @@ def grammar_problem(grammar: str) -> str | None:
         return None
     first = error.strip().splitlines()[0]
     return re.sub(r"^at \d+\(\d+\): ", "", first).strip()
+
+
+def clear_tokens(bitmask: torch.Tensor, row: int, tokens: frozenset[int]) -> None:
+    """Disallow `tokens` in bitmask[row]."""
+    for t in tokens:
+        bitmask[row, t // 32] &= ~_bit(t % 32)
 
 
 def _bit(j: int) -> int:

@@ -21,7 +21,10 @@ with finished=True ends it, and an abort stops all n.
 
 Admission: `max_waiting` bounds the requests that are admitted but not yet
 served by any engine step (RESOURCE_EXHAUSTED beyond it); running work is
-bounded by the engine itself (max_num_seqs, the KV pool).
+bounded by the engine itself (max_num_seqs, the KV pool). Each request has an
+owner (the client as its door knows it: a gRPC stream, a connection), and an
+owner may hold at most its share of those places (`fair_share`), so one client
+that writes without reading cannot take the queue from the others.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -105,7 +109,8 @@ class EngineBridge:
         self._intake: queue.SimpleQueue = queue.SimpleQueue()  # every command, in order, from the loop
         self._intake_thread: threading.Thread | None = None
         self._handles: dict[str, _Handle] = {}  # loop only
-        self._waiting: set[str] = set()  # loop only: admitted, not yet served by a step
+        self._waiting: dict[str, str] = {}  # loop only: admitted, not yet served by a step -> its owner
+        self._owners: Counter[str] = Counter()  # loop only: each owner's requests in _waiting
         self._records: list["StepRecord"] = []  # engine thread only
         self._live: set[str] = set()  # engine thread only: ids the engine accepted and has not finished
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -172,11 +177,12 @@ class EngineBridge:
     # ---- requests (loop side) --------------------------------------------------------------------
 
     def submit(self, spec: "JobSpec", client_id: str, sink: Sink, *, timeout_ms: int = 0,
-               metadata: dict[str, str] | None = None) -> RequestLifecycle:
+               metadata: dict[str, str] | None = None, owner: str | None = None) -> RequestLifecycle:
         """Admit a request of any kind under `spec.request_id` (the core API's, unique in the process); its outputs
         (a generation's token deltas, a rerank's or embedding's one final output) or a ServiceError go to sink on
-        the loop. Raises ServiceError."""
-        self._check_room()
+        the loop. `owner`: the client it counts against for its share of the waiting places (the core API always
+        names one; None: only max_waiting bounds it, for a caller that owns the bridge alone). Raises ServiceError."""
+        self._check_room(owner)
         lc = RequestLifecycle(engine_id=spec.request_id, client_id=client_id, kind=str(spec.kind),
                               metadata=dict(metadata or {}), completions=spec.completions,
                               documents=spec.num_inputs)
@@ -185,7 +191,9 @@ class EngineBridge:
         if timeout_ms > 0:
             handle.timer = self._loop.call_later(timeout_ms / 1000, self._expire, engine_id)
         self._handles[engine_id] = handle
-        self._waiting.add(engine_id)
+        self._waiting[engine_id] = owner
+        if owner is not None:
+            self._owners[owner] += 1
         self._idle.clear()
         self._emit("on_arrival", lc)
         self._intake.put(AddJob(spec))
@@ -213,14 +221,42 @@ class EngineBridge:
             handle.server_aborted = True
             self.abort(engine_id)
 
-    def _check_room(self) -> None:
-        """Whether the bridge may admit a request now. Raises ServiceError."""
+    def fair_share(self, owner: str) -> int:
+        """The waiting places `owner` may hold now: max_waiting split among the owners with requests waiting
+        (this one counted) plus one share kept for a client that has none waiting yet, at least 1. A lone client
+        may hold half; each owner that starts waiting shrinks every share, and an owner over a smaller share keeps
+        what it holds but is admitted nothing more until it is back under it."""
+        others = len(self._owners) - (owner in self._owners)
+        return max(1, self.max_waiting // (others + 2))
+
+    def _check_room(self, owner: str | None) -> None:
+        """Whether the bridge may admit a request of `owner` now. Raises ServiceError."""
         if self.draining or self._thread is None:
             raise draining()
+        if owner is not None:
+            self._check_share(owner)
         if len(self._waiting) >= self.max_waiting:
             raise ServiceError(ErrorKind.RESOURCE_EXHAUSTED,
                                f"server is at capacity: {len(self._waiting)} requests are waiting for the engine "
                                f"(limit {self.max_waiting}, --max-waiting); retry with backoff or use another replica")
+
+    def _check_share(self, owner: str) -> None:
+        held, share = self._owners.get(owner, 0), self.fair_share(owner)
+        if held >= share:
+            raise ServiceError(ErrorKind.RESOURCE_EXHAUSTED,
+                               f"this client is over its share of the waiting queue: {held} of its requests are "
+                               f"waiting for the engine, its share is {share} of --max-waiting {self.max_waiting} "
+                               f"while {len(self._owners)} clients wait; read its answers, or retry with backoff")
+
+    def _served(self, engine_id: str) -> None:
+        """The request no longer waits (a step served it, or it ended): its place and its owner's are free."""
+        if engine_id not in self._waiting:
+            return
+        owner = self._waiting.pop(engine_id)
+        if owner is not None:
+            self._owners[owner] -= 1
+            if not self._owners[owner]:
+                del self._owners[owner]
 
     def _expire(self, engine_id: str) -> None:
         handle = self._handles.get(engine_id)
@@ -352,7 +388,7 @@ class EngineBridge:
             self._deliver(out)
 
     def _mark_scheduled(self, engine_id: str, when: float) -> None:
-        self._waiting.discard(engine_id)
+        self._served(engine_id)
         handle = self._handles.get(engine_id)
         if handle is not None and handle.lifecycle.scheduled is None:
             handle.lifecycle.scheduled = when
@@ -367,7 +403,7 @@ class EngineBridge:
             # them): the request ends in DEADLINE_EXCEEDED all the same, as a gRPC deadline would.
             handle.timer.cancel()
             self._expire(out.request_id)
-        self._waiting.discard(out.request_id)
+        self._served(out.request_id)
         lc.prompt_tokens, lc.cached_tokens = out.prompt_tokens, out.cached_tokens
         lc.embedder_scored = getattr(out, "embedder_scored", 0)
         if isinstance(out, TokenDelta):
@@ -401,7 +437,7 @@ class EngineBridge:
 
     def _close(self, engine_id: str, reason: str, error: str | None = None, message: str | None = None) -> None:
         handle = self._handles.pop(engine_id)
-        self._waiting.discard(engine_id)
+        self._served(engine_id)
         if handle.timer is not None:
             handle.timer.cancel()
         lc = handle.lifecycle

@@ -518,7 +518,7 @@ class CoreAPI:
                 spec = GenerateSpec(new_request_id(SeqKind.GENERATE), inp.prompt, inp.params, messages=inp.messages,
                                     tools=inp.tools)
                 lc = self.bridge.submit(spec, inp.request_id, stream.sink(index, inp.request_id),
-                                        timeout_ms=inp.timeout_ms, metadata=metadata)
+                                        timeout_ms=inp.timeout_ms, metadata=metadata, owner=owner(metadata))
                 stream._admitted(inp.request_id, lc)
         except ServiceError as exc:
             stream.abort()
@@ -564,7 +564,7 @@ class CoreAPI:
         with self._admitting(SeqKind.RERANK, inp.request_id, metadata):
             lc = self.bridge.submit(RerankSpec(new_request_id(SeqKind.RERANK), inp.query, inp.documents, params),
                                     inp.request_id, lambda event: future.done() or future.set_result(event),
-                                    timeout_ms=inp.timeout_ms, metadata=metadata)
+                                    timeout_ms=inp.timeout_ms, metadata=metadata, owner=owner(metadata))
         event: RerankOutput = await self._final(future, lc, "rerank", inp.cut_hint)
         params = inp.params
         results = rank_scores(event.scores, inp.documents, params.top_n, params.return_documents,
@@ -607,7 +607,7 @@ class CoreAPI:
             future: asyncio.Future = asyncio.get_running_loop().create_future()
             lc = self.bridge.submit(EmbedSpec(new_request_id(SeqKind.EMBED), inp.inputs, inp.params),
                                     inp.request_id, lambda event: future.done() or future.set_result(event),
-                                    timeout_ms=inp.timeout_ms, metadata=metadata)
+                                    timeout_ms=inp.timeout_ms, metadata=metadata, owner=owner(metadata))
         event: EmbedOutput = await self._final(future, lc, "embed", inp.cut_hint)
         return EmbedOutcome(inp.request_id, event.embeddings, event.truncated, Usage.of(lc), self.info.embedder,
                             id=lc.engine_id)
@@ -654,6 +654,12 @@ class CoreAPI:
 
     def abort_all(self) -> None:
         self.bridge.abort_all()
+
+
+def owner(metadata: dict[str, str]) -> str:
+    """The client a request counts against for its share of --max-waiting (EngineBridge.fair_share), as its door
+    names it: the gRPC stream it came on, else its peer (a gRPC connection's unary calls, an HTTP connection)."""
+    return metadata.get("stream") or metadata.get("peer", "")
 
 
 def short_name(model: str) -> str:

@@ -97,7 +97,8 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
             await door.stop()
         await server.stop()
         await bridge.stop()
-        await _stop_telemetry(http, tracing)
+        await _stop_metrics(http)
+        await _stop_tracing(tracing)
         raise StartupError(exc) from exc
     _freeze_startup_objects()
     # The stop signals are handled before the replica says it is ready: a SIGTERM sent the moment it does (a test,
@@ -106,10 +107,9 @@ async def serve(engine_config, server_config: ServerConfig, *, max_waiting: int,
     ready(address)
     await signals.wait()
     await server.drain()  # both doors: the bridge refuses new work, in-flight work of either door finishes
-    if door is not None:
-        await door.stop()
+    await asyncio.gather(*((door.stop(),) if door is not None else ()), _stop_metrics(http))
     await bridge.stop()
-    await _stop_telemetry(http, tracing)
+    await _stop_tracing(tracing)
     if steps is not None:
         steps.close()
     log.info("%s", tally.summary(signals.how))
@@ -235,8 +235,12 @@ def _serve_metrics(metrics: Metrics, host: str, port: int | None, healthy: Calla
     return http
 
 
-async def _stop_telemetry(http, tracing: TracingHooks | None) -> None:
+async def _stop_metrics(http) -> None:
+    """Stop the metrics endpoint on a thread (its serve_forever notices every 0.5 s) while the HTTP door stops."""
     if http is not None:
-        http.shutdown()
+        await asyncio.to_thread(http.shutdown)
+
+
+async def _stop_tracing(tracing: TracingHooks | None) -> None:
     if tracing is not None:
         await asyncio.to_thread(tracing.shutdown)  # bounded flush: a dead collector cannot hold up exit

@@ -21,6 +21,9 @@ log = logging.getLogger("tandem.server")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Once the drain timeout has cut in-flight work, the most the gRPC door's stop may take after it (the aborts reaching
+# the engine, the last messages to their streams, the transport closing, a third each); docs/reliability.md.
+CUT_MARGIN_S = 1.5
 
 
 class TandemServer:
@@ -37,6 +40,7 @@ class TandemServer:
         self.status = NOT_SERVING
         self._grace_over = asyncio.Event()
         self._aborting = False  # abort(): a second stop signal
+        self._cut = False  # the drain timeout aborted in-flight work: what is left of the stop is bounded
         self.server: grpc.aio.Server | None = None
         self.servicer: TandemServicer | None = None
         self.address = ""
@@ -112,23 +116,39 @@ class TandemServer:
         except asyncio.TimeoutError:
             log.warning("drain timeout (%.1fs): aborting %d requests", self.config.drain_timeout_s,
                         self.core.num_live)
+            self._cut = True
             self.core.abort_all()
-            try:
-                await asyncio.wait_for(self.core.wait_idle(), 10.0)
-            except asyncio.TimeoutError:
-                log.error("requests still live after abort; stopping anyway")
-        # The engine has ended every request; its last message may still be on its way to the client's stream.
-        if self.servicer is not None:
-            try:
-                await asyncio.wait_for(self.servicer.delivered(), 10.0)
-            except asyncio.TimeoutError:  # a client that stopped reading: its stream is cancelled below
-                log.warning("some streams did not take their last messages within 10s; stopping anyway")
+            await self._settle_aborts()
+        await self._deliver_last_messages()
         # A request arriving after the last in-flight one finished but before the transport closes would be
         # cancelled by grpc (CANCELLED, which clients do not retry); a moment of refusing with UNAVAILABLE first
-        # tells a client that is still sending to go elsewhere. Not after abort(): it was asked to stop now.
-        if not self._aborting:
+        # tells a client that is still sending to go elsewhere. Not after abort(), nor once the drain timeout has
+        # cut work: the drain's time is spent, and new work has been refused all along it.
+        if not self._aborting and not self._cut:
             await asyncio.sleep(self.config.stop_grace_s)
         await self.stop()
+
+    def _after_cut_s(self, usual_s: float) -> float:
+        """How long a step of the stop may take: `usual_s`, or its part of CUT_MARGIN_S once the drain timeout has
+        cut work (the aborts reaching the engine, the last messages, the transports closing: one third each), so
+        the process ends within CUT_MARGIN_S of the drain timeout (docs/reliability.md)."""
+        return CUT_MARGIN_S / 3 if self._cut else usual_s
+
+    async def _settle_aborts(self) -> None:
+        """Wait for the engine to end the aborted requests (one step); bridge.stop() fails any it has not."""
+        try:
+            await asyncio.wait_for(self.core.wait_idle(), self._after_cut_s(10.0))
+        except asyncio.TimeoutError:
+            log.error("requests still live after abort; stopping anyway")
+
+    async def _deliver_last_messages(self) -> None:
+        """The engine has ended every request; its last message may still be on its way to the client's stream."""
+        if self.servicer is None:
+            return
+        try:
+            await asyncio.wait_for(self.servicer.delivered(), self._after_cut_s(10.0))
+        except asyncio.TimeoutError:  # a client that stopped reading: its stream is cancelled below
+            log.warning("some streams did not take their last messages; stopping anyway")
 
     def end_grace(self) -> None:
         """Refuse new work now rather than at the end of drain_grace_s."""
@@ -145,6 +165,6 @@ class TandemServer:
     async def stop(self) -> None:
         await self._set_status(NOT_SERVING)
         if self.server is not None:
-            await self.server.stop(0 if self._aborting else self.config.stop_grace_s)
+            await self.server.stop(0 if self._aborting else self._after_cut_s(self.config.stop_grace_s))
             self.server = None
 

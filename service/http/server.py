@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import ssl
 from typing import Callable
@@ -60,7 +61,7 @@ class HttpServer:
         # httptools, with the request head bounded (service/http/headers.py: uvicorn sets no limit on that parser)
         uv = uvicorn.Config(build_app(door), lifespan="off", access_log=False, log_level="warning",
                             http=BoundedHeadProtocol, ws="none", timeout_keep_alive=30,
-                            timeout_graceful_shutdown=max(1, int(cfg.stop_grace_s) + 1),
+                            timeout_graceful_shutdown=max(1, math.ceil(cfg.stop_grace_s)),
                             ssl_certfile=cfg.tls_cert, ssl_keyfile=cfg.tls_key, ssl_ca_certs=cfg.tls_client_ca,
                             ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_client_ca else ssl.CERT_NONE)
         self._server = _Server(uv)

@@ -94,6 +94,19 @@ def test_eos_is_allowed_only_where_the_grammar_can_end(tokenizer, compiler, voca
     assert matcher.accept(eos) and not matcher.accept(enc(tokenizer, "4")[0])
 
 
+def test_a_stop_tokens_text_as_a_choice_is_never_offered_the_stop_token(tokenizer, compiler, vocab):
+    """llguidance's mask lets the stop token through where its text (`<|im_end|>`) is what the grammar asks for, then
+    refuses to consume it (found by the gRPC fuzzer: INTERNAL "the grammar rejected token 2"). A grammar with
+    nothing else to offer is refused at compile; with other choices the stop token is left out of the mask."""
+    eos = tokenizer.eos_token_id
+    stop_text = tokenizer.convert_ids_to_tokens([eos])[0]
+    with pytest.raises(ValueError, match="structured_outputs.choice cannot be served: no token can continue it"):
+        compiler.compile(StructuredOutputsParams(choice=[stop_text, stop_text]))
+    matcher = compiler.matcher(compiler.compile(StructuredOutputsParams(choice=["yes", stop_text])))
+    got = fill(matcher, vocab)
+    assert eos not in got and got and all(matcher.compiled.template.validate_tokens([t]) == 1 for t in got)
+
+
 def test_a_matcher_past_the_parser_limits_fails_instead_of_completing(tokenizer, compiler, vocab):
     """llguidance bounds the work of one mask (its parser limits; tiny here): past them the matcher fails, its mask
     allows only the stop tokens, and the stop token is refused, so the engine fails the request."""

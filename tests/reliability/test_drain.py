@@ -6,6 +6,7 @@ machine's load decides whether the rerank lands inside it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,5 +38,33 @@ async def test_not_serving_comes_before_refusing(tiny_model_dir):
             await server.acall(end_grace())
         await asyncio.wrap_future(drained)
         assert server.bridge.draining  # after the grace: refusing (tests/service/test_process.py: UNAVAILABLE)
+    finally:
+        server.close()
+
+
+async def test_a_drain_its_timeout_cuts_stops_within_the_margin_not_after_the_stop_grace(tiny_model_dir):
+    """Once the drain timeout has aborted in-flight work, the stop takes no stop grace (here an hour: waiting on it
+    would trip the hang guard) while the aborted generation's last message still reaches its client, whose stream is
+    still open, before the transport closes."""
+    engine = tiny_engine(tiny_model_dir, num_kv_blocks=512, block_size=16, max_model_len=4096)
+    server = ServerThread(engine, ServerConfig(host="127.0.0.1", port=0, drain_timeout_s=0.5, stop_grace_s=3600.0))
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            call = pb_grpc.TandemStub(channel).Generate()
+            await call.write(pb.GenerateClientMessage(request=pb.GenerateRequest(
+                request_id="long", prompt="Tell me about the sea.",
+                params=pb.SamplingParams(max_tokens=4000, ignore_eos=True))))
+            first = await asyncio.wait_for(call.read(), 120)
+            assert first.WhichOneof("kind") == "delta"
+            drained = server.call(server.server.drain())  # the stream stays open: the client never half-closes
+            await asyncio.wait_for(asyncio.wrap_future(drained), 120)  # a hang guard, not a speed bound
+            messages = [first]
+            with contextlib.suppress(grpc.aio.AioRpcError):  # the stop cancels the open stream once it is answered
+                while (message := await asyncio.wait_for(call.read(), 120)) is not grpc.aio.EOF:
+                    messages.append(message)
+        final = messages[-1]
+        assert final.request_id == "long" and final.WhichOneof("kind") == "final"
+        assert final.final.finish_reason == pb.FINISH_REASON_ABORT
+        assert final.final.usage.completion_tokens < 4000
     finally:
         server.close()

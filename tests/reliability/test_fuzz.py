@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from service.server import ServerConfig
+from tests.reliability.grammars import GRAMMARS
 from tests.reliability.tiny import tiny_engine
 from tests.service.harness import ServerThread, assert_all_blocks_free
 
@@ -55,7 +56,7 @@ def _edge_strings(rng: random.Random) -> list[str]:
 def _edge_values(f: FD, rng: random.Random) -> list:
     t = f.type
     if t == FD.TYPE_STRING:
-        return _edge_strings(rng)
+        return _edge_strings(rng) + GRAMMARS.get(f.name, [])
     if t == FD.TYPE_BYTES:
         return [b"", b"\xff\xfe", bytes(rng.randrange(256) for _ in range(64)), b"x" * 100_000]
     if t == FD.TYPE_BOOL:

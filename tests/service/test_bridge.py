@@ -167,6 +167,35 @@ async def test_waiting_queue_full_is_resource_exhausted_until_it_drains(bridge):
     assert events[-1].finish_reason == "length"
 
 
+async def test_an_owner_holds_at_most_its_share_and_a_newcomer_is_still_admitted():
+    """max_waiting 6: a lone owner may hold 6 // 2 = 3; with one other owner waiting each share is 6 // 3 = 2, so the
+    flooder (holding 3) is refused while the newcomer is admitted; once served, the flooder's share is back."""
+    engine = FakeEngine()
+    b = EngineBridge(engine, max_waiting=6)
+    b.start()
+    engine.running.clear()  # nothing gets served: everything admitted waits
+    try:
+        flood = [await _generate(b, f"f{i}", owner="flood") for i in range(3)]
+        with pytest.raises(ServiceError) as info:
+            await _generate(b, "f3", owner="flood")
+        assert info.value.kind is ErrorKind.RESOURCE_EXHAUSTED and "over its share" in info.value.message
+        assert "its share is 3 of --max-waiting 6" in info.value.message
+        newcomer = [await _generate(b, f"n{i}", owner="newcomer") for i in range(2)]
+        with pytest.raises(ServiceError):
+            await _generate(b, "n2", owner="newcomer")  # its share is 6 // 3 = 2 while the flood waits
+        third = await _generate(b, "t0", owner="third")  # 6 // 4 = 1, and 5 of 6 places are taken
+        with pytest.raises(ServiceError) as full:
+            await _generate(b, "t1", owner="fourth")  # its share would be 1, but all 6 places are taken
+        assert "server is at capacity" in full.value.message
+        engine.running.set()
+        for _, _, done in flood + newcomer + [third]:
+            await done.wait()
+        assert b.num_waiting == 0 and b.fair_share("flood") == 3 and not b._owners
+    finally:
+        engine.running.set()
+        await b.stop()
+
+
 async def test_timeout_aborts_in_the_engine_and_reports_deadline_exceeded(bridge):
     bridge.engine.running.clear()
     lc, events, done = await _generate(bridge, "slow", max_tokens=100, timeout_ms=20)

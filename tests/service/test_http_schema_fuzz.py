@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from service.http.app import VERSION
 from service.http.openapi import openapi_document
 from service.server import ServerConfig
+from tests.reliability.grammars import GRAMMARS
 from tests.reliability.tiny import make_tiny_model_dir, tiny_engine
 from tests.service.harness import ServerThread, assert_all_blocks_free
 
@@ -78,6 +79,44 @@ def test_every_route_answers_below_500_in_its_own_error_shape(label, mode, live)
             assert SHAPES[_shape(case.path)](body), (case.path, response.status_code, body)
 
     run()
+
+
+def _grammar_bodies() -> list[tuple[str, dict]]:
+    """Explicit examples next to the generated ones: the hostile schemas and regexes (tests/reliability/grammars.py)
+    in every place the HTTP door takes one, and a stop token's text as a choice."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+    completion = {"model": "tiny", "prompt": "Hi", "max_tokens": 8}
+    bodies = []
+    for text in GRAMMARS["json_schema"]:
+        schema = json.loads(text)
+        bodies += [
+            ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema",
+                                                                  "json_schema": {"name": "s", "schema": schema}}}),
+            ("/v1/chat/completions", {**chat, "tool_choice": "required", "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": schema}}]}),
+            ("/v1/completions", {**completion, "structured_outputs": {"json": schema}}),
+            ("/v1/completions", {**completion, "guided_json": text}),
+        ]
+    for regex in GRAMMARS["regex"]:
+        bodies += [("/v1/completions", {**completion, "structured_outputs": {"regex": regex}}),
+                   ("/v1/chat/completions", {**chat, "guided_regex": regex, "stream": True})]
+    bodies += [("/v1/completions", {**completion, "structured_outputs": {"choice": ["<|im_end|>", "yes"]}}),
+               ("/v1/completions", {**completion, "structured_outputs": {"choice": ["<|im_end|>"]}})]
+    return bodies
+
+
+GRAMMAR_BODIES = _grammar_bodies()
+
+
+@pytest.mark.parametrize("path, body", GRAMMAR_BODIES, ids=[f"{i} {p}" for i, (p, _) in enumerate(GRAMMAR_BODIES)])
+def test_hostile_schemas_and_regexes_are_served_or_refused_never_5xx(live, path, body):
+    _, http = live
+    response = httpx.post(http.url + path, json=body, timeout=120)
+    assert response.status_code in (200, 400), (path, body, response.text[:300])
+    if response.status_code == 400:
+        assert SHAPES["openai"](response.json()), response.text[:300]
+    elif body.get("stream"):
+        assert "data: [DONE]" in response.text and '"error"' not in response.text, response.text[-300:]
 
 
 def test_strict_model_names_refuse_a_rerank_naming_another_model(live):

@@ -24,8 +24,8 @@ PROMPT = "Tell me a long story about a lighthouse keeper."
 
 @pytest.fixture(scope="module")
 def serve_proc():
-    # One sequence per step and two waiting requests at most make "queue full" deterministic; the flags and
-    # the TANDEM_* variables both reach the server.
+    # One sequence per step and two waiting places (one for a lone stream) make "over its share" deterministic; the
+    # flags and the TANDEM_* variables both reach the server.
     proc = ServeProcess("--max-num-seqs", "1", "--num-kv-blocks", "128", "--host", "127.0.0.1",
                         env={"TANDEM_MAX_WAITING": "2", "TANDEM_DRAIN_TIMEOUT": "120", "TANDEM_REPLICA": "proc-1"})
     yield proc
@@ -67,24 +67,21 @@ async def _read_until(call, request_id: str, kinds: tuple[str, ...]) -> pb.Gener
             return message
 
 
-async def test_full_waiting_queue_is_resource_exhausted_until_it_drains(serve_proc):
+async def test_a_stream_over_its_share_of_the_waiting_queue_is_resource_exhausted_until_it_drains(serve_proc):
     async with grpc.aio.insecure_channel(serve_proc.address) as channel:
         stub = pb_grpc.TandemStub(channel)
         call = stub.Generate()
         await call.write(_request("running", 2048 - 64))  # cannot end: the context is 2048
         await _read_until(call, "running", ("delta",))  # it holds the only sequence slot now
-        for request_id in ("wait-1", "wait-2", "over"):
+        # a lone stream's share of the two places is one (EngineBridge.fair_share): TANDEM_MAX_WAITING reached it
+        for request_id in ("wait-1", "over"):
             await call.write(_request(request_id, 3))
         refused = (await _read_until(call, "over", ("error", "final"))).error
         assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-        assert "server is at capacity: 2 requests are waiting" in refused.message
-        with pytest.raises(grpc.aio.AioRpcError) as rerank:
-            await stub.Rerank(pb.RerankRequest(query="q", documents=["d"]))
-        assert rerank.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "over its share of the waiting queue: 1 of its requests are waiting for the engine, its share is 1 " \
+            "of --max-waiting 2" in refused.message
         await call.write(pb.GenerateClientMessage(cancel=pb.CancelRequest(request_id="running")))
-        for request_id in ("wait-1", "wait-2"):
-            assert (await _read_until(call, request_id, ("final", "error"))).final.finish_reason == \
-                pb.FINISH_REASON_LENGTH
+        assert (await _read_until(call, "wait-1", ("final", "error"))).final.finish_reason == pb.FINISH_REASON_LENGTH
         await call.write(_request("again", 2))
         assert (await _read_until(call, "again", ("final", "error"))).final.usage.completion_tokens == 2
         await call.done_writing()
