@@ -32,7 +32,7 @@ class EmbedJob:
         if result.vector is None:
             return  # some of the row's stages ran: the rest come in later steps
         effects.finished[row] = SequenceStatus.FINISHED_STOPPED
-        self.vectors[row.index] = ctx.embedder.finish(result.vector, self.params)
+        self.vectors[row.index] = ctx.poolers[self.params.task].finish(result.vector, self.params)
         self.remaining -= 1
         if not self.remaining:
             self.finished = True
