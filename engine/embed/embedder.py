@@ -220,12 +220,11 @@ class Embedder:
             out = [states[i] if whole else v for i, (v, whole) in enumerate(zip(out, all_tokens))]
         return out
 
-    def finish(self, vector: torch.Tensor, params: EmbedParams
-               ) -> list[float] | list[list[float]] | list[tuple[int, float]]:
-        """A pooled vector as the request asks: its first `dimensions` (Matryoshka), then L2-normalised (token
-        states, `all_tokens`: each token's state normalised the same way when asked). A classifier's logits: its
-        labels' probabilities (softmax; sigmoid per label for a multi-label model), or the logits with raw_scores;
-        a sparse vector: its non-zero (vocabulary id, weight) pairs, id order."""
+    def finish_row(self, vector: torch.Tensor, params: EmbedParams
+                   ) -> list[float] | list[list[float]] | list[tuple[int, float]]:
+        """A row's output as its request asks, per this model's task: an embedding (`finish`); a classifier's
+        logits as its labels' probabilities (softmax; sigmoid per label for a multi-label model), or the logits with
+        raw_scores; a sparse vector as its non-zero (vocabulary id, weight) pairs, id order."""
         if self.task is PoolingTask.CLASSIFY:
             if params.raw_scores:
                 return vector.tolist()
@@ -233,6 +232,12 @@ class Embedder:
         if self.task is PoolingTask.SPARSE:
             ids = vector.nonzero().flatten()
             return list(zip(ids.tolist(), vector[ids].tolist()))
+        return self.finish(vector, params)
+
+    @staticmethod
+    def finish(vector: torch.Tensor, params: EmbedParams) -> list[float] | list[list[float]]:
+        """A pooled vector as the request asks: its first `dimensions` (Matryoshka), then L2-normalised (token
+        states, `all_tokens`: each token's state normalised the same way when asked)."""
         if params.dimensions is not None:
             vector = vector[:params.dimensions]
         if params.normalize:

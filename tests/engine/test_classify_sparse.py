@@ -111,7 +111,7 @@ def test_a_multi_label_classifier_gives_sigmoid_per_label(models) -> None:
     enc = _tokenizer(dirs["multi"])(TEXTS, padding=True, return_tensors="pt")
     with torch.inference_mode():
         ref = torch.sigmoid(refs["multi"](**enc).logits)
-    got = torch.tensor([clf.finish(v, CLASSIFY) for v in clf.run(rows, [False] * len(rows))])
+    got = torch.tensor([clf.finish_row(v, CLASSIFY) for v in clf.run(rows, [False] * len(rows))])
     assert (got - ref).abs().max().item() <= 1e-5
 
 
