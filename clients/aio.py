@@ -302,6 +302,28 @@ class AsyncClient:
             request, timeout=remaining, metadata=self._metadata), timeout)
         return [list(e.values) for e in response.embeddings]
 
+    async def classify(self, texts: str | Sequence[str], *, raw_scores: bool = False, truncate: str = "end",
+                       priority: int = 0, model: str = "", timeout: float | None = None) -> list[dict[str, float]]:
+        """Per text, input order, each label's probability (the logits with raw_scores) from the server's classifier
+        (tandem serve --classifier); truncate: "end" cuts a text over the model's limit, "none" refuses it."""
+        request = pb.ClassifyRequest(texts=[texts] if isinstance(texts, str) else list(texts), model=model,
+                                     raw_scores=raw_scores, priority=priority,
+                                     truncate=pb.TRUNCATE_NONE if truncate == "none" else pb.TRUNCATE_END)
+        response = await self._with_retries(lambda remaining: self.stub.Classify(
+            request, timeout=remaining, metadata=self._metadata), timeout)
+        return [{s.label: s.score for s in r.scores} for r in response.results]
+
+    async def embed_sparse(self, texts: str | Sequence[str], *, truncate: str = "end", priority: int = 0,
+                           model: str = "", timeout: float | None = None) -> list[dict[int, float]]:
+        """Per text, input order, its SPLADE sparse vector ({vocabulary id: weight}, non-zero only) from the
+        server's sparse embedder (tandem serve --sparse-embedder)."""
+        request = pb.EmbedSparseRequest(texts=[texts] if isinstance(texts, str) else list(texts), model=model,
+                                        priority=priority,
+                                        truncate=pb.TRUNCATE_NONE if truncate == "none" else pb.TRUNCATE_END)
+        response = await self._with_retries(lambda remaining: self.stub.EmbedSparse(
+            request, timeout=remaining, metadata=self._metadata), timeout)
+        return [dict(zip(e.indices, e.values)) for e in response.embeddings]
+
     async def model_info(self) -> pb.ModelInfoResponse:
         return await self._with_retries(lambda remaining: self.stub.ModelInfo(
             pb.ModelInfoRequest(), timeout=remaining, metadata=self._metadata), None)

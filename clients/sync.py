@@ -85,6 +85,14 @@ class Client:
         """Same arguments as AsyncClient.embed: one vector per text, input order."""
         return self._run(self._client.embed(texts, **kwargs))
 
+    def classify(self, texts: str | Sequence[str], **kwargs: Any) -> list[dict[str, float]]:
+        """Same arguments as AsyncClient.classify: per text, each label's probability."""
+        return self._run(self._client.classify(texts, **kwargs))
+
+    def embed_sparse(self, texts: str | Sequence[str], **kwargs: Any) -> list[dict[int, float]]:
+        """Same arguments as AsyncClient.embed_sparse: per text, its sparse vector {vocabulary id: weight}."""
+        return self._run(self._client.embed_sparse(texts, **kwargs))
+
     def model_info(self) -> pb.ModelInfoResponse:
         return self._run(self._client.model_info())
 

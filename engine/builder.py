@@ -14,7 +14,7 @@ from kernels import quant
 
 from engine import chat_templates
 from engine.admission import AdmissionPolicy, policy_for
-from engine.config import EMBEDDED_EMBEDDER, EngineConfig, RerankMode
+from engine.config import EMBEDDED_EMBEDDER, EngineConfig, PoolingTask, RerankMode
 from engine.cuda_graphs import capture_sizes, cuda_graph_capture
 from engine.embed import Embedder, embedded_embedder_dir
 from engine.kv_cache import BlockPool, KVCacheManager
@@ -59,6 +59,8 @@ class EngineParts:
     scheduler: Scheduler
     scorer: PairScorer
     embedder: Embedder | None  # EngineConfig.embedder loaded; None: no embeddings served
+    # Every pooling encoder loaded, by the task its rows do (the embedder's EMBED, a classifier, a sparse embedder)
+    poolers: dict[PoolingTask, Embedder]
     runner: ModelRunner
     eos_token_ids: set[int]
     quantization: str  # "gguf" | "int8" | "none" (see EngineConfig.quantization)
@@ -148,8 +150,15 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     embedder = (Embedder.load(config.embedder, config.device, config.dtype, settings,
                               scorer.encoder if shared else None, config.encoder_dtype, config.embedder_revision)
                 if config.embedder else None)
+    poolers = {PoolingTask.EMBED: embedder} if embedder is not None else {}
+    for task, name in ((PoolingTask.CLASSIFY, config.classifier), (PoolingTask.SPARSE, config.sparse_embedder)):
+        if name:  # its own encoder beside the embedder; its rows ride the same steps as embedding rows
+            poolers[task] = Embedder.load(name, config.device, config.dtype, settings,
+                                          encoder_dtype=config.encoder_dtype, task=task)
+            log.info("%s %s (%s) in %s", task.value, poolers[task].name, poolers[task].architecture,
+                     poolers[task].dtype)
     runner = ModelRunner(model, num_blocks, config.block_size, config.device, config.dtype, scorer,
-                         eos_token_ids=_eos_ids(hf_config, tokenizer), embedder=embedder)
+                         eos_token_ids=_eos_ids(hf_config, tokenizer), embedder=embedder, poolers=poolers)
     kernels.prepare(config.device, DTYPES[config.dtype], settings.kernels)
     if runner.device.type == "cuda" and not config.enforce_eager:
         started = time.monotonic()
@@ -162,7 +171,8 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     return EngineParts(model_dir=str(model_dir), tokenizer=tokenizer, hf_config=hf_config, model_args=args,
                        model=model, max_model_len=max_model_len,
                        max_model_len_by=max_model_len_by, pool=pool, kv=kv, staged=staged, admission=policy,
-                       scheduler=Scheduler(config, kv, policy, staged=staged), scorer=scorer, embedder=embedder, runner=runner,
+                       scheduler=Scheduler(config, kv, policy, staged=staged), scorer=scorer, embedder=embedder, poolers=poolers,
+                       runner=runner,
                        eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
                        weight_bytes=weight_bytes(model), weight_format=weight_format(model),
                        cpu_kernels=cpu_kernels, narrow_rows=narrow)

@@ -155,6 +155,11 @@ class EngineConfig:
     # one unless told `--embedder none`). A Hugging Face Hub id ("org/name") is fetched into the Hub cache.
     embedder: str | None = None
     embedder_revision: str | None = None  # the Hub id `embedder`'s branch, tag or commit (None: main)
+    # More encoders whose rows ride the same steps as the embedder's (EmbedParams.task picks one): a sequence
+    # classifier with id2label (BERT / RoBERTa / XLM-R / ModernBERT; PoolingTask.CLASSIFY) and a SPLADE masked-LM
+    # (BERT family; PoolingTask.SPARSE). A directory or a Hub id; None: not served. docs/classification.md.
+    classifier: str | None = None
+    sparse_embedder: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -351,9 +356,20 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+class PoolingTask(str, enum.Enum):
+    """What an encoder row's final states become (vLLM's pooling tasks): a pooled vector (the embedder), a
+    classifier's label probabilities (EngineConfig.classifier), a SPLADE sparse vector (EngineConfig.sparse_embedder).
+    One job, one kind of row, one queue: only the encoder that runs the row and its head differ."""
+    EMBED = "embed"
+    CLASSIFY = "classify"
+    SPARSE = "sparse"
+
+    __format__ = str.__format__
+
+
 @dataclass(slots=True)
 class EmbedParams:
-    """How one embedding request's texts become vectors."""
+    """How one pooling request's texts become vectors (or label probabilities, or sparse vectors: `task`)."""
     normalize: bool = True  # L2-normalise each vector (after `dimensions` cut it)
     dimensions: int | None = None  # keep the first N dimensions (Matryoshka models only); None: all
     truncate: bool = True  # an input over the embedder's limit is cut (else refused)
@@ -362,8 +378,13 @@ class EmbedParams:
     # Every token's final hidden state instead of one pooled vector (TEI /embed_all): [tokens][dim] per input,
     # special tokens included, as sentence-transformers' output_value="token_embeddings".
     all_tokens: bool = False
+    task: PoolingTask = PoolingTask.EMBED  # which encoder runs the rows and what they become
+    raw_scores: bool = False  # CLASSIFY: the logits instead of probabilities (TEI's raw_scores)
 
     def __post_init__(self) -> None:
+        self.task = PoolingTask(self.task)
+        if self.task is not PoolingTask.EMBED and (self.all_tokens or self.dimensions is not None):
+            raise ValueError(f"all_tokens and dimensions apply to embeddings, not to {self.task.value}")
         if self.dimensions is not None and (not _is_int(self.dimensions) or self.dimensions < 1):
             raise ValueError(f"dimensions must be an integer >= 1, got {self.dimensions!r}")
         if self.all_tokens and self.dimensions is not None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable
 from engine.admission import AdmissionPolicy
 from engine.batch import Batch
 from engine.builder import build_engine_parts
-from engine.config import EmbedParams, EngineConfig, RerankMode, RerankParams, SamplingParams
+from engine.config import EmbedParams, EngineConfig, PoolingTask, RerankMode, RerankParams, SamplingParams
 from engine.embed import EmbedJob
 from engine.intake import RequestIntake
 from engine.jobs import Job, JobContext, RowResult, StepEffects
@@ -56,8 +56,11 @@ class LLMEngine:
         self.grammar_compiler: "GrammarCompiler | None" = None
         self.intake = RequestIntake(config, self.tokenizer, self.model_args.vocab_size, self.max_model_len,
                                     self.scheduler.budget, self.scorer, self._grammar_compiler,
-                                    max_model_len_by=parts.max_model_len_by, embedder=parts.embedder)
-        self.job_context = JobContext(self.scorer, self.embedder, self.eos_token_ids, self.max_model_len)
+                                    max_model_len_by=parts.max_model_len_by, embedder=parts.embedder,
+                                    poolers=parts.poolers)
+        self.poolers = parts.poolers  # every pooling encoder, by task (the embedder's EMBED, a classifier, ...)
+        self.job_context = JobContext(self.scorer, self.embedder, self.eos_token_ids, self.max_model_len,
+                                      parts.poolers)
         self._requests: dict[str, Job] = {}
         self._pending: list[StepOutput] = []  # final outputs of aborts, handed out with the next step
         self._observers: list[Callable[[StepRecord], None]] = []
@@ -207,7 +210,15 @@ class LLMEngine:
             "rerank_limit_by": self.intake.rerank_limit()[1],
             "vocab_size": self.model_args.vocab_size,  # what clients need for token ids and logit_bias
             **self._embedder_info(),
+            **self._pooler_info(),
         }
+
+    def _pooler_info(self) -> dict:
+        """The classifier's and the sparse embedder's ids ("": not loaded), limits and the classifier's labels."""
+        c, s = self.poolers.get(PoolingTask.CLASSIFY), self.poolers.get(PoolingTask.SPARSE)
+        return {"classifier": c.name if c else "", "classifier_labels": list(c.labels) if c else [],
+                "classifier_max_tokens": c.max_length if c else 0, "sparse_embedder": s.name if s else "",
+                "sparse_embedder_max_tokens": s.max_length if s else 0}
 
     def _embedder_info(self) -> dict:
         e = self.embedder

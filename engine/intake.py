@@ -20,9 +20,10 @@ import torch
 import xxhash
 
 from engine import chat_templates
-from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
+from engine.config import EmbedParams, EngineConfig, PoolingTask, RerankParams, SamplingParams
 from engine.detokenizer import TextStream
 from engine.embed import EmbedJob, Embedder
+from engine.embed.embedder import FLAGS
 from engine.errors import InputTooLong, NotLoaded
 from engine.generation import Generation
 from engine.jobs import Job
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
 class RequestIntake:
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, max_model_len: int, budget: int,
                  scorer: PairScorer, grammar_compiler: "Callable[[], GrammarCompiler] | None" = None,
-                 max_model_len_by: str = "max_model_len", embedder: Embedder | None = None) -> None:
+                 max_model_len_by: str = "max_model_len", embedder: Embedder | None = None,
+                 poolers: dict[PoolingTask, Embedder] | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -47,6 +49,8 @@ class RequestIntake:
         self.max_model_len_by = max_model_len_by  # what sets max_model_len, named in errors
         self.scorer = scorer
         self.embedder = embedder
+        # Every pooling encoder by task: an EmbedSpec's params.task picks the one that runs its rows
+        self.poolers = poolers if poolers is not None else ({PoolingTask.EMBED: embedder} if embedder else {})
         self.grammar_compiler = grammar_compiler  # called only for a request with structured_outputs
         self._arrivals = itertools.count()
         # A chat stops at its template's end-of-turn tokens as at EOS (Gemma's <end_of_turn> is not its GGUF's EOS).
@@ -257,27 +261,32 @@ class RequestIntake:
         job.truncated = [r.truncated for r in rows]
 
     def _embed_sequences(self, request_id: str, rows: list, params: EmbedParams, arrival_time: float,
-                         too_long: str) -> list[Sequence]:
+                         too_long: str, encoder: Embedder | None = None) -> list[Sequence]:
         """One KV-free EMBED sequence per embedder row, input order, each run in the embedder's stages; ValueError
         (`too_long`, the budget) when one stage of a row exceeds one step's budget (a decoder embedder's row is one
-        stage: it runs whole)."""
+        stage: it runs whole). `encoder`: the one that runs them (None: the embedder)."""
+        encoder = encoder or self.embedder
         seqs = [Sequence(request_id=request_id, token_ids=row.token_ids, num_prompt_tokens=len(row.token_ids),
                          params=params, arrival=next(self._arrivals), arrival_time=arrival_time, kind=SeqKind.EMBED,
-                         priority=params.priority, execution=RowExec.ENCODER, index=i, stages=self.embedder.stages)
+                         priority=params.priority, execution=RowExec.ENCODER, index=i, stages=encoder.stages)
                 for i, row in enumerate(rows)]
         if any(seq.stage_tokens(1) > self.budget for seq in seqs):
-            what = "one layer of it" if self.embedder.stages > 1 else "it runs whole and"
+            what = "one layer of it" if encoder.stages > 1 else "it runs whole and"
             raise ValueError(f"{too_long}: {what} must fit in one step's budget ({self.budget}, "
                              "--max-num-batched-tokens)")
         return seqs
 
     def embed(self, spec: EmbedSpec) -> EmbedJob:
-        """A job with one prefill-only, KV-free row per input (texts, or token ids in the embedder's vocabulary)."""
+        """A job with one prefill-only, KV-free row per input (texts, or token ids in the embedder's vocabulary), run
+        by the encoder of its params' task (the embedder, the classifier, the sparse embedder)."""
         request_id, inputs = spec.request_id, spec.inputs
         params = spec.params if spec.params is not None else EmbedParams()
         if not isinstance(params, EmbedParams):
             raise ValueError("params must be an EmbedParams")
-        embedder = self.embedder
+        embedder = self.poolers.get(params.task)
+        if embedder is None and params.task is not PoolingTask.EMBED:
+            raise NotLoaded(f"this server has no {_MODELS[params.task]} (tandem serve {FLAGS[params.task]} "
+                            f"DIR|HUB_ID; EngineConfig.{_FIELDS[params.task]})")
         if embedder is None:
             raise NotLoaded("this server has no embedding model (tandem serve --embedder DIR, or leave the default: "
                             "the embedded all-MiniLM-L6-v2; EngineConfig.embedder)")
@@ -308,7 +317,8 @@ class RequestIntake:
         embedder.check_dimensions(params)
         rows = embedder.rows(texts, ids, params)
         arrival_time = time.monotonic()
-        sequences = self._embed_sequences(request_id, rows, params, arrival_time, "an input has too many tokens")
+        sequences = self._embed_sequences(request_id, rows, params, arrival_time, "an input has too many tokens",
+                                          embedder)
         return EmbedJob(request_id, params, arrival_time=arrival_time, rows=sequences, vectors=[None] * len(rows),
                         remaining=len(rows), truncated=[r.truncated for r in rows])
 
@@ -378,6 +388,10 @@ _BUILDERS: dict[type, Callable[[RequestIntake, Any], Job]] = {
     RerankSpec: RequestIntake.rerank,
     EmbedSpec: RequestIntake.embed,
 }
+
+
+_MODELS = {PoolingTask.CLASSIFY: "classifier", PoolingTask.SPARSE: "sparse embedder (SPLADE)"}
+_FIELDS = {PoolingTask.CLASSIFY: "classifier", PoolingTask.SPARSE: "sparse_embedder"}
 
 
 def _generator(seed: int | None, index: int) -> torch.Generator | None:

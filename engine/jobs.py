@@ -40,6 +40,7 @@ class JobContext:
     embedder: "Embedder | None"  # finishes an embedding input's vector per its request's params
     eos_token_ids: Collection[int]
     max_model_len: int
+    poolers: dict = field(default_factory=dict)  # PoolingTask -> the Embedder that finishes that task's rows
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.config import PoolingTask
 from engine.cuda_graphs import Capture, DecodeGraphs, try_capture
 from engine.embed import Embedder
 from engine.models.stages import StageResult, StageWork
@@ -66,7 +67,7 @@ class ModelRunner:
 
     def __init__(self, model: DecoderForCausalLM, num_blocks: int, block_size: int, device: str, dtype: str,
                  scorer: PairScorer | None = None, eos_token_ids: Collection[int] = (),
-                 embedder: Embedder | None = None) -> None:
+                 embedder: Embedder | None = None, poolers: dict | None = None) -> None:
         a = model.args
         self.eos_token_ids = frozenset(eos_token_ids)  # masked while a sequence is short of its min_tokens
         self.model = model
@@ -77,6 +78,8 @@ class ModelRunner:
             dtype=DTYPES[dtype], device=self.device)
         self.scorer = scorer  # the rerank mode: scores finished rerank pairs
         self.embedder = embedder  # runs embedding rows (None: no embedder loaded, none are admitted)
+        # Every pooling encoder by its task (EmbedParams.task): the embedder, a classifier, a sparse embedder
+        self.poolers = poolers if poolers is not None else ({PoolingTask.EMBED: embedder} if embedder else {})
         # The cross-encoder and the embedder are one encoder (encoder_loader.same_encoder): one staged forward runs both
         self.shared_encoder = (embedder is not None and scorer is not None and scorer.staged is not None
                                and scorer.staged is embedder.staged)
@@ -158,18 +161,30 @@ class ModelRunner:
         work = [StageWork(batch.seqs[i].token_ids, *batch.stages[i], all_tokens=batch.seqs[i].params.all_tokens,
                           state=_states_in(batch.seqs[i], batch.stages[i], staged)) for i in embed_rows]
         own_scores: list[StageResult] = []
-        vectors: list[StageResult] = []
-        if own_rows and embed_rows and self.shared_encoder:  # one encoder: both kinds' rows in one forward
+        # Rows of the other pooling tasks (a classifier's, a sparse embedder's) run on their own encoders, same step
+        tasks = [batch.seqs[i].params.task for i in embed_rows]
+        vectors: list[StageResult | None] = [None] * len(embed_rows)
+        for task in dict.fromkeys(t for t in tasks if t is not PoolingTask.EMBED):
+            js = [j for j, t in enumerate(tasks) if t is task]
             with clock:
-                own_scores, vectors = self.scorer.staged.run_parts(
+                for j, result in zip(js, self.poolers[task].run_stages([work[j] for j in js])):
+                    vectors[j] = result
+        mine = [j for j, t in enumerate(tasks) if t is PoolingTask.EMBED]
+        work = [work[j] for j in mine]
+        done: list[StageResult] = []
+        if own_rows and work and self.shared_encoder:  # one encoder: both kinds' rows in one forward
+            with clock:
+                own_scores, done = self.scorer.staged.run_parts(
                     [self.scorer.stage_part(*pairs), self.embedder.stage_part(work)])
         else:
             if own_rows:
                 with clock:
                     own_scores = self.scorer.score_stages(*pairs)
-            if embed_rows:
+            if work:
                 with clock:
-                    vectors = self.embedder.run_stages(work)
+                    done = self.embedder.run_stages(work)
+        for j, result in zip(mine, done):
+            vectors[j] = result
         for i, result in zip(own_rows, own_scores):
             _keep_or_take(batch.seqs[i], result, staged, out.scores, i)  # a score, or the pair has stages left
         for i, result in zip(embed_rows, vectors):

@@ -324,6 +324,78 @@ class EmbedResponse(_message.Message):
     usage: Usage
     def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., model: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
+class ClassifyRequest(_message.Message):
+    __slots__ = ("texts", "model", "truncate", "raw_scores", "priority")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    model: str
+    truncate: Truncate
+    raw_scores: bool
+    priority: int
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., raw_scores: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class LabelScore(_message.Message):
+    __slots__ = ("label", "score")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    score: float
+    def __init__(self, label: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
+
+class Classification(_message.Message):
+    __slots__ = ("scores", "truncated")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[LabelScore]
+    truncated: bool
+    def __init__(self, scores: _Optional[_Iterable[_Union[LabelScore, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class ClassifyResponse(_message.Message):
+    __slots__ = ("results", "model", "usage")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[Classification]
+    model: str
+    usage: Usage
+    def __init__(self, results: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., model: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class EmbedSparseRequest(_message.Message):
+    __slots__ = ("texts", "model", "truncate", "priority")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    model: str
+    truncate: Truncate
+    priority: int
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class SparseEmbedding(_message.Message):
+    __slots__ = ("indices", "values", "truncated")
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    truncated: bool
+    def __init__(self, indices: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class EmbedSparseResponse(_message.Message):
+    __slots__ = ("embeddings", "model", "usage")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[SparseEmbedding]
+    model: str
+    usage: Usage
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[SparseEmbedding, _Mapping]]] = ..., model: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -59,6 +59,16 @@ class TandemStub:
                 request_serializer=proto_dot_tandem__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=proto_dot_tandem__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/tandem.v1.Tandem/Classify',
+                request_serializer=proto_dot_tandem__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=proto_dot_tandem__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
+        self.EmbedSparse = channel.unary_unary(
+                '/tandem.v1.Tandem/EmbedSparse',
+                request_serializer=proto_dot_tandem__pb2.EmbedSparseRequest.SerializeToString,
+                response_deserializer=proto_dot_tandem__pb2.EmbedSparseResponse.FromString,
+                _registered_method=True)
 
 
 class TandemServicer:
@@ -101,6 +111,20 @@ class TandemServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Classify(self, request, context):
+        """Texts to label probabilities with the sequence classifier (--classifier), one list per input, input order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EmbedSparse(self, request, context):
+        """Texts to SPLADE sparse vectors with the sparse embedder (--sparse-embedder), one per input, input order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TandemServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +152,16 @@ def add_TandemServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=proto_dot_tandem__pb2.EmbedRequest.FromString,
                     response_serializer=proto_dot_tandem__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=proto_dot_tandem__pb2.ClassifyRequest.FromString,
+                    response_serializer=proto_dot_tandem__pb2.ClassifyResponse.SerializeToString,
+            ),
+            'EmbedSparse': grpc.unary_unary_rpc_method_handler(
+                    servicer.EmbedSparse,
+                    request_deserializer=proto_dot_tandem__pb2.EmbedSparseRequest.FromString,
+                    response_serializer=proto_dot_tandem__pb2.EmbedSparseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +299,60 @@ class Tandem:
             '/tandem.v1.Tandem/Embed',
             proto_dot_tandem__pb2.EmbedRequest.SerializeToString,
             proto_dot_tandem__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Tandem/Classify',
+            proto_dot_tandem__pb2.ClassifyRequest.SerializeToString,
+            proto_dot_tandem__pb2.ClassifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedSparse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Tandem/EmbedSparse',
+            proto_dot_tandem__pb2.EmbedSparseRequest.SerializeToString,
+            proto_dot_tandem__pb2.EmbedSparseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 
-from engine.config import MAX_LOGPROBS, MAX_N, EmbedParams, RerankParams, SamplingParams
+from engine.config import MAX_LOGPROBS, MAX_N, EmbedParams, PoolingTask, RerankParams, SamplingParams
 from engine.outputs import EmbedOutput, RerankOutput, RerankResult, TokenDelta, rank_scores
 from engine.request import FinishReason, SeqKind
 from engine.specs import EmbedSpec, GenerateSpec, RerankSpec
@@ -118,6 +118,11 @@ class ModelInfo:
     embedder_max_tokens: int = 0
     embedder_matryoshka: bool = False  # `dimensions` may shorten its vectors
     embedder_dtype: str = ""  # what its forward runs in (--encoder-dtype as resolved on this CPU)
+    classifier: str = ""  # the sequence classifier's id ("": none loaded; --classifier)
+    classifier_labels: tuple[str, ...] = ()  # its labels, id order (config.json's id2label)
+    classifier_max_tokens: int = 0
+    sparse_embedder: str = ""  # the SPLADE model's id ("": none loaded; --sparse-embedder)
+    sparse_embedder_max_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +213,29 @@ class EmbedOutcome:
     usage: Usage
     model: str  # the embedder's id
     id: str = ""  # the request's one id (new_request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassifyOutcome:
+    """A classification: per input, one probability per label (label id order; the logits with raw_scores)."""
+    request_id: str
+    scores: list[list[float]]
+    labels: tuple[str, ...]  # the classifier's labels, id order
+    truncated: list[bool]
+    usage: Usage
+    model: str  # the classifier's id
+    id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SparseOutcome:
+    """Sparse embeddings: per input, its non-zero (vocabulary id, weight) pairs, id order."""
+    request_id: str
+    vectors: list[list[tuple[int, float]]]
+    truncated: list[bool]
+    usage: Usage
+    model: str  # the sparse embedder's id
+    id: str = ""
 
 
 class GenerationStream:
@@ -321,11 +349,17 @@ class Task(str, enum.Enum):
     GENERATE = "generate"  # chat and completions
     EMBED = "embed"
     RERANK = "rerank"
+    CLASSIFY = "classify"
+    EMBED_SPARSE = "embed_sparse"
 
     __format__ = str.__format__
 
 
-_VERBS = {Task.GENERATE: "generate (chat, completions)", Task.EMBED: "embed", Task.RERANK: "rerank"}
+_VERBS = {Task.GENERATE: "generate (chat, completions)", Task.EMBED: "embed", Task.RERANK: "rerank",
+          Task.CLASSIFY: "classify", Task.EMBED_SPARSE: "embed sparse"}
+# The pooling tasks past embeddings: the engine's task, the ModelInfo field naming the model, the flag loading it
+_POOLERS = {Task.CLASSIFY: (PoolingTask.CLASSIFY, "classifier", "--classifier"),
+            Task.EMBED_SPARSE: (PoolingTask.SPARSE, "sparse_embedder", "--sparse-embedder")}
 # The rerank modes the LLM scores in (engine RerankMode values), alone or beside the embedder; the embedder's cosine
 # scores in dense, fusion and cascade.
 _LLM_SCORES = ("likelihood", "judge", "fusion", "cascade")
@@ -409,6 +443,10 @@ class CoreAPI:
         if info.embedder:
             tasks = (Task.EMBED, Task.RERANK) if mode in _EMBEDDER_SCORES else (Task.EMBED,)
             out.setdefault(info.embedder, ServedModel(info.embedder, tasks, info.embedder_max_tokens))
+        for task, (_, field, _) in _POOLERS.items():
+            name = getattr(info, field)
+            if name:
+                out.setdefault(name, ServedModel(name, (task,), getattr(info, f"{field}_max_tokens")))
         if self.rerank_model:
             out.setdefault(self.rerank_model, ServedModel(self.rerank_model, (Task.RERANK,),
                                                           info.rerank_max_pair_tokens))
@@ -611,6 +649,42 @@ class CoreAPI:
         event: EmbedOutput = await self._final(future, lc, "embed", inp.cut_hint)
         return EmbedOutcome(inp.request_id, event.embeddings, event.truncated, Usage.of(lc), self.info.embedder,
                             id=lc.engine_id)
+
+    # ---- classification and sparse embeddings: the embedding job on another encoder ------------------
+
+    async def classify(self, inp: EmbedInput, metadata: dict[str, str]) -> ClassifyOutcome:
+        """Label probabilities per input from the classifier (--classifier); raises ServiceError (INVALID_ARGUMENT
+        naming the flag where none is loaded)."""
+        event, lc, model = await self._pool(inp, metadata, Task.CLASSIFY)
+        return ClassifyOutcome(inp.request_id, event.embeddings, tuple(self.info.classifier_labels), event.truncated,
+                               Usage.of(lc), model, id=lc.engine_id)
+
+    async def embed_sparse(self, inp: EmbedInput, metadata: dict[str, str]) -> SparseOutcome:
+        """A SPLADE sparse vector per input from the sparse embedder (--sparse-embedder); raises ServiceError."""
+        event, lc, model = await self._pool(inp, metadata, Task.EMBED_SPARSE)
+        return SparseOutcome(inp.request_id, [[(int(i), float(v)) for i, v in vec] for vec in event.embeddings],
+                             event.truncated, Usage.of(lc), model, id=lc.engine_id)
+
+    async def _pool(self, inp: EmbedInput, metadata: dict[str, str], task: Task
+                    ) -> tuple[EmbedOutput, RequestLifecycle, str]:
+        """An embedding job whose rows run on `task`'s encoder: its final output, lifecycle and model id."""
+        pooling, field, flag = _POOLERS[task]
+        model = getattr(self.info, field)
+        with self._admitting(SeqKind.EMBED, inp.request_id, self._named(metadata, inp.model, model)):
+            if not model:
+                raise invalid(f"this server has no {field.replace('_', ' ')}: start it with {flag} DIR|HUB_ID to "
+                              f"serve {_VERBS[task]}")
+            self._check_task(inp.model, task)
+            self._check_served(inp.model, task)
+        metadata = self._worked(metadata, inp.model, model)
+        params = replace(inp.params, task=pooling)
+        with self._admitting(SeqKind.EMBED, inp.request_id, metadata):
+            future: asyncio.Future = asyncio.get_running_loop().create_future()
+            lc = self.bridge.submit(EmbedSpec(new_request_id(SeqKind.EMBED), inp.inputs, params),
+                                    inp.request_id, lambda event: future.done() or future.set_result(event),
+                                    timeout_ms=inp.timeout_ms, metadata=metadata)
+        event: EmbedOutput = await self._final(future, lc, _VERBS[task], inp.cut_hint)
+        return event, lc, model
 
     # ---- tokens ----------------------------------------------------------------------------------
 

@@ -57,6 +57,12 @@ def add_tandem_servicer(servicer: Any, server: grpc.aio.Server) -> None:
         "Embed": grpc.unary_unary_rpc_method_handler(
             servicer.Embed, request_deserializer=_lenient(pb.EmbedRequest),
             response_serializer=pb.EmbedResponse.SerializeToString),
+        "Classify": grpc.unary_unary_rpc_method_handler(
+            servicer.Classify, request_deserializer=_lenient(pb.ClassifyRequest),
+            response_serializer=pb.ClassifyResponse.SerializeToString),
+        "EmbedSparse": grpc.unary_unary_rpc_method_handler(
+            servicer.EmbedSparse, request_deserializer=_lenient(pb.EmbedSparseRequest),
+            response_serializer=pb.EmbedSparseResponse.SerializeToString),
         "ModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.ModelInfo, request_deserializer=_lenient(pb.ModelInfoRequest),
             response_serializer=pb.ModelInfoResponse.SerializeToString),

@@ -214,6 +214,26 @@ class TandemServicer:
         req = _parsed(request)
         return embed_response(await self.core.embed(embed_input(req), _metadata(context)))
 
+    @_statuses
+    async def Classify(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ClassifyResponse:
+        req = _parsed(request)
+        inp = _texts_input(req, raw_scores=req.raw_scores)
+        outcome = await self.core.classify(inp, _metadata(context))
+        return pb.ClassifyResponse(
+            results=[pb.Classification(scores=[pb.LabelScore(label=label, score=s)
+                                               for label, s in zip(outcome.labels, scores)], truncated=t)
+                     for scores, t in zip(outcome.scores, outcome.truncated)],
+            model=outcome.model, usage=_usage(outcome.usage))
+
+    @_statuses
+    async def EmbedSparse(self, request: Any, context: grpc.aio.ServicerContext) -> pb.EmbedSparseResponse:
+        req = _parsed(request)
+        outcome = await self.core.embed_sparse(_texts_input(req), _metadata(context))
+        return pb.EmbedSparseResponse(
+            embeddings=[pb.SparseEmbedding(indices=[i for i, _ in vec], values=[v for _, v in vec], truncated=t)
+                        for vec, t in zip(outcome.vectors, outcome.truncated)],
+            model=outcome.model, usage=_usage(outcome.usage))
+
     # ---- ModelInfo -------------------------------------------------------------------------------
 
     @_statuses
@@ -312,6 +332,15 @@ def embed_input(req: pb.EmbedRequest) -> EmbedInput:
         raise invalid(str(exc)) from None
     inputs = list(req.texts) if req.texts else [list(t.ids) for t in req.token_ids]
     return EmbedInput("", inputs, params, model=req.model)
+
+
+def _texts_input(req: Any, **params) -> EmbedInput:
+    """A ClassifyRequest's or EmbedSparseRequest's texts as the core's EmbedInput (the core sets the task)."""
+    try:
+        p = EmbedParams(truncate=req.truncate != pb.TRUNCATE_NONE, priority=req.priority, **params)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+    return EmbedInput("", list(req.texts), p, model=req.model)
 
 
 # ---- protobuf out ----------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EMBEDDED_EMBEDDER, EmbedParams
+from engine.config import EMBEDDED_EMBEDDER, EmbedParams, PoolingTask
 from engine.embed.encoders import is_decoder, load_token_states
+from engine.embed.heads import load_classifier, load_splade
 from engine.errors import InputTooLong
 from engine.embed.pooling import Pooling, SentenceConfig, pool
 from engine.models import hub
@@ -40,12 +41,20 @@ def embedded_embedder_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 
+# Each pooling task's loader flag (named where a model is missing or wrong) and head past the embedder's own.
+FLAGS = {PoolingTask.EMBED: "--embedder", PoolingTask.CLASSIFY: "--classifier",
+         PoolingTask.SPARSE: "--sparse-embedder"}
+_HEADS = {PoolingTask.CLASSIFY: load_classifier, PoolingTask.SPARSE: load_splade}
+
+
 class Embedder:
-    """A BERT / RoBERTa / XLM-R / ModernBERT encoder or a decoder embedder with its sentence-transformers pooling."""
+    """A BERT / RoBERTa / XLM-R / ModernBERT encoder or a decoder embedder with its sentence-transformers pooling; or,
+    for another pooling `task`, an encoder with that task's head (engine/embed/heads.py: a classifier's logits, a
+    SPLADE model's sparse vector), whose rows run exactly as an embedder's."""
 
     def __init__(self, name: str, directory: Path, device: str = "cpu", dtype: str = "float32",
                  settings: Settings | None = None, shared: CrossEncoder | None = None,
-                 encoder_dtype: str | None = None) -> None:
+                 encoder_dtype: str | None = None, task: PoolingTask = PoolingTask.EMBED) -> None:
         """`dtype`: the engine's; `encoder_dtype`: EngineConfig.encoder_dtype, what this model runs in
         (resolve_encoder_dtype: under auto, bfloat16 for an encoder on a CPU with native bf16; None: `dtype`);
         `shared`: the cross-encoder loaded from this same directory (built with shared=True): its weights and its
@@ -54,19 +63,35 @@ class Embedder:
 
         cfg_file = directory / "config.json"
         if not cfg_file.is_file():
-            raise FileNotFoundError(f"embedder path {str(directory)!r} is not a Hugging Face model directory "
+            raise FileNotFoundError(f"{FLAGS[task]} path {str(directory)!r} is not a Hugging Face model directory "
                                     "(no config.json)")
         cfg = json.loads(cfg_file.read_text())
         self.name = name  # the model id it is served under
+        self.task = task
         self.architecture = (cfg.get("architectures") or [cfg.get("model_type", "")])[0]
         decoder = is_decoder(cfg)
-        self.sentence = SentenceConfig.read(directory, Pooling.LAST_TOKEN if decoder else Pooling.MEAN)
         self.device = torch.device(device)
-        if shared is not None:
+        self.labels: tuple[str, ...] = ()  # CLASSIFY: its labels, id order
+        self.multi_label = False  # CLASSIFY: sigmoid per label (problem_type multi_label_classification)
+        if task is not PoolingTask.EMBED:
+            if decoder:
+                raise ValueError(f"{FLAGS[task]} {name!r} is a {cfg.get('model_type')!r}; tandem serves "
+                                 f"{task.value} with encoders (BERT / RoBERTa / XLM-R"
+                                 f"{' / ModernBERT' if task is PoolingTask.CLASSIFY else ''})")
+            self.sentence = SentenceConfig(Pooling.CLS, False, None)  # the head reads the states itself
+            settings = settings or Settings()
+            self.dtype = resolve_encoder_dtype(encoder_dtype or dtype, dtype, self.device, settings.native_bf16, False)
+            head = _HEADS[task](directory, cfg, self.device, _DTYPES[self.dtype], settings)
+            self.labels, self.multi_label = head.labels, head.multi_label
+            self._forward_in_stages = StagedForward(head.stages, self.device)
+            self.dim, positions = head.width, head.max_tokens
+        elif shared is not None:
+            self.sentence = SentenceConfig.read(directory, Pooling.LAST_TOKEN if decoder else Pooling.MEAN)
             self._forward_in_stages = shared.staged  # the cross-encoder's: both kinds' rows in one forward
             self.dim, positions = shared.args.hidden_size, shared.args.max_tokens
             self.dtype = shared.dtype  # what its forward runs in
         else:
+            self.sentence = SentenceConfig.read(directory, Pooling.LAST_TOKEN if decoder else Pooling.MEAN)
             settings = settings or Settings()
             self.dtype = resolve_encoder_dtype(encoder_dtype or dtype, dtype, self.device, settings.native_bf16,
                                                decoder)
@@ -78,23 +103,26 @@ class Embedder:
                                                       positions))
         self.max_length = min(own, positions)  # tokens of one input, special tokens included
         # Matryoshka (`dimensions`): Qwen3-Embedding-style decoders are trained for it; encoders are not assumed to be.
-        self.matryoshka = decoder and cfg.get("model_type") == "qwen3"
+        self.matryoshka = task is PoolingTask.EMBED and decoder and cfg.get("model_type") == "qwen3"
         self._pre, self._post = _specials(self.tokenizer)
 
     @classmethod
     def load(cls, embedder: str, device: str = "cpu", dtype: str = "float32",
              settings: Settings | None = None, shared: CrossEncoder | None = None,
-             encoder_dtype: str | None = None, revision: str | None = None) -> "Embedder":
+             encoder_dtype: str | None = None, revision: str | None = None,
+             task: PoolingTask = PoolingTask.EMBED) -> "Embedder":
         """EngineConfig.embedder: EMBEDDED_EMBEDDER, a directory or a Hub id (`revision`: its branch, tag or
         commit; engine/models/hub.py); `settings`: the attention backend its encoder runs, the decoder's ops
         (engine/settings.py; None: the defaults); `shared`: the cross-encoder of this same directory, whose weights
-        and forward it uses; `encoder_dtype`: EngineConfig.encoder_dtype."""
-        if embedder == EMBEDDED_EMBEDDER:
+        and forward it uses; `encoder_dtype`: EngineConfig.encoder_dtype; `task`: what its rows become (the
+        classifier, EngineConfig.classifier, and the sparse embedder, EngineConfig.sparse_embedder, are Embedders
+        with another task's head)."""
+        if embedder == EMBEDDED_EMBEDDER and task is PoolingTask.EMBED:
             return cls(EMBEDDED_EMBEDDER, embedded_embedder_dir(), device, dtype, settings, shared, encoder_dtype)
-        path = Path(hub.local_path(embedder, "--embedder", revision)).expanduser()
+        path = Path(hub.local_path(embedder, FLAGS[task], revision)).expanduser()
         if not path.exists():
-            raise FileNotFoundError(f"embedder path {str(path)!r} does not exist")
-        return cls(hub.display_name(embedder), path, device, dtype, settings, shared, encoder_dtype)
+            raise FileNotFoundError(f"{FLAGS[task]} path {str(path)!r} does not exist")
+        return cls(hub.display_name(embedder), path, device, dtype, settings, shared, encoder_dtype, task)
 
     @property
     def pooling(self) -> Pooling:
@@ -184,11 +212,27 @@ class Embedder:
 
     def _outputs(self, hidden: torch.Tensor, cu: torch.Tensor, lens: list[int], all_tokens: list[bool]
                  ) -> list[torch.Tensor]:
+        if self.task is not PoolingTask.EMBED:  # the head's one row per input: logits, or vocabulary weights
+            return list(hidden.float().cpu())
         out = list(pool(hidden, cu, self.pooling).cpu())
         if any(all_tokens):
             states = hidden.float().cpu().split(lens)
             out = [states[i] if whole else v for i, (v, whole) in enumerate(zip(out, all_tokens))]
         return out
+
+    def finish_row(self, vector: torch.Tensor, params: EmbedParams
+                   ) -> list[float] | list[list[float]] | list[tuple[int, float]]:
+        """A row's output as its request asks, per this model's task: an embedding (`finish`); a classifier's
+        logits as its labels' probabilities (softmax; sigmoid per label for a multi-label model), or the logits with
+        raw_scores; a sparse vector as its non-zero (vocabulary id, weight) pairs, id order."""
+        if self.task is PoolingTask.CLASSIFY:
+            if params.raw_scores:
+                return vector.tolist()
+            return (torch.sigmoid(vector) if self.multi_label else torch.softmax(vector, dim=-1)).tolist()
+        if self.task is PoolingTask.SPARSE:
+            ids = vector.nonzero().flatten()
+            return list(zip(ids.tolist(), vector[ids].tolist()))
+        return self.finish(vector, params)
 
     @staticmethod
     def finish(vector: torch.Tensor, params: EmbedParams) -> list[float] | list[list[float]]:

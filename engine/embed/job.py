@@ -32,7 +32,9 @@ class EmbedJob:
         if result.vector is None:
             return  # some of the row's stages ran: the rest come in later steps
         effects.finished[row] = SequenceStatus.FINISHED_STOPPED
-        self.vectors[row.index] = ctx.embedder.finish(result.vector, self.params)
+        encoder = ctx.poolers.get(self.params.task)  # the encoder of its task (none given: the embedder's vectors)
+        self.vectors[row.index] = (encoder.finish_row(result.vector, self.params) if encoder is not None
+                                   else ctx.embedder.finish(result.vector, self.params))
         self.remaining -= 1
         if not self.remaining:
             self.finished = True

@@ -11,6 +11,9 @@ API the gRPC door calls too); its outputs come back in each API's shape. No prot
 | POST /v1/embeddings          | OpenAI  | Embed               |
 | POST /embed, /embed_all      | TEI     | Embed               |
 | POST /v2/embed               | Cohere  | Embed               |
+| POST /predict                | TEI     | Classify            |
+| POST /classify               | vLLM    | Classify            |
+| POST /embed_sparse           | TEI     | EmbedSparse         |
 | POST /tokenize, /detokenize  | vLLM    | ModelInfo           |
 | GET  /info                   | TEI     | ModelInfo           |
 | GET  /version, /openapi.json, /docs | plain | open         |
@@ -38,7 +41,7 @@ from service.auth import TokenTable
 from service.core import CoreAPI, GenerateEvent, GenerateInput, GenerationStream, RerankInput, RerankOutcome
 from service.core import EmbedInput, EmbedOutcome, ServedModel
 from service.errors import ServiceError
-from service.http import embed_schema, openai_schema, openapi, rerank_schema, tokens_schema
+from service.http import classify_schema, embed_schema, openai_schema, openapi, rerank_schema, tokens_schema
 from service.http.errors import HttpError, Shape
 from service.http.hosts import host_allowed
 from service.http.openai_output import Completion
@@ -154,7 +157,8 @@ def _kind(path: str) -> str:
         return "generate"
     if path.endswith("rerank"):
         return "rerank"
-    return "embed" if path.endswith(("embed", "embeddings", "embed_all")) else path
+    return "embed" if path.endswith(("embed", "embeddings", "embed_all", "embed_sparse", "predict", "classify")) \
+        else path
 
 
 def _check_json(request: Request) -> None:
@@ -489,5 +493,30 @@ async def _tei_embed_all(door: Door, request: Request) -> Response:
     return JSONResponse((await _embed(door, request, body.to_input())).embeddings)
 
 
+# ---- classification and sparse embeddings (the embedding request on the classifier, the sparse embedder) -----
+
+async def _tei_predict(door: Door, request: Request) -> Response:
+    door.authorize(request, "Classify")
+    body = openai_schema.parse(classify_schema.TeiPredict, await request.body())
+    outcome = await _unary(door, request, door.core.classify, body.to_input())
+    return JSONResponse(classify_schema.tei_predict_response(outcome, body.single))
+
+
+async def _vllm_classify(door: Door, request: Request) -> Response:
+    door.authorize(request, "Classify")
+    body = openai_schema.parse(classify_schema.VllmClassify, await request.body())
+    outcome = await _unary(door, request, door.core.classify, body.to_input())
+    return JSONResponse(classify_schema.vllm_classify_response(outcome, body.model or outcome.model))
+
+
+async def _tei_embed_sparse(door: Door, request: Request) -> Response:
+    door.authorize(request, "EmbedSparse")
+    body = openai_schema.parse(classify_schema.TeiEmbedSparse, await request.body())
+    outcome = await _unary(door, request, door.core.embed_sparse, body.to_input())
+    return JSONResponse(classify_schema.tei_sparse_response(outcome))
+
+
 EMBED_ROUTES = (("/v1/embeddings", _openai_embeddings, Shape.OPENAI), ("/embed", _tei_embed, Shape.TEI),
-                ("/embed_all", _tei_embed_all, Shape.TEI), ("/v2/embed", _cohere_embed, Shape.COHERE))
+                ("/embed_all", _tei_embed_all, Shape.TEI), ("/v2/embed", _cohere_embed, Shape.COHERE),
+                ("/predict", _tei_predict, Shape.TEI), ("/classify", _vllm_classify, Shape.OPENAI),
+                ("/embed_sparse", _tei_embed_sparse, Shape.TEI))

@@ -1,0 +1,103 @@
+"""Classification and sparse-embedding bodies: TEI's /predict (one text or a batch, `raw_scores`), vLLM's /classify
+and TEI's /embed_sparse, to the core API's EmbedInput (the embedding request, run by the classifier or the sparse
+embedder: CoreAPI.classify / embed_sparse), and the outcomes back to each shape."""
+from __future__ import annotations
+
+from typing import Union
+
+from engine.config import EmbedParams
+from service.core import ClassifyOutcome, EmbedInput, SparseOutcome
+from service.http.errors import HttpError
+from service.http.openai_schema import refuse_extras
+from service.http.rerank_schema import TEI_CUT_HINT
+from service.http.embed_schema import _Model
+
+
+def _params(**kwargs) -> EmbedParams:
+    try:
+        return EmbedParams(**kwargs)
+    except ValueError as exc:
+        raise HttpError(400, str(exc)) from None
+
+
+def _direction(value: str | None) -> str:
+    direction = (value or "right").lower()
+    if direction not in ("right", "left"):
+        raise HttpError(400, f"truncation_direction must be 'Right' or 'Left', got {value!r}",
+                        param="truncation_direction")
+    return direction
+
+
+class TeiPredict(_Model):
+    """TEI /predict: `inputs` one text or a list of texts (TEI's pairs, [[a, b]], are not supported). As TEI:
+    `truncate` defaults to false, `raw_scores` (the logits, not probabilities) to false."""
+    inputs: Union[str, list[str]]
+    raw_scores: bool = False
+    truncate: bool | None = None
+    truncation_direction: str | None = None
+
+    @property
+    def single(self) -> bool:
+        return isinstance(self.inputs, str)
+
+    def to_input(self) -> EmbedInput:
+        refuse_extras(self)
+        inputs = [self.inputs] if self.single else list(self.inputs)
+        params = _params(raw_scores=self.raw_scores, truncate=bool(self.truncate),
+                         truncation_direction=_direction(self.truncation_direction))
+        return EmbedInput("", inputs, params, cut_hint=TEI_CUT_HINT)
+
+
+def tei_predict_response(outcome: ClassifyOutcome, single: bool) -> list:
+    """Per input, every label with its score, highest first (TEI's order); one input sent as a string: its list."""
+    ranked = [sorted(({"label": label, "score": s} for label, s in zip(outcome.labels, scores)),
+                     key=lambda x: -x["score"]) for scores in outcome.scores]
+    return ranked[0] if single else ranked
+
+
+class VllmClassify(_Model):
+    """vLLM /classify: `input` one text or a list of texts."""
+    input: Union[str, list[str]]
+    model: str = ""
+    truncate_prompt_tokens: int | None = None  # accepted as vLLM's: -1 or unset; a cut at N tokens is not supported
+    priority: int | None = None
+    user: str | None = None
+
+    def to_input(self) -> EmbedInput:
+        if self.truncate_prompt_tokens not in (None, -1):
+            raise HttpError(400, "truncate_prompt_tokens: only -1 (cut at the classifier's limit) is supported",
+                            param="truncate_prompt_tokens")
+        refuse_extras(self)
+        inputs = [self.input] if isinstance(self.input, str) else list(self.input)
+        params = _params(truncate=self.truncate_prompt_tokens == -1, priority=self.priority or 0)
+        return EmbedInput("", inputs, params, model=self.model,
+                          cut_hint="send truncate_prompt_tokens: -1 to cut it at the classifier's limit")
+
+
+def vllm_classify_response(outcome: ClassifyOutcome, model: str) -> dict:
+    data = [{"index": i, "label": outcome.labels[max(range(len(p)), key=p.__getitem__)], "probs": p,
+             "num_classes": len(p)} for i, p in enumerate(outcome.scores)]
+    tokens = outcome.usage.prompt_tokens
+    return {"id": f"classify-{outcome.id}", "object": "list", "created": 0, "model": model, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+
+
+class TeiEmbedSparse(_Model):
+    """TEI /embed_sparse: `inputs` one text or a list; `truncate` defaults to false, as TEI's."""
+    inputs: Union[str, list[str]]
+    truncate: bool | None = None
+    truncation_direction: str | None = None
+    prompt_name: str | None = None
+
+    def to_input(self) -> EmbedInput:
+        if self.prompt_name is not None:
+            raise HttpError(400, "prompt_name is not supported: put the prompt in the text", param="prompt_name")
+        refuse_extras(self)
+        inputs = [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
+        params = _params(truncate=bool(self.truncate), truncation_direction=_direction(self.truncation_direction))
+        return EmbedInput("", inputs, params, cut_hint=TEI_CUT_HINT)
+
+
+def tei_sparse_response(outcome: SparseOutcome) -> list:
+    """Per input, its non-zero weights as [{index, value}], vocabulary id order (TEI's shape)."""
+    return [[{"index": i, "value": v} for i, v in vec] for vec in outcome.vectors]

@@ -1,0 +1,141 @@
+"""Classification and sparse embeddings served beside a streaming chat (tiny random models built in the tests): TEI
+/predict (single and batch, raw_scores), vLLM /classify, TEI /embed_sparse and gRPC Classify / EmbedSparse answer
+with what the engine computes; their rows ride the same steps as the chat's decodes; bad input is 400 /
+INVALID_ARGUMENT, and a server without the model names the flag that loads it."""
+from __future__ import annotations
+
+import json
+import threading
+
+import grpc
+import httpx
+import pytest
+import torch
+
+from engine import LLM, EmbedParams, EngineConfig
+from engine.config import PoolingTask
+from proto import tandem_pb2 as pb
+from proto import tandem_pb2_grpc as pb_grpc
+from service.server import ServerConfig
+from tests.engine.test_classify_sparse import TEXTS, splade_reference, tiny_classifier, tiny_splade
+from tests.service.harness import ServerThread
+
+MAX_INPUTS = 8
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pooling_serve")
+    (base / "clf").mkdir()
+    (base / "splade").mkdir()
+    refs = {"clf": tiny_classifier(base / "clf"), "splade": tiny_splade(base / "splade")}
+    llm = LLM(EngineConfig(classifier=str(base / "clf"), sparse_embedder=str(base / "splade"), num_kv_blocks=256,
+                           max_embed_inputs=MAX_INPUTS, max_num_batched_tokens=256))
+    records = []
+    llm.engine.add_observer(records.append)
+    server = ServerThread(llm.engine, ServerConfig(host="127.0.0.1", port=0))
+    door = server.add_http(server.server.config)
+    yield {"url": door.url, "grpc": server.address, "refs": refs, "dirs": base, "records": records}
+    server.close()
+
+
+def _probs(setup, texts, raw=False):
+    from transformers import AutoTokenizer
+
+    enc = AutoTokenizer.from_pretrained(str(setup["dirs"] / "clf"))(texts, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        logits = setup["refs"]["clf"](**enc).logits
+    return logits if raw else logits.softmax(-1)
+
+
+def _chat(url: str, done: threading.Event) -> None:
+    body = {"prompt": "Tell me about bees.", "max_tokens": 96, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        for _ in r.iter_lines():
+            pass
+    done.set()
+
+
+def test_every_route_answers_beside_a_streaming_chat_in_the_same_steps(setup):
+    url, records = setup["url"], setup["records"]
+    done = threading.Event()
+    chat = threading.Thread(target=_chat, args=(url, done))
+    chat.start()
+    try:
+        while not any(r.decode_tokens for r in records):  # the chat decodes before the others arrive
+            threading.Event().wait(0.05)
+        start = len(records)
+        batch = httpx.post(f"{url}/predict", json={"inputs": TEXTS}, timeout=60).json()
+        single = httpx.post(f"{url}/predict", json={"inputs": TEXTS[0], "raw_scores": True}, timeout=60).json()
+        vllm = httpx.post(f"{url}/classify", json={"model": "", "input": TEXTS}, timeout=60).json()
+        sparse = httpx.post(f"{url}/embed_sparse", json={"inputs": TEXTS}, timeout=60).json()
+        with grpc.insecure_channel(setup["grpc"]) as ch:
+            stub = pb_grpc.TandemStub(ch)
+            gclf = stub.Classify(pb.ClassifyRequest(texts=TEXTS), timeout=60)
+            gsparse = stub.EmbedSparse(pb.EmbedSparseRequest(texts=TEXTS), timeout=60)
+        during = records[start:]
+    finally:
+        chat.join(120)
+    probs = _probs(setup, TEXTS)
+    labels = ["negative", "neutral", "positive"]
+    for got, p in zip(batch, probs):  # TEI: every label, highest score first
+        assert [x["score"] for x in got] == sorted((x["score"] for x in got), reverse=True)
+        assert all(abs(x["score"] - p[labels.index(x["label"])].item()) <= 1e-5 for x in got)
+    raw = _probs(setup, TEXTS[:1], raw=True)[0]
+    assert all(abs(x["score"] - raw[labels.index(x["label"])].item()) <= 1e-5 for x in single)
+    assert [d["index"] for d in vllm["data"]] == list(range(len(TEXTS)))
+    assert all(d["num_classes"] == 3 and d["label"] == labels[int(p.argmax())] for d, p in zip(vllm["data"], probs))
+    assert max(abs(a - b) for d, p in zip(vllm["data"], probs) for a, b in zip(d["probs"], p.tolist())) <= 1e-5
+    assert vllm["usage"]["prompt_tokens"] > 0
+    from transformers import AutoTokenizer
+
+    ref = splade_reference(setup["refs"]["splade"], AutoTokenizer.from_pretrained(str(setup["dirs"] / "splade")),
+                           TEXTS)
+    for got, r in zip(sparse, ref):
+        assert [x["index"] for x in got] == sorted(r)
+        assert max(abs(x["value"] - r[x["index"]]) for x in got) <= 1e-5
+    assert [[s.label for s in c.scores] for c in gclf.results] == [labels] * len(TEXTS)
+    assert max(abs(s.score - p[i].item()) for c, p in zip(gclf.results, probs)
+               for i, s in enumerate(c.scores)) <= 1e-5
+    assert [list(e.indices) for e in gsparse.embeddings] == [x for x in ([x["index"] for x in g] for g in sparse)]
+    # their rows ran in steps that also decoded the chat
+    assert any(r.embed_rows and r.decode_tokens for r in during)
+    assert done.is_set()
+
+
+def test_bad_input_is_400_and_invalid_argument(setup):
+    url = setup["url"]
+    for path, body in (("/predict", {"inputs": []}), ("/classify", {"input": []}),
+                       ("/embed_sparse", {"inputs": []}), ("/predict", {"inputs": ["a"] * (MAX_INPUTS + 1)}),
+                       ("/embed_sparse", {"inputs": ["a"] * (MAX_INPUTS + 1)})):
+        r = httpx.post(f"{url}{path}", json=body, timeout=60)
+        assert r.status_code == 400, (path, r.text)
+    with grpc.insecure_channel(setup["grpc"]) as ch:
+        stub = pb_grpc.TandemStub(ch)
+        for call, req in ((stub.Classify, pb.ClassifyRequest()), (stub.EmbedSparse, pb.EmbedSparseRequest(
+                texts=["a"] * (MAX_INPUTS + 1)))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(req, timeout=60)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_models_lists_them_with_their_tasks(setup):
+    models = httpx.get(f"{setup['url']}/v1/models", timeout=60).json()["data"]
+    tasks = {m["id"]: m.get("task") for m in models}
+    assert "clf" in tasks and "splade" in tasks, json.dumps(models)
+
+
+def test_a_server_without_them_names_the_flag(served, http_url):
+    for path, body, flag in (("/predict", {"inputs": "a"}, "--classifier"),
+                             ("/classify", {"input": "a"}, "--classifier"),
+                             ("/embed_sparse", {"inputs": "a"}, "--sparse-embedder")):
+        r = httpx.post(f"{http_url}{path}", json=body, timeout=60)
+        assert r.status_code == 400 and flag in r.text, (path, r.text)
+    with grpc.insecure_channel(served.address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.TandemStub(ch).Classify(pb.ClassifyRequest(texts=["a"]), timeout=60)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "--classifier" in err.value.details()
+
+
+def test_engine_params_name_the_task():
+    assert EmbedParams(task="classify").task is PoolingTask.CLASSIFY
