@@ -42,11 +42,11 @@ test: $(STAMP) haproxy
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 
 # On a machine with a CUDA GPU only (issue #8): Triton kernels vs the torch reference, the engine on CUDA vs CPU
-# (eager and CUDA graphs, fp32 and bf16), then the kernel benchmark (bench/results/kernels.json). Without CUDA
+# (eager and CUDA graphs, fp32 and bf16), then the kernel benchmark (bench/results/kernel_speed.json). Without CUDA
 # the suite stops at once with exit code 4.
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q tests/gpu
-	$(PY) -m bench.kernels
+	$(PY) -m bench.kernel_speed
 
 # The reliability soak at full length (make test runs 8 rounds of it), and the HTTP door's schemathesis fuzzing at
 # 300 examples a route (make test runs 25).

@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.runs, args.chats, args.max_tokens, args.reranks, args.docs, args.seconds = 1, 2, 8, 2, 4, 3.0
         args.w5_docs, args.w5_long_words, args.w5_chunks, args.w5_long_reranks = 20, 600, 4, 1
-    from bench.http import chat_prompts
+    from bench.http_load import chat_prompts
     from bench.mixed_serve import _documents
 
     prompts = chat_prompts(args.chats)

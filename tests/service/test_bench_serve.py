@@ -1,9 +1,9 @@
-"""bench/serve.py end to end against the shared server, tiny: the report has every figure it promises."""
+"""bench/serve_load.py end to end against the shared server, tiny: the report has every figure it promises."""
 from __future__ import annotations
 
 import json
 
-from bench import serve as bench_serve
+from bench import serve_load as bench_serve
 
 
 def test_open_loop_bench_reports_latencies_throughput_and_ratios(served, tmp_path):
