@@ -82,11 +82,11 @@ $(BENCH_STAMP): $(STAMP)
 	  echo "llama-cpp-python did not install: bench.single reports the reason and skips llama.cpp" >&2
 	touch $(BENCH_STAMP)
 
-# llama.cpp's own llama-server and llama-quantize (bench/llama_server.py): its avx2 build, and its avx512 build on an
+# llama.cpp's own llama-server and llama-quantize (bench/peers/llama_server.py): its avx2 build, and its avx512 build on an
 # AVX-512 CPU, built once from the llama-cpp-python sdist's vendored source into ~/.cache/tandem (several minutes
 # each); if a build fails, bench.cpu_peer skips that peer and says why.
 bench: $(BENCH_STAMP)
-	$(PY) -m bench.llama_server
+	$(PY) -m bench.peers.llama_server
 	$(PY) -m bench
 
 # Regenerate the committed gRPC stubs (a test fails when they drift from proto/tandem.proto).

@@ -6,9 +6,9 @@ Systems, each fed over HTTP by client processes of their own (this process only 
 * `tandem`: one `tandem serve` of this checkout, default flags (the automatic objective), chats, reranks and
   embeddings through its one scheduler; `tandem_T` (W4) the same with `--tpot-target-ms T`, T = --t-factor x the
   chats' solo p50 time per token on `tandem`.
-* `split_shared`: llama.cpp's `llama-server` (the avx512 build when built, else avx2: bench/llama_server.py) serving
+* `split_shared`: llama.cpp's `llama-server` (the avx512 build when built, else avx2: bench/peers/llama_server.py) serving
   the chats from the same GGUF file with `-np` = the chats, beside an embedding server for the embeddings and the
-  reranks (Infinity when `--infinity CMD` names its `infinity_emb` command, else bench/st_server.py:
+  reranks (Infinity when `--infinity CMD` names its `infinity_emb` command, else bench/peers/st_server.py:
   sentence-transformers behind a minimal HTTP server, dense cosine reranks like tandem's default), each with every
   core (the OS shares them).
 * `split_pinned`: the same two servers, each pinned to half the cores (`taskset`) with that many threads.
@@ -276,12 +276,12 @@ def _tandem(extra: list[str], cores: str | None = None) -> Proc:
 
 def _llama_server(args, cores: str | None, threads: int, ctx: int | None = None) -> tuple[Proc, str]:
     """llama-server with `args.chats` slots; `ctx` its whole context (default: --max-tokens + 128 a slot)."""
-    from bench.llama_server import Build, tool_path
+    from bench.peers.llama_server import Build, tool_path
     from engine.models.loader import embedded_gguf_path
 
     builds = [b for b in (Build.AVX512, Build.AVX2) if tool_path(b).is_file()]
     if not builds:
-        raise RuntimeError("no llama-server build in the cache: python -m bench.llama_server --build avx512")
+        raise RuntimeError("no llama-server build in the cache: python -m bench.peers.llama_server --build avx512")
     port = free_port()
     ctx = ctx or args.chats * (args.max_tokens + 128)
     cmd = [str(tool_path(builds[0])), "-m", str(args.model or embedded_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
@@ -307,9 +307,9 @@ def _embed_server(args, cores: str | None, threads: int) -> tuple[Proc, str]:
             return proc, "infinity-emb (bi-encoder + the cross-encoder on its /rerank)"
         proc.rerank_by_embedding = True
         return proc, "infinity-emb (reranks: its embeddings' cosine, ranked by the client)"
-    cmd = [sys.executable, "-m", "bench.st_server", "--port", str(port), "--threads", str(threads),
+    cmd = [sys.executable, "-m", "bench.peers.st_server", "--port", str(port), "--threads", str(threads),
            *(["--reranker", reranker] if reranker else [])]
-    return Proc(cmd, port, cores), ("sentence-transformers behind bench/st_server.py"
+    return Proc(cmd, port, cores), ("sentence-transformers behind bench/peers/st_server.py"
                                     + (" (bi-encoder + CrossEncoder)" if reranker else ""))
 
 
