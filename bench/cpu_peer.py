@@ -53,7 +53,7 @@ from bench.datasets import token_pool, windows
 from bench.host import cpu_identity
 from bench.peers.llama_server import SWITCHES, Build, LlamaServer, PeerUnavailable, host_builds
 from bench.report import RESULTS, parse_bench_args, rotated, write_result
-from bench.serve_load import Spawned
+from bench.servers import Spawned
 from clients import AsyncClient
 from engine.models.loader import embedded_gguf_path
 from kernels.quant import Activations

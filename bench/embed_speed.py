@@ -128,7 +128,7 @@ async def drive_http(url: str, model: str, texts: list[str], args) -> tuple[dict
 def run_tandem(texts: list[str], args, extra: list[str] = ()) -> tuple[dict, list[list[float]]]:
     import uvloop
 
-    from bench.serve_load import Spawned
+    from bench.servers import Spawned
     from service.cluster import free_port
 
     port = free_port()

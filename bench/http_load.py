@@ -24,7 +24,7 @@ from pathlib import Path
 import uvloop
 
 from bench.report import RESULTS, percentile, rotated, write_result
-from bench.serve_load import Spawned
+from bench.servers import Spawned
 from service.cluster import free_port
 from clients import AsyncClient
 

@@ -50,20 +50,18 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench.host import cpu_identity
 from bench.report import RESULTS, percentile, write_result
+from bench.servers import ROOT, Proc, tandem_proc
 from service.cluster import free_port
 
 SYSTEMS = ("tandem", "split_shared", "split_pinned", "tandem_T")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---- clients (each in its own process) ------------------------------------------------------------------------------
@@ -228,52 +226,6 @@ def long_document(texts: list[str], words: int) -> str:
 # ---- servers ----------------------------------------------------------------------------------------------------------
 
 
-class Proc:
-    """A server subprocess that answers GET /health at `url` once ready."""
-
-    embed_path = "/v1/embeddings"  # where it embeds (OpenAI's shape)
-    rerank_by_embedding = False  # True: it has no /rerank for this model; clients rank by the embeddings' cosine
-    rerank_model: str | None = None  # Infinity serving a cross-encoder beside the embedder: its /rerank's `model`
-
-    def __init__(self, cmd: list[str], port: int, cores: str | None = None, env: dict | None = None) -> None:
-        if cores is not None and shutil.which("taskset"):
-            cmd = ["taskset", "-c", cores, *cmd]
-        self.url = f"http://127.0.0.1:{port}"
-        # Its log goes to a file, not a pipe: nobody reads a pipe while the phases run, and llama-server logs every
-        # request, so after a few hundred its 64 KiB pipe buffer filled, its writes blocked and it stopped serving
-        # mid-phase (the split runs that "hung" in W5, this session and the last).
-        self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log, text=True,
-                                     env={**os.environ, **(env or {})})
-        import httpx
-
-        while True:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"{cmd[0]} exited with {self.proc.returncode}: {self.log.read()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
-def _tandem(extra: list[str], cores: str | None = None) -> Proc:
-    port = free_port()
-    return Proc([sys.executable, "-m", "service.cli", "serve", "--port", "0", "--http-port", str(port),
-                 "--metrics-port", "off", "--no-access-log", *extra], port, cores)
-
-
 def _llama_server(args, cores: str | None, threads: int, ctx: int | None = None) -> tuple[Proc, str]:
     """llama-server with `args.chats` slots; `ctx` its whole context (default: --max-tokens + 128 a slot)."""
     from bench.peers.llama_server import Build, tool_path
@@ -404,7 +356,7 @@ def _system_phases(name: str, args, prompts, jobs, texts, t_ms: float | None) ->
         if name in ("tandem", "tandem_T"):
             extra = [] if name == "tandem" else ["--tpot-target-ms", f"{t_ms:.1f}"]
             extra += ["--model", args.model] if args.model else []
-            server = _tandem(extra + args.tandem_flags)
+            server = tandem_proc(extra + args.tandem_flags)
             procs.append(server)
             chat_url, scorer = server.url, server
             info["servers"] = f"tandem serve {' '.join(extra + args.tandem_flags)}".strip()

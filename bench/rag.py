@@ -481,13 +481,14 @@ def infinity_command(given: str | None) -> str | None:
 def _split_chat(args, cores: str | None, threads: int) -> tuple:
     """(process, kind, description): llama-server when a build is cached, else `tandem serve` serving the chats
     alone."""
-    from bench.pipeline import _llama_server, _tandem
+    from bench.pipeline import _llama_server
+    from bench.servers import tandem_proc
 
     slots = SimpleNamespace(chats=args.slots, max_tokens=args.max_tokens, model=None)
     try:
         proc, name = _llama_server(slots, cores, threads, ctx=args.slots * SLOT_CONTEXT)
     except RuntimeError as exc:
-        proc = _tandem(["--num-threads", str(threads)], cores)
+        proc = tandem_proc(["--num-threads", str(threads)], cores)
         return proc, ChatServer.TANDEM_CHATS_ONLY, f"tandem serve --num-threads {threads}, chats alone ({exc})"
     return proc, ChatServer.LLAMA_SERVER, f"{name}, {threads} threads, -np {args.slots}"
 
@@ -503,11 +504,12 @@ def _infinity_embedder(scorer) -> str | None:
 
 def start_system(system: System, args) -> tuple[list, Endpoints, dict]:
     """The system's server processes (started; the caller stops them), its endpoints, and what they are."""
-    from bench.pipeline import _embed_server, _tandem
+    from bench.pipeline import _embed_server
+    from bench.servers import tandem_proc
 
     if system is System.TANDEM:
         flags = [*(["--reranker", args.reranker] if args.reranker else []), *args.tandem_flags]
-        proc = _tandem(flags)
+        proc = tandem_proc(flags)
         ep = Endpoints(proc.url, proc.url, "/v1/embeddings", RerankApi.COHERE_V2, priority=True)
         return [proc], ep, {"servers": f"tandem serve {' '.join(flags)}".strip()}
     cores = os.cpu_count() or 2
@@ -709,7 +711,7 @@ def _dirty() -> bool:
     """Whether the checkout had changes beside the commit it names (figures then belong to no commit alone)."""
     import subprocess
 
-    from bench.pipeline import ROOT
+    from bench.servers import ROOT
 
     try:
         return bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,

@@ -14,11 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +22,7 @@ from pathlib import Path
 import uvloop
 
 from bench.report import percentile
+from bench.servers import Spawned
 from clients import AsyncClient
 
 RESULTS = Path(__file__).parent / "results"
@@ -136,26 +133,6 @@ def _ratios(loaded: dict, baseline: dict) -> dict:
             a, b = loaded[name][q], baseline[name]["p50"]
             out[f"{name}_{q}_vs_idle_p50"] = a / b if a is not None and b else None
     return out
-
-
-class Spawned:
-    """`tandem serve --port 0` of this checkout in a subprocess, for a self-contained run (`python -m service.cli`
-    from the repo root: the venv's `tandem` script may point at another checkout)."""
-
-    def __init__(self, extra: list[str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", "0",
-                                      "--http-port", "off", "--metrics-port", "off", *extra],
-                                     cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
-        for line in self.proc.stdout:
-            if line.startswith("tandem listening on "):
-                self.address = line.split()[-1]
-                return
-        raise RuntimeError("tandem serve exited before listening")
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(120)
 
 
 def main(argv: list[str] | None = None) -> dict:
