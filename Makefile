@@ -42,11 +42,11 @@ test: $(STAMP) haproxy
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 
 # On a machine with a CUDA GPU only (issue #8): Triton kernels vs the torch reference, the engine on CUDA vs CPU
-# (eager and CUDA graphs, fp32 and bf16), then the kernel benchmark (bench/results/kernels.json). Without CUDA
+# (eager and CUDA graphs, fp32 and bf16), then the kernel benchmark (bench/results/kernel_speed.json). Without CUDA
 # the suite stops at once with exit code 4.
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q tests/gpu
-	$(PY) -m bench.kernels
+	$(PY) -m bench.kernel_speed
 
 # The reliability soak at full length (make test runs 8 rounds of it), and the HTTP door's schemathesis fuzzing at
 # 300 examples a route (make test runs 25).
@@ -82,11 +82,11 @@ $(BENCH_STAMP): $(STAMP)
 	  echo "llama-cpp-python did not install: bench.single reports the reason and skips llama.cpp" >&2
 	touch $(BENCH_STAMP)
 
-# llama.cpp's own llama-server and llama-quantize (bench/llama_server.py): its avx2 build, and its avx512 build on an
+# llama.cpp's own llama-server and llama-quantize (bench/peers/llama_server.py): its avx2 build, and its avx512 build on an
 # AVX-512 CPU, built once from the llama-cpp-python sdist's vendored source into ~/.cache/tandem (several minutes
 # each); if a build fails, bench.cpu_peer skips that peer and says why.
 bench: $(BENCH_STAMP)
-	$(PY) -m bench.llama_server
+	$(PY) -m bench.peers.llama_server
 	$(PY) -m bench
 
 # Regenerate the committed gRPC stubs (a test fails when they drift from proto/tandem.proto).

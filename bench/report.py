@@ -67,7 +67,7 @@ def parse_bench_args(ap: argparse.ArgumentParser, argv: list[str] | None, name: 
     if args.quick:
         for key, value in quick.items():
             setattr(args, key, value)
-    import torch  # here, so that clients of this module (bench.serve) stay free of torch
+    import torch  # here, so that clients of this module (bench.serve_load) stay free of torch
 
     torch.set_num_threads(args.threads)
     return args

@@ -20,11 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,8 +29,9 @@ import httpx
 
 from bench.cpu_peer import cpu_identity
 from bench.report import RESULTS, percentile, write_result
+from bench.servers import Spawned
+from service.cluster import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 QUICK = dict(modes=["dense", "cascade"], docs=4, words=20, requests=2, mode_requests=[])
 
 
@@ -64,27 +62,14 @@ def uptime() -> str:
         return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-class Server:
-    """`python -m service.cli serve` from this checkout with one rerank mode, its HTTP door on a free port."""
+class Server(Spawned):
+    """`tandem serve` of this checkout with one rerank mode, its HTTP door on a free port at `url`."""
 
     def __init__(self, mode: str, threads: int, extra: list[str]) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.http_port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--http-port", str(self.http_port),
-               "--metrics-port", "off", "--log-level", "WARNING", "--no-access-log", "--num-threads", str(threads),
-               "--rerank-mode", mode, *extra]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     env=os.environ.copy())
-        for line in self.proc.stdout:
-            if line.startswith("tandem listening on "):
-                self.url = f"http://127.0.0.1:{self.http_port}"
-                return
-        raise RuntimeError(f"tandem serve --rerank-mode {mode} exited before listening")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(120)
+        self.http_port = free_port()
+        super().__init__(["--http-port", str(self.http_port), "--log-level", "WARNING", "--no-access-log",
+                          "--num-threads", str(threads), "--rerank-mode", mode, *extra])
+        self.url = f"http://127.0.0.1:{self.http_port}"
 
 
 def timed(client: httpx.Client, query: str, docs: list[str]) -> tuple[float, str, dict]:

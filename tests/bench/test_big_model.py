@@ -1,6 +1,6 @@
 """bench/big_model.py: the random SmolLM2-shaped HF model it writes (config, tied embeddings, seeded and
 shard-independent weights, the embedded tokenizer) and llama.cpp's own converter and quantizer on a tiny shape.
-The converter runs from the llama.cpp source tree bench.llama_server keeps in its cache, the quantizer is its built
+The converter runs from the llama.cpp source tree bench.peers.llama_server keeps in its cache, the quantizer is its built
 binary: those two tests skip, saying so, only where that tree or binary is not there."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from bench.big_model import (SMOLLM2_1P7B, ModelSize, Quant, Shape, convert_to_gguf, embedded_tokenizer, made_dir,
                              model_file, quantize, tensor_specs, write_random_hf)
-from bench.llama_server import source_dir, tool_path
+from bench.peers.llama_server import source_dir, tool_path
 
 # rows of 256: llama-quantize's K-quants need them (narrower rows fall back to other types)
 TINY = Shape(hidden=256, layers=2, intermediate=512, heads=4, kv_heads=2, max_positions=256)
@@ -90,7 +90,7 @@ def _converter() -> Path:
     script = source_dir() / "convert_hf_to_gguf.py"
     if not script.is_file():
         pytest.skip(f"llama.cpp's source tree is not in the cache ({script} is missing): "
-                    "`python -m bench.llama_server --source-only` extracts it")
+                    "`python -m bench.peers.llama_server --source-only` extracts it")
     return script
 
 
@@ -119,7 +119,7 @@ def test_llama_quantize_writes_the_asked_type(tiny_f16, quant, tmp_path) -> None
 
     binary = tool_path("avx2", "llama-quantize")
     if not os.access(binary, os.X_OK):
-        pytest.skip(f"llama-quantize is not built ({binary}): `python -m bench.llama_server --build avx2`")
+        pytest.skip(f"llama-quantize is not built ({binary}): `python -m bench.peers.llama_server --build avx2`")
     out = quantize(tiny_f16, tmp_path / f"{quant}.gguf", quant, binary, threads=1)
     types = {t.name: t.tensor_type for t in GGUFReader(str(out)).tensors}
     main = GGMLQuantizationType.Q8_0 if quant is Quant.Q8_0 else GGMLQuantizationType.Q4_K

@@ -1,5 +1,5 @@
 """Bookkeeping of bench/cpu_peer.py without servers: prompt windows, the token-agreement figure, the CPU it records,
-the llama-server builds it may ask for and where bench/llama_server.py caches them, the phase sizes per model size,
+the llama-server builds it may ask for and where bench/peers/llama_server.py caches them, the phase sizes per model size,
 the comparison with the faster build and the table it prints."""
 import random
 import tarfile
@@ -11,7 +11,7 @@ import pytest
 from bench.big_model import ModelSize
 from bench.cpu_peer import (SIZES, agreement, bandwidth_shares, compare, cpu_identity, figure_rows, parse_args,
                             render_table, windows)
-from bench.llama_server import (SDIST_ENV, SWITCHES, TOOLS, VERSION, Build, PeerUnavailable, cache_dir,
+from bench.peers.llama_server import (SDIST_ENV, SWITCHES, TOOLS, VERSION, Build, PeerUnavailable, cache_dir,
                                 ensure_build, ensure_llama_server, host_builds, llama_tools, source_dir, source_tree,
                                 tool_path)
 

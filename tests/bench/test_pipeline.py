@@ -83,7 +83,7 @@ def test_a_server_that_logs_every_request_keeps_serving(tmp_path):
     writes blocked and it stopped answering mid-phase. A server writing 100 KB a request answers every one."""
     import httpx
 
-    from bench.pipeline import Proc
+    from bench.servers import Proc
     from service.cluster import free_port
 
     script = tmp_path / "chatty.py"

@@ -125,7 +125,7 @@ def test_each_split_rerank_shape_returns_the_kept_indices_best_first():
             vecs = [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [0.9, 0.1]]
             return httpx.Response(200, json={"data": [{"index": i, "embedding": v}
                                                       for i, v in enumerate(vecs[:len(body["input"])])]})
-        if "texts" in body:  # TEI's /rerank (bench/st_server.py)
+        if "texts" in body:  # TEI's /rerank (bench/peers/st_server.py)
             return httpx.Response(200, json=[{"index": 1, "score": 0.2}, {"index": 0, "score": 0.9},
                                              {"index": 2, "score": 0.5}])
         assert body["model"] == "ce"  # Infinity's /rerank names the cross-encoder

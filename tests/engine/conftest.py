@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.models import minilm_cross_encoder_dir
+from tests.models_built import minilm_cross_encoder_dir
 from engine import LLM, SamplingParams
 from engine.models.loader import default_model_dir
 from engine.settings import Settings

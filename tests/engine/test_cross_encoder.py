@@ -15,11 +15,12 @@ from transformers import (AutoModelForSequenceClassification, AutoTokenizer, Ber
                           XLMRobertaTokenizer)
 from transformers.models.roberta.modeling_roberta import RobertaEmbeddings
 
-from bench.models import copy_minilm_tokenizer, minilm_encoder_dir, save_model_dir
+from engine.embed import embedded_embedder_dir
 from engine.models.bert import EncoderArgs, packed_positions
 from engine.config import RerankParams
 from engine.models.encoder_loader import CrossEncoder, score_activation
 from engine.rerank.cross_encoder import CrossEncoderScorer
+from tests.models_built import copy_minilm_tokenizer, save_model_dir
 
 ATOL = 1e-4
 QUERY = "how do lighthouses warn ships at night"
@@ -206,7 +207,7 @@ def test_query_longer_than_max_length_is_rejected(minilm):
 
 def test_bare_encoder_with_head_in_separate_file(minilm_dir, minilm_hf, tmp_path):
     """BertModel keys without the `bert.` prefix (as the MiniLM package ships them), head in its own file."""
-    src = minilm_encoder_dir()
+    src = embedded_embedder_dir()
     (tmp_path / "model.safetensors").symlink_to(src / "model.safetensors")
     head = {k: v for k, v in load_file(minilm_dir / "model.safetensors").items() if k.startswith("classifier.")}
     save_file(head, str(tmp_path / "classifier.safetensors"))
@@ -217,7 +218,7 @@ def test_bare_encoder_with_head_in_separate_file(minilm_dir, minilm_hf, tmp_path
 
 
 def test_missing_head_is_reported(tmp_path):
-    src = minilm_encoder_dir()
+    src = embedded_embedder_dir()
     (tmp_path / "model.safetensors").symlink_to(src / "model.safetensors")
     shutil.copy(src / "config.json", tmp_path / "config.json")
     with pytest.raises(ValueError, match="is a bare bert encoder .* without a classification head") as err:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from bench.models import copy_minilm_tokenizer
+from tests.models_built import copy_minilm_tokenizer
 from engine import LLM, EmbedParams, EngineConfig, SamplingParams
 from engine.config import EMBEDDED_EMBEDDER
 from engine.embed import Embedder, Pooling, embedded_embedder_dir

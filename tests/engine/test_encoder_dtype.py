@@ -93,7 +93,7 @@ def test_bf16_dense_rerank_scores_are_the_float32_cosines_within_the_bound(bf16,
 def test_bf16_cross_encoder_scores_are_float32_numbers_near_the_float32_scores(tmp_path) -> None:
     """A cross-encoder under encoder_dtype bfloat16: its weights in bf16, its scores the float32 sigmoid of the
     logits (a bf16 sigmoid would round scores to ~3 digits and tie near ones)."""
-    from bench.models import minilm_cross_encoder_dir
+    from tests.models_built import minilm_cross_encoder_dir
 
     ce = minilm_cross_encoder_dir(tmp_path / "ce")
     runs = {dtype: LLM(EngineConfig(reranker=str(ce), encoder_dtype=dtype, num_kv_blocks=64))

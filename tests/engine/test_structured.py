@@ -11,12 +11,23 @@ import llguidance.hf
 import pytest
 import torch
 
-# The three schemas (nested object, array of enums, string pattern), a regex and a choice list: the same
-# cases the mask benchmark times.
-from bench.structured import CHOICES, DATE, ENUM_ARRAY, NESTED, PATTERN
 from engine.config import SamplingParams, StructuredOutputsParams
 from engine.structured import (CompiledGrammar, GrammarCompiler, GrammarMatcher, allocate_bitmask, apply_bitmask,
                                choice_regex)
+
+# The three schemas (nested object, array of enums, string pattern), a regex and a choice list: the cases
+# the mask benchmark (bench/structured.py) times too; the tests keep their own copy, as tests import nothing of bench.
+NESTED = {"type": "object", "additionalProperties": False, "required": ["name", "address"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
+                                     "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
+ENUM_ARRAY = {"type": "array", "minItems": 1, "maxItems": 4,
+              "items": {"type": "string", "enum": ["red", "green", "blue"]}}
+PATTERN = {"type": "object", "additionalProperties": False, "required": ["sku"],
+           "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}}}
+DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+CHOICES = ["positive", "negative", "neutral"]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The GPU suite (issue #8): the Triton kernels compiled for a real CUDA device, and the engine on CUDA.
 
-    make test-gpu            # this suite, then python -m bench.kernels
+    make test-gpu            # this suite, then python -m bench.kernel_speed
     python -m pytest -q tests/gpu
 
 `make test` never collects it (pyproject.toml: addopts --ignore=tests/gpu; a path named on the command line is

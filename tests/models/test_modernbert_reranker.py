@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.models import copy_minilm_tokenizer
+from tests.models_built import copy_minilm_tokenizer
 from engine import RerankParams
 from engine.models.encoder_loader import CrossEncoder
 from engine.rerank.cross_encoder import CrossEncoderScorer

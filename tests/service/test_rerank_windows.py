@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from bench.models import minilm_cross_encoder_dir
+from tests.models_built import minilm_cross_encoder_dir
 from clients import Client, TandemError
 from engine import LLM, EngineConfig, RerankParams
 from engine.config import EMBEDDED_EMBEDDER

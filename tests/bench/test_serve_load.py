@@ -1,14 +1,15 @@
-"""bench/serve.py end to end against the shared server, tiny: the report has every figure it promises."""
+"""bench/serve_load.py end to end against the `tandem serve` it spawns, tiny: the report has every figure it
+promises."""
 from __future__ import annotations
 
 import json
 
-from bench import serve as bench_serve
+from bench import serve_load as bench_serve
 
 
-def test_open_loop_bench_reports_latencies_throughput_and_ratios(served, tmp_path):
-    out = tmp_path / "serve.json"
-    report = bench_serve.main(["--target", served.address, "--requests", "6", "--rate", "20", "--rerank-fraction",
+def test_open_loop_bench_reports_latencies_throughput_and_ratios(tmp_path):
+    out = tmp_path / "serve_load.json"
+    report = bench_serve.main(["--spawn", "--requests", "6", "--rate", "20", "--rerank-fraction",
                                "0.5", "--documents", "2", "--max-tokens", "3", "--baseline-requests", "1",
                                "--streams", "2", "--seed", "3", "--out", str(out)])
     assert json.loads(out.read_text()) == report

@@ -1,10 +1,10 @@
-"""bench/kernels.py needs a GPU to measure; here its CLI and bookkeeping run on CPU with a fake clock."""
+"""bench/kernel_speed.py needs a GPU to measure; here its CLI and bookkeeping run on CPU with a fake clock."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench import kernels as bench
+from bench import kernel_speed as bench
 
 
 def test_parses_args_and_refuses_without_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

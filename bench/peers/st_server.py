@@ -1,7 +1,7 @@
 """A minimal embedding server around sentence-transformers: the split deployment's embedding side when Infinity does
 not run here (bench/pipeline.py says which one a run used).
 
-    python -m bench.st_server --port 8081 --threads 1 [--model DIR] [--reranker DIR]
+    python -m bench.peers.st_server --port 8081 --threads 1 [--model DIR] [--reranker DIR]
 
 `POST /v1/embeddings` (OpenAI's shape: `input` a string or a list of strings) and `POST /rerank` (TEI's shape:
 `query`, `texts`; scores are the cosine of the normalised MiniLM vectors, which is what tandem's default dense rerank

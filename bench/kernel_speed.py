@@ -4,9 +4,9 @@ Decode: achieved memory bandwidth (K/V, queries and outputs moved once) as a fra
 bandwidth measured here (`torch` copy of a large tensor). Prefill: attention TFLOP/s. Baselines:
 `torch_gather_sdpa` is the torch reference (gather KV through the block table, then SDPA, what the engine
 runs without Triton); `torch_dense_sdpa` is SDPA over KV already contiguous (no paging cost, a lower bound
-on what a paged kernel can hope for). Writes bench/results/kernels.json.
+on what a paged kernel can hope for). Writes bench/results/kernel_speed.json.
 
-    python -m bench.kernels [--decode-seqs 64,256] [--context 1024] [--dtypes float16,bfloat16]
+    python -m bench.kernel_speed [--decode-seqs 64,256] [--context 1024] [--dtypes float16,bfloat16]
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16, choices=(16, 32))
     p.add_argument("--dtypes", default="float16,bfloat16")
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the tensor copied to measure bandwidth")
-    p.add_argument("--out", type=Path, default=RESULTS / "kernels.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "kernel_speed.json")
     args = p.parse_args(argv)
     args.decode_seqs = [int(x) for x in args.decode_seqs.split(",")]
     names = args.dtypes.split(",")
@@ -161,7 +161,7 @@ def bench_prefill(shape: Shape, num_seqs: int, length: int, dtype: torch.dtype, 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench/kernels.py measures Triton kernels on a CUDA GPU; none is visible here, nothing was run.")
+        sys.exit("bench/kernel_speed.py measures Triton kernels on a CUDA GPU; none is visible here, nothing was run.")
     shape = Shape(args.num_heads, args.num_kv_heads, args.head_dim, args.block_size)
     copy_gbps = copy_bandwidth_gbps(args.copy_mib)
     result = {

@@ -1,5 +1,5 @@
 """sentence-transformers `encode` timed in its own process: run by bench/embed_speed.py with a peer venv's python
-(`python bench/st_worker.py JOB.json`), so it imports nothing of tandem. The job file names the model directory,
+(`python bench/peers/st_worker.py JOB.json`), so it imports nothing of tandem. The job file names the model directory,
 the texts, the backend (torch or onnx), threads and batch size; the worker prints one JSON line with its timings
 and library versions and saves the vectors (float32, one row per text) to the job's `vectors` path (.npy).
 

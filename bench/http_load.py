@@ -10,8 +10,8 @@ order alternates, sends through each door:
 Figures are the median over rounds; ratios are HTTP / gRPC. The clients of both doors run in this process, so
 client-side parsing (openai's and cohere's pydantic models, protobuf) counts against its door.
 
-    python -m bench.http                 # writes bench/results/http.json
-    python -m bench.http --quick         # tiny sizes, checks the wiring
+    python -m bench.http_load            # writes bench/results/http_load.json
+    python -m bench.http_load --quick    # tiny sizes, checks the wiring
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import uvloop
 
 from bench.report import RESULTS, percentile, rotated, write_result
-from bench.serve import Spawned
+from bench.servers import Spawned
 from service.cluster import free_port
 from clients import AsyncClient
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--documents", type=int, default=32, help="documents per rerank request")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=RESULTS / "http.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "http_load.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.max_tokens, args.queries, args.documents, args.rounds = 4, 4, 2, 4, 1
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
             for door, r in runs["chat"].items()}
     rerank = {door: {"pairs_s": _median(r, "pairs_s")} for door, r in runs["rerank"].items()}
     result = {
-        "bench": "http", "quick": args.quick, "threads": args.threads,
+        "bench": "http_load", "quick": args.quick, "threads": args.threads,
         "workload": {"chat_requests": args.requests, "max_tokens": args.max_tokens, "rerank_queries": args.queries,
                      "documents": args.documents, "rounds": args.rounds},
         "chat": chat, "rerank": rerank,

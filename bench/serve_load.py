@@ -4,21 +4,17 @@ Requests arrive at exponential gaps (rate --rate per second) whether or not earl
 --streams shared Generate streams. Reports client-side TTFT, time per output token (TPOT), rerank latency
 (p50/p99), throughput, and the same latencies of a baseline run in the same invocation: the same request
 kinds sent one at a time to the idle server, so every loaded figure also appears as a ratio to it. Prints one
-JSON object and writes it to bench/results/serve.json.
+JSON object and writes it to bench/results/serve_load.json.
 
-    python -m bench.serve --spawn --rate 4 --requests 64          # starts `tandem serve --port 0` itself
-    python -m bench.serve --target localhost:50051 --rate 8 --requests 200
+    python -m bench.serve_load --spawn --rate 4 --requests 64          # starts `tandem serve --port 0` itself
+    python -m bench.serve_load --target localhost:50051 --rate 8 --requests 200
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +22,7 @@ from pathlib import Path
 import uvloop
 
 from bench.report import percentile
+from bench.servers import Spawned
 from clients import AsyncClient
 
 RESULTS = Path(__file__).parent / "results"
@@ -138,26 +135,6 @@ def _ratios(loaded: dict, baseline: dict) -> dict:
     return out
 
 
-class Spawned:
-    """`tandem serve --port 0` of this checkout in a subprocess, for a self-contained run (`python -m service.cli`
-    from the repo root: the venv's `tandem` script may point at another checkout)."""
-
-    def __init__(self, extra: list[str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", "0",
-                                      "--http-port", "off", "--metrics-port", "off", *extra],
-                                     cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
-        for line in self.proc.stdout:
-            if line.startswith("tandem listening on "):
-                self.address = line.split()[-1]
-                return
-        raise RuntimeError("tandem serve exited before listening")
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(120)
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = ap.add_mutually_exclusive_group(required=True)
@@ -172,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--streams", type=int, default=4, help="Generate streams the load is spread over")
     ap.add_argument("--baseline-requests", type=int, default=8, help="requests per kind sent one at a time")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=RESULTS / "serve.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "serve_load.json")
     args = ap.parse_args(argv)
 
     server = Spawned(args.serve_arg) if args.spawn else None
@@ -190,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
         exit_code = server.stop() if server else None
     loaded = summarize(results)
     report = {
-        "bench": "serve", "target": target, "rate_per_s": args.rate, "requests": args.requests,
+        "bench": "serve_load", "target": target, "rate_per_s": args.rate, "requests": args.requests,
         "rerank_fraction": args.rerank_fraction, "documents_per_rerank": args.documents,
         "max_tokens": args.max_tokens, "streams": args.streams, "elapsed_s": elapsed,
         "throughput": {

@@ -7,7 +7,7 @@ TANDEM_LLAMA_CPP_SDIST (a .tar.gz, an extracted sdist directory, or its vendor/l
 .tar.gz already in the cache directory; else `pip download` of the sdist into the cache. It is extracted once and
 kept, because `convert_hf_to_gguf.py` (with its `conversion/` and `gguf-py/`) runs from it (bench/big_model.py).
 
-Builds (`ensure_build()`; `python -m bench.llama_server [--build avx2 avx512]`, default: the builds this CPU runs):
+Builds (`ensure_build()`; `python -m bench.peers.llama_server [--build avx2 avx512]`, default: the builds this CPU runs):
 CMake, Release, static libraries, targets `llama-server` and `llama-quantize`, several minutes each on 2 cores,
 cached and reused:
 
@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from bench.peers import PeerUnavailable
 from service.cluster import free_port
 
 VERSION = "0.3.36"
@@ -99,10 +100,6 @@ def _build(build: Build | str) -> Build:
         return Build(build)
     except ValueError:
         raise ValueError(f"unknown llama-server build {build!r}; expected one of {', '.join(BUILDS)}") from None
-
-
-class PeerUnavailable(RuntimeError):
-    """llama-server could not be built or started; the message says why."""
 
 
 def _run(cmd: list[str], cwd: Path | None = None) -> None:
