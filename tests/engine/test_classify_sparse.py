@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from bench.models import copy_minilm_tokenizer
+from tests.models_built import copy_minilm_tokenizer
 from engine import LLM, EmbedParams, EngineConfig, SamplingParams
 from engine.config import PoolingTask
 from engine.errors import NotLoaded
