@@ -21,7 +21,7 @@ def test_reflection_lists_the_service_and_resolves_its_methods(served):
         assert {"tandem.v1.Tandem", "grpc.health.v1.Health"} <= set(database.get_services())
         service = DescriptorPool(database).FindServiceByName("tandem.v1.Tandem")
         methods = {m.name: m for m in service.methods}
-    assert set(methods) == {"Generate", "Rerank", "RerankStream", "ModelInfo", "Embed"}
+    assert set(methods) == {"Generate", "Rerank", "RerankStream", "ModelInfo", "Embed", "Classify", "EmbedSparse"}
     assert methods["Embed"].output_type.full_name == "tandem.v1.EmbedResponse"
     generate = methods["Generate"]
     assert generate.input_type.full_name == "tandem.v1.GenerateClientMessage"
