@@ -261,12 +261,13 @@ class Scheduler:
                 used += chunk
         return used
 
-    def _scoring_head(self, scoring: list[Sequence], batch: Batch, kind: TokenKind | None = None) -> Sequence | None:
+    def _scoring_head(self, scoring: list[Sequence], batch: Batch, kind: TokenKind | None = None,
+                      admitting: bool = True) -> Sequence | None:
         """The sequence the next scoring tokens go to (of `kind` only, when given: admission.work_kind): the most
         urgent of the running ones not yet in this step (part-way through: a pair's KV so far, a row's stages so far)
-        and the two scoring queues' heads; at equal priority the running one."""
+        and, while `admitting`, the two scoring queues' heads; at equal priority the running one."""
         waiting, best = None, None
-        for queue in (self.waiting_rerank, self.waiting_embed):
+        for queue in (self.waiting_rerank, self.waiting_embed) if admitting else ():
             key, head = queue.peek_keyed(self.num_steps, self._now)
             if head is not None and (kind is None or work_kind(head) is kind) and (best is None or key < best):
                 waiting, best = head, key
@@ -292,14 +293,18 @@ class Scheduler:
         holds a seat). `kind`: only work of that kind (admission.work_kind), the most urgent of it first."""
         scoring = [s for s in self.running if not s.samples]  # part-way through
         used = 0
+        admitting = True  # until a queue's head cannot be admitted (no blocks, budget or seats for it)
         while used < budget and (seats is None or seats > 0):
-            seq = self._scoring_head(scoring, batch, kind)
+            seq = self._scoring_head(scoring, batch, kind, admitting)
             if seq is None:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # a queue's head: a new pair or row
                 took = self._admit_from(self._queue_of(seq), batch, budget - used, seats, one=True)
                 if not took:
-                    break
+                    # The running ones part-way through still go on: their blocks were reserved at admission, and a
+                    # pair that waits for blocks the running ones hold would otherwise wait for ever.
+                    admitting = False
+                    continue
                 used += took
             elif seq.staged:  # an encoder row part-way through: its next stages
                 k = seq.stages_within(budget - used)

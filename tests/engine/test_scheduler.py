@@ -288,6 +288,22 @@ def test_random_workloads_keep_every_invariant(workload):
     assert len(sim.finished_order) == expected
 
 
+def test_a_pair_part_way_through_goes_on_when_a_more_urgent_one_cannot_get_its_blocks():
+    """A pair with one token left holds 2 of the 5 blocks; a more urgent pair needs 3 and the admission watermark
+    leaves it 2: the running pair still computes its last token (its blocks were reserved at admission) and frees its
+    blocks, then the urgent one runs. (Hypothesis found the livelock: every step empty, the urgent head refused and the
+    running pair never chosen.)"""
+    sim = Sim(num_blocks=5, block_size=4, budget=7, max_seqs=3)
+    first = sim.add_rerank("late", toks(8, 100), priority=2)
+    sim.step()
+    assert first.num_computed_tokens == 7 and len(first.block_table) == 2
+    sim.add_rerank("urgent", toks(9, 300), priority=0)
+    batch = sim.step()
+    assert [s.request_id for s in batch.seqs] == ["late"] and first.status.finished
+    sim.run()
+    assert sim.finished_order == ["late", "urgent"]
+
+
 # ---- decodes are never starved by prefills -----------------------------------------------------------
 
 
