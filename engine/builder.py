@@ -58,8 +58,8 @@ class EngineParts:
     admission: AdmissionPolicy  # the scheduler's; the engine asks it for step-time predictions and feeds it records
     scheduler: Scheduler
     scorer: PairScorer
-    embedder: Embedder | None  # EngineConfig.embedder loaded; None: no embeddings served
-    # Every pooling encoder loaded, by the task its rows do (the embedder's EMBED, a classifier, a sparse embedder)
+    # Every pooling encoder loaded, by the task its rows do (the embedder's EMBED, a classifier, a sparse embedder):
+    # their one owner (`embedder` reads poolers[PoolingTask.EMBED])
     poolers: dict[PoolingTask, Embedder]
     runner: ModelRunner
     eos_token_ids: set[int]
@@ -158,7 +158,7 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
             log.info("%s %s (%s) in %s", task.value, poolers[task].name, poolers[task].architecture,
                      poolers[task].dtype)
     runner = ModelRunner(model, num_blocks, config.block_size, config.device, config.dtype, scorer,
-                         eos_token_ids=_eos_ids(hf_config, tokenizer), embedder=embedder, poolers=poolers)
+                         eos_token_ids=_eos_ids(hf_config, tokenizer), poolers=poolers)
     kernels.prepare(config.device, DTYPES[config.dtype], settings.kernels)
     if runner.device.type == "cuda" and not config.enforce_eager:
         started = time.monotonic()
@@ -171,7 +171,7 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     return EngineParts(model_dir=str(model_dir), tokenizer=tokenizer, hf_config=hf_config, model_args=args,
                        model=model, max_model_len=max_model_len,
                        max_model_len_by=max_model_len_by, pool=pool, kv=kv, staged=staged, admission=policy,
-                       scheduler=Scheduler(config, kv, policy, staged=staged), scorer=scorer, embedder=embedder, poolers=poolers,
+                       scheduler=Scheduler(config, kv, policy, staged=staged), scorer=scorer, poolers=poolers,
                        runner=runner,
                        eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
                        weight_bytes=weight_bytes(model), weight_format=weight_format(model),

@@ -21,6 +21,7 @@ from engine.runner import RunnerOutput
 from engine.specs import EmbedSpec, GenerateSpec, JobSpec, RerankSpec
 
 if TYPE_CHECKING:
+    from engine.embed.embedder import Embedder
     from engine.structured import GrammarCompiler
 
 EMBEDDED_LLM = "SmolLM2-135M-Instruct (embedded)"  # how model_info() names the embedded model (service/core.py)
@@ -46,7 +47,6 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.scorer = parts.scorer
         self.runner = parts.runner
-        self.embedder = parts.embedder
         self.eos_token_ids = parts.eos_token_ids
         self.quantization = parts.quantization
         self.weight_bytes, self.weight_format = parts.weight_bytes, parts.weight_format
@@ -56,11 +56,9 @@ class LLMEngine:
         self.grammar_compiler: "GrammarCompiler | None" = None
         self.intake = RequestIntake(config, self.tokenizer, self.model_args.vocab_size, self.max_model_len,
                                     self.scheduler.budget, self.scorer, self._grammar_compiler,
-                                    max_model_len_by=parts.max_model_len_by, embedder=parts.embedder,
-                                    poolers=parts.poolers)
+                                    max_model_len_by=parts.max_model_len_by, poolers=parts.poolers)
         self.poolers = parts.poolers  # every pooling encoder, by task (the embedder's EMBED, a classifier, ...)
-        self.job_context = JobContext(self.scorer, self.embedder, self.eos_token_ids, self.max_model_len,
-                                      parts.poolers)
+        self.job_context = JobContext(self.scorer, self.eos_token_ids, self.max_model_len, parts.poolers)
         self._requests: dict[str, Job] = {}
         self._pending: list[StepOutput] = []  # final outputs of aborts, handed out with the next step
         self._observers: list[Callable[[StepRecord], None]] = []
@@ -120,6 +118,11 @@ class LLMEngine:
         same steps as generation and reranking (its own scoring queue, in one priority order with rerank pairs').
         Its one output carries `embeddings`."""
         self._add_spec(EmbedSpec(request_id, inputs, params))
+
+    @property
+    def embedder(self) -> "Embedder | None":
+        """The embedding model (poolers[PoolingTask.EMBED]); None: not loaded."""
+        return self.poolers.get(PoolingTask.EMBED)
 
     def _queue(self, job: Job) -> None:
         self._requests[job.request_id] = job

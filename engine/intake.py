@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 class RequestIntake:
     def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, max_model_len: int, budget: int,
                  scorer: PairScorer, grammar_compiler: "Callable[[], GrammarCompiler] | None" = None,
-                 max_model_len_by: str = "max_model_len", embedder: Embedder | None = None,
-                 poolers: dict[PoolingTask, Embedder] | None = None) -> None:
+                 max_model_len_by: str = "max_model_len", poolers: dict[PoolingTask, Embedder] | None = None
+                 ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -48,13 +48,18 @@ class RequestIntake:
         self.budget = budget  # tokens of one step: a cross-encoder pair runs whole, so it must fit
         self.max_model_len_by = max_model_len_by  # what sets max_model_len, named in errors
         self.scorer = scorer
-        self.embedder = embedder
-        # Every pooling encoder by task: an EmbedSpec's params.task picks the one that runs its rows
-        self.poolers = poolers if poolers is not None else ({PoolingTask.EMBED: embedder} if embedder else {})
+        # Every pooling encoder by task, the one owner of them: an EmbedSpec's params.task picks the one that runs
+        # its rows (the embedder is poolers[PoolingTask.EMBED])
+        self.poolers = dict(poolers or {})
         self.grammar_compiler = grammar_compiler  # called only for a request with structured_outputs
         self._arrivals = itertools.count()
         # A chat stops at its template's end-of-turn tokens as at EOS (Gemma's <end_of_turn> is not its GGUF's EOS).
         self.end_of_turn_ids = chat_templates.end_of_turn_ids(tokenizer, getattr(tokenizer, "chat_template", None))
+
+    @property
+    def embedder(self) -> Embedder | None:
+        """The embedding model (a rerank mode that embeds reads it too); None: not loaded."""
+        return self.poolers.get(PoolingTask.EMBED)
 
     def job(self, spec: JobSpec) -> Job:
         """The checked, tokenized job of a request of any kind (not queued): reads the tokenizers and the engine's
