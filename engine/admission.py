@@ -260,7 +260,7 @@ class LatencyAdmission(AdmissionPolicy):
         base = self.model.predict(decodes)
         credit = {}
         for o in owed:
-            used = getattr(shape, o.kind.value)
+            used = shape.of(o.kind)
             cost = self.model.predict(_plus(decodes, o.kind, used)) - base if used else 0.0
             left = self.credit.get(o.kind, 0.0) + o.seconds - cost
             credit[o.kind] = min(max(left, 0.0), o.unit_s)
@@ -352,7 +352,7 @@ def _seats(free: int, kinds: int) -> int:
 
 def _plus(shape: StepShape, kind: TokenKind, tokens: int) -> StepShape:
     """`shape` with `tokens` more of `kind`."""
-    return replace(shape, **{kind.value: getattr(shape, kind.value) + tokens})
+    return shape.with_tokens(kind, tokens)
 
 
 AUTO = "auto"

@@ -17,6 +17,7 @@ from engine.admission import AdmissionPolicy, policy_for
 from engine.config import EMBEDDED_EMBEDDER, EngineConfig, PoolingTask, RerankMode
 from engine.cuda_graphs import capture_sizes, cuda_graph_capture
 from engine.embed import Embedder, embedded_embedder_dir
+from engine.embed.tasks import with_heads
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.models import gguf_file
 from engine.models.decoder import DecoderForCausalLM
@@ -151,8 +152,10 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                               scorer.encoder if shared else None, config.encoder_dtype, config.embedder_revision)
                 if config.embedder else None)
     poolers = {PoolingTask.EMBED: embedder} if embedder is not None else {}
-    for task, name in ((PoolingTask.CLASSIFY, config.classifier), (PoolingTask.SPARSE, config.sparse_embedder)):
+    for kind in with_heads():  # engine/embed/tasks.py: a classifier, a sparse embedder
+        name = getattr(config, kind.field)
         if name:  # its own encoder beside the embedder; its rows ride the same steps as embedding rows
+            task = kind.task
             poolers[task] = Embedder.load(name, config.device, config.dtype, settings,
                                           encoder_dtype=config.encoder_dtype, task=task)
             log.info("%s %s (%s) in %s", task.value, poolers[task].name, poolers[task].architecture,

@@ -11,6 +11,7 @@ from engine.batch import Batch
 from engine.builder import build_engine_parts
 from engine.config import EmbedParams, EngineConfig, PoolingTask, RerankMode, RerankParams, SamplingParams
 from engine.embed import EmbedJob
+from engine.embed.tasks import model_info as pooling_info
 from engine.intake import RequestIntake
 from engine.jobs import Job, JobContext, RowResult, StepEffects
 from engine.step_time import OnlineStepTime, StepShape
@@ -86,7 +87,8 @@ class LLMEngine:
         self.add(job)
         return job
 
-    # The per-kind calls (DESIGN.md's public API, the offline LLM, tests): each one spec through prepare() and add().
+    # The per-kind calls (the public API in docs/architecture.md, the offline LLM, tests): each one spec through
+    # prepare() and add().
 
     def add_request(self, request_id: str, prompt: str | list[int] | None = None,
                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
@@ -218,10 +220,7 @@ class LLMEngine:
 
     def _pooler_info(self) -> dict:
         """The classifier's and the sparse embedder's ids ("": not loaded), limits and the classifier's labels."""
-        c, s = self.poolers.get(PoolingTask.CLASSIFY), self.poolers.get(PoolingTask.SPARSE)
-        return {"classifier": c.name if c else "", "classifier_labels": list(c.labels) if c else [],
-                "classifier_max_tokens": c.max_length if c else 0, "sparse_embedder": s.name if s else "",
-                "sparse_embedder_max_tokens": s.max_length if s else 0}
+        return pooling_info(self.poolers)
 
     def _embedder_info(self) -> dict:
         e = self.embedder
@@ -315,20 +314,16 @@ class LLMEngine:
             return
         record = StepRecord(
             step=self._steps, start_time=start, duration_s=time.monotonic() - start,
-            decode_tokens=batch.num_decode_tokens, prefill_tokens=batch.num_prefill_tokens,
-            cached_tokens=batch.num_cached_tokens, rerank_pairs=batch.num_rerank_pairs,
-            rerank_tokens=batch.num_rerank_tokens, num_seqs=len(batch), budget=batch.budget or self.scheduler.budget,
+            decode_tokens=batch.num_decode_tokens, cached_tokens=batch.num_cached_tokens,
+            tokens=batch.tokens, rows=batch.rows, rows_done=batch.rows_done,
+            num_seqs=len(batch), budget=batch.budget or self.scheduler.budget,
             kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
             kv_blocks_cached=self.pool.num_cached, preempted=len(batch.preempted),
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
             request_ids=list(dict.fromkeys(s.request_id for s in batch.seqs)),
             decode_request_ids=batch.decode_request_ids, forward_s=forward_s,
-            decode_context_tokens=batch.num_decode_context_tokens, cross_encoder_tokens=batch.num_cross_encoder_tokens,
-            rerank_pairs_scored=batch.num_rerank_pairs_scored, predicted_s=predicted_s, target_s=batch.target_s,
-            limit_s=batch.limit_s, planned=batch.planned, owed=batch.owed,
-            embed_rows=batch.num_embed_rows, embed_tokens=batch.num_embed_tokens,
-            embed_rows_done=batch.num_embed_rows_done,
-            cpu_kernels=self.cpu_kernels)
+            decode_context_tokens=batch.num_decode_context_tokens, predicted_s=predicted_s, target_s=batch.target_s,
+            limit_s=batch.limit_s, planned=batch.planned, owed=batch.owed, cpu_kernels=self.cpu_kernels)
         if policy.observes_steps:
             policy.observe(record)  # the step-time model learns from every step
         for fn in self._observers:

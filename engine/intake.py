@@ -23,7 +23,7 @@ from engine import chat_templates
 from engine.config import EmbedParams, EngineConfig, PoolingTask, RerankParams, SamplingParams
 from engine.detokenizer import TextStream
 from engine.embed import EmbedJob, Embedder
-from engine.embed.embedder import FLAGS
+from engine.embed.tasks import POOLING
 from engine.errors import InputTooLong, NotLoaded
 from engine.generation import Generation
 from engine.jobs import Job
@@ -289,12 +289,11 @@ class RequestIntake:
         if not isinstance(params, EmbedParams):
             raise ValueError("params must be an EmbedParams")
         embedder = self.poolers.get(params.task)
-        if embedder is None and params.task is not PoolingTask.EMBED:
-            raise NotLoaded(f"this server has no {_MODELS[params.task]} (tandem serve {FLAGS[params.task]} "
-                            f"DIR|HUB_ID; EngineConfig.{_FIELDS[params.task]})")
         if embedder is None:
-            raise NotLoaded("this server has no embedding model (tandem serve --embedder DIR, or leave the default: "
-                            "the embedded all-MiniLM-L6-v2; EngineConfig.embedder)")
+            kind = POOLING[params.task]
+            how = "DIR, or leave the default: the embedded all-MiniLM-L6-v2" if kind.head is None else "DIR|HUB_ID"
+            raise NotLoaded(f"this server has no {kind.model} (tandem serve {kind.flag} {how}; "
+                            f"EngineConfig.{kind.field})")
         if not isinstance(inputs, (list, tuple)):
             raise ValueError("input must be a list of strings or of token id lists")
         if not inputs:
@@ -393,10 +392,6 @@ _BUILDERS: dict[type, Callable[[RequestIntake, Any], Job]] = {
     RerankSpec: RequestIntake.rerank,
     EmbedSpec: RequestIntake.embed,
 }
-
-
-_MODELS = {PoolingTask.CLASSIFY: "classifier", PoolingTask.SPARSE: "sparse embedder (SPLADE)"}
-_FIELDS = {PoolingTask.CLASSIFY: "classifier", PoolingTask.SPARSE: "sparse_embedder"}
 
 
 def _generator(seed: int | None, index: int) -> torch.Generator | None:

@@ -201,7 +201,7 @@ class Sim:
             for i, h in enumerate(seq.block_hashes):
                 content = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 assert self.hash_content.setdefault(h, content) == content
-        for q in (sched.waiting, sched.waiting_rerank):
+        for q in (sched.queues[SeqKind.GENERATE], sched.queues[SeqKind.RERANK]):
             for seq in q:
                 assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
                 assert seq.block_table == [] and seq.block_hashes == [] and seq.num_computed_tokens == 0
@@ -387,7 +387,7 @@ def test_preemption_picks_lowest_priority_then_newest_and_victims_resume():
     assert [s.request_id for s in first.preempted] == ["a"]
     assert a.status is SequenceStatus.PREEMPTED and a.num_preemptions == 1
     assert a.block_table == [] and a.num_computed_tokens == 0
-    assert a in list(sim.sched.waiting)
+    assert a in list(sim.sched.queues[SeqKind.GENERATE])
     assert {"b", "c"} <= decode_ids(first)  # the survivors decoded in the same step
     batch = step_until(sim, lambda: len(sim.preempted) >= 2)
     assert sim.preempted == ["a", "c"]  # equal priority: the newer one goes
