@@ -25,7 +25,7 @@ Two policies:
   held to the objective. Until the model is ready (calibrated at start-up, or after its first few steps), and with no
   decodes in the step (nothing to protect), `fallback` (a ShareAdmission) decides.
 * `ShareAdmission` (`tpot_target_ms` off): plain budget filling; while generation needs the step too, scoring work
-  gets `rerank_share` of the budget and seats first.
+  gets `scoring_share` of the budget and seats first.
 """
 from __future__ import annotations
 
@@ -121,17 +121,17 @@ class AdmissionPolicy(Protocol):
 @dataclass(slots=True)
 class ShareAdmission(AdmissionPolicy):
     """Plain budget filling: while generation needs the step too (prompts wait, or decodes ride in it), scoring work
-    gets `rerank_share` of the budget and of the free seats first (always room for its smallest unit), prompts the
+    gets `scoring_share` of the budget and of the free seats first (always room for its smallest unit), prompts the
     rest; with no decodes, scoring also takes what the prompts left. A step of embedding rows alone, with nothing
     else waiting, is widened to `wide_budget` (no decode is in it to slow down)."""
-    rerank_share: float = 0.5
+    scoring_share: float = 0.5
 
     def plan(self, view: StepView) -> Quota:
         scoring = [w for w in view.waiting if w.kind is not TokenKind.PREFILL]
         decodes = view.shape.decode_rows > 0
         if scoring and (decodes or view.of(TokenKind.PREFILL)):
-            cap = max(int(view.budget * self.rerank_share), scoring[0].unit)
-            grants = [Grant(None, cap, max(1, int(view.free_seats * self.rerank_share))), Grant(TokenKind.PREFILL)]
+            cap = max(int(view.budget * self.scoring_share), scoring[0].unit)
+            grants = [Grant(None, cap, max(1, int(view.free_seats * self.scoring_share))), Grant(TokenKind.PREFILL)]
             if not decodes:
                 grants.append(Grant(None))
             return Quota(tuple(grants))
@@ -161,7 +161,7 @@ class LatencyAdmission(AdmissionPolicy):
     # at most one pace.
     stretch: float | None = 4.0  # None: no deadlines
     max_lend: float = 1.5  # the automatic pace: this many times the decodes' own step
-    rerank_share: float = 0.5  # the fallback's (no decodes in the step)
+    scoring_share: float = 0.5  # the fallback's (no decodes in the step)
     fallback: AdmissionPolicy | None = None
     cadence: CadenceGuard | None = None
     # The ledger: seconds of step time each waiting kind was owed and could not use yet (its least unit cost more),
@@ -186,7 +186,7 @@ class LatencyAdmission(AdmissionPolicy):
             raise ValueError(f"weights must map kinds of work to weights > 0, got {self.weights!r}")
         self.weights = {**DEFAULT_WEIGHTS, **self.weights}
         if self.fallback is None:
-            self.fallback = ShareAdmission(self.rerank_share)
+            self.fallback = ShareAdmission(self.scoring_share)
 
     def target_for(self, shape: StepShape, joining: int = 0) -> float:
         """T for a step whose decodes are `shape`, `joining` more chats about to decode beside them: the fixed
@@ -368,8 +368,8 @@ def policy_for(config: EngineConfig, given: AdmissionPolicy | None = None, wide_
             raise ValueError(f"admission must be an AdmissionPolicy or None, got {given!r}")
         return given
     if config.tpot_target_ms is None:
-        return ShareAdmission(config.rerank_share)
+        return ShareAdmission(config.scoring_share)
     target = None if config.tpot_target_ms == AUTO else config.tpot_target_ms / 1000
     return LatencyAdmission(target, model=OnlineStepTime(wide_rows=wide_rows), decode_share=config.decode_share,
                             stretch=config.deadline_stretch,
-                            rerank_share=config.rerank_share, cadence=CadenceGuard() if target is not None else None)
+                            scoring_share=config.scoring_share, cadence=CadenceGuard() if target is not None else None)

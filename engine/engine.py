@@ -32,7 +32,7 @@ log = logging.getLogger("tandem.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, admission: AdmissionPolicy | None = None) -> None:
         """`admission`: how a step's leftover budget goes to prompts and scoring work (engine/admission.py); None:
-        the policy the config names (tpot_target_ms, else rerank_share; engine/builder.py resolves it)."""
+        the policy the config names (tpot_target_ms, else scoring_share; engine/builder.py resolves it)."""
         self.config = config = config or EngineConfig()
         parts = build_engine_parts(config, admission)
         self.model_dir = parts.model_dir

@@ -656,9 +656,9 @@ def test_a_bad_guard_is_refused(kw):
 
 
 def test_tpot_target_ms_selects_the_objective():
-    policy = policy_for(EngineConfig(num_kv_blocks=16, block_size=4, tpot_target_ms=40, rerank_share=0.3))
+    policy = policy_for(EngineConfig(num_kv_blocks=16, block_size=4, tpot_target_ms=40, scoring_share=0.3))
     assert isinstance(policy, LatencyAdmission)
-    assert policy.tpot_target_s == pytest.approx(0.040) and policy.rerank_share == 0.3
+    assert policy.tpot_target_s == pytest.approx(0.040) and policy.scoring_share == 0.3
     assert isinstance(policy.model, OnlineStepTime)
     assert isinstance(policy.cadence, CadenceGuard)
     auto = policy_for(EngineConfig(num_kv_blocks=16, block_size=4))  # on by default, the automatic target

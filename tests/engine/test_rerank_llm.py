@@ -111,8 +111,8 @@ def test_likelihood_query_span_is_never_taken_from_the_prefix_cache(llm):
 
 @pytest.mark.parametrize("mode", ["likelihood", "judge"])
 def test_pair_score_does_not_depend_on_batch_composition(mode):
-    # rerank_share 1.0: the whole remaining budget, so many pairs ride in one step beside the decodes
-    llm = make_llm(rerank_mode=mode, rerank_share=1.0, tpot_target_ms=None)
+    # scoring_share 1.0: the whole remaining budget, so many pairs ride in one step beside the decodes
+    llm = make_llm(rerank_mode=mode, scoring_share=1.0, tpot_target_ms=None)
     alone = llm.rerank(QUERY, [DOCS[2]])[0]
     eng = llm.engine
     for i in range(3):
@@ -162,7 +162,7 @@ def test_ranked_results_honour_top_n_and_return_documents(llm):
 def test_rerank_job_shares_steps_with_running_decodes(llm):
     """A job of many pairs is spread over many steps beside four decoding generations: none of their steps is skipped
     while it runs, their tokens are the ones they get alone, and no step passes the budget. Sized so the whole job runs
-    while the generations decode (24 pairs of ~30 tokens at rerank_share 0.5 of a 128-token step: ~12 steps, against
+    while the generations decode (24 pairs of ~30 tokens at scoring_share 0.5 of a 128-token step: ~12 steps, against
     their 32 tokens), so every step the job rides in is one where a skipped decode would show; 200 pairs (the old
     size) spent ~50 more steps scoring alone after the decodes ended, which tested nothing more."""
     prompts = [f"List facts about planet number {i}:" for i in range(4)]
