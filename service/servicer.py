@@ -17,11 +17,12 @@ import grpc
 
 from engine.config import EmbedParams, RerankParams, SamplingParams, StructuredOutputsParams
 from engine.outputs import Logprobs, TokenDelta
-from engine.request import FinishReason, SeqKind
+from engine.request import FinishReason
 from proto import tandem_pb2 as pb
 from service.core import CoreAPI, GenerateEvent, GenerateInput, RerankInput, RerankOutcome, Usage, json_schema
 from service.core import EmbedInput, EmbedOutcome
 from service.errors import ErrorKind, ServiceError, invalid
+from service.kinds import Task
 from service.handlers import Unparseable
 from service.session import StreamSession
 
@@ -96,7 +97,7 @@ class TandemServicer:
     def _start_generate(self, session: StreamSession, req: pb.GenerateRequest, meta: dict) -> None:
         client_id = req.request_id
         try:
-            self._check_new_id(session, client_id, SeqKind.GENERATE, meta)
+            self._check_new_id(session, client_id, Task.GENERATE, meta)
             stream = self.core.generate([generate_input(req)], meta, relayed=True)
         except ServiceError as exc:
             session.send(_generate_error(client_id, exc))
@@ -137,7 +138,7 @@ class TandemServicer:
     def _start_rerank(self, session: StreamSession, req: pb.RerankRequest, meta: dict) -> None:
         client_id = req.request_id
         try:
-            self._check_new_id(session, client_id, SeqKind.RERANK, meta)
+            self._check_new_id(session, client_id, Task.RERANK, meta)
             inp = rerank_input(req)
         except ServiceError as exc:
             session.send(pb.RerankStreamResponse(request_id=client_id, error=_request_error(exc)))
@@ -156,7 +157,7 @@ class TandemServicer:
 
     # ---- streams (Generate, RerankStream) --------------------------------------------------------
 
-    def _check_new_id(self, session: StreamSession, client_id: str, kind: SeqKind, meta: dict) -> None:
+    def _check_new_id(self, session: StreamSession, client_id: str, kind: Task, meta: dict) -> None:
         """Ids are given and unique among a stream's unfinished requests (a stream is this door's own idea); a
         refusal here is told to the core API's hooks, as its own refusals are."""
         error = None
