@@ -13,6 +13,8 @@ from engine.config import EmbedParams, EngineConfig, PoolingTask, RerankMode, Re
 from engine.embed import EmbedJob
 from engine.embed.tasks import model_info as pooling_info
 from engine.intake import RequestIntake
+from engine.kinds import build_job
+from engine.rerank.intake import rerank_limit
 from engine.jobs import Job, JobContext, RowResult, StepEffects
 from engine.step_time import OnlineStepTime, StepShape
 from engine.outputs import StepOutput, StepRecord
@@ -72,7 +74,7 @@ class LLMEngine:
         tokenizers and the engine's fixed parts only, so another thread may call it while this one steps (the
         service's intake thread does; a grammar is compiled there too). Raises ValueError naming the field (NotLoaded
         where a model is missing), TypeError for a spec the intake has no builder for."""
-        return self.intake.job(spec)
+        return build_job(self.intake, spec)
 
     def add(self, job: Job) -> None:
         """Queue a prepared job: its rows join the scheduler's queues, served from the next step. Raises ValueError
@@ -211,8 +213,8 @@ class LLMEngine:
             "cpu_kernels": self.cpu_kernels,
             **self._rerank_info(),
             # The most tokens one rerank pair may have (template, query and document), and what sets it.
-            "rerank_max_pair_tokens": self.intake.rerank_limit()[0],
-            "rerank_limit_by": self.intake.rerank_limit()[1],
+            "rerank_max_pair_tokens": rerank_limit(self.intake)[0],
+            "rerank_limit_by": rerank_limit(self.intake)[1],
             "vocab_size": self.model_args.vocab_size,  # what clients need for token ids and logit_bias
             **self._embedder_info(),
             **self._pooler_info(),

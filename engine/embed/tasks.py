@@ -6,18 +6,24 @@ encoder, so a new pooling task is a member of PoolingTask, its head (engine/embe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 
 from engine.config import EmbedParams, PoolingTask
 from engine.embed.heads import Head, load_classifier, load_splade
 
-if TYPE_CHECKING:
-    from engine.embed.embedder import Embedder
+
+class Encoder(Protocol):
+    """What this table reads of a loaded pooling encoder (engine/embed/embedder.py's Embedder; it imports this
+    module, so the table names only what it reads)."""
+    name: str
+    labels: tuple[str, ...]
+    multi_label: bool
+    max_length: int
 
 
-def _embedding(encoder: "Embedder", vector: torch.Tensor, params: EmbedParams) -> list:
+def _embedding(encoder: "Encoder", vector: torch.Tensor, params: EmbedParams) -> list:
     """A pooled vector as the request asks: its first `dimensions` (Matryoshka), then L2-normalised (token states,
     `all_tokens`: each token's state normalised the same way when asked)."""
     if params.dimensions is not None:
@@ -27,7 +33,7 @@ def _embedding(encoder: "Embedder", vector: torch.Tensor, params: EmbedParams) -
     return vector.tolist()
 
 
-def _probabilities(encoder: "Embedder", vector: torch.Tensor, params: EmbedParams) -> list[float]:
+def _probabilities(encoder: "Encoder", vector: torch.Tensor, params: EmbedParams) -> list[float]:
     """A classifier's logits as its labels' probabilities (softmax; sigmoid per label for a multi-label model), or
     the logits with raw_scores."""
     if params.raw_scores:
@@ -35,7 +41,7 @@ def _probabilities(encoder: "Embedder", vector: torch.Tensor, params: EmbedParam
     return (torch.sigmoid(vector) if encoder.multi_label else torch.softmax(vector, dim=-1)).tolist()
 
 
-def _sparse(encoder: "Embedder", vector: torch.Tensor, params: EmbedParams) -> list[tuple[int, float]]:
+def _sparse(encoder: "Encoder", vector: torch.Tensor, params: EmbedParams) -> list[tuple[int, float]]:
     """A sparse vector as its non-zero (vocabulary id, weight) pairs, id order."""
     ids = vector.nonzero().flatten()
     return list(zip(ids.tolist(), vector[ids].tolist()))
@@ -47,7 +53,7 @@ class PoolingKind:
     field: str  # the EngineConfig field naming its model, and model_info's key for its id (`<field>_max_tokens` too)
     flag: str  # the `tandem serve` flag that loads it (named where its model is missing or wrong)
     model: str  # what a refusal calls its model
-    finish: Callable[["Embedder", torch.Tensor, EmbedParams], list]  # a row's pooled output, as its request asks
+    finish: Callable[["Encoder", torch.Tensor, EmbedParams], list]  # a row's pooled output, as its request asks
     head: Callable[..., Head] | None = None  # loads its head on an encoder (None: the embedder's own pooling)
     labels: bool = False  # model_info lists its labels (`<field>_labels`)
 
@@ -66,7 +72,7 @@ def with_heads() -> tuple[PoolingKind, ...]:
     return tuple(k for k in POOLING.values() if k.head is not None)
 
 
-def model_info(poolers: "dict[PoolingTask, Embedder]") -> dict:
+def model_info(poolers: "dict[PoolingTask, Encoder]") -> dict:
     """What engine.model_info says of the head-carrying encoders: each one's id ("": not loaded) and limit, and the
     labels of those that have them."""
     out: dict = {}
