@@ -401,9 +401,9 @@ class EmbedParams:
 
 @dataclass(slots=True)
 class RerankParams:
-    top_n: int | None = None  # None: all documents
+    """How the engine scores one rerank's documents. (How the answer is shaped, top_n and return_documents, is the
+    caller's: engine/outputs.py rank_scores, applied at the service's edge and by LLM.rerank(ranked=True).)"""
     truncate: Literal["end", "none"] = "end"  # "end": cut the document to fit; "none": reject
-    return_documents: bool = False
     instruction: str | None = None  # None: the mode's default instruction (judge, likelihood)
     priority: int = 0
     # Cut each document to its first N tokens before scoring (Cohere's max_tokens_per_doc), in the tokens of the model
@@ -415,8 +415,6 @@ class RerankParams:
     max_windows: int | None = None
 
     def __post_init__(self) -> None:
-        if self.top_n is not None and (not _is_int(self.top_n) or self.top_n < 1):
-            raise ValueError(f"top_n must be >= 1, got {self.top_n!r}")
         if self.truncate not in ("end", "none"):
             raise ValueError(f"truncate must be 'end' or 'none', got {self.truncate!r}")
         if self.max_document_tokens is not None and (not _is_int(self.max_document_tokens)

@@ -93,10 +93,16 @@ class RerankResult:
     """One document of a ranked rerank answer, as `LLM.rerank(..., ranked=True)` and the service return it."""
     index: int  # position in the request's documents
     score: float
-    document: str | None = None  # with RerankParams(return_documents=True)
+    document: str | None = None  # with return_documents
     document_tokens: int = 0  # the document's tokens the score saw
     truncated: bool = False  # the document was cut at its end to fit the rerank pair limit (truncate="end")
     windows: int = 1  # overlapping windows the document was scored as, its score the best of theirs (max_windows)
+
+
+def check_top_n(top_n: int | None) -> None:
+    """ValueError unless `top_n` is None (every document) or an integer >= 1."""
+    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+        raise ValueError(f"top_n must be >= 1, got {top_n!r}")
 
 
 def rank_scores(scores: list[float], documents: list[str], top_n: int | None, return_documents: bool,

@@ -227,8 +227,7 @@ class CoreAPI:
                                     inp.request_id, lambda event: future.done() or future.set_result(event),
                                     timeout_ms=inp.timeout_ms, metadata=metadata, owner=owner(metadata))
         event: RerankOutput = await self._final(future, lc, KINDS[Task.RERANK].verb, inp.cut_hint)
-        params = inp.params
-        results = rank_scores(event.scores, inp.documents, params.top_n, params.return_documents,
+        results = rank_scores(event.scores, inp.documents, inp.top_n, inp.return_documents,
                               event.document_tokens, event.truncated, event.windows)
         return RerankOutcome(inp.request_id, results, Usage.of(lc), self.info.rerank_mode, id=lc.engine_id,
                              model=scorer)

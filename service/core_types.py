@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import MAX_LOGPROBS, MAX_N, EmbedParams, RerankParams, SamplingParams
-from engine.outputs import RerankResult, TokenDelta
+from engine.outputs import RerankResult, TokenDelta, check_top_n
 from service.errors import ServiceError
 from service.kinds import Task
 from service.lifecycle import RequestLifecycle
@@ -101,6 +101,8 @@ GRPC_CUT_HINT = "set truncate to TRUNCATE_END (or leave it unset) to cut it at i
 
 @dataclass(frozen=True, slots=True)
 class RerankInput:
+    """One rerank: what the engine scores (`params`), and how the answer is shaped, applied here at the service's
+    edge (`top_n`, `return_documents`: the engine never sees them). ValueError for a top_n below 1."""
     request_id: str
     query: str
     documents: list[str]
@@ -109,6 +111,11 @@ class RerankInput:
     timeout_ms: int = 0
     max_tokens_per_doc: int | None = None  # cut each document to its first N tokens before scoring (Cohere)
     cut_hint: str = GRPC_CUT_HINT  # how this request's API asks to cut a document too long (completes the refusal)
+    top_n: int | None = None  # the answer's best N (None: every document)
+    return_documents: bool = False  # each result carries its document's text
+
+    def __post_init__(self) -> None:
+        check_top_n(self.top_n)
 
 
 @dataclass(frozen=True, slots=True)

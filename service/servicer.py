@@ -310,15 +310,15 @@ def _structured_outputs(msg: pb.SamplingParams) -> StructuredOutputsParams | Non
 
 def rerank_input(req: pb.RerankRequest) -> RerankInput:
     try:
-        params = RerankParams(top_n=req.top_n if req.HasField("top_n") else None,
-                              truncate="none" if req.truncate == pb.TRUNCATE_NONE else "end",
-                              return_documents=req.return_documents,
+        params = RerankParams(truncate="none" if req.truncate == pb.TRUNCATE_NONE else "end",
                               instruction=req.instruction if req.HasField("instruction") else None,
                               priority=req.priority,
                               max_windows=req.max_windows if req.HasField("max_windows") else None)
+        return RerankInput(req.request_id, req.query, list(req.documents), params, model=req.model,
+                           top_n=req.top_n if req.HasField("top_n") else None,
+                           return_documents=req.return_documents)
     except ValueError as exc:
         raise invalid(str(exc)) from None
-    return RerankInput(req.request_id, req.query, list(req.documents), params, model=req.model)
 
 
 def embed_input(req: pb.EmbedRequest) -> EmbedInput:

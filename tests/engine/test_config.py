@@ -162,9 +162,6 @@ def test_engine_config_rejects_non_positive_max_model_len(value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("top_n", 0),
-    ("top_n", -1),
-    ("top_n", 1.5),
     ("truncate", "start"),
     ("truncate", ""),
 ])
@@ -174,8 +171,7 @@ def test_rerank_params_rejects(field, value):
 
 
 def test_rerank_params_valid():
-    assert RerankParams().top_n is None
-    assert RerankParams(top_n=1, truncate="none").truncate == "none"
+    assert RerankParams(truncate="none").truncate == "none"
 
 
 def test_rerank_share_is_the_deprecated_name_of_scoring_share():

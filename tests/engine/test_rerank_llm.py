@@ -7,6 +7,7 @@ import torch
 
 from engine import RerankParams, SamplingParams
 from engine.admission import AdmissionPolicy, Grant, Quota
+from engine.outputs import check_top_n
 from engine.step_time import TokenKind
 from tests.engine.conftest import assert_no_leaks, make_llm, record_steps
 
@@ -148,14 +149,14 @@ def test_default_mode_ranks_the_obvious_document_first(llm):
 
 def test_ranked_results_honour_top_n_and_return_documents(llm):
     scores = llm.rerank(QUERY, DOCS)
-    ranked = llm.rerank(QUERY, DOCS, RerankParams(top_n=2, return_documents=True), ranked=True)
+    ranked = llm.rerank(QUERY, DOCS, ranked=True, top_n=2, return_documents=True)
     order = sorted(range(len(DOCS)), key=lambda i: -scores[i])[:2]
     assert [r.index for r in ranked] == order
     assert [r.document for r in ranked] == [DOCS[i] for i in order]
     assert [r.score for r in ranked] == pytest.approx([scores[i] for i in order], abs=1e-6)
     assert all(r.document is None for r in llm.rerank(QUERY, DOCS, ranked=True))
     with pytest.raises(ValueError, match="ranked=True"):
-        llm.rerank(QUERY, DOCS, RerankParams(top_n=2))
+        llm.rerank(QUERY, DOCS, top_n=2)
     assert_no_leaks(llm)
 
 
@@ -219,9 +220,11 @@ def test_bad_rerank_input_names_the_field(llm, query, docs, params, field):
     assert_no_leaks(llm)
 
 
-def test_top_n_below_one_is_rejected():
+@pytest.mark.parametrize("top_n", [0, -1, 1.5])
+def test_top_n_below_one_is_rejected(top_n):
+    """top_n shapes the answer, not the engine's work: checked where the answer is ranked (rank_scores' callers)."""
     with pytest.raises(ValueError, match="top_n"):
-        RerankParams(top_n=0)
+        check_top_n(top_n)
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +237,7 @@ def test_long_document_is_truncated_by_default_and_the_result_says_so(short_llm)
     eng = short_llm.engine
     assert eng.model_info()["rerank_max_pair_tokens"] == 256
     assert "--max-model-len" in eng.model_info()["rerank_limit_by"]
-    ranked = short_llm.rerank(QUERY, ["honey " * 600, DOCS[0]], RerankParams(top_n=2), ranked=True)
+    ranked = short_llm.rerank(QUERY, ["honey " * 600, DOCS[0]], ranked=True, top_n=2)
     by_index = {r.index: r for r in ranked}
     pair = _pair_ids(eng, QUERY, ["honey " * 600])[0]
     fixed = len(pair.token_ids) - pair.document_tokens
