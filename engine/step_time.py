@@ -41,6 +41,10 @@ class TokenKind(str, enum.Enum):
     CROSS_ENCODER = "cross_encoder_tokens"  # a rerank pair's token in the cross-encoder's own forward
     EMBED = "embed_tokens"  # an embedding input's token in the embedder's own forward
 
+    # Hashed as its value, in C (Enum's own __hash__ is a Python call): the per-kind maps of Batch, StepShape and
+    # StepRecord are read on every row of every step.
+    __hash__ = str.__hash__
+
     def __str__(self) -> str:
         return self.value
 
@@ -71,6 +75,9 @@ PRICES: dict[TokenKind, Price] = {
 # The token kinds of a rerank's pairs (the step records' rerank_* counts sum them)
 RERANK_KINDS = tuple(k for k, p in PRICES.items() if p.request == SeqKind.RERANK)
 _LLM_KINDS = tuple(k for k, p in PRICES.items() if p.in_llm)
+# Per token kind, for features(): (its feature's index, its forward's index, whether it runs in the LLM forward)
+_SLOTS = {k: (FEATURES.index(k.value), FEATURES.index(p.forward), p.in_llm) for k, p in PRICES.items()}
+_WIDE = FEATURES.index("wide_forward")
 
 
 def work_kind(seq: Sequence) -> TokenKind:
@@ -156,18 +163,21 @@ class StepShape:
     def features(self, wide_rows: int | None = None) -> tuple[float, ...]:
         """`wide_rows`: above this many LLM rows the forward takes another path with a fixed cost of its own (the
         quantized CPU matmul dequantizes every weight once a step has more than kernels.quant.small_m rows)."""
-        values = dict.fromkeys(FEATURES, 0.0)
-        values["decode_rows"] = self.decode_rows
-        values["decode_context_tokens"] = self.decode_context_tokens
+        x = [0.0] * len(FEATURES)
+        x[1], x[2] = self.decode_rows, self.decode_context_tokens  # decode_rows, decode_context_tokens
+        llm_rows = self.decode_rows
+        if llm_rows:
+            x[0] = 1.0  # llm_forward
         for kind, n in self.tokens.items():
             if n:
-                values[kind.value] += n
-                values[PRICES[kind].forward] = 1.0
-        llm_rows = self.llm_rows
-        if self.decode_rows:
-            values["llm_forward"] = 1.0
-        values["wide_forward"] = 1.0 if wide_rows is not None and llm_rows > wide_rows else 0.0
-        return tuple(values.values())
+                i, forward, in_llm = _SLOTS[kind]
+                x[i] += n
+                x[forward] = 1.0
+                if in_llm:
+                    llm_rows += n
+        if wide_rows is not None and llm_rows > wide_rows:
+            x[_WIDE] = 1.0
+        return tuple(x)
 
 
 # Seconds per unit of each feature: slow on purpose (conservative), replaced by the first real steps.
