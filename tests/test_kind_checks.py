@@ -124,3 +124,16 @@ def test_the_service_walk_finds_the_branches_it_forbids():
               "y = 1 if path in ('embed', '/x') else 2\n"
               "z = KINDS[Task.RERANK].verb\nif kind.decodes:\n    pass\nw = mode == 'dense'\n")
     assert sorted(line for line, _ in service_kind_checks(source)) == [1, 3, 4, 6]
+
+
+def test_the_service_and_engine_registries_name_the_same_kinds():
+    """A lifecycle label is the engine spec's kind (the bridge labels a request by it), so every service kind's label
+    is an engine kind, every engine kind is served, and each engine kind registers one spec and builder."""
+    from engine.embed.tasks import POOLING
+    from engine.kinds import KINDS as ENGINE_KINDS
+    from engine.request import SeqKind
+    from service import kinds
+
+    assert set(kinds.LABELS) == {k.value for k in SeqKind} == {k.value for k in ENGINE_KINDS}
+    assert all(k.spec.kind is seq_kind for seq_kind, k in ENGINE_KINDS.items())
+    assert {k.pooling for k in kinds.pooled()} <= set(POOLING)  # each pooled kind's encoder is a pooling task
