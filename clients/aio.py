@@ -261,7 +261,8 @@ class AsyncClient:
 
         routing_key: sent as x-tandem-prefix (default: a hash of instruction and query, so later batches of
         documents for the same query reach the replica that has its prefix cached; "" sends none).
-        `.replica` on the results names the replica that served it.
+        `.replica` on the results names the replica that served it, `.mode` the rerank mode and `.model` the model that
+        scored them.
         """
         if truncate not in ("end", "none"):
             raise ValueError(f"truncate must be 'end' or 'none', got {truncate!r}")
@@ -284,6 +285,7 @@ class AsyncClient:
         results.usage = Usage.from_proto(response.usage)
         results.replica = replica
         results.mode = response.mode
+        results.model = response.model
         return results
 
     async def embed(self, texts: str | Sequence[str], *, normalize: bool = True, dimensions: int | None = None,
