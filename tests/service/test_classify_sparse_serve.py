@@ -35,7 +35,8 @@ def setup(tmp_path_factory):
     llm.engine.add_observer(records.append)
     server = ServerThread(llm.engine, ServerConfig(host="127.0.0.1", port=0))
     door = server.add_http(server.server.config)
-    yield {"url": door.url, "grpc": server.address, "refs": refs, "dirs": base, "records": records}
+    yield {"url": door.url, "grpc": server.address, "refs": refs, "dirs": base, "records": records,
+           "recorder": server.recorder}
     server.close()
 
 
@@ -101,6 +102,60 @@ def test_every_route_answers_beside_a_streaming_chat_in_the_same_steps(setup):
     # their rows ran in steps that also decoded the chat
     assert any(r.embed_rows and r.decode_tokens for r in during)
     assert done.is_set()
+
+
+def test_the_python_clients_classify_and_embed_sparse(setup):
+    """Client and AsyncClient: Classify per text {label: probability} (the logits with raw_scores), EmbedSparse
+    {vocabulary id: weight}, as transformers computes them."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from clients import AsyncClient, Client
+
+    labels = ["negative", "neutral", "positive"]
+    with Client(setup["grpc"]) as client:
+        probs = client.classify(TEXTS)
+        raw = client.classify(TEXTS[0], raw_scores=True)
+        sparse = client.embed_sparse(TEXTS[:2])
+
+    async def both():
+        async with AsyncClient(setup["grpc"]) as client:
+            return await client.classify(TEXTS[1:2]), await client.embed_sparse(TEXTS[1])
+
+    aprobs, asparse = asyncio.run(both())
+    ref = _probs(setup, TEXTS)
+    assert [list(p) for p in probs] == [labels] * len(TEXTS)
+    assert max(abs(p[label] - r[i].item()) for p, r in zip(probs, ref) for i, label in enumerate(labels)) <= 1e-5
+    assert max(abs(raw[0][label] - _probs(setup, TEXTS[:1], raw=True)[0][i].item())
+               for i, label in enumerate(labels)) <= 1e-5
+    assert aprobs[0] == pytest.approx(probs[1], abs=1e-5)  # packed with other inputs or alone: float rounding
+    want = splade_reference(setup["refs"]["splade"], AutoTokenizer.from_pretrained(str(setup["dirs"] / "splade")),
+                            TEXTS[:2])
+    assert [sorted(v) for v in sparse] == [sorted(w) for w in want]
+    assert max(abs(v[i] - w[i]) for v, w in zip(sparse, want) for i in w) <= 1e-5
+    assert sorted(asparse[0]) == sorted(sparse[1]) and asparse[0] == pytest.approx(sparse[1], abs=1e-5)
+
+
+def test_the_access_log_names_classify_and_embed_sparse_and_the_model_asked_for(setup, caplog):
+    """gRPC Classify and EmbedSparse run as embedding jobs; their access-log lines name their RPC (not Embed), the
+    model that did the work and the one the request named."""
+    import logging
+
+    from service.access_log import AccessLog
+
+    with grpc.insecure_channel(setup["grpc"]) as ch:
+        stub = pb_grpc.TandemStub(ch)
+        stub.Classify(pb.ClassifyRequest(texts=TEXTS[:1], model="some-classifier"), timeout=60)
+        stub.EmbedSparse(pb.EmbedSparseRequest(texts=TEXTS[:1]), timeout=60)
+    caplog.set_level(logging.INFO, logger="tandem.access")
+    recorder = setup["recorder"]
+    for method in ("Classify", "EmbedSparse"):
+        lc = recorder.wait_finished(lambda lc: lc.metadata.get("method") == method)[-1]
+        AccessLog("smol").on_finish(lc)
+    clf, sparse = (r.getMessage() for r in caplog.records[-2:])
+    assert clf.startswith("grpc Classify model=clf requested=some-classifier status=OK finish=stop prompt_tokens="), clf
+    assert sparse.startswith("grpc EmbedSparse model=splade status=OK finish=stop prompt_tokens="), sparse
 
 
 def test_bad_input_is_400_and_invalid_argument(setup):
