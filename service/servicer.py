@@ -338,12 +338,16 @@ def embed_input(req: pb.EmbedRequest) -> EmbedInput:
 
 
 def _texts_input(req: Any, **params) -> EmbedInput:
-    """A ClassifyRequest's or EmbedSparseRequest's texts as the core's EmbedInput (the core sets the task)."""
+    """A ClassifyRequest's or EmbedSparseRequest's texts (a ClassifyRequest's text pairs) as the core's EmbedInput
+    (the core sets the task)."""
     try:
         p = EmbedParams(truncate=req.truncate != pb.TRUNCATE_NONE, priority=req.priority, **params)
     except ValueError as exc:
         raise invalid(str(exc)) from None
-    return EmbedInput("", list(req.texts), p, model=req.model)
+    pairs = [(x.text, x.text_pair) for x in getattr(req, "pairs", ())]
+    if pairs and req.texts:
+        raise invalid("give texts or pairs, not both")
+    return EmbedInput("", pairs or list(req.texts), p, model=req.model)
 
 
 # ---- protobuf out ----------------------------------------------------------------------------------

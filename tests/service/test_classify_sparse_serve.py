@@ -17,7 +17,7 @@ from engine.config import PoolingTask
 from proto import tandem_pb2 as pb
 from proto import tandem_pb2_grpc as pb_grpc
 from service.server import ServerConfig
-from tests.engine.test_classify_sparse import TEXTS, splade_reference, tiny_classifier, tiny_splade
+from tests.engine.test_classify_sparse import PAIRS, TEXTS, splade_reference, tiny_classifier, tiny_splade
 from tests.service.harness import ServerThread
 
 MAX_INPUTS = 8
@@ -66,7 +66,7 @@ def test_every_route_answers_beside_a_streaming_chat_in_the_same_steps(setup):
         while not any(r.decode_tokens for r in records):  # the chat decodes before the others arrive
             threading.Event().wait(0.05)
         start = len(records)
-        batch = httpx.post(f"{url}/predict", json={"inputs": TEXTS}, timeout=60).json()
+        batch = httpx.post(f"{url}/predict", json={"inputs": [[t] for t in TEXTS]}, timeout=60).json()
         single = httpx.post(f"{url}/predict", json={"inputs": TEXTS[0], "raw_scores": True}, timeout=60).json()
         vllm = httpx.post(f"{url}/classify", json={"model": "", "input": TEXTS}, timeout=60).json()
         sparse = httpx.post(f"{url}/embed_sparse", json={"inputs": TEXTS}, timeout=60).json()
@@ -102,6 +102,54 @@ def test_every_route_answers_beside_a_streaming_chat_in_the_same_steps(setup):
     # their rows ran in steps that also decoded the chat
     assert any(r.embed_rows and r.decode_tokens for r in during)
     assert done.is_set()
+
+
+def _pair_probs(setup, pairs):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(setup["dirs"] / "clf"))
+    enc = tok([a for a, _ in pairs], [b for _, b in pairs], padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        return setup["refs"]["clf"](**enc).logits.softmax(-1)
+
+
+def test_tei_predict_reads_inputs_as_tei_does_text_pairs_included(setup):
+    """TEI's /predict grammar: a list of strings is ONE input, ["text"] or the pair ["text", "text_pair"] (answered
+    with one list of labels); a list of lists is a batch of texts and pairs; three strings are refused. gRPC Classify
+    takes `pairs`, the Python client (text, text_pair) tuples. Each pair is what transformers gives for
+    tokenizer(text, text_pair)."""
+    from clients import Client
+
+    url, labels = setup["url"], ["negative", "neutral", "positive"]
+    want = _pair_probs(setup, PAIRS)
+    single = _probs(setup, TEXTS[:1])[0]
+
+    def by_label(ranked):
+        assert [x["score"] for x in ranked] == sorted((x["score"] for x in ranked), reverse=True)
+        return torch.tensor([next(x["score"] for x in ranked if x["label"] == label) for label in labels])
+
+    one_pair = httpx.post(f"{url}/predict", json={"inputs": list(PAIRS[0])}, timeout=60)
+    one_text = httpx.post(f"{url}/predict", json={"inputs": [TEXTS[0]]}, timeout=60)
+    batch = httpx.post(f"{url}/predict", json={"inputs": [list(PAIRS[1]), [TEXTS[0]], list(PAIRS[2])]}, timeout=60)
+    three = httpx.post(f"{url}/predict", json={"inputs": TEXTS[:3]}, timeout=60)
+    assert (one_pair.status_code, one_text.status_code, batch.status_code) == (200, 200, 200), one_pair.text
+    assert isinstance(one_pair.json()[0], dict) and isinstance(one_text.json()[0], dict)  # one input: one list
+    assert (by_label(one_pair.json()) - want[0]).abs().max().item() <= 1e-5
+    assert (by_label(one_text.json()) - single).abs().max().item() <= 1e-5
+    got = torch.stack([by_label(r) for r in batch.json()])
+    assert (got[[0, 2]] - want[1:]).abs().max().item() <= 1e-5 and (got[1] - single).abs().max().item() <= 1e-5
+    assert three.status_code == 400 and "pair" in three.text
+    with grpc.insecure_channel(setup["grpc"]) as ch:
+        stub = pb_grpc.TandemStub(ch)
+        gclf = stub.Classify(pb.ClassifyRequest(pairs=[pb.TextPair(text=a, text_pair=b) for a, b in PAIRS]),
+                             timeout=60)
+        with pytest.raises(grpc.RpcError) as both:
+            stub.Classify(pb.ClassifyRequest(texts=["a"], pairs=[pb.TextPair(text="a", text_pair="b")]), timeout=60)
+    assert both.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert max(abs(s.score - w[i].item()) for c, w in zip(gclf.results, want) for i, s in enumerate(c.scores)) <= 1e-5
+    with Client(setup["grpc"]) as client:
+        (probs,) = client.classify([PAIRS[0]])
+    assert max(abs(probs[label] - want[0][i].item()) for i, label in enumerate(labels)) <= 1e-5
 
 
 def test_the_python_clients_classify_and_embed_sparse(setup):
@@ -161,7 +209,9 @@ def test_the_access_log_names_classify_and_embed_sparse_and_the_model_asked_for(
 def test_bad_input_is_400_and_invalid_argument(setup):
     url = setup["url"]
     for path, body in (("/predict", {"inputs": []}), ("/classify", {"input": []}),
-                       ("/embed_sparse", {"inputs": []}), ("/predict", {"inputs": ["a"] * (MAX_INPUTS + 1)}),
+                       ("/embed_sparse", {"inputs": []}), ("/predict", {"inputs": [["a"]] * (MAX_INPUTS + 1)}),
+                       ("/predict", {"inputs": ["a", "b", "c"]}), ("/predict", {"inputs": [["a", "b", "c"]]}),
+                       ("/predict", {"inputs": [["a", ""]]}), ("/embed_sparse", {"inputs": [["a", "b"]]}),
                        ("/embed_sparse", {"inputs": ["a"] * (MAX_INPUTS + 1)})):
         r = httpx.post(f"{url}{path}", json=body, timeout=60)
         assert r.status_code == 400, (path, r.text)
