@@ -31,12 +31,18 @@ def setup(tmp_path_factory):
     refs = {"clf": tiny_classifier(base / "clf"), "splade": tiny_splade(base / "splade")}
     llm = LLM(EngineConfig(classifier=str(base / "clf"), sparse_embedder=str(base / "splade"), num_kv_blocks=256,
                            max_embed_inputs=MAX_INPUTS, max_num_batched_tokens=256))
-    records = []
-    llm.engine.add_observer(records.append)
+    records, decoding = [], threading.Event()
+
+    def observe(record) -> None:
+        records.append(record)
+        if record.decode_tokens:
+            decoding.set()  # a chat decodes: the state the route test waits on
+
+    llm.engine.add_observer(observe)
     server = ServerThread(llm.engine, ServerConfig(host="127.0.0.1", port=0))
     door = server.add_http(server.server.config)
     yield {"url": door.url, "grpc": server.address, "refs": refs, "dirs": base, "records": records,
-           "recorder": server.recorder}
+           "recorder": server.recorder, "decoding": decoding}
     server.close()
 
 
@@ -63,8 +69,7 @@ def test_every_route_answers_beside_a_streaming_chat_in_the_same_steps(setup):
     chat = threading.Thread(target=_chat, args=(url, done))
     chat.start()
     try:
-        while not any(r.decode_tokens for r in records):  # the chat decodes before the others arrive
-            threading.Event().wait(0.05)
+        assert setup["decoding"].wait(120)  # the chat decodes before the others arrive (a hang guard)
         start = len(records)
         batch = httpx.post(f"{url}/predict", json={"inputs": [[t] for t in TEXTS]}, timeout=60).json()
         single = httpx.post(f"{url}/predict", json={"inputs": TEXTS[0], "raw_scores": True}, timeout=60).json()
