@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from engine.config import EmbedParams
+from engine.config import EmbedParams, PoolingTask
 from engine.embed.embedder import Embedder
 from engine.embed.job import EmbedJob
 from engine.embed.tasks import POOLING
@@ -26,7 +26,8 @@ def embed_sequences(intake: "RequestIntake", request_id: str, rows: list, params
     encoder = encoder or intake.embedder
     seqs = [Sequence(request_id=request_id, token_ids=row.token_ids, num_prompt_tokens=len(row.token_ids),
                      params=params, arrival=next(intake.arrivals), arrival_time=arrival_time, kind=SeqKind.EMBED,
-                     priority=params.priority, execution=RowExec.ENCODER, index=i, stages=encoder.stages)
+                     priority=params.priority, execution=RowExec.ENCODER, index=i, stages=encoder.stages,
+                     token_type_ids=row.token_type_ids)
             for i, row in enumerate(rows)]
     if any(seq.stage_tokens(1) > intake.budget for seq in seqs):
         what = "one layer of it" if encoder.stages > 1 else "it runs whole and"
@@ -55,10 +56,13 @@ def build(intake: "RequestIntake", spec: EmbedSpec) -> EmbedJob:
         raise ValueError(f"input has {len(inputs)} items; this server takes at most {intake.config.max_embed_inputs}"
                          " per request (--max-embed-inputs, EngineConfig.max_embed_inputs); split the request")
     texts = ids = None
-    if all(isinstance(t, str) for t in inputs):
-        if any(not t for t in inputs):
+    if all(isinstance(t, str) or _text_pair(t) for t in inputs):
+        if any(not t for t in inputs) or any(not isinstance(t, str) and not all(t) for t in inputs):
             raise ValueError("input must not contain empty strings")
-        texts = list(inputs)
+        texts = [t if isinstance(t, str) else tuple(t) for t in inputs]
+        if params.task is not PoolingTask.CLASSIFY and any(isinstance(t, tuple) for t in texts):
+            raise ValueError("input: text pairs ([text, text_pair]) are classified only (a sequence classifier "
+                             "reads the pair, as a cross-encoder or an NLI model does); give texts")
     elif all(isinstance(t, (list, tuple)) for t in inputs):
         vocab = len(embedder.tokenizer)
         for i, t in enumerate(inputs):
@@ -78,6 +82,11 @@ def build(intake: "RequestIntake", spec: EmbedSpec) -> EmbedJob:
                                       embedder)
     return EmbedJob(request_id, params, arrival_time=arrival_time, rows=sequences, vectors=[None] * len(rows),
                     remaining=len(rows), truncated=[r.truncated for r in rows])
+
+
+def _text_pair(value) -> bool:
+    """A classification's text pair: [text, text_pair] (a list or tuple of two strings)."""
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(x, str) for x in value)
 
 
 def _foreign_ids(index: int, token: int, vocab: int, name: str) -> str:

@@ -261,3 +261,27 @@ def test_rerank_share_is_the_deprecated_spelling_of_scoring_share(monkeypatch):
     assert build_engine_config(parse(["serve", "--scoring-share", "0.3"])).scoring_share == 0.3
     monkeypatch.setenv("TANDEM_RERANK_SHARE", "0.2")
     assert build_engine_config(build_parser().parse_args(["serve"])).scoring_share == 0.2
+
+
+def test_every_flag_of_every_command_is_documented():
+    """docs/cli.md names every flag of every command's --help (the serve flags by their --help group), and every
+    serve flag has its meaning and default in docs/configuration.md (the limits, TLS and connection flags in
+    docs/reliability.md's table): a flag added to the parser without its docs fails here."""
+    import argparse
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    cli = (docs / "cli.md").read_text()
+    meaning = (docs / "configuration.md").read_text() + (docs / "reliability.md").read_text()
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"serve", "cluster", "generate", "chat", "rerank", "embed", "info"} <= set(commands)
+
+    def named(flag: str, text: str) -> bool:
+        return re.search(r"`" + re.escape(flag) + r"(?![\w-])", text) is not None
+
+    flags = {(name, flag) for name, parser in commands.items() for action in parser._actions
+             for flag in action.option_strings if flag.startswith("--") and flag != "--help"}
+    assert {("serve", "--classifier"), ("serve", "--sparse-embedder"), ("generate", "--tls")} <= flags
+    assert sorted(f"{name} {flag}" for name, flag in flags if not named(flag, cli)) == []
+    assert sorted(flag for name, flag in flags if name == "serve" and not named(flag, meaning)) == []
