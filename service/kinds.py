@@ -33,7 +33,8 @@ class Kind:
     verb: str  # what a refusal says a model does ("model 'x' does not <verb>")
     label: str  # its lifecycle kind (RequestLifecycle.kind: spans, metrics, the access log): its engine spec's kind
     routes: tuple[str, ...]  # the HTTP routes its requests come on (a door's own refusals are labelled by them)
-    grpc_method: str  # the gRPC method its access-log line names
+    grpc_method: str  # its gRPC method (the access log names it; one sharing its label with another kind is named by
+    # the method metadata the gRPC door sets)
     stream_method: str = ""  # the method of the gRPC stream that carries it, where one does ("" : none)
     decodes: bool = False  # it streams completions: completion tokens, TTFT, TPOT
     scores_pairs: bool = False  # its inputs are scored as (query, document) pairs: the rerank metrics, documents=
@@ -59,9 +60,9 @@ KINDS: dict[Task, Kind] = {k.task: k for k in (
     Kind(Task.RERANK, "rerank", "rerank", ("/v1/rerank", "/v2/rerank", "/rerank"), "Rerank",
          stream_method="RerankStream", scores_pairs=True, inputs_attribute="tandem.rerank.pairs", llm_alias=True),
     Kind(Task.EMBED, "embed", "embed", ("/v1/embeddings", "/embed", "/embed_all", "/v2/embed"), "Embed"),
-    Kind(Task.CLASSIFY, "classify", "embed", ("/predict", "/classify"), "Embed", pooling=PoolingTask.CLASSIFY,
+    Kind(Task.CLASSIFY, "classify", "embed", ("/predict", "/classify"), "Classify", pooling=PoolingTask.CLASSIFY,
          model_field="classifier", flag="--classifier"),
-    Kind(Task.EMBED_SPARSE, "embed sparse", "embed", ("/embed_sparse",), "Embed", pooling=PoolingTask.SPARSE,
+    Kind(Task.EMBED_SPARSE, "embed sparse", "embed", ("/embed_sparse",), "EmbedSparse", pooling=PoolingTask.SPARSE,
          model_field="sparse_embedder", flag="--sparse-embedder"),
 )}
 
