@@ -1,7 +1,7 @@
 """What the engine hands out: per-step deltas, finished results, and one record per step."""
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass, field, fields
+from dataclasses import KW_ONLY, asdict, dataclass, field
 
 from engine.request import FinishReason
 from engine.step_time import PRICES, RERANK_KINDS, TokenKind
@@ -173,7 +173,9 @@ class StepRecord:
     def flat(self) -> dict:
         """The record as one flat dict (`tandem serve --step-log`'s JSON line): its fields, the per-kind maps as the
         counts named below."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("tokens", "rows", "rows_done")}
+        out = asdict(self)  # nested dataclasses (owed) as dicts too, as JSON takes them
+        for name in ("tokens", "rows", "rows_done"):
+            del out[name]
         return {**out, **{name: getattr(self, name) for name in COUNT_NAMES}}
 
     # The per-kind counts by their names (spans, metrics, the step log and the benchmarks read these).
