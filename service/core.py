@@ -1,7 +1,7 @@
 """The core API: the one typed, async interface both doors call (the shape of vLLM's EngineClient, TEI's Infer).
 
 Engine types in (`SamplingParams`, `RerankParams`, prompts, chat messages, token ids), engine types out
-(`TokenDelta`, `RerankResult`) plus the small dataclasses below; never protobuf, never JSON. What a request names
+(`TokenDelta`, `RerankResult`) plus the small dataclasses of service/core_types.py; never protobuf, never JSON. What a request names
 (the model, its task, chat roles) is checked here, so a request is refused the same way whichever door it came
 through; what it carries (an empty input, the document and input counts of --max-documents and --max-embed-inputs,
 no embedder loaded, a prompt too long, a bad schema) is the engine intake's to check, once (engine/intake.py), and
@@ -15,7 +15,7 @@ on a worker thread.
     async for event in stream: ...                                                # GenerateEvent per output
     outcome = await core.rerank(RerankInput("r", query, documents, RerankParams()), metadata)
 
-One request id: the core mints it (`new_request_id`, unique in the process) for every request it admits, and the
+One request id: the core mints it (service/request_ids.py `new_request_id`, unique in the process) for every request it admits, and the
 engine, its step records, the spans, the lifecycle hooks and the HTTP responses' ids (`chatcmpl-<id>`, a rerank's or
 embedding's `id`) all use it (`GenerationStream.ids`, `RerankOutcome.id`, `EmbedOutcome.id`). A gRPC client's own
 `request_id` stays what it was: that stream's key, echoed in that door's responses (the inputs' `request_id`; the
