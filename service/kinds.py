@@ -1,7 +1,9 @@
 """The kinds of work the service serves, one registered descriptor each: the one table above the engine that says
 what a kind is called and how it is told apart (its task on /v1/models, what a refusal says it does, its lifecycle
 label for spans, metrics and the access log, the letter of its request ids, the HTTP routes it comes on, the gRPC
-method its access-log line names, the model field and flag of an encoder of its own).
+method its access-log line names; for a kind with an encoder of its own, the engine's pooling task that runs it, the
+`ModelInfo.encoders` entry naming its model, the `tandem serve` flag that loads it and the door schema module that
+holds its HTTP bodies). It imports no engine (no torch), so `tandem`'s CLI reads its flags from here.
 
 Code outside this module reads a kind's descriptor (`KINDS[task]`, `by_label(lc.kind)`, `by_route(path)`) and never
 branches on which kind it is (tests/test_kind_checks.py): a new kind is a new `Task` member and a new row here, beside
@@ -11,8 +13,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-
-from engine.config import PoolingTask
 
 
 class Task(str, enum.Enum):
@@ -39,11 +39,15 @@ class Kind:
     decodes: bool = False  # it streams completions: completion tokens, TTFT, TPOT
     scores_pairs: bool = False  # its inputs are scored as (query, document) pairs: the rerank metrics, documents=
     inputs_attribute: str = "tandem.embed.inputs"  # the span attribute that counts its inputs (when it does not decode)
-    # an encoder of its own, beside the LLM and the embedder: its engine task, the ModelInfo field naming it (and
-    # `<field>_max_tokens` its limit), the flag that loads it
-    pooling: PoolingTask | None = None
+    # an encoder of its own, beside the LLM and the embedder: its engine task (engine.config.PoolingTask's value:
+    # engine/embed/tasks.py), the EngineConfig field naming its model (engine.model_info's key for its id, and
+    # `<field>_max_tokens`, `<field>_labels`), the `tandem serve` flag that loads it (service/cli.py adds it with
+    # `flag_help`) and the HTTP door's schema module for its routes (service/http/app.py reads its `ROUTES`)
+    pooling: str = ""
     model_field: str = ""
     flag: str = ""
+    flag_help: str = ""
+    http_schema: str = ""
     # a request naming the LLM is served anyway (the LLM was listed as doing this kind until issue 72), unless names
     # are strict
     llm_alias: bool = False
@@ -60,10 +64,17 @@ KINDS: dict[Task, Kind] = {k.task: k for k in (
     Kind(Task.RERANK, "rerank", "rerank", ("/v1/rerank", "/v2/rerank", "/rerank"), "Rerank",
          stream_method="RerankStream", scores_pairs=True, inputs_attribute="tandem.rerank.pairs", llm_alias=True),
     Kind(Task.EMBED, "embed", "embed", ("/v1/embeddings", "/embed", "/embed_all", "/v2/embed"), "Embed"),
-    Kind(Task.CLASSIFY, "classify", "embed", ("/predict", "/classify"), "Classify", pooling=PoolingTask.CLASSIFY,
-         model_field="classifier", flag="--classifier"),
-    Kind(Task.EMBED_SPARSE, "embed sparse", "embed", ("/embed_sparse",), "EmbedSparse", pooling=PoolingTask.SPARSE,
-         model_field="sparse_embedder", flag="--sparse-embedder"),
+    Kind(Task.CLASSIFY, "classify", "embed", ("/predict", "/classify"), "Classify", pooling="classify",
+         model_field="classifier", flag="--classifier",
+         flag_help="a sequence classifier to serve (TEI /predict, vLLM /classify, gRPC Classify): a Hugging Face "
+                   "directory or Hub id of a BERT / RoBERTa / XLM-R / ModernBERT ...ForSequenceClassification with "
+                   "id2label (default: none)",
+         http_schema="service.http.classify_schema"),
+    Kind(Task.EMBED_SPARSE, "embed sparse", "embed", ("/embed_sparse",), "EmbedSparse", pooling="sparse",
+         model_field="sparse_embedder", flag="--sparse-embedder",
+         flag_help="a SPLADE model to serve sparse embeddings with (TEI /embed_sparse, gRPC EmbedSparse): a "
+                   "directory or Hub id of a BERT-family ...ForMaskedLM (default: none)",
+         http_schema="service.http.classify_schema"),
 )}
 
 _BY_LABEL = {}
@@ -85,4 +96,4 @@ def by_route(path: str) -> Kind | None:
 
 def pooled() -> tuple[Kind, ...]:
     """The kinds served by an encoder of their own (a classifier, a sparse embedder), registry order."""
-    return tuple(k for k in KINDS.values() if k.pooling is not None)
+    return tuple(k for k in KINDS.values() if k.pooling)
