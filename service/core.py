@@ -32,13 +32,13 @@ from engine.outputs import EmbedOutput, RerankOutput, rank_scores
 from engine.request import FinishReason
 from engine.specs import EmbedSpec, GenerateSpec, RerankSpec
 from service import served_models
-from service.core_types import (CHAT_ROLES, DEFAULT_MAX_BUFFER_BYTES, GRPC_CUT_HINT, ClassifyOutcome, EmbedInput,
-                                EmbedOutcome, GenerateEvent, GenerateInput, Limits, ModelInfo, Names, RerankInput,
-                                RerankOutcome, ServedModel, SparseOutcome, Usage)
+from service.core_types import (CHAT_ROLES, DEFAULT_MAX_BUFFER_BYTES, GRPC_CUT_HINT, EmbedInput, EmbedOutcome, Encoder,
+                                GenerateEvent, GenerateInput, Limits, ModelInfo, Names, PooledOutcome, RerankInput,
+                                RerankOutcome, ServedModel, Usage)
 from service.errors import ErrorKind, ServiceError, invalid
 from service.generation_stream import GenerationStream
 from service.json_schema import json_schema
-from service.kinds import KINDS, Task
+from service.kinds import KINDS, Task, pooled
 from service.lifecycle import CLIENT_GONE, RequestLifecycle
 from service.request_ids import new_request_id
 from service.served_models import EMBEDDED_SUFFIX, short_name
@@ -80,7 +80,8 @@ class CoreAPI:
         info = ModelInfo(**{k: v for k, v in engine_info.items() if k in known and k not in ("model", "served_names")},
                          model=served[0], served_names=served, max_waiting=bridge.max_waiting,
                          max_documents=config.max_rerank_documents, max_embed_inputs=config.max_embed_inputs,
-                         max_message_bytes=limits.max_message_bytes)
+                         max_message_bytes=limits.max_message_bytes,
+                         encoders={k.task: Encoder.of(engine_info, k.model_field) for k in pooled()})
         # Without --served-model-name the path as given still names the model (clients written against it keep
         # working); it is not listed.
         if isinstance(tools, ToolSettings):  # the flags: resolved against the served model (ValueError: they cannot be)
@@ -272,26 +273,16 @@ class CoreAPI:
         return EmbedOutcome(inp.request_id, event.embeddings, event.truncated, Usage.of(lc), self.info.embedder,
                             id=lc.engine_id)
 
-    # ---- classification and sparse embeddings: the embedding job on another encoder ------------------
+    # ---- kinds served by an encoder of their own (classification, sparse embeddings) ------------------------
 
-    async def classify(self, inp: EmbedInput, metadata: dict[str, str]) -> ClassifyOutcome:
-        """Label probabilities per input from the classifier (--classifier); raises ServiceError (INVALID_ARGUMENT
-        naming the flag where none is loaded)."""
-        event, lc, model = await self._pool(inp, metadata, Task.CLASSIFY)
-        return ClassifyOutcome(inp.request_id, event.embeddings, tuple(self.info.classifier_labels), event.truncated,
-                               Usage.of(lc), model, id=lc.engine_id)
-
-    async def embed_sparse(self, inp: EmbedInput, metadata: dict[str, str]) -> SparseOutcome:
-        """A SPLADE sparse vector per input from the sparse embedder (--sparse-embedder); raises ServiceError."""
-        event, lc, model = await self._pool(inp, metadata, Task.EMBED_SPARSE)
-        return SparseOutcome(inp.request_id, [[(int(i), float(v)) for i, v in vec] for vec in event.embeddings],
-                             event.truncated, Usage.of(lc), model, id=lc.engine_id)
-
-    async def _pool(self, inp: EmbedInput, metadata: dict[str, str], task: Task
-                    ) -> tuple[EmbedOutput, RequestLifecycle, str]:
-        """An embedding job whose rows run on `task`'s encoder: its final output, lifecycle and model id."""
+    async def pool(self, task: Task, inp: EmbedInput, metadata: dict[str, str]) -> PooledOutcome:
+        """An embedding job whose rows run on kind `task`'s own encoder (service/kinds.py pooled(): --classifier's
+        label probabilities, --sparse-embedder's sparse vectors): per input, what its row became; raises
+        ServiceError (INVALID_ARGUMENT naming the flag where no such encoder is loaded). Cancelling the await aborts
+        the engine job."""
         kind = KINDS[task]
-        model = getattr(self.info, kind.model_field)
+        encoder = self.info.encoder(task)
+        model = encoder.name
         with self._admitting(task, inp.request_id, self._named(metadata, inp.model, model)):
             if not model:
                 raise invalid(f"this server has no {kind.model_field.replace('_', ' ')}: start it with {kind.flag} "
@@ -306,7 +297,8 @@ class CoreAPI:
                                     inp.request_id, lambda event: future.done() or future.set_result(event),
                                     timeout_ms=inp.timeout_ms, metadata=metadata)
         event: EmbedOutput = await self._final(future, lc, kind.verb, inp.cut_hint)
-        return event, lc, model
+        return PooledOutcome(inp.request_id, event.embeddings, encoder.labels, event.truncated, Usage.of(lc), model,
+                             id=lc.engine_id)
 
     # ---- tokens ----------------------------------------------------------------------------------
 
@@ -372,7 +364,7 @@ def _plain_ids(tokenizer, text: str) -> list[int]:
 
 
 # What the doors import from here: the API and the types it takes and returns (each defined in its own module).
-__all__ = ["CHAT_ROLES", "ClassifyOutcome", "CoreAPI", "DEFAULT_MAX_BUFFER_BYTES", "EMBEDDED_SUFFIX", "EmbedInput",
-           "EmbedOutcome", "GRPC_CUT_HINT", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
-           "Names", "RerankInput", "RerankOutcome", "ServedModel", "SparseOutcome", "Task", "Usage", "json_schema",
+__all__ = ["CHAT_ROLES", "CoreAPI", "DEFAULT_MAX_BUFFER_BYTES", "EMBEDDED_SUFFIX", "EmbedInput", "EmbedOutcome",
+           "Encoder", "GRPC_CUT_HINT", "GenerateEvent", "GenerateInput", "GenerationStream", "Limits", "ModelInfo",
+           "Names", "PooledOutcome", "RerankInput", "RerankOutcome", "ServedModel", "Task", "Usage", "json_schema",
            "new_request_id", "owner", "short_name"]

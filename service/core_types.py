@@ -1,9 +1,9 @@
 """The small dataclasses the core API takes and returns (beside the engine's own types): what one request may ask
 for (`Limits`), what its `model` may say (`Names`), what this replica serves (`ModelInfo`, `ServedModel`), the inputs
-of each kind of request and their outcomes, and the usage every outcome carries."""
+of each kind of request and their outcomes (one for every kind an encoder of its own serves), and the usage every outcome carries."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import MAX_LOGPROBS, MAX_N, EmbedParams, RerankParams, SamplingParams
@@ -72,11 +72,28 @@ class ModelInfo:
     embedder_max_tokens: int = 0
     embedder_matryoshka: bool = False  # `dimensions` may shorten its vectors
     embedder_dtype: str = ""  # what its forward runs in (--encoder-dtype as resolved on this CPU)
-    classifier: str = ""  # the sequence classifier's id ("": none loaded; --classifier)
-    classifier_labels: tuple[str, ...] = ()  # its labels, id order (config.json's id2label)
-    classifier_max_tokens: int = 0
-    sparse_embedder: str = ""  # the SPLADE model's id ("": none loaded; --sparse-embedder)
-    sparse_embedder_max_tokens: int = 0
+    # Each kind with an encoder of its own (service/kinds.py pooled(): a classifier, a sparse embedder) -> that
+    # encoder; a kind whose flag was not given has an empty one.
+    encoders: dict[Task, "Encoder"] = field(default_factory=dict)
+
+    def encoder(self, task: Task) -> "Encoder":
+        """The encoder serving kind `task` (empty: none loaded)."""
+        return self.encoders.get(task, Encoder())
+
+
+@dataclass(frozen=True, slots=True)
+class Encoder:
+    """An encoder of a kind's own (ModelInfo.encoders): its id ("": none loaded; the kind's flag loads one), the most
+    tokens one input may have, and its labels, id order, where it has any (a classifier's id2label)."""
+    name: str = ""
+    max_tokens: int = 0
+    labels: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, engine_info: dict, field_name: str) -> "Encoder":
+        """What engine.model_info says of the encoder its EngineConfig field `field_name` names."""
+        return cls(str(engine_info.get(field_name) or ""), int(engine_info.get(f"{field_name}_max_tokens") or 0),
+                   tuple(engine_info.get(f"{field_name}_labels") or ()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,25 +194,16 @@ class EmbedOutcome:
 
 
 @dataclass(frozen=True, slots=True)
-class ClassifyOutcome:
-    """A classification: per input, one probability per label (label id order; the logits with raw_scores)."""
+class PooledOutcome:
+    """The outcome of a kind served by an encoder of its own (CoreAPI.pool): per input, input order, what its row
+    became (engine/embed/tasks.py: a classifier's probability per label, id order, or its logits with raw_scores; a
+    sparse embedder's non-zero (vocabulary id, weight) pairs, id order)."""
     request_id: str
-    scores: list[list[float]]
-    labels: tuple[str, ...]  # the classifier's labels, id order
+    outputs: list[list]
+    labels: tuple[str, ...]  # the encoder's labels, id order (a classifier's; () where it has none)
     truncated: list[bool]
     usage: Usage
-    model: str  # the classifier's id
-    id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class SparseOutcome:
-    """Sparse embeddings: per input, its non-zero (vocabulary id, weight) pairs, id order."""
-    request_id: str
-    vectors: list[list[tuple[int, float]]]
-    truncated: list[bool]
-    usage: Usage
-    model: str  # the sparse embedder's id
+    model: str  # the encoder's id
     id: str = ""
 
 

@@ -57,9 +57,9 @@ def served_models(info: ModelInfo) -> list[ServedModel]:
         tasks = (Task.EMBED, Task.RERANK) if mode in _EMBEDDER_SCORES else (Task.EMBED,)
         out.setdefault(info.embedder, ServedModel(info.embedder, tasks, info.embedder_max_tokens))
     for kind in pooled():
-        name = getattr(info, kind.model_field)
-        if name:
-            out.setdefault(name, ServedModel(name, (kind.task,), getattr(info, f"{kind.model_field}_max_tokens")))
+        encoder = info.encoder(kind.task)
+        if encoder.name:
+            out.setdefault(encoder.name, ServedModel(encoder.name, (kind.task,), encoder.max_tokens))
     cross_encoder = rerank_model(info)
     if cross_encoder:
         out.setdefault(cross_encoder, ServedModel(cross_encoder, (Task.RERANK,), info.rerank_max_pair_tokens))
