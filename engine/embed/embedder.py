@@ -47,7 +47,7 @@ def embedded_embedder_dir() -> Path:
 
 class Embedder:
     """A BERT / RoBERTa / XLM-R / ModernBERT encoder or a decoder embedder with its sentence-transformers pooling; or,
-    for another pooling `task`, an encoder with that task's head (engine/embed/heads.py: a classifier's logits, a
+    for another pooling `task`, an encoder with that task's head (engine/embed/heads/: a classifier's logits, a
     SPLADE model's sparse vector), whose rows run exactly as an embedder's."""
 
     def __init__(self, name: str, directory: Path, device: str = "cpu", dtype: str = "float32",
