@@ -137,3 +137,25 @@ def test_the_service_and_engine_registries_name_the_same_kinds():
     assert set(kinds.LABELS) == {k.value for k in SeqKind} == {k.value for k in ENGINE_KINDS}
     assert all(k.spec.kind is seq_kind for seq_kind, k in ENGINE_KINDS.items())
     assert {k.pooling for k in kinds.pooled()} <= set(POOLING)  # each pooled kind's encoder is a pooling task
+
+
+def test_each_pooled_kind_is_served_from_its_rows_alone():
+    """A kind with an encoder of its own is read off its rows (issue #72): its service row names its engine task,
+    whose field and flag it repeats (`tandem serve` adds the flag from the service row, EngineConfig takes the field of
+    the flag's name); its HTTP routes are its door schema's ROUTES, its gRPC method one of the service's, with a
+    response builder in the gRPC door."""
+    from engine.config import EngineConfig, PoolingTask
+    from engine.embed.tasks import POOLING
+    from proto import tandem_pb2 as pb
+    from service import kinds
+    from service.http.kind_routes import kind_routes
+    from service.servicer import POOLED_RESPONSES
+
+    config_fields = set(EngineConfig.__dataclass_fields__)
+    for kind in kinds.pooled():
+        task = POOLING[PoolingTask(kind.pooling)]
+        assert (kind.model_field, kind.flag) == (task.field, task.flag)
+        assert kind.flag == "--" + kind.model_field.replace("_", "-") and kind.model_field in config_fields
+        assert kind.flag_help and set(kind_routes(kind)) == set(kind.routes)
+        assert kind.grpc_method in pb.DESCRIPTOR.services_by_name["Tandem"].methods_by_name
+        assert kind.grpc_method in POOLED_RESPONSES
