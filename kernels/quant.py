@@ -382,7 +382,46 @@ def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
         return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(), isa)
     if reduced and bf16:
         return _bf16_gemm(module, x, w, isa)
+    if reduced and gemm_int8(isa, w.fmt):
+        return module.quant_gemm_int8(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], int(isa))
     return _dequantize_gemm(x, w, path.isa)
+
+
+GEMM_INT8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the wide int8 GEMM's (avx2_int8.cpp gemm_int8_avx2)
+
+
+def gemm_int8(isa: CpuIsa, fmt: str) -> bool:
+    """Whether a wide step of `fmt` weights with int8 activations multiplies with the repacked int8 GEMM
+    (avx2_int8.cpp `gemm_int8_avx2`) on vector path `isa`: the avx2 path only (it measured 1.3-1.6x MKL's AVX2
+    float32 GEMM at 512 rows, kernels/README.md "Prefill on CPU"; on the avx512 path MKL's float32 GEMM runs 16 lanes
+    and the bf16 GEMM takes over where the CPU has it, so it was not chosen there), for Q4_0 / Q4_1 / Q5_0 / Q5_1."""
+    module = _module()
+    return (isa is CpuIsa.AVX2 and fmt in GEMM_INT8_FORMATS and module is not None
+            and module.has_gemm_int8(int(isa), CPP_FORMATS[fmt]))
+
+
+def prefill_path(path: CpuPath | None, activations: Activations, formats: list[str]) -> str:
+    """What a wide step (a prefill chunk past the register kernels) multiplies the quantized weights of `formats`
+    with on `path`, for the start-up line: per format "int8 GEMM", "int8 kernel" (the K-quants' int8 kernel at every
+    width), "bf16 GEMM" or "float32 dequantize + BLAS GEMM"; "" when no format is quantized by the C++ kernels."""
+    path = default_cpu_path() if path is None else path
+    if not available():
+        return ""
+    isa, ways = path.isa, {}
+    for fmt in formats:
+        reduced = takes_int8(activations, fmt) and bool(int8_kernel(isa))
+        if fmt not in CPP_FORMATS:
+            way = "float32 dequantize + BLAS GEMM"
+        elif reduced and int8_rows(isa, fmt, _bf16_wide(path, isa), path) is None:
+            way = "int8 kernel"
+        elif reduced and _bf16_wide(path, isa):
+            way = "bf16 GEMM"
+        elif reduced and gemm_int8(isa, fmt):
+            way = "int8 GEMM"
+        else:
+            way = "float32 dequantize + BLAS GEMM"
+        ways.setdefault(way, []).append(fmt)
+    return ", ".join(f"{'+'.join(f)} {way}" for way, f in ways.items()) + f" ({isa.label})" if ways else ""
 
 
 def _bf16_gemm(module, x: torch.Tensor, w: QuantWeight, isa: CpuIsa) -> torch.Tensor:
