@@ -17,11 +17,12 @@ import grpc
 
 from engine.config import EmbedParams, RerankParams, SamplingParams, StructuredOutputsParams
 from engine.outputs import Logprobs, TokenDelta
-from engine.request import FinishReason, SeqKind
+from engine.request import FinishReason
 from proto import tandem_pb2 as pb
 from service.core import CoreAPI, GenerateEvent, GenerateInput, RerankInput, RerankOutcome, Usage, json_schema
 from service.core import EmbedInput, EmbedOutcome
 from service.errors import ErrorKind, ServiceError, invalid
+from service.kinds import Task
 from service.handlers import Unparseable
 from service.session import StreamSession
 
@@ -99,7 +100,7 @@ class TandemServicer:
     def _start_generate(self, session: StreamSession, req: pb.GenerateRequest, meta: dict) -> None:
         client_id = req.request_id
         try:
-            self._check_new_id(session, client_id, SeqKind.GENERATE, meta)
+            self._check_new_id(session, client_id, Task.GENERATE, meta)
             stream = self.core.generate([generate_input(req)], meta, relayed=True)
         except ServiceError as exc:
             session.send(_generate_error(client_id, exc))
@@ -140,7 +141,7 @@ class TandemServicer:
     def _start_rerank(self, session: StreamSession, req: pb.RerankRequest, meta: dict) -> None:
         client_id = req.request_id
         try:
-            self._check_new_id(session, client_id, SeqKind.RERANK, meta)
+            self._check_new_id(session, client_id, Task.RERANK, meta)
             inp = rerank_input(req)
         except ServiceError as exc:
             session.send(pb.RerankStreamResponse(request_id=client_id, error=_request_error(exc)))
@@ -159,7 +160,7 @@ class TandemServicer:
 
     # ---- streams (Generate, RerankStream) --------------------------------------------------------
 
-    def _check_new_id(self, session: StreamSession, client_id: str, kind: SeqKind, meta: dict) -> None:
+    def _check_new_id(self, session: StreamSession, client_id: str, kind: Task, meta: dict) -> None:
         """Ids are given and unique among a stream's unfinished requests (a stream is this door's own idea); a
         refusal here is told to the core API's hooks, as its own refusals are."""
         error = None
@@ -312,15 +313,15 @@ def _structured_outputs(msg: pb.SamplingParams) -> StructuredOutputsParams | Non
 
 def rerank_input(req: pb.RerankRequest) -> RerankInput:
     try:
-        params = RerankParams(top_n=req.top_n if req.HasField("top_n") else None,
-                              truncate="none" if req.truncate == pb.TRUNCATE_NONE else "end",
-                              return_documents=req.return_documents,
+        params = RerankParams(truncate="none" if req.truncate == pb.TRUNCATE_NONE else "end",
                               instruction=req.instruction if req.HasField("instruction") else None,
                               priority=req.priority,
                               max_windows=req.max_windows if req.HasField("max_windows") else None)
+        return RerankInput(req.request_id, req.query, list(req.documents), params, model=req.model,
+                           top_n=req.top_n if req.HasField("top_n") else None,
+                           return_documents=req.return_documents)
     except ValueError as exc:
         raise invalid(str(exc)) from None
-    return RerankInput(req.request_id, req.query, list(req.documents), params, model=req.model)
 
 
 def embed_input(req: pb.EmbedRequest) -> EmbedInput:

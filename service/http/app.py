@@ -40,6 +40,7 @@ from starlette.routing import Route
 from service.auth import TokenTable
 from service.core import CoreAPI, GenerateEvent, GenerateInput, GenerationStream, RerankInput, RerankOutcome
 from service.core import EmbedInput, EmbedOutcome, ServedModel
+from service import kinds
 from service.errors import ServiceError
 from service.http import classify_schema, embed_schema, openai_schema, openapi, rerank_schema, tokens_schema
 from service.http.errors import HttpError, Shape
@@ -152,13 +153,10 @@ def build_app(door: Door) -> Starlette:
 
 
 def _kind(path: str) -> str:
-    """What a route's requests are, for the lifecycle hooks: generate, rerank, embed, or the route itself."""
-    if path in ("/v1/chat/completions", "/v1/completions"):
-        return "generate"
-    if path.endswith("rerank"):
-        return "rerank"
-    return "embed" if path.endswith(("embed", "embeddings", "embed_all", "embed_sparse", "predict", "classify")) \
-        else path
+    """What a route's requests are, for the lifecycle hooks: its kind's label (service/kinds.py), or the route
+    itself."""
+    kind = kinds.by_route(path)
+    return kind.label if kind is not None else path
 
 
 def _check_json(request: Request) -> None:
