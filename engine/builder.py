@@ -28,8 +28,8 @@ from engine.models.encoder_loader import same_encoder
 from engine.models import hub
 from engine.models.loader import (ModelSource, default_model_dir, load_state_dict, read_config, resolve_model,
                                   resolve_model_dir)
-from engine.models.quantized import (int8_activation_formats, quantize_state_int8, resolve_quantization, weight_bytes,
-                                     weight_format)
+from engine.models.quantized import (int8_activation_formats, layer_formats, quantize_state_int8, resolve_quantization,
+                                     weight_bytes, weight_format)
 from kernels.quant import QuantWeight
 from engine.rerank import PairScorer, build_scorer, default_mode
 from engine.rerank.recipes import resolve as resolve_recipe
@@ -132,8 +132,10 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
             cpu_kernels += f" int8-activations({'+'.join(int8_formats)})"
     if "int8-activations" in cpu_kernels and cpu_path.bf16_gemm:
         cpu_kernels += " bf16-wide"  # their steps past the int8 kernel's width multiply bf16 (kernels/quant.py)
-    log.info("weights: %s, %.1f MB%s", weight_format(model), weight_bytes(model) / 1e6,
-             f", CPU kernels: {cpu_kernels}" if cpu_kernels else "")
+    prefill = (quant.prefill_path(cpu_path, quant.Activations(config.cpu_activations), layer_formats(model))
+               if cpu_kernels else "")
+    log.info("weights: %s, %.1f MB%s%s", weight_format(model), weight_bytes(model) / 1e6,
+             f", CPU kernels: {cpu_kernels}" if cpu_kernels else "", f", prefill: {prefill}" if prefill else "")
     max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
     max_model_len_by = ("max_model_len (tandem serve --max-model-len)" if max_model_len < args.max_position_embeddings
                         else "the model's context, max_position_embeddings")

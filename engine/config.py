@@ -149,7 +149,8 @@ class EngineConfig:
     # summation order only), "int8" (each row quantized per block of 32, per 256 for the K-quants, integer dot
     # products, as llama.cpp; AVX-512 VNNI or AVX2 maddubs; I8 stays float32) or "auto" (default: int8 for the
     # K-quants, Q4_K / Q5_K / Q6_K, where it measured 2-3x faster per matmul at batch 1 on both CPU paths; float32
-    # for the 32-wide formats). Wide steps (prefill) are float32 GEMMs under every setting. docs/benchmarks.md.
+    # for the 32-wide formats). Wide steps (prefill) are float32 GEMMs, except under "int8" on the avx2 path, where
+    # Q4_0 / Q4_1 / Q5_0 / Q5_1 take the wide int8 GEMM (kernels/README.md "Prefill on CPU"). docs/benchmarks.md.
     cpu_activations: Literal["auto", "float32", "int8"] = "auto"
     # The embedding model (engine/embed/): a Hugging Face directory (a BERT / RoBERTa / XLM-R / ModernBERT encoder or
     # a decoder embedder, with its sentence-transformers pooling config), EMBEDDED_EMBEDDER for the embedded
