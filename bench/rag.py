@@ -59,6 +59,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -66,6 +67,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from bench.host import cpu_identity
+from bench.rag_steps import Stage, Stamps, explain, read_steps, summary_line
 from bench.report import RESULTS, percentile, rotated, rounded
 
 DEFAULT_RATES = (0.05, 0.1, 0.2, 0.3)
@@ -118,6 +120,7 @@ class RequestRecord:
     completion_tokens: int | None = None  # the server's usage, when it sends one
     prompt_tokens: int | None = None
     error: str | None = None
+    stamps: Stamps | None = None  # the monotonic times of each stage's send and each token (bench/rag_steps.py)
 
     @property
     def started(self) -> bool:
@@ -129,7 +132,7 @@ class RequestRecord:
 
     def summary(self) -> dict:
         """The record for the JSON: the gaps as p50 / p99 / max, not every one."""
-        out = {k: v for k, v in asdict(self).items() if k != "gaps_s"}
+        out = {k: v for k, v in asdict(self).items() if k not in ("gaps_s", "stamps")}
         gaps = self.gaps_s
         out |= {"tpot_p50_s": percentile(gaps, 50) if gaps else None, "tpot_p99_s": self.tpot_p99_s if gaps else None,
                 "tpot_max_s": max(gaps) if gaps else None}
@@ -312,6 +315,8 @@ async def stream_answer(http, ep: Endpoints, messages: list[dict], max_tokens: i
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     sent = time.monotonic()
+    if rec.stamps is not None:
+        rec.stamps.answer_sent = sent
     last = None
     async with http.stream("POST", f"{ep.chat_url}/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -328,6 +333,8 @@ async def stream_answer(http, ep: Endpoints, messages: list[dict], max_tokens: i
             if not (choices[0].get("delta") or {}).get("content"):
                 continue
             now = time.monotonic()
+            if rec.stamps is not None:
+                rec.stamps.tokens.append(now)
             if last is None:
                 rec.answer_ttft_s, rec.ttft_s = now - sent, now - arrival
             else:
@@ -343,15 +350,16 @@ async def rag_request(http, ep: Endpoints, corpus_vectors, wl: Workload, questio
                       arrival: float) -> RequestRecord:
     """The four stages of one request into `rec`; a failure is recorded, never raised."""
     rec.send_lag_s = time.monotonic() - arrival
+    rec.stamps = Stamps(arrival)
     try:
-        t = time.monotonic()
+        t = rec.stamps.embed_sent = time.monotonic()
         qv = (await embed(http, ep, [question]))[0]
         rec.embed_s = time.monotonic() - t
         t = time.monotonic()
         candidates = top_k(qv, corpus_vectors, args.candidates)
         rec.retrieve_s = time.monotonic() - t
-        t = time.monotonic()
         docs = [wl.documents[i] for i in candidates]
+        t = rec.stamps.rerank_sent = time.monotonic()
         kept = await rerank(http, ep, question, docs, args.keep)
         rec.rerank_s = time.monotonic() - t
         await stream_answer(http, ep, answer_messages(question, [docs[i] for i in kept]), args.max_tokens, rec,
@@ -509,9 +517,10 @@ def start_system(system: System, args) -> tuple[list, Endpoints, dict]:
 
     if system is System.TANDEM:
         flags = [*(["--reranker", args.reranker] if args.reranker else []), *args.tandem_flags]
-        proc = tandem_proc(flags)
+        step_log = Path(tempfile.mkdtemp(prefix="rag_steps_")) / "steps.jsonl"
+        proc = tandem_proc([*flags, "--step-log", str(step_log)])
         ep = Endpoints(proc.url, proc.url, "/v1/embeddings", RerankApi.COHERE_V2, priority=True)
-        return [proc], ep, {"servers": f"tandem serve {' '.join(flags)}".strip()}
+        return [proc], ep, {"servers": f"tandem serve {' '.join(flags)}".strip(), "step_log": str(step_log)}
     cores = os.cpu_count() or 2
     if system is System.SPLIT_PINNED:
         chat_cores, chat_threads, embed_cores, embed_threads = _halves(cores)
@@ -547,8 +556,9 @@ async def session(system: System, args, wl: Workload, run: int) -> dict:
         idle = await idle_requests(ep, vectors, wl, args)
         rates = {}
         for i, rate in enumerate(args.rates):
+            start = time.monotonic()
             records, counts = await run_rate(ep, vectors, wl, args, rate, seed=args.seed + 1000 * run + i)
-            rates[rate] = {"records": records, "background": counts}
+            rates[rate] = {"records": records, "background": counts, "window": (start, time.monotonic())}
             print(f"run {run} {system.value} {rate:g} req/s: {sum(r.error is None for r in records)}/{len(records)} "
                   f"answered", file=sys.stderr, flush=True)
         return info | {"idle": idle, "rates": rates}
@@ -563,12 +573,19 @@ async def session(system: System, args, wl: Workload, run: int) -> dict:
 def judge_session(got: dict, slo: Slo, attainment: float) -> dict:
     """A session's records judged against the SLOs: per rate a summary, and the run's goodput."""
     verdicts, rates = [], {}
+    idle = got["idle"]
+    idle_stages = {s: statistics.median(getattr(r, s.value) for r in idle if getattr(r, s.value) is not None)
+                   for s in Stage if any(getattr(r, s.value) is not None for r in idle)}
     for rate, phase in got["rates"].items():
         v = judge(rate, phase["records"], slo, attainment)
         verdicts.append(v)
+        summaries = [r.summary() for r in phase["records"]]
         rates[f"{rate:g}"] = {"summary": rate_summary(phase["records"], v), "background": phase["background"],
-                              "records": [r.summary() for r in phase["records"]]}
-    idle = got["idle"]
+                              "records": summaries}
+        if got.get("step_log"):  # tandem: the step log's reasons for each miss
+            steps = read_steps(Path(got["step_log"]), *phase["window"])
+            stamps = [r.stamps or Stamps(float("nan")) for r in phase["records"]]
+            rates[f"{rate:g}"]["why"] = explain(summaries, stamps, steps, slo.ttft_s, slo.tpot_s, idle_stages)
     idle_ttfts = [r.ttft_s for r in idle if r.started]
     idle_gaps = [g for r in idle for g in r.gaps_s]
     out = {k: v for k, v in got.items() if k not in ("idle", "rates")}
@@ -656,6 +673,13 @@ def table_text(rows: list[dict], good: dict, slo: Slo) -> str:
     return "\n".join(lines)
 
 
+def why_lines(runs: dict[str, list[dict]]) -> list[str]:
+    """Per tandem run and rate, the step log's reasons for the misses (bench/rag_steps.py)."""
+    return [f"run {i} tandem {summary_line(float(rate), phase['why'])}"
+            for i, session in enumerate(runs.get(System.TANDEM.value, []))
+            for rate, phase in session["rates"].items() if "why" in phase]
+
+
 # ---- main -------------------------------------------------------------------------------------------------------------
 
 
@@ -700,8 +724,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _reranker_dir(name: str | None) -> str | None:
     if name != "minilm":
         return name
-    import tempfile
-
     from bench.models import minilm_cross_encoder_dir
 
     return str(minilm_cross_encoder_dir(Path(tempfile.mkdtemp(prefix="rag_minilm_ce_"))))
@@ -764,7 +786,7 @@ def main(argv: list[str] | None = None) -> dict:
     raw, slo, skipped = asyncio.run(run_all(args, wl))
     runs = {name: [judge_session(s, slo, args.attainment) for s in sessions] for name, sessions in raw.items()}
     rows, good = table_rows(runs), goodputs(runs)
-    text = table_text(rows, good, slo)
+    text = "\n".join([table_text(rows, good, slo), *why_lines(runs)])
     result |= {"slo": asdict(slo), "skipped": skipped, "runs": runs, "table": rows, "goodput": good,
                "targets": issue_targets(runs, good), "table_text": text, "load_1m_end": os.getloadavg()[0]}
     args.out.parent.mkdir(parents=True, exist_ok=True)

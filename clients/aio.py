@@ -261,7 +261,8 @@ class AsyncClient:
 
         routing_key: sent as x-tandem-prefix (default: a hash of instruction and query, so later batches of
         documents for the same query reach the replica that has its prefix cached; "" sends none).
-        `.replica` on the results names the replica that served it.
+        `.replica` on the results names the replica that served it, `.mode` the rerank mode and `.model` the model that
+        scored them.
         """
         if truncate not in ("end", "none"):
             raise ValueError(f"truncate must be 'end' or 'none', got {truncate!r}")
@@ -284,6 +285,7 @@ class AsyncClient:
         results.usage = Usage.from_proto(response.usage)
         results.replica = replica
         results.mode = response.mode
+        results.model = response.model
         return results
 
     async def embed(self, texts: str | Sequence[str], *, normalize: bool = True, dimensions: int | None = None,
@@ -302,11 +304,19 @@ class AsyncClient:
             request, timeout=remaining, metadata=self._metadata), timeout)
         return [list(e.values) for e in response.embeddings]
 
-    async def classify(self, texts: str | Sequence[str], *, raw_scores: bool = False, truncate: str = "end",
-                       priority: int = 0, model: str = "", timeout: float | None = None) -> list[dict[str, float]]:
+    async def classify(self, texts: str | Sequence[str] | Sequence[tuple[str, str]], *, raw_scores: bool = False,
+                       truncate: str = "end", priority: int = 0, model: str = "",
+                       timeout: float | None = None) -> list[dict[str, float]]:
         """Per text, input order, each label's probability (the logits with raw_scores) from the server's classifier
-        (tandem serve --classifier); truncate: "end" cuts a text over the model's limit, "none" refuses it."""
-        request = pb.ClassifyRequest(texts=[texts] if isinstance(texts, str) else list(texts), model=model,
+        (tandem serve --classifier); texts may instead be text pairs, (text, text_pair), each one input encoded as a
+        pair (NLI, cross-encoder classifiers); truncate: "end" cuts an input over the model's limit, "none" refuses
+        it."""
+        if truncate not in ("end", "none"):
+            raise ValueError(f"truncate must be 'end' or 'none', got {truncate!r}")
+        inputs = [texts] if isinstance(texts, str) else list(texts)
+        pairs = [pb.TextPair(text=a, text_pair=b) for a, b in inputs] if inputs and not isinstance(inputs[0], str) \
+            else []
+        request = pb.ClassifyRequest(texts=[] if pairs else inputs, pairs=pairs, model=model,
                                      raw_scores=raw_scores, priority=priority,
                                      truncate=pb.TRUNCATE_NONE if truncate == "none" else pb.TRUNCATE_END)
         response = await self._with_retries(lambda remaining: self.stub.Classify(

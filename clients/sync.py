@@ -85,8 +85,9 @@ class Client:
         """Same arguments as AsyncClient.embed: one vector per text, input order."""
         return self._run(self._client.embed(texts, **kwargs))
 
-    def classify(self, texts: str | Sequence[str], **kwargs: Any) -> list[dict[str, float]]:
-        """Same arguments as AsyncClient.classify: per text, each label's probability."""
+    def classify(self, texts: str | Sequence[str] | Sequence[tuple[str, str]], **kwargs: Any
+                 ) -> list[dict[str, float]]:
+        """Same arguments as AsyncClient.classify: per text (or text pair), each label's probability."""
         return self._run(self._client.classify(texts, **kwargs))
 
     def embed_sparse(self, texts: str | Sequence[str], **kwargs: Any) -> list[dict[int, float]]:

@@ -92,6 +92,9 @@ class RerankResults(list):
     usage: Usage | None = None
     replica: str | None = None  # x-tandem-replica of the replica that answered
     mode: str = ""  # the rerank mode that scored them (likelihood, fusion, judge, cross-encoder)
+    # The model that scored them, whatever the request named (RerankResponse.model): the embedder's id (dense), the
+    # cross-encoder's, the LLM's served name (likelihood, judge), or "embedder+LLM" (fusion, cascade)
+    model: str = ""
 
 
 class TandemError(Exception):

@@ -29,6 +29,7 @@ Two policies:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -161,6 +162,10 @@ class LatencyAdmission(AdmissionPolicy):
     # at most one pace.
     stretch: float | None = 4.0  # None: no deadlines
     max_lend: float = 1.5  # the automatic pace: this many times the decodes' own step
+    # With deadlines and no decodes in the step, the step is held to a quantum: its forwards' fixed cost over this
+    # share (so the fixed costs stay that share of the step), the waiting work taken earliest deadline first; work
+    # that arrives meanwhile waits one quantum, not a whole prompt chunk or a wide batch of embedding rows.
+    overhead_share: float = 0.05
     rerank_share: float = 0.5  # the fallback's (no decodes in the step)
     fallback: AdmissionPolicy | None = None
     cadence: CadenceGuard | None = None
@@ -267,6 +272,8 @@ class LatencyAdmission(AdmissionPolicy):
         self.credit = credit
 
     def plan(self, view: StepView) -> Quota:
+        if view.decode_priority is None and self.model.ready and self.stretch is not None and view.waiting:
+            return self._quantum_plan(view)
         if view.decode_priority is None or not self.model.ready:
             # nothing to protect, or no prices yet (an engine not calibrated, in its first steps): plain budget
             # filling (a fixed target is still reported)
@@ -339,6 +346,32 @@ class LatencyAdmission(AdmissionPolicy):
         # planned: work sized under the target beside the decodes (what the cadence guard judges)
         planned = bool(got) and feasible and self.model.predict(shape) <= limit * (1 + 1e-9)
         return Quota(tuple(grants), target_s=target, limit_s=max(limit, lend), planned=planned, owed=owed)
+
+    def quantum(self, view: StepView) -> float:
+        """The time a step with no decodes is held to: the largest fixed cost of the waiting kinds' forwards over
+        `overhead_share`."""
+        fixed = max(self.model.predict(_plus(StepShape(), w.kind, 1)) - self.model.token_cost_s(w.kind)
+                    for w in view.waiting)
+        return max(self.min_target_s, fixed) / self.overhead_share
+
+    def _quantum_plan(self, view: StepView) -> Quota:
+        """No decodes to protect, deadlines on: the waiting work, most urgent priority first and earliest deadline
+        first within it, takes the step up to the quantum (the fallback's budget: a step of embedding rows alone may
+        be wide); the first kind takes at least its least unit when nothing else fits (never starved)."""
+        budget = self.fallback.plan(view).budget or view.budget
+        limit = self.quantum(view)
+        order = sorted(view.waiting, key=lambda w: (w.priority, -math.inf if w.deadline is None else w.deadline,
+                                                    w.arrival))
+        shape, got = view.shape, {}
+        for w in order:
+            n = self._fit(shape, w, limit, budget - sum(got.values()))
+            if not got and n == 0:
+                n = min(w.least, max(0, budget))
+            if n:
+                shape, got[w.kind] = _plus(shape, w.kind, n), n
+        seats = _seats(view.free_seats, len(got)) if len(got) > 1 else None
+        return Quota(tuple(Grant(kind, n, seats) for kind, n in got.items()), budget=budget,
+                     target_s=self.tpot_target_s, limit_s=limit)
 
     def _fit(self, shape: StepShape, w: Waiting, limit: float, budget: int) -> int:
         """Tokens of `w`'s kind under `limit` (0 when fewer than the least of it a step can take fit)."""

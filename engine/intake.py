@@ -268,7 +268,8 @@ class RequestIntake:
         encoder = encoder or self.embedder
         seqs = [Sequence(request_id=request_id, token_ids=row.token_ids, num_prompt_tokens=len(row.token_ids),
                          params=params, arrival=next(self._arrivals), arrival_time=arrival_time, kind=SeqKind.EMBED,
-                         priority=params.priority, execution=RowExec.ENCODER, index=i, stages=encoder.stages)
+                         priority=params.priority, execution=RowExec.ENCODER, index=i, stages=encoder.stages,
+                         token_type_ids=row.token_type_ids)
                 for i, row in enumerate(rows)]
         if any(seq.stage_tokens(1) > self.budget for seq in seqs):
             what = "one layer of it" if encoder.stages > 1 else "it runs whole and"
@@ -298,10 +299,13 @@ class RequestIntake:
             raise ValueError(f"input has {len(inputs)} items; this server takes at most {self.config.max_embed_inputs}"
                              " per request (--max-embed-inputs, EngineConfig.max_embed_inputs); split the request")
         texts = ids = None
-        if all(isinstance(t, str) for t in inputs):
-            if any(not t for t in inputs):
+        if all(isinstance(t, str) or _text_pair(t) for t in inputs):
+            if any(not t for t in inputs) or any(not isinstance(t, str) and not all(t) for t in inputs):
                 raise ValueError("input must not contain empty strings")
-            texts = list(inputs)
+            texts = [t if isinstance(t, str) else tuple(t) for t in inputs]
+            if params.task is not PoolingTask.CLASSIFY and any(isinstance(t, tuple) for t in texts):
+                raise ValueError("input: text pairs ([text, text_pair]) are classified only (a sequence classifier "
+                                 "reads the pair, as a cross-encoder or an NLI model does); give texts")
         elif all(isinstance(t, (list, tuple)) for t in inputs):
             vocab = len(embedder.tokenizer)
             for i, t in enumerate(inputs):
@@ -388,6 +392,11 @@ _BUILDERS: dict[type, Callable[[RequestIntake, Any], Job]] = {
     RerankSpec: RequestIntake.rerank,
     EmbedSpec: RequestIntake.embed,
 }
+
+
+def _text_pair(value) -> bool:
+    """A classification's text pair: [text, text_pair] (a list or tuple of two strings)."""
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(x, str) for x in value)
 
 
 _MODELS = {PoolingTask.CLASSIFY: "classifier", PoolingTask.SPARSE: "sparse embedder (SPLADE)"}

@@ -53,10 +53,11 @@ class LLM:
         return rank_scores(final.scores, documents, params.top_n, params.return_documents, final.document_tokens,
                            final.truncated, final.windows)
 
-    def embed(self, texts: str | list[str] | list[list[int]], params: EmbedParams | None = None
+    def embed(self, texts: str | list[str | tuple[str, str]] | list[list[int]], params: EmbedParams | None = None
               ) -> list[list[float]]:
         """One vector per input (texts, or token ids in the embedder's vocabulary), input order; needs
-        EngineConfig(embedder=...)."""
+        EngineConfig(embedder=...). With EmbedParams(task=PoolingTask.CLASSIFY) each input's label probabilities
+        (EngineConfig.classifier), where an input may also be a text pair (text, text_pair)."""
         request_id = f"embed-{next(self._ids)}"
         self.engine.add_embed(request_id, [texts] if isinstance(texts, str) else texts, params)
         return self._run_to_final(request_id, EmbedOutput).embeddings

@@ -117,6 +117,8 @@ class Sequence:
     generator: "torch.Generator | None" = None
     execution: RowExec = RowExec.CAUSAL  # ENCODER rows hold no KV blocks at all
     pair: RerankPair | None = None  # set exactly for rerank pairs
+    # An encoder row's segment ids where its input is a text pair (a classified (text, text_pair)); None: all 0
+    token_type_ids: list[int] | None = None
     # Prompt positions from here on get their token's log-probability computed (query likelihood, prompt_logprobs);
     # positions before it may come from the prefix cache, the ones after may not (a cached position has no logits).
     # What is computed accumulates on the request (Generation, RerankJob), not here.

@@ -158,7 +158,8 @@ class ModelRunner:
             self._run_llm(batch, llm_rows, out, clock)
         pairs = ([batch.seqs[i] for i in own_rows], [batch.stages[i] for i in own_rows],
                  [_states_in(batch.seqs[i], batch.stages[i], staged) for i in own_rows])
-        work = [StageWork(batch.seqs[i].token_ids, *batch.stages[i], all_tokens=batch.seqs[i].params.all_tokens,
+        work = [StageWork(batch.seqs[i].token_ids, *batch.stages[i], batch.seqs[i].token_type_ids,
+                          all_tokens=batch.seqs[i].params.all_tokens,
                           state=_states_in(batch.seqs[i], batch.stages[i], staged)) for i in embed_rows]
         own_scores: list[StageResult] = []
         # Rows of the other pooling tasks (a classifier's, a sparse embedder's) run on their own encoders, same step

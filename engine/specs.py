@@ -75,9 +75,10 @@ class RerankSpec:
 
 @dataclass(frozen=True, slots=True)
 class EmbedSpec:
-    """An embedding request: one vector per input (texts, or token ids in the embedder's vocabulary)."""
+    """An embedding request: one vector per input (texts, or token ids in the embedder's vocabulary); a classification
+    (params.task CLASSIFY) may also have text pairs, (text, text_pair), each encoded as the tokenizer encodes a pair."""
     request_id: str
-    inputs: list[str] | list[list[int]]
+    inputs: list[str | tuple[str, str]] | list[list[int]]
     params: EmbedParams | None = None
     kind: ClassVar[SeqKind] = SeqKind.EMBED
     completions: ClassVar[int] = 1

@@ -325,18 +325,28 @@ class EmbedResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., model: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class ClassifyRequest(_message.Message):
-    __slots__ = ("texts", "model", "truncate", "raw_scores", "priority")
+    __slots__ = ("texts", "model", "truncate", "raw_scores", "priority", "pairs")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     model: str
     truncate: Truncate
     raw_scores: bool
     priority: int
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., raw_scores: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
+    pairs: _containers.RepeatedCompositeFieldContainer[TextPair]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., truncate: _Optional[_Union[Truncate, str]] = ..., raw_scores: _Optional[bool] = ..., priority: _Optional[int] = ..., pairs: _Optional[_Iterable[_Union[TextPair, _Mapping]]] = ...) -> None: ...
+
+class TextPair(_message.Message):
+    __slots__ = ("text", "text_pair")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_PAIR_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    text_pair: str
+    def __init__(self, text: _Optional[str] = ..., text_pair: _Optional[str] = ...) -> None: ...
 
 class LabelScore(_message.Message):
     __slots__ = ("label", "score")

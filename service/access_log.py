@@ -6,14 +6,15 @@
         peer=127.0.0.1:33738
 
 The route is the HTTP path the door names in the request's metadata ("route"), or for gRPC the method its kind and
-stream say. The status is what the door answered: gRPC's code name, HTTP's status for it; a request aborted because
-its client went away (a disconnect, a cancelled call) is `status=499 finish=abort` (nginx's "client closed
-request"), `CANCELLED` over gRPC. A request refused before
-the engine admitted it (an unknown model, a full queue, draining; on HTTP also a body that does not parse, a wrong
+stream say (Classify and EmbedSparse run as embedding jobs: the gRPC door names them, metadata "method"). The status
+is what the door answered: gRPC's code name, HTTP's status for it; a request aborted because its client went away
+(a disconnect, a cancelled call) is `status=499 finish=abort` (nginx's "client closed request"), `CANCELLED` over
+gRPC. A request refused before the engine admitted it (an unknown model, a full queue, draining; on HTTP also a body that does not parse, a wrong
 Content-Type, a missing token) gets its line too, `finish=rejected`, from `on_refused`; one the engine's intake
 refuses (an empty input, too many documents, a prompt too long) ends `finish=error` with the same status.
 An error or a refusal says why, short (` reason="max_tokens is too large: ..."`, cut at REASON_CHARS). `model=` is
-the model that did the work (the LLM's served name for a chat, the embedder for an embedding, for a rerank what
+the model that did the work (the LLM's served name for a chat, the embedder for an embedding, the classifier or the
+sparse embedder for theirs, for a rerank what
 scored it: CoreAPI.rerank_name, e.g. the embedder in the dense mode), followed by `requested=NAME` where the request
 named it otherwise (an alias, another model's name); a refused request's model is logged as given.
 `tandem serve --no-access-log` leaves this observer out.
@@ -36,6 +37,8 @@ def route(lc: RequestLifecycle) -> str:
     """The HTTP path, or the gRPC method (RerankStream for a rerank that came on a stream)."""
     if "route" in lc.metadata:
         return lc.metadata["route"]
+    if "method" in lc.metadata:  # an RPC its kind does not name: Classify, EmbedSparse (kind "embed")
+        return lc.metadata["method"]
     method = _GRPC_METHODS.get(lc.kind, lc.kind)
     if lc.kind == "rerank" and lc.metadata.get("stream", "").startswith("rerank-"):
         method = "RerankStream"

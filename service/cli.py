@@ -148,8 +148,9 @@ _SERVER_FLAGS = [
     ("--served-model-name", "names", None, "the model's names in requests and /v1/models (the first is echoed "
                                            "when a request names none; default: the GGUF file's stem or the "
                                            "directory's name)"),
-    ("--strict-model-names", "switch", None, "refuse a rerank naming a model not served (default: the one "
-                                             "reranker scores it, as TEI does)"),
+    ("--strict-model-names", "switch", None, "refuse a rerank, embedding, classification or sparse embedding "
+                                             "naming a model not served (default: the one model of its kind "
+                                             "serves it, as TEI does)"),
     ("--log-level", str, "INFO", "logging level (DEBUG also prints the traceback of a start-up failure)"),
     ("--enable-auto-tool-choice", "switch", False, "vLLM's switch, accepted: tool_choice \"auto\" (the default "
                                                    "with tools) works wherever the tool-call format is known; "

@@ -50,9 +50,12 @@ def _parsed(message: Any) -> Any:
     return message
 
 
-def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
-    """What a telemetry layer may want from the call: the door, the peer and trace context."""
+def _metadata(context: grpc.aio.ServicerContext, method: str = "") -> dict[str, str]:
+    """What a telemetry layer may want from the call: the door, the peer and trace context; `method`: the RPC, where
+    the request's kind does not say it (Classify and EmbedSparse are embedding jobs: the access log names them)."""
     out = {"door": "grpc", "peer": context.peer() or ""}
+    if method:
+        out["method"] = method
     for key, value in context.invocation_metadata() or ():
         if key in _FORWARDED_METADATA and isinstance(value, str):
             out[key] = value
@@ -218,7 +221,7 @@ class TandemServicer:
     async def Classify(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ClassifyResponse:
         req = _parsed(request)
         inp = _texts_input(req, raw_scores=req.raw_scores)
-        outcome = await self.core.classify(inp, _metadata(context))
+        outcome = await self.core.classify(inp, _metadata(context, "Classify"))
         return pb.ClassifyResponse(
             results=[pb.Classification(scores=[pb.LabelScore(label=label, score=s)
                                                for label, s in zip(outcome.labels, scores)], truncated=t)
@@ -228,7 +231,7 @@ class TandemServicer:
     @_statuses
     async def EmbedSparse(self, request: Any, context: grpc.aio.ServicerContext) -> pb.EmbedSparseResponse:
         req = _parsed(request)
-        outcome = await self.core.embed_sparse(_texts_input(req), _metadata(context))
+        outcome = await self.core.embed_sparse(_texts_input(req), _metadata(context, "EmbedSparse"))
         return pb.EmbedSparseResponse(
             embeddings=[pb.SparseEmbedding(indices=[i for i, _ in vec], values=[v for _, v in vec], truncated=t)
                         for vec, t in zip(outcome.vectors, outcome.truncated)],
@@ -335,12 +338,16 @@ def embed_input(req: pb.EmbedRequest) -> EmbedInput:
 
 
 def _texts_input(req: Any, **params) -> EmbedInput:
-    """A ClassifyRequest's or EmbedSparseRequest's texts as the core's EmbedInput (the core sets the task)."""
+    """A ClassifyRequest's or EmbedSparseRequest's texts (a ClassifyRequest's text pairs) as the core's EmbedInput
+    (the core sets the task)."""
     try:
         p = EmbedParams(truncate=req.truncate != pb.TRUNCATE_NONE, priority=req.priority, **params)
     except ValueError as exc:
         raise invalid(str(exc)) from None
-    return EmbedInput("", list(req.texts), p, model=req.model)
+    pairs = [(x.text, x.text_pair) for x in getattr(req, "pairs", ())]
+    if pairs and req.texts:
+        raise invalid("give texts or pairs, not both")
+    return EmbedInput("", pairs or list(req.texts), p, model=req.model)
 
 
 # ---- protobuf out ----------------------------------------------------------------------------------

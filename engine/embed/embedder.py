@@ -27,9 +27,11 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @dataclass(frozen=True, slots=True)
 class EmbedRow:
-    """One input as the embedder runs it: its token ids (special tokens included) and whether it was cut."""
+    """One input as the embedder runs it: its token ids (special tokens included), whether it was cut, and a text
+    pair's segment ids (None: a single text, all segment 0)."""
     token_ids: list[int]
     truncated: bool
+    token_type_ids: list[int] | None = None
 
 
 def embedded_embedder_dir() -> Path:
@@ -140,12 +142,19 @@ class Embedder:
 
     # ---- intake side (any thread: reads the tokenizer only) --------------------------------------------------
 
-    def rows(self, texts: list[str] | None, token_ids: list[list[int]] | None, params: EmbedParams) -> list[EmbedRow]:
+    def rows(self, texts: list[str | tuple[str, str]] | None, token_ids: list[list[int]] | None,
+             params: EmbedParams) -> list[EmbedRow]:
         """Each input's row: a text tokenized as sentence-transformers does (the model's special tokens around it);
         token ids are the model's exact input, taken as given (as vLLM takes them): the ids a tokenizer returns by
         default already hold [CLS] ... [SEP], so nothing is added. An input over max_length is cut at
         `params.truncation_direction` (a text keeps its special tokens; token ids are cut as they are) or, with
-        truncate off, refused."""
+        truncate off, refused. A text pair (text, text_pair), which the intake lets through for a classifier only, is
+        encoded as `tokenizer(text, text_pair)` encodes it, segment ids included (`_pair_row`)."""
+        if texts is not None and any(not isinstance(t, str) for t in texts):
+            singles = iter(self.rows([t for t in texts if isinstance(t, str)], None, params)) \
+                if any(isinstance(t, str) for t in texts) else iter(())
+            return [next(singles) if isinstance(t, str) else self._pair_row(i, t, params)
+                    for i, t in enumerate(texts)]
         if texts is not None:
             pre, post = self._pre, self._post
             token_ids = [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False).input_ids]
@@ -162,6 +171,26 @@ class Embedder:
                 ids = ids[:room] if params.truncation_direction == "right" else ids[len(ids) - room:]
             out.append(EmbedRow(pre + list(ids) + post, cut))
         return out
+
+    def _pair_row(self, i: int, pair: tuple[str, str], params: EmbedParams) -> EmbedRow:
+        """A text pair's row: `tokenizer(text, text_pair)`'s ids and segment ids (as transformers and TEI encode a
+        pair for a sequence classifier: [CLS] a [SEP] b [SEP], segments 0 then 1 for BERT). Over max_length it is cut
+        as the tokenizer cuts a pair (longest_first: the longer text loses tokens at its end first), or refused with
+        truncate off; a pair is cut at the end only."""
+        enc = self.tokenizer(*pair, return_token_type_ids=True)
+        ids = list(enc["input_ids"])
+        if len(ids) <= self.max_length:
+            return EmbedRow(ids, False, list(enc.get("token_type_ids") or [0] * len(ids)))
+        if not params.truncate:
+            raise InputTooLong(f"input {i} (a text pair) has {len(ids)} tokens; the classifier {self.name} takes at "
+                               f"most {self.max_length}; shorten it")
+        if params.truncation_direction != "right":
+            raise ValueError(f"input {i}: a text pair over the limit is cut at its end only (truncation_direction "
+                             "Right), as the tokenizer cuts pairs (longest_first)")
+        enc = self.tokenizer(*pair, return_token_type_ids=True, truncation="longest_first",
+                             max_length=self.max_length)
+        ids = list(enc["input_ids"])
+        return EmbedRow(ids, True, list(enc.get("token_type_ids") or [0] * len(ids)))
 
     def with_special_tokens(self, ids: list[int]) -> list[int]:
         """A text's own token ids between the model's special tokens, as `rows` puts a text's (token-id input is

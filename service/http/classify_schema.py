@@ -29,27 +29,48 @@ def _direction(value: str | None) -> str:
 
 
 class TeiPredict(_Model):
-    """TEI /predict: `inputs` one text or a list of texts (TEI's pairs, [[a, b]], are not supported). As TEI:
-    `truncate` defaults to false, `raw_scores` (the logits, not probabilities) to false."""
-    inputs: Union[str, list[str]]
+    """TEI /predict, read as TEI reads `inputs`: a string is one text; a list of strings is ONE input, a text (`["a"]`)
+    or a text pair (`["premise", "hypothesis"]`, for NLI and cross-encoder classifiers; three or more strings are
+    refused, as TEI refuses them); a list of lists is a batch, each a text (`["a"]`) or a pair (`["a", "b"]`). One
+    input (not a batch) is answered with its one list of labels. As TEI: `truncate` defaults to false, `raw_scores`
+    (the logits, not probabilities) to false."""
+    inputs: Union[str, list[str], list[list[str]]]
     raw_scores: bool = False
     truncate: bool | None = None
     truncation_direction: str | None = None
 
     @property
     def single(self) -> bool:
-        return isinstance(self.inputs, str)
+        """One input (a text or a pair), not a batch: answered with one list of labels."""
+        return isinstance(self.inputs, str) or all(isinstance(x, str) for x in self.inputs)
 
     def to_input(self) -> EmbedInput:
         refuse_extras(self)
-        inputs = [self.inputs] if self.single else list(self.inputs)
+        if isinstance(self.inputs, str):
+            inputs = [self.inputs]
+        elif self.single:  # ["text"] or ["text", "text_pair"]: one input, as TEI reads it
+            inputs = [_sequence(self.inputs, "inputs")] if self.inputs else []
+        else:
+            inputs = [_sequence(x, f"inputs[{i}]") for i, x in enumerate(self.inputs)]
         params = _params(raw_scores=self.raw_scores, truncate=bool(self.truncate),
                          truncation_direction=_direction(self.truncation_direction))
         return EmbedInput("", inputs, params, cut_hint=TEI_CUT_HINT)
 
 
+def _sequence(value: list[str], where: str) -> str | tuple[str, str]:
+    """One TEI sequence: [text] or [text, text_pair]."""
+    if len(value) == 1:
+        return value[0]
+    if len(value) == 2:
+        return value[0], value[1]
+    raise HttpError(400, f"{where} has {len(value)} strings: an input is a text [\"text\"] or a pair [\"text\", "
+                    "\"text_pair\"], as TEI reads it; send a batch as a list of them: [[\"a\"], [\"b\", \"c\"]]",
+                    param="inputs")
+
+
 def tei_predict_response(outcome: ClassifyOutcome, single: bool) -> list:
-    """Per input, every label with its score, highest first (TEI's order); one input sent as a string: its list."""
+    """Per input, every label with its score, highest first (TEI's order); one input (a string, ["text"] or a pair
+    ["text", "text_pair"], not a batch): its one list."""
     ranked = [sorted(({"label": label, "score": s} for label, s in zip(outcome.labels, scores)),
                      key=lambda x: -x["score"]) for scores in outcome.scores]
     return ranked[0] if single else ranked

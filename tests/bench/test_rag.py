@@ -162,6 +162,8 @@ def test_a_tiny_run_through_tandem_serve_records_every_stage_and_writes_the_tabl
                                               "e2e_s", "tpot_p99_s"))
         assert r["completion_tokens"] == 3 and r["tokens"] >= 2 and r["prompt_tokens"] > 2 * 40
     assert session["rates"]["4"]["background"]["ingest_errors"] == 0
+    why = session["rates"]["4"]["why"]  # the step log was read for the phase's window
+    assert why["steps"] > 0 and len(why["ttft_misses"]) <= 3 and "why at 4 req/s" in result["table_text"]
     assert [(row["system"], row["rate"], row["n"], row["failed"]) for row in result["table"]] == [("tandem", 4.0, 3, 0)]
     assert result["goodput"]["tandem"]["per_run"] == [session["goodput_req_s"]]
     assert "goodput tandem:" in result["table_text"]

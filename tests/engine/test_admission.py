@@ -124,7 +124,8 @@ def test_llm_scored_pairs_are_costed_as_llm_tokens():
     sim.run()
 
 
-def test_with_no_decodes_rerank_takes_the_whole_budget_as_without_an_objective():
+def test_with_no_decodes_and_no_deadlines_rerank_takes_the_whole_budget_as_without_an_objective():
+    """(With deadlines, a step with no decodes is held to a quantum instead: tests/engine/test_deadlines.py.)"""
     def batches(admission):
         sim = Sim(num_blocks=512, budget=256, block_size=4, max_seqs=8, admission=admission)
         sim.add_rerank_job("flood", toks(8, 500), [toks(4, 1000 + 4 * i) for i in range(100)])
@@ -132,7 +133,7 @@ def test_with_no_decodes_rerank_takes_the_whole_budget_as_without_an_objective()
         sim.run()
         return [[s.request_id for s in b.seqs] for b in sim.batches]
 
-    objective = batches(LatencyAdmission(0.001, model=LinearStepTime(TRUE)))  # a target no step could meet
+    objective = batches(LatencyAdmission(0.001, model=LinearStepTime(TRUE), stretch=None))  # a target no step meets
     assert objective == batches(ShareAdmission())
     assert max(map(len, objective)) == 8  # every seat
 

@@ -28,13 +28,15 @@ def _bert_config(**kw):
                       num_attention_heads=4, max_position_embeddings=128, **kw)
 
 
-def tiny_classifier(directory, multi_label: bool = False, seed: int = 5):
-    """A tiny random BertForSequenceClassification with three labels, saved with the MiniLM tokenizer."""
+def tiny_classifier(directory, multi_label: bool = False, seed: int = 5, **config):
+    """A tiny random BertForSequenceClassification with three labels, saved with the MiniLM tokenizer (`config`: more
+    BertConfig fields)."""
     from transformers import BertForSequenceClassification
 
     torch.manual_seed(seed)
     cfg = _bert_config(num_labels=3, id2label=LABELS, label2id={v: k for k, v in LABELS.items()},
-                       problem_type="multi_label_classification" if multi_label else "single_label_classification")
+                       problem_type="multi_label_classification" if multi_label else "single_label_classification",
+                       **config)
     model = BertForSequenceClassification(cfg).eval()
     model.save_pretrained(directory)
     copy_minilm_tokenizer(directory)
@@ -98,6 +100,58 @@ def test_classifier_probabilities_match_transformers_softmax(llm: LLM, models) -
     raw = torch.tensor(llm.embed(TEXTS, EmbedParams(task=PoolingTask.CLASSIFY, raw_scores=True)))
     assert (raw - logits).abs().max().item() <= 1e-5
     assert llm.engine.model_info()["classifier_labels"] == ["negative", "neutral", "positive"]
+
+
+PAIRS = [("A lighthouse keeper trims the wick every night.", "Someone looks after a light."),
+         ("Bananas.", "Fog horns sound when the light cannot be seen."),
+         ("Ships read the light's pattern of flashes.", "Sailors know where they are from it.")]
+
+
+@pytest.fixture(scope="module")
+def nli(tmp_path_factory):
+    """A pair classifier (an NLI model's shape) whose weights are large enough that a pair's segment ids move its
+    probabilities by far more than the bound: the LLM serving it and the transformers model."""
+    directory = tmp_path_factory.mktemp("nli")
+    ref = tiny_classifier(directory, seed=7, initializer_range=0.5)
+    return LLM(EngineConfig(classifier=str(directory), embedder=None, max_num_batched_tokens=256)), ref, directory
+
+
+def test_text_pairs_are_classified_as_transformers_encodes_a_pair(nli) -> None:
+    """An NLI / cross-encoder style input: (text, text_pair) as `tokenizer(text, text_pair)` encodes it, segment ids
+    included; singles and pairs mixed in one request, each as transformers gives it alone."""
+    llm, ref, directory = nli
+    tok = _tokenizer(directory)
+    enc = tok([a for a, _ in PAIRS], [b for _, b in PAIRS], padding=True, return_tensors="pt")
+    assert enc.token_type_ids.any()  # the second text is segment 1
+    with torch.inference_mode():
+        logits = ref(**enc).logits
+        untyped = ref(input_ids=enc.input_ids, attention_mask=enc.attention_mask).logits.softmax(-1)
+        single = ref(**tok(TEXTS[:1], return_tensors="pt")).logits
+    want = logits.softmax(-1)
+    assert (want - untyped).abs().max().item() > 1e-2  # segment ids move the result: the checks below can fail
+    mixed = [PAIRS[0], TEXTS[0], list(PAIRS[1]), PAIRS[2]]
+    got = torch.tensor(llm.embed(mixed, CLASSIFY))
+    assert (got[[0, 2, 3]] - want).abs().max().item() <= 1e-5
+    assert (got[1] - single[0].softmax(-1)).abs().max().item() <= 1e-5
+    raw = torch.tensor(llm.embed(mixed, EmbedParams(task=PoolingTask.CLASSIFY, raw_scores=True)))
+    assert (raw[[0, 2, 3]] - logits).abs().max().item() <= 1e-4
+
+
+def test_a_long_pair_is_cut_as_the_tokenizer_cuts_it_or_refused(nli, llm: LLM) -> None:
+    nli_llm, ref, directory = nli
+    long_pair = ("lighthouse " * 100, "the keeper trims the wick " * 8)
+    enc = _tokenizer(directory)(*long_pair, truncation="longest_first", max_length=128, return_tensors="pt")
+    assert enc.input_ids.shape[1] == 128 and enc.token_type_ids.any()
+    with torch.inference_mode():
+        want = ref(**enc).logits.softmax(-1)[0]
+    got = torch.tensor(nli_llm.embed([long_pair], EmbedParams(task=PoolingTask.CLASSIFY, truncate=True))[0])
+    assert (got - want).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="text pair"):
+        nli_llm.engine.prepare_embed("x", [long_pair], EmbedParams(task=PoolingTask.CLASSIFY, truncate=False))
+    with pytest.raises(ValueError, match="classified only"):
+        llm.engine.prepare_embed("x", [PAIRS[0]], SPARSE)
+    with pytest.raises(ValueError, match="empty"):
+        llm.engine.prepare_embed("x", [("a", "")], CLASSIFY)
 
 
 def test_a_multi_label_classifier_gives_sigmoid_per_label(models) -> None:

@@ -239,3 +239,35 @@ def test_the_config_sets_the_stretch_and_none_turns_deadlines_off():
     assert off.deadline(StepShape(prefill_tokens=10), 1.0) is None
     with pytest.raises(ValueError):
         EngineConfig(deadline_stretch=0.5)
+
+
+SLOW_PREFILL = {**PRICES, "prefill_tokens": 0.002}  # 2 ms a prompt token, as a small LLM on two CPU cores
+
+
+@pytest.mark.parametrize("deadlines", [True, False])
+@pytest.mark.parametrize("ahead", ["prompt", "ingest"])
+def test_with_no_decodes_a_step_is_held_to_a_quantum_so_a_question_waits_one_quantum(ahead, deadlines):
+    """No chat decodes yet: a 2,000-token prompt prefills (a 512-token chunk would be a 1 s step), or an ingest of
+    16,384 embedding tokens runs (wide steps of 4,096). A question's text that arrives after the first step is embedded
+    within one quantum (the largest fixed forward cost over `overhead_share`: 10 ms / 0.05 = 0.2 s) plus its own
+    price; without deadlines (stretch None) it waits out the whole chunk or wide step."""
+    sim = DeadlineSim(LatencyAdmission(model=LinearStepTime(SLOW_PREFILL), stretch=4.0 if deadlines else None),
+                      max_seqs=256)
+    sim.true = LinearStepTime(SLOW_PREFILL)  # steps take what the policy's model says (the wide budget: 4,096)
+    if ahead == "prompt":
+        sim.chat("answer", toks(2000, 50000), max_tokens=4)
+    else:
+        sim.embed("ingest", docs(1024, 16, 70000), deadline=sim.clock + 100.0)
+    first = sim.step()
+    assert first.seqs
+    arrived = sim.clock
+    question = sim.embed("question", [toks(12, 77)])
+    quantum = 0.010 / 0.05
+    own = LinearStepTime(SLOW_PREFILL).predict(StepShape(embed_tokens=12))
+    sim.run_until(question)
+    waited = sim.done_at["question/0"] - arrived
+    if deadlines:
+        assert waited <= quantum + own + 1e-9
+        assert all(p <= quantum + 1e-9 for p in sim.predicted[1:])  # every step after the first held to it
+    else:
+        assert waited > 4 * quantum  # behind a whole 512-token chunk (1 s) or the wide steps (0.41 s each)

@@ -157,7 +157,10 @@ class Sim:
 
     def _check_batch(self, batch: Batch, decodes_before: list[Sequence]) -> None:
         sched, cfg = self.sched, self.cfg
-        assert batch.num_tokens <= cfg.max_num_batched_tokens
+        # the step's budget, or the wide one a policy may give a step of embedding rows alone
+        assert batch.budget in (cfg.max_num_batched_tokens, cfg.max_embed_batch_tokens)
+        assert batch.num_tokens <= batch.budget
+        assert batch.budget == cfg.max_num_batched_tokens or batch.num_tokens == batch.num_embed_tokens
         assert len(batch) <= cfg.max_num_seqs
         assert len(sched.running) <= cfg.max_num_seqs
         assert len(set(map(id, batch.seqs))) == len(batch.seqs), "a sequence scheduled twice"

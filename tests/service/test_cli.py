@@ -252,3 +252,27 @@ def test_the_reranker_help_says_what_scores_by_default():
     assert "the LLM scores pairs" not in text
     assert default_mode(EngineConfig(embedder=EMBEDDED_EMBEDDER)) is RerankMode.DENSE
     assert "default: none; reranks are then scored by the embedder's cosine" in text
+
+
+def test_every_flag_of_every_command_is_documented():
+    """docs/cli.md names every flag of every command's --help (the serve flags by their --help group), and every
+    serve flag has its meaning and default in docs/configuration.md (the limits, TLS and connection flags in
+    docs/reliability.md's table): a flag added to the parser without its docs fails here."""
+    import argparse
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    cli = (docs / "cli.md").read_text()
+    meaning = (docs / "configuration.md").read_text() + (docs / "reliability.md").read_text()
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"serve", "cluster", "generate", "chat", "rerank", "embed", "info"} <= set(commands)
+
+    def named(flag: str, text: str) -> bool:
+        return re.search(r"`" + re.escape(flag) + r"(?![\w-])", text) is not None
+
+    flags = {(name, flag) for name, parser in commands.items() for action in parser._actions
+             for flag in action.option_strings if flag.startswith("--") and flag != "--help"}
+    assert {("serve", "--classifier"), ("serve", "--sparse-embedder"), ("generate", "--tls")} <= flags
+    assert sorted(f"{name} {flag}" for name, flag in flags if not named(flag, cli)) == []
+    assert sorted(flag for name, flag in flags if name == "serve" and not named(flag, meaning)) == []

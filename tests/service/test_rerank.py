@@ -24,6 +24,9 @@ async def test_rerank_is_sorted_with_input_indices_and_equals_offline(served, of
     assert {r.index: r.score for r in results} == {i: pytest.approx(s, abs=1e-4) for i, s in enumerate(offline.scores)}
     assert all(r.document is None for r in results)
     assert results.usage.prompt_tokens > 0
+    # the client hands back the mode and the model that scored (RerankResponse.mode / .model), whatever was named
+    assert (results.mode, results.model) == ("fusion", served.core.rerank_name)
+    assert "+" in results.model  # fusion: the embedder's id and the LLM's name
     assert_all_blocks_free(await served.idle_stats())
 
 
