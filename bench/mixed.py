@@ -16,7 +16,7 @@ judge|likelihood):
 
 Ratios: tpot_p99_ratio = mixed / alone (target <= 1.5), rerank_throughput_ratio = mixed / alone (target >= 0.8).
 Phases (a) and (b) share one engine. Phase (c) runs once per --rerank-shares value, each on a fresh engine built
-with `EngineConfig(rerank_share=share)` (the share of a step's budget and seats rerank gets when generation also
+with `EngineConfig(scoring_share=share)` (the share of a step's budget and seats rerank gets when generation also
 waits) and warmed up like the first, so every setting starts from the same state. An emulated cap on rerank tokens
 per decode step (the former --cap-tokens, which patched the scheduler) no longer runs here: the latency-objective
 policy of issue #18 replaces it.
@@ -272,7 +272,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="engine seats; rerank pairs take seats too, so --requests seats would leave the flood one "
                          "pair a step")
     ap.add_argument("--rerank-shares", type=float, nargs="+", default=SHARES,
-                    help="EngineConfig.rerank_share values, one mixed phase (on its own engine) each")
+                    help="EngineConfig.scoring_share values, one mixed phase (on its own engine) each")
     ap.add_argument("--objective-factor", type=float, default=1.5,
                     help="phase (d): tpot_target_ms = this x decode alone's steady TPOT p50 (0: skip phase (d))")
     ap.add_argument("--wide-requests", type=int, default=128,
@@ -320,7 +320,7 @@ def build_llm(args: argparse.Namespace, reranker: str | None, share: float,
 
     llm = LLM(EngineConfig(reranker=reranker, rerank_mode=None if reranker else args.reranker,
                            max_num_batched_tokens=args.budget, max_num_seqs=args.max_num_seqs,
-                           kv_cache_bytes=512 * 2**20, rerank_share=share, num_threads=args.threads, tpot_target_ms=None,
+                           kv_cache_bytes=512 * 2**20, scoring_share=share, num_threads=args.threads, tpot_target_ms=None,
                            device=args.device, dtype=args.dtype),
               admission=admission)
     warm = synthetic_rerank(llm.engine.scorer.tokenizer, 1, 4, args.min_doc_tokens, args.max_doc_tokens,
@@ -418,7 +418,7 @@ def run_objective(args: argparse.Namespace, reranker: str | None, solo: Solo, se
                   load: dict) -> dict:
     """Phase (d): the mixed phase on an engine with the latency objective, against the swept fixed shares."""
     target_s = args.objective_factor * solo.decode["steady_tpot_p50_s"]
-    policy = TimedPolicy(LatencyAdmission(target_s, rerank_share=main_share(args.rerank_shares)))
+    policy = TimedPolicy(LatencyAdmission(target_s, scoring_share=main_share(args.rerank_shares)))
     llm = build_llm(args, reranker, main_share(args.rerank_shares), policy)
     policy.seconds = 0.0
     mixed, records, t0 = run_mixed(llm, StepLog(llm), solo.reqs, solo.queries)

@@ -107,6 +107,10 @@ class AsyncClient:
     Generations share one Generate stream per key (up to `max_streams`).
     """
 
+    # The calls that answer once (a coroutine each): the blocking Client has each of them under the same name, with
+    # the same arguments (clients/sync.py), so a new call is written here once and named here.
+    ONE_SHOT = ("complete", "rerank", "embed", "classify", "embed_sparse", "model_info")
+
     def __init__(self, target: str = "localhost:50051", *, token: str | None = None, tls: bool = False,
                  root_certificates: bytes | None = None, options: Sequence[tuple[str, Any]] = (),
                  max_retries: int = 4, backoff_s: float = 0.1, max_backoff_s: float = 2.0,

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from clients.aio import AsyncClient
-from clients.types import Delta, RerankResults
-from proto import tandem_pb2 as pb
+from clients.types import Delta
 
 _DONE = object()
 
@@ -22,7 +22,8 @@ class Client:
     """Blocking tandem client: `with Client("localhost:50051") as c: for d in c.generate("Hi"): ...`.
 
     Thread-safe: calls from several threads share one channel and one Generate stream.
-    Leaving a generate() loop early cancels the request on the server.
+    Leaving a generate() loop early cancels the request on the server. Its calls that answer once (complete,
+    rerank, embed, classify, embed_sparse, model_info: AsyncClient.ONE_SHOT) take AsyncClient's arguments.
     """
 
     def __init__(self, target: str = "localhost:50051", **kwargs: Any) -> None:
@@ -74,31 +75,22 @@ class Client:
     def chat(self, messages: Sequence[dict], **kwargs: Any) -> Iterator[Delta]:
         return self.generate(messages=messages, **kwargs)
 
-    def complete(self, prompt: str | None = None, **kwargs: Any) -> Delta:
-        return self._run(self._client.complete(prompt, **kwargs))
-
-    def rerank(self, query: str, documents: Sequence[str], **kwargs: Any) -> RerankResults:
-        """Same arguments as AsyncClient.rerank: results sorted by score with .index, .score, .document."""
-        return self._run(self._client.rerank(query, documents, **kwargs))
-
-    def embed(self, texts: str | Sequence[str], **kwargs: Any) -> list[list[float]]:
-        """Same arguments as AsyncClient.embed: one vector per text, input order."""
-        return self._run(self._client.embed(texts, **kwargs))
-
-    def classify(self, texts: str | Sequence[str] | Sequence[tuple[str, str]], **kwargs: Any
-                 ) -> list[dict[str, float]]:
-        """Same arguments as AsyncClient.classify: per text (or text pair), each label's probability."""
-        return self._run(self._client.classify(texts, **kwargs))
-
-    def embed_sparse(self, texts: str | Sequence[str], **kwargs: Any) -> list[dict[int, float]]:
-        """Same arguments as AsyncClient.embed_sparse: per text, its sparse vector {vocabulary id: weight}."""
-        return self._run(self._client.embed_sparse(texts, **kwargs))
-
-    def model_info(self) -> pb.ModelInfoResponse:
-        return self._run(self._client.model_info())
-
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+def _blocking(name: str) -> Callable[..., Any]:
+    """Client's method `name`: AsyncClient's of that name (same arguments, same answer), run to its end."""
+    call = getattr(AsyncClient, name)
+
+    @functools.wraps(call)
+    def method(self: Client, *args: Any, **kwargs: Any) -> Any:
+        return self._run(getattr(self._client, name)(*args, **kwargs))
+    return method
+
+
+for _name in AsyncClient.ONE_SHOT:  # complete, rerank, embed, classify, embed_sparse, model_info
+    setattr(Client, _name, _blocking(_name))
 
 
 async def _shutdown(client: AsyncClient) -> None:

@@ -25,7 +25,7 @@ Two policies:
   held to the objective. Until the model is ready (calibrated at start-up, or after its first few steps), and with no
   decodes in the step (nothing to protect), `fallback` (a ShareAdmission) decides.
 * `ShareAdmission` (`tpot_target_ms` off): plain budget filling; while generation needs the step too, scoring work
-  gets `rerank_share` of the budget and seats first.
+  gets `scoring_share` of the budget and seats first.
 """
 from __future__ import annotations
 
@@ -122,17 +122,17 @@ class AdmissionPolicy(Protocol):
 @dataclass(slots=True)
 class ShareAdmission(AdmissionPolicy):
     """Plain budget filling: while generation needs the step too (prompts wait, or decodes ride in it), scoring work
-    gets `rerank_share` of the budget and of the free seats first (always room for its smallest unit), prompts the
+    gets `scoring_share` of the budget and of the free seats first (always room for its smallest unit), prompts the
     rest; with no decodes, scoring also takes what the prompts left. A step of embedding rows alone, with nothing
     else waiting, is widened to `wide_budget` (no decode is in it to slow down)."""
-    rerank_share: float = 0.5
+    scoring_share: float = 0.5
 
     def plan(self, view: StepView) -> Quota:
         scoring = [w for w in view.waiting if w.kind is not TokenKind.PREFILL]
         decodes = view.shape.decode_rows > 0
         if scoring and (decodes or view.of(TokenKind.PREFILL)):
-            cap = max(int(view.budget * self.rerank_share), scoring[0].unit)
-            grants = [Grant(None, cap, max(1, int(view.free_seats * self.rerank_share))), Grant(TokenKind.PREFILL)]
+            cap = max(int(view.budget * self.scoring_share), scoring[0].unit)
+            grants = [Grant(None, cap, max(1, int(view.free_seats * self.scoring_share))), Grant(TokenKind.PREFILL)]
             if not decodes:
                 grants.append(Grant(None))
             return Quota(tuple(grants))
@@ -166,7 +166,7 @@ class LatencyAdmission(AdmissionPolicy):
     # share (so the fixed costs stay that share of the step), the waiting work taken earliest deadline first; work
     # that arrives meanwhile waits one quantum, not a whole prompt chunk or a wide batch of embedding rows.
     overhead_share: float = 0.05
-    rerank_share: float = 0.5  # the fallback's (no decodes in the step)
+    scoring_share: float = 0.5  # the fallback's (no decodes in the step)
     fallback: AdmissionPolicy | None = None
     cadence: CadenceGuard | None = None
     # The ledger: seconds of step time each waiting kind was owed and could not use yet (its least unit cost more),
@@ -191,7 +191,7 @@ class LatencyAdmission(AdmissionPolicy):
             raise ValueError(f"weights must map kinds of work to weights > 0, got {self.weights!r}")
         self.weights = {**DEFAULT_WEIGHTS, **self.weights}
         if self.fallback is None:
-            self.fallback = ShareAdmission(self.rerank_share)
+            self.fallback = ShareAdmission(self.scoring_share)
 
     def target_for(self, shape: StepShape, joining: int = 0) -> float:
         """T for a step whose decodes are `shape`, `joining` more chats about to decode beside them: the fixed
@@ -265,7 +265,7 @@ class LatencyAdmission(AdmissionPolicy):
         base = self.model.predict(decodes)
         credit = {}
         for o in owed:
-            used = getattr(shape, o.kind.value)
+            used = shape.of(o.kind)
             cost = self.model.predict(_plus(decodes, o.kind, used)) - base if used else 0.0
             left = self.credit.get(o.kind, 0.0) + o.seconds - cost
             credit[o.kind] = min(max(left, 0.0), o.unit_s)
@@ -385,7 +385,7 @@ def _seats(free: int, kinds: int) -> int:
 
 def _plus(shape: StepShape, kind: TokenKind, tokens: int) -> StepShape:
     """`shape` with `tokens` more of `kind`."""
-    return replace(shape, **{kind.value: getattr(shape, kind.value) + tokens})
+    return shape.with_tokens(kind, tokens)
 
 
 AUTO = "auto"
@@ -401,8 +401,8 @@ def policy_for(config: EngineConfig, given: AdmissionPolicy | None = None, wide_
             raise ValueError(f"admission must be an AdmissionPolicy or None, got {given!r}")
         return given
     if config.tpot_target_ms is None:
-        return ShareAdmission(config.rerank_share)
+        return ShareAdmission(config.scoring_share)
     target = None if config.tpot_target_ms == AUTO else config.tpot_target_ms / 1000
     return LatencyAdmission(target, model=OnlineStepTime(wide_rows=wide_rows), decode_share=config.decode_share,
                             stretch=config.deadline_stretch,
-                            rerank_share=config.rerank_share, cadence=CadenceGuard() if target is not None else None)
+                            scoring_share=config.scoring_share, cadence=CadenceGuard() if target is not None else None)

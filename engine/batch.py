@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.request import RowExec, Sequence
-from engine.step_time import TokenKind, work_kind
+from engine.step_time import RERANK_KINDS, TokenKind, work_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,19 +20,17 @@ class Owed:
 
 @dataclass(slots=True)
 class Batch:
-    """What one step computes: for each sequence, its next num_new_tokens tokens."""
+    """What one step computes: for each sequence, its next num_new_tokens tokens. Per kind of work (TokenKind, as
+    the step-time model prices it), the tokens the step computes (`tokens`), the rows that ride in it (`rows`: a
+    chunked pair or a staged row counts in each of its steps) and, of those, the ones whose last chunk or stage runs
+    in it (`rows_done`: scored, embedded); decodes are counted apart."""
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_decode_tokens: int = 0
-    num_prefill_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens that newly admitted sequences took from the prefix cache
-    num_rerank_pairs: int = 0  # pairs with tokens in this step (a chunked pair counts in each of its steps)
-    num_rerank_pairs_scored: int = 0  # of those, pairs whose last chunk runs in this step (scored by it)
-    num_rerank_tokens: int = 0
-    num_cross_encoder_tokens: int = 0  # rerank tokens that run in the cross-encoder's forward, not the LLM's
-    num_embed_rows: int = 0  # embedding inputs in this step (whole, or some of their stages: the embedder's forward)
-    num_embed_tokens: int = 0  # of a row that runs k of its N stages, k / N of its tokens (Sequence.stage_tokens)
-    num_embed_rows_done: int = 0  # of those rows, the ones whose last stage runs in this step
+    tokens: dict[TokenKind, int] = field(default_factory=dict)  # of a row that runs k of its N stages, k / N of its tokens
+    rows: dict[TokenKind, int] = field(default_factory=dict)
+    rows_done: dict[TokenKind, int] = field(default_factory=dict)
     num_decode_context_tokens: int = 0  # context the decode rows attend to (their sequence lengths, summed)
     min_decode_priority: int | None = None  # the most urgent decode's priority (lower runs first)
     preempted: list[Sequence] = field(default_factory=list)
@@ -59,32 +57,51 @@ class Batch:
         if stages is None and seq.execution is RowExec.ENCODER:
             stages = (seq.stages_done, seq.stages)  # the rest of its forward
         self.stages.append(stages)
-        kind = work_kind(seq)
-        if kind is TokenKind.EMBED:
-            self.num_embed_rows += 1
-            self.num_embed_tokens += n
-            if stages[1] == seq.stages:
-                self.num_embed_rows_done += 1
-        elif kind is not TokenKind.PREFILL:  # a rerank pair, in the LLM or in the cross-encoder
-            self.num_rerank_pairs += 1
-            if seq.ends_with(n, stages):
-                self.num_rerank_pairs_scored += 1
-            self.num_rerank_tokens += n
-            if kind is TokenKind.CROSS_ENCODER:
-                self.num_cross_encoder_tokens += n
-        elif n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1:
+        if n == 1 and seq.samples and seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1:
             self.num_decode_tokens += 1
             self.num_decode_context_tokens += seq.num_tokens
             if self.min_decode_priority is None or seq.priority < self.min_decode_priority:
                 self.min_decode_priority = seq.priority
             self.decode_request_ids.append(seq.request_id)
-        else:
-            self.num_prefill_tokens += n
+            return
+        kind = work_kind(seq)
+        self.tokens[kind] = self.tokens.get(kind, 0) + n
+        self.rows[kind] = self.rows.get(kind, 0) + 1
+        if seq.ends_with(n, stages):
+            self.rows_done[kind] = self.rows_done.get(kind, 0) + 1
+
+    # Read-only views by the old names (the scheduler's and admission's tests read them)
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.tokens.get(TokenKind.PREFILL, 0)
 
     @property
-    def num_scoring_tokens(self) -> int:
-        """Tokens from the scoring queue (rerank pairs and embedding rows): what its admissions gave this step."""
-        return self.num_rerank_tokens + self.num_embed_tokens
+    def num_rerank_tokens(self) -> int:
+        return sum(self.tokens.get(k, 0) for k in RERANK_KINDS)
+
+    @property
+    def num_cross_encoder_tokens(self) -> int:
+        return self.tokens.get(TokenKind.CROSS_ENCODER, 0)
+
+    @property
+    def num_rerank_pairs(self) -> int:
+        return sum(self.rows.get(k, 0) for k in RERANK_KINDS)
+
+    @property
+    def num_rerank_pairs_scored(self) -> int:
+        return sum(self.rows_done.get(k, 0) for k in RERANK_KINDS)
+
+    @property
+    def num_embed_rows(self) -> int:
+        return self.rows.get(TokenKind.EMBED, 0)
+
+    @property
+    def num_embed_tokens(self) -> int:
+        return self.tokens.get(TokenKind.EMBED, 0)
+
+    @property
+    def num_embed_rows_done(self) -> int:
+        return self.rows_done.get(TokenKind.EMBED, 0)
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,7 @@ from engine.admission import AdmissionPolicy, policy_for
 from engine.config import EMBEDDED_EMBEDDER, EngineConfig, PoolingTask, RerankMode
 from engine.cuda_graphs import capture_sizes, cuda_graph_capture
 from engine.embed import Embedder, embedded_embedder_dir
+from engine.embed.tasks import with_heads
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.models import gguf_file
 from engine.models.decoder import DecoderForCausalLM
@@ -27,8 +28,8 @@ from engine.models.encoder_loader import same_encoder
 from engine.models import hub
 from engine.models.loader import (ModelSource, default_model_dir, load_state_dict, read_config, resolve_model,
                                   resolve_model_dir)
-from engine.models.quantized import (int8_activation_formats, quantize_state_int8, resolve_quantization, weight_bytes,
-                                     weight_format)
+from engine.models.quantized import (int8_activation_formats, layer_formats, quantize_state_int8, resolve_quantization,
+                                     weight_bytes, weight_format)
 from kernels.quant import QuantWeight
 from engine.rerank import PairScorer, build_scorer, default_mode
 from engine.rerank.recipes import resolve as resolve_recipe
@@ -58,8 +59,8 @@ class EngineParts:
     admission: AdmissionPolicy  # the scheduler's; the engine asks it for step-time predictions and feeds it records
     scheduler: Scheduler
     scorer: PairScorer
-    embedder: Embedder | None  # EngineConfig.embedder loaded; None: no embeddings served
-    # Every pooling encoder loaded, by the task its rows do (the embedder's EMBED, a classifier, a sparse embedder)
+    # Every pooling encoder loaded, by the task its rows do (the embedder's EMBED, a classifier, a sparse embedder):
+    # their one owner (`embedder` reads poolers[PoolingTask.EMBED])
     poolers: dict[PoolingTask, Embedder]
     runner: ModelRunner
     eos_token_ids: set[int]
@@ -131,8 +132,10 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
             cpu_kernels += f" int8-activations({'+'.join(int8_formats)})"
     if "int8-activations" in cpu_kernels and cpu_path.bf16_gemm:
         cpu_kernels += " bf16-wide"  # their steps past the int8 kernel's width multiply bf16 (kernels/quant.py)
-    log.info("weights: %s, %.1f MB%s", weight_format(model), weight_bytes(model) / 1e6,
-             f", CPU kernels: {cpu_kernels}" if cpu_kernels else "")
+    prefill = (quant.prefill_path(cpu_path, quant.Activations(config.cpu_activations), layer_formats(model))
+               if cpu_kernels else "")
+    log.info("weights: %s, %.1f MB%s%s", weight_format(model), weight_bytes(model) / 1e6,
+             f", CPU kernels: {cpu_kernels}" if cpu_kernels else "", f", prefill: {prefill}" if prefill else "")
     max_model_len = min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings)
     max_model_len_by = ("max_model_len (tandem serve --max-model-len)" if max_model_len < args.max_position_embeddings
                         else "the model's context, max_position_embeddings")
@@ -151,14 +154,16 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
                               scorer.encoder if shared else None, config.encoder_dtype, config.embedder_revision)
                 if config.embedder else None)
     poolers = {PoolingTask.EMBED: embedder} if embedder is not None else {}
-    for task, name in ((PoolingTask.CLASSIFY, config.classifier), (PoolingTask.SPARSE, config.sparse_embedder)):
+    for kind in with_heads():  # engine/embed/tasks.py: a classifier, a sparse embedder
+        name = getattr(config, kind.field)
         if name:  # its own encoder beside the embedder; its rows ride the same steps as embedding rows
+            task = kind.task
             poolers[task] = Embedder.load(name, config.device, config.dtype, settings,
                                           encoder_dtype=config.encoder_dtype, task=task)
             log.info("%s %s (%s) in %s", task.value, poolers[task].name, poolers[task].architecture,
                      poolers[task].dtype)
     runner = ModelRunner(model, num_blocks, config.block_size, config.device, config.dtype, scorer,
-                         eos_token_ids=_eos_ids(hf_config, tokenizer), embedder=embedder, poolers=poolers)
+                         eos_token_ids=_eos_ids(hf_config, tokenizer), poolers=poolers)
     kernels.prepare(config.device, DTYPES[config.dtype], settings.kernels)
     if runner.device.type == "cuda" and not config.enforce_eager:
         started = time.monotonic()
@@ -171,7 +176,7 @@ def build_engine_parts(config: EngineConfig, admission: AdmissionPolicy | None =
     return EngineParts(model_dir=str(model_dir), tokenizer=tokenizer, hf_config=hf_config, model_args=args,
                        model=model, max_model_len=max_model_len,
                        max_model_len_by=max_model_len_by, pool=pool, kv=kv, staged=staged, admission=policy,
-                       scheduler=Scheduler(config, kv, policy, staged=staged), scorer=scorer, embedder=embedder, poolers=poolers,
+                       scheduler=Scheduler(config, kv, policy, staged=staged), scorer=scorer, poolers=poolers,
                        runner=runner,
                        eos_token_ids=_eos_ids(hf_config, tokenizer), quantization=quantization,
                        weight_bytes=weight_bytes(model), weight_format=weight_format(model),

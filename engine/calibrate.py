@@ -57,7 +57,7 @@ def host_load() -> float:
     except OSError:
         return 0.0
 
-VERSION = 4  # bump when the sweep or the features change: older cached fits are ignored
+VERSION = 5  # bump when the sweep, the features or the forward's Python code change: older cached fits are ignored
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +85,15 @@ class Calibration:
 
 
 def cache_key(engine: "LLMEngine") -> str:
-    """What a fit depends on: the models, their formats and paths, this CPU, the threads and the ISA path."""
+    """What a fit depends on: the models, their formats and paths, this CPU, the threads and the ISA path, and the
+    C++ kernels' sources (their module name hashes them), so a fit priced by older kernels is measured again."""
+    from kernels import quant
+
     cfg = engine.config
     parts = [VERSION, str(cfg.model), str(engine.model_dir), engine.quantization, engine.weight_format, cfg.dtype,
              cfg.device, str(cfg.reranker), str(engine.scorer.mode), str(getattr(engine.embedder, "name", None)),
              cfg.max_num_batched_tokens, cfg.block_size, _cpu_name(), torch.get_num_threads(), engine.cpu_kernels,
-             torch.__version__]
+             torch.__version__, quant.extension_name() if engine.cpu_kernels else ""]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 

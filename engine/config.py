@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import math
 import os
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field
 from typing import Literal
 
 
@@ -113,13 +114,14 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
-    # Share of the step's token budget and of its free seats that scoring work (rerank pairs and embedding rows: the
-    # name predates embeddings) gets while generation waits or decodes, with the objective off (always at least one
-    # pair or row); 1.0: scoring first, generation gets the leftovers.
-    rerank_share: float = 0.5
+    # Share of the step's token budget and of its free seats that scoring work (every kind that is not a generation:
+    # rerank pairs, embedding rows) gets while generation waits or decodes, with the objective off (always at least
+    # one pair or row); 1.0: scoring first, generation gets the leftovers.
+    scoring_share: float = 0.5
+    rerank_share: InitVar[float | None] = None  # deprecated: the old name of scoring_share (given: it is taken)
     # The latency objective (engine/admission.py LatencyAdmission), on by default: while decodes run, each step admits
     # the other work a step-time model predicts keeps it under T ms: "auto" (T = the predicted step of the running
-    # decodes alone / decode_share), a number of ms, or None (off: plain budget filling, rerank_share decides).
+    # decodes alone / decode_share), a number of ms, or None (off: plain budget filling, scoring_share decides).
     # (Another AdmissionPolicy object is given beside the config: LLMEngine(config, admission=...).)
     tpot_target_ms: float | Literal["auto"] | None = "auto"
     # Under the automatic objective, the decodes' share of each step's time while other work waits (the rest is split
@@ -147,7 +149,8 @@ class EngineConfig:
     # summation order only), "int8" (each row quantized per block of 32, per 256 for the K-quants, integer dot
     # products, as llama.cpp; AVX-512 VNNI or AVX2 maddubs; I8 stays float32) or "auto" (default: int8 for the
     # K-quants, Q4_K / Q5_K / Q6_K, where it measured 2-3x faster per matmul at batch 1 on both CPU paths; float32
-    # for the 32-wide formats). Wide steps (prefill) are float32 GEMMs under every setting. docs/benchmarks.md.
+    # for the 32-wide formats). Wide steps (prefill) are float32 GEMMs, except under "int8" on the avx2 path, where
+    # Q4_0 / Q4_1 / Q5_0 / Q5_1 take the wide int8 GEMM (kernels/README.md "Prefill on CPU"). docs/benchmarks.md.
     cpu_activations: Literal["auto", "float32", "int8"] = "auto"
     # The embedding model (engine/embed/): a Hugging Face directory (a BERT / RoBERTa / XLM-R / ModernBERT encoder or
     # a decoder embedder, with its sentence-transformers pooling config), EMBEDDED_EMBEDDER for the embedded
@@ -161,7 +164,11 @@ class EngineConfig:
     classifier: str | None = None
     sparse_embedder: str | None = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, rerank_share: float | None = None) -> None:
+        if rerank_share is not None:
+            warnings.warn("EngineConfig(rerank_share=...) is deprecated: use scoring_share", DeprecationWarning,
+                          stacklevel=3)
+            self.scoring_share = rerank_share
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = DEFAULT_STEP_TOKENS_CUDA if str(self.device).startswith("cuda") \
                 else DEFAULT_STEP_TOKENS_CPU
@@ -179,8 +186,8 @@ class EngineConfig:
             raise ValueError(f"deadline_stretch must be >= 1 or None (no deadlines), got {self.deadline_stretch!r}")
         if not (isinstance(self.decode_share, (int, float)) and 0.0 < self.decode_share < 1.0):
             raise ValueError(f"decode_share must be in (0, 1), got {self.decode_share!r}")
-        if not 0.0 < self.rerank_share <= 1.0:
-            raise ValueError(f"rerank_share must be in (0, 1], got {self.rerank_share}")
+        if not 0.0 < self.scoring_share <= 1.0:
+            raise ValueError(f"scoring_share must be in (0, 1], got {self.scoring_share}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.encoder_dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -395,9 +402,9 @@ class EmbedParams:
 
 @dataclass(slots=True)
 class RerankParams:
-    top_n: int | None = None  # None: all documents
+    """How the engine scores one rerank's documents. (How the answer is shaped, top_n and return_documents, is the
+    caller's: engine/outputs.py rank_scores, applied at the service's edge and by LLM.rerank(ranked=True).)"""
     truncate: Literal["end", "none"] = "end"  # "end": cut the document to fit; "none": reject
-    return_documents: bool = False
     instruction: str | None = None  # None: the mode's default instruction (judge, likelihood)
     priority: int = 0
     # Cut each document to its first N tokens before scoring (Cohere's max_tokens_per_doc), in the tokens of the model
@@ -409,8 +416,6 @@ class RerankParams:
     max_windows: int | None = None
 
     def __post_init__(self) -> None:
-        if self.top_n is not None and (not _is_int(self.top_n) or self.top_n < 1):
-            raise ValueError(f"top_n must be >= 1, got {self.top_n!r}")
         if self.truncate not in ("end", "none"):
             raise ValueError(f"truncate must be 'end' or 'none', got {self.truncate!r}")
         if self.max_document_tokens is not None and (not _is_int(self.max_document_tokens)

@@ -11,7 +11,10 @@ from engine.batch import Batch
 from engine.builder import build_engine_parts
 from engine.config import EmbedParams, EngineConfig, PoolingTask, RerankMode, RerankParams, SamplingParams
 from engine.embed import EmbedJob
+from engine.embed.tasks import model_info as pooling_info
 from engine.intake import RequestIntake
+from engine.kinds import build_job
+from engine.rerank.intake import rerank_limit
 from engine.jobs import Job, JobContext, RowResult, StepEffects
 from engine.step_time import OnlineStepTime, StepShape
 from engine.outputs import StepOutput, StepRecord
@@ -21,6 +24,7 @@ from engine.runner import RunnerOutput
 from engine.specs import EmbedSpec, GenerateSpec, JobSpec, RerankSpec
 
 if TYPE_CHECKING:
+    from engine.embed.embedder import Embedder
     from engine.structured import GrammarCompiler
 
 EMBEDDED_LLM = "SmolLM2-135M-Instruct (embedded)"  # how model_info() names the embedded model (service/core.py)
@@ -30,7 +34,7 @@ log = logging.getLogger("tandem.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, admission: AdmissionPolicy | None = None) -> None:
         """`admission`: how a step's leftover budget goes to prompts and scoring work (engine/admission.py); None:
-        the policy the config names (tpot_target_ms, else rerank_share; engine/builder.py resolves it)."""
+        the policy the config names (tpot_target_ms, else scoring_share; engine/builder.py resolves it)."""
         self.config = config = config or EngineConfig()
         parts = build_engine_parts(config, admission)
         self.model_dir = parts.model_dir
@@ -46,7 +50,6 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.scorer = parts.scorer
         self.runner = parts.runner
-        self.embedder = parts.embedder
         self.eos_token_ids = parts.eos_token_ids
         self.quantization = parts.quantization
         self.weight_bytes, self.weight_format = parts.weight_bytes, parts.weight_format
@@ -56,11 +59,9 @@ class LLMEngine:
         self.grammar_compiler: "GrammarCompiler | None" = None
         self.intake = RequestIntake(config, self.tokenizer, self.model_args.vocab_size, self.max_model_len,
                                     self.scheduler.budget, self.scorer, self._grammar_compiler,
-                                    max_model_len_by=parts.max_model_len_by, embedder=parts.embedder,
-                                    poolers=parts.poolers)
+                                    max_model_len_by=parts.max_model_len_by, poolers=parts.poolers)
         self.poolers = parts.poolers  # every pooling encoder, by task (the embedder's EMBED, a classifier, ...)
-        self.job_context = JobContext(self.scorer, self.embedder, self.eos_token_ids, self.max_model_len,
-                                      parts.poolers)
+        self.job_context = JobContext(self.scorer, self.eos_token_ids, self.max_model_len, parts.poolers)
         self._requests: dict[str, Job] = {}
         self._pending: list[StepOutput] = []  # final outputs of aborts, handed out with the next step
         self._observers: list[Callable[[StepRecord], None]] = []
@@ -73,7 +74,7 @@ class LLMEngine:
         tokenizers and the engine's fixed parts only, so another thread may call it while this one steps (the
         service's intake thread does; a grammar is compiled there too). Raises ValueError naming the field (NotLoaded
         where a model is missing), TypeError for a spec the intake has no builder for."""
-        return self.intake.job(spec)
+        return build_job(self.intake, spec)
 
     def add(self, job: Job) -> None:
         """Queue a prepared job: its rows join the scheduler's queues, served from the next step. Raises ValueError
@@ -88,7 +89,8 @@ class LLMEngine:
         self.add(job)
         return job
 
-    # The per-kind calls (DESIGN.md's public API, the offline LLM, tests): each one spec through prepare() and add().
+    # The per-kind calls (the public API in docs/architecture.md, the offline LLM, tests): each one spec through
+    # prepare() and add().
 
     def add_request(self, request_id: str, prompt: str | list[int] | None = None,
                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
@@ -120,6 +122,11 @@ class LLMEngine:
         same steps as generation and reranking (its own scoring queue, in one priority order with rerank pairs').
         Its one output carries `embeddings`."""
         self._add_spec(EmbedSpec(request_id, inputs, params))
+
+    @property
+    def embedder(self) -> "Embedder | None":
+        """The embedding model (poolers[PoolingTask.EMBED]); None: not loaded."""
+        return self.poolers.get(PoolingTask.EMBED)
 
     def _queue(self, job: Job) -> None:
         self._requests[job.request_id] = job
@@ -206,8 +213,8 @@ class LLMEngine:
             "cpu_kernels": self.cpu_kernels,
             **self._rerank_info(),
             # The most tokens one rerank pair may have (template, query and document), and what sets it.
-            "rerank_max_pair_tokens": self.intake.rerank_limit()[0],
-            "rerank_limit_by": self.intake.rerank_limit()[1],
+            "rerank_max_pair_tokens": rerank_limit(self.intake)[0],
+            "rerank_limit_by": rerank_limit(self.intake)[1],
             "vocab_size": self.model_args.vocab_size,  # what clients need for token ids and logit_bias
             **self._embedder_info(),
             **self._pooler_info(),
@@ -215,10 +222,7 @@ class LLMEngine:
 
     def _pooler_info(self) -> dict:
         """The classifier's and the sparse embedder's ids ("": not loaded), limits and the classifier's labels."""
-        c, s = self.poolers.get(PoolingTask.CLASSIFY), self.poolers.get(PoolingTask.SPARSE)
-        return {"classifier": c.name if c else "", "classifier_labels": list(c.labels) if c else [],
-                "classifier_max_tokens": c.max_length if c else 0, "sparse_embedder": s.name if s else "",
-                "sparse_embedder_max_tokens": s.max_length if s else 0}
+        return pooling_info(self.poolers)
 
     def _embedder_info(self) -> dict:
         e = self.embedder
@@ -312,20 +316,16 @@ class LLMEngine:
             return
         record = StepRecord(
             step=self._steps, start_time=start, duration_s=time.monotonic() - start,
-            decode_tokens=batch.num_decode_tokens, prefill_tokens=batch.num_prefill_tokens,
-            cached_tokens=batch.num_cached_tokens, rerank_pairs=batch.num_rerank_pairs,
-            rerank_tokens=batch.num_rerank_tokens, num_seqs=len(batch), budget=batch.budget or self.scheduler.budget,
+            decode_tokens=batch.num_decode_tokens, cached_tokens=batch.num_cached_tokens,
+            tokens=batch.tokens, rows=batch.rows, rows_done=batch.rows_done,
+            num_seqs=len(batch), budget=batch.budget or self.scheduler.budget,
             kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
             kv_blocks_cached=self.pool.num_cached, preempted=len(batch.preempted),
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
             request_ids=list(dict.fromkeys(s.request_id for s in batch.seqs)),
             decode_request_ids=batch.decode_request_ids, forward_s=forward_s,
-            decode_context_tokens=batch.num_decode_context_tokens, cross_encoder_tokens=batch.num_cross_encoder_tokens,
-            rerank_pairs_scored=batch.num_rerank_pairs_scored, predicted_s=predicted_s, target_s=batch.target_s,
-            limit_s=batch.limit_s, planned=batch.planned, owed=batch.owed,
-            embed_rows=batch.num_embed_rows, embed_tokens=batch.num_embed_tokens,
-            embed_rows_done=batch.num_embed_rows_done,
-            cpu_kernels=self.cpu_kernels)
+            decode_context_tokens=batch.num_decode_context_tokens, predicted_s=predicted_s, target_s=batch.target_s,
+            limit_s=batch.limit_s, planned=batch.planned, owed=batch.owed, cpu_kernels=self.cpu_kernels)
         if policy.observes_steps:
             policy.observe(record)  # the step-time model learns from every step
         for fn in self._observers:

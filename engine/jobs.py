@@ -16,6 +16,7 @@ from engine.request import FinishReason, Sequence, SequenceStatus
 if TYPE_CHECKING:
     import torch
 
+    from engine.config import PoolingTask
     from engine.embed.embedder import Embedder
     from engine.rerank.scorer import PairScorer
 
@@ -37,10 +38,10 @@ class RowResult:
 class JobContext:
     """What the jobs read while applying results: the engine's parts, passed in, never reached for."""
     scorer: "PairScorer"  # a pair's score from its results, a request's from its pairs' (and vectors)
-    embedder: "Embedder | None"  # finishes an embedding input's vector per its request's params
     eos_token_ids: Collection[int]
     max_model_len: int
-    poolers: dict = field(default_factory=dict)  # PoolingTask -> the Embedder that finishes that task's rows
+    # PoolingTask -> the Embedder that finishes that task's rows (the embedder's EMBED, a classifier, ...)
+    poolers: "dict[PoolingTask, Embedder]" = field(default_factory=dict)
 
 
 @dataclass(slots=True)

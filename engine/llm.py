@@ -9,7 +9,7 @@ from engine.admission import AdmissionPolicy
 from engine.config import EmbedParams, EngineConfig, RerankParams, SamplingParams
 from engine.engine import LLMEngine
 from engine.outputs import (CompletionOutput, EmbedOutput, Logprobs, RequestOutput, RerankOutput, RerankResult,
-                            StepOutput, TokenDelta, rank_scores)
+                            StepOutput, TokenDelta, check_top_n, rank_scores)
 from engine.request import FinishReason
 
 Final = TypeVar("Final", bound=StepOutput)
@@ -38,19 +38,21 @@ class LLM:
         return self._run([dict(messages=c) for c in conversations], params)
 
     def rerank(self, query: str, documents: list[str], params: RerankParams | None = None, *,
-               ranked: bool = False) -> list[float] | list[RerankResult]:
+               ranked: bool = False, top_n: int | None = None,
+               return_documents: bool = False) -> list[float] | list[RerankResult]:
         """Relevance scores of documents for the query, in input order; with ranked=True the answer the service
-        gives: RerankResult(index, score, document, document_tokens, truncated) sorted by score, at most
-        params.top_n, documents included with params.return_documents (those two shape only a ranked answer, so without ranked=True they are rejected)."""
-        if params is not None and not ranked and (params.top_n is not None or params.return_documents):
+        gives: RerankResult(index, score, document, document_tokens, truncated) sorted by score, at most `top_n`,
+        documents included with `return_documents` (those two shape only a ranked answer, so without ranked=True
+        they are rejected; the engine never sees them)."""
+        if not ranked and (top_n is not None or return_documents):
             raise ValueError("top_n and return_documents shape a ranked answer: call rerank(..., ranked=True)")
+        check_top_n(top_n)
         request_id = f"rerank-{next(self._ids)}"
         self.engine.add_rerank(request_id, query, documents, params)
         final = self._run_to_final(request_id, RerankOutput)
         if not ranked:
             return final.scores
-        params = params or RerankParams()
-        return rank_scores(final.scores, documents, params.top_n, params.return_documents, final.document_tokens,
+        return rank_scores(final.scores, documents, top_n, return_documents, final.document_tokens,
                            final.truncated, final.windows)
 
     def embed(self, texts: str | list[str | tuple[str, str]] | list[list[int]], params: EmbedParams | None = None

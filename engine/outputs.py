@@ -1,9 +1,10 @@
 """What the engine hands out: per-step deltas, finished results, and one record per step."""
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field
 
 from engine.request import FinishReason
+from engine.step_time import PRICES, RERANK_KINDS, TokenKind
 
 
 # Per position: token id -> log-probability, holding the chosen (or prompt) token and the top-k alternatives.
@@ -92,10 +93,16 @@ class RerankResult:
     """One document of a ranked rerank answer, as `LLM.rerank(..., ranked=True)` and the service return it."""
     index: int  # position in the request's documents
     score: float
-    document: str | None = None  # with RerankParams(return_documents=True)
+    document: str | None = None  # with return_documents
     document_tokens: int = 0  # the document's tokens the score saw
     truncated: bool = False  # the document was cut at its end to fit the rerank pair limit (truncate="end")
     windows: int = 1  # overlapping windows the document was scored as, its score the best of theirs (max_windows)
+
+
+def check_top_n(top_n: int | None) -> None:
+    """ValueError unless `top_n` is None (every document) or an integer >= 1."""
+    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+        raise ValueError(f"top_n must be >= 1, got {top_n!r}")
 
 
 def rank_scores(scores: list[float], documents: list[str], top_n: int | None, return_documents: bool,
@@ -116,10 +123,7 @@ class StepRecord:
     start_time: float  # time.monotonic()
     duration_s: float
     decode_tokens: int
-    prefill_tokens: int
     cached_tokens: int  # prompt tokens newly admitted from the prefix cache this step
-    rerank_pairs: int
-    rerank_tokens: int
     num_seqs: int
     budget: int
     kv_blocks_total: int
@@ -129,19 +133,20 @@ class StepRecord:
     num_running: int  # sequences holding KV after the step (rerank pairs excluded once scored)
     num_waiting: int
     request_ids: list[str]  # every request (generation or rerank job) this step served
+    # Per kind of work (engine/step_time.py TokenKind): the tokens the step computed (of a row that ran k of its N
+    # stages, k / N of its tokens), the rows that rode in it, and of those the ones whose last chunk or stage ran
+    # (scored, embedded); decodes apart (decode_tokens). The Batch's counts, as the step ran them.
+    tokens: dict = field(default_factory=dict)
+    rows: dict = field(default_factory=dict)
+    rows_done: dict = field(default_factory=dict)
     decode_request_ids: list[str] = field(default_factory=list)
     forward_s: float = 0.0  # part of duration_s spent in model forwards; the rest is engine overhead
     decode_context_tokens: int = 0  # context the decode rows attended to (their sequence lengths, summed)
-    cross_encoder_tokens: int = 0  # of rerank_tokens, those the cross-encoder ran (not the LLM)
-    rerank_pairs_scored: int = 0  # of rerank_pairs, those whose last chunk ran in this step (scored)
     predicted_s: float | None = None  # the admission policy's step-time prediction (None: it has no model)
     target_s: float | None = None  # the step time the policy keeps decodes under (--tpot-target-ms)
     limit_s: float | None = None  # the predicted step time it planned admissions under (target less its margins)
     planned: bool = False  # the objective sized admissions beside decodes, within the target
     owed: tuple = ()  # per kind of work that waited: the share of this step it was owed (engine/batch.py Owed)
-    embed_rows: int = 0  # embedding inputs this step ran (whole or some of their stages, the embedder's forward)
-    embed_tokens: int = 0  # what they cost in the budget: of a row that ran k of its N stages, k / N of its tokens
-    embed_rows_done: int = 0  # of embed_rows, those whose last stage ran (their vectors are done)
     cpu_kernels: str = ""  # the CPU path of the quantized matmuls ("avx512", "avx2", "portable"; "" when none)
 
     @property
@@ -153,4 +158,36 @@ class StepRecord:
 
     @property
     def budget_used(self) -> int:
-        return self.decode_tokens + self.prefill_tokens + self.rerank_tokens + self.embed_tokens
+        return self.decode_tokens + sum(self.tokens.values())
+
+    def tokens_by_request(self) -> dict[str, int]:
+        """The step's tokens per kind of request its rows belong to (a generation's as "prefill", then "rerank",
+        "embed"; decodes apart): the parts of the service's step-tokens metric."""
+        out: dict[str, int] = {}
+        for kind, n in self.tokens.items():
+            request = PRICES[kind].request
+            name = "prefill" if request.samples else request.value
+            out[name] = out.get(name, 0) + n
+        return out
+
+    def flat(self) -> dict:
+        """The record as one flat dict (`tandem serve --step-log`'s JSON line): its fields, the per-kind maps as the
+        counts named below."""
+        out = asdict(self)  # nested dataclasses (owed) as dicts too, as JSON takes them
+        for name in ("tokens", "rows", "rows_done"):
+            del out[name]
+        return {**out, **{name: getattr(self, name) for name in COUNT_NAMES}}
+
+    # The per-kind counts by their names (spans, metrics, the step log and the benchmarks read these).
+    prefill_tokens = property(lambda self: self.tokens.get(TokenKind.PREFILL, 0))
+    rerank_pairs = property(lambda self: sum(self.rows.get(k, 0) for k in RERANK_KINDS))
+    rerank_tokens = property(lambda self: sum(self.tokens.get(k, 0) for k in RERANK_KINDS))
+    cross_encoder_tokens = property(lambda self: self.tokens.get(TokenKind.CROSS_ENCODER, 0))  # of rerank_tokens
+    rerank_pairs_scored = property(lambda self: sum(self.rows_done.get(k, 0) for k in RERANK_KINDS))  # scored
+    embed_rows = property(lambda self: self.rows.get(TokenKind.EMBED, 0))  # whole or some of their stages
+    embed_tokens = property(lambda self: self.tokens.get(TokenKind.EMBED, 0))
+    embed_rows_done = property(lambda self: self.rows_done.get(TokenKind.EMBED, 0))  # their vectors are done
+
+
+COUNT_NAMES = ("prefill_tokens", "rerank_pairs", "rerank_tokens", "cross_encoder_tokens", "rerank_pairs_scored",
+               "embed_rows", "embed_tokens", "embed_rows_done")

@@ -73,6 +73,12 @@ class SeqKind(str, enum.Enum):
     RERANK = "rerank"  # prefill-only: scored when computed, no tokens sampled
     EMBED = "embed"  # one input text of an embedding request: an encoder row, prefill-only, no KV, run in stages
 
+    @property
+    def samples(self) -> bool:
+        """Its rows decode, a sampled token a step (a generation's completions); every other kind's rows are
+        prefill-only (scored or embedded when their last chunk or stage ran)."""
+        return self is SeqKind.GENERATE
+
     def __str__(self) -> str:
         return self.value
 
@@ -152,7 +158,7 @@ class Sequence:
     def samples(self) -> bool:
         """A generation's completion: once its prompt is computed it decodes, a sampled token a step (every other
         row is prefill-only: scored or embedded when its last chunk or stage ran)."""
-        return self.kind is SeqKind.GENERATE
+        return self.kind.samples
 
     @property
     def wait_for(self) -> "Sequence | None":

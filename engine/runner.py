@@ -67,7 +67,7 @@ class ModelRunner:
 
     def __init__(self, model: DecoderForCausalLM, num_blocks: int, block_size: int, device: str, dtype: str,
                  scorer: PairScorer | None = None, eos_token_ids: Collection[int] = (),
-                 embedder: Embedder | None = None, poolers: dict | None = None) -> None:
+                 poolers: dict[PoolingTask, Embedder] | None = None) -> None:
         a = model.args
         self.eos_token_ids = frozenset(eos_token_ids)  # masked while a sequence is short of its min_tokens
         self.model = model
@@ -77,13 +77,18 @@ class ModelRunner:
             (a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim),
             dtype=DTYPES[dtype], device=self.device)
         self.scorer = scorer  # the rerank mode: scores finished rerank pairs
-        self.embedder = embedder  # runs embedding rows (None: no embedder loaded, none are admitted)
         # Every pooling encoder by its task (EmbedParams.task): the embedder, a classifier, a sparse embedder
-        self.poolers = poolers if poolers is not None else ({PoolingTask.EMBED: embedder} if embedder else {})
+        self.poolers = dict(poolers or {})
+        embedder = self.embedder
         # The cross-encoder and the embedder are one encoder (encoder_loader.same_encoder): one staged forward runs both
         self.shared_encoder = (embedder is not None and scorer is not None and scorer.staged is not None
                                and scorer.staged is embedder.staged)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+
+    @property
+    def embedder(self) -> Embedder | None:
+        """Runs embedding rows (poolers[PoolingTask.EMBED]; None: no embedder loaded, none are admitted)."""
+        return self.poolers.get(PoolingTask.EMBED)
 
     def capture_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int, capture: Capture) -> bool:
         """From now on decode-only batches of up to max(sizes) sequences replay graphs; False if capture failed."""

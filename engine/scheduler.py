@@ -21,7 +21,7 @@ from engine.admission import AdmissionPolicy, StepView, Waiting
 from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.kv_cache import NO_PREFIX, CachedPrefix, KVCacheManager
-from engine.request import Sequence, SequenceStatus
+from engine.request import SeqKind, Sequence, SequenceStatus
 from engine.staged_states import StagedStates
 from engine.step_time import StepShape, TokenKind, work_kind
 
@@ -113,9 +113,13 @@ class Scheduler:
         self.policy = policy
         self.static = config.scheduling == "static"
         self.watermark = max(1, kv.num_blocks // 100)  # headroom admissions leave for decodes
-        self.waiting = WaitQueue(config.priority_aging_steps)
-        self.waiting_rerank = WaitQueue(config.priority_aging_steps)  # rerank pairs
-        self.waiting_embed = WaitQueue(config.priority_aging_steps)  # embedding rows (also a fused rerank's)
+        # One wait queue per kind of request: a generation's prompts, a rerank's pairs, embedding rows (a rerank's too,
+        # where its mode embeds). The scoring queues (the kinds whose rows do not sample) are one priority order
+        # (`_scoring_head` takes the most urgent head), kept apart so that each kind of scoring work can be given its
+        # own share of a step (admission.LatencyAdmission).
+        self.queues: dict[SeqKind, WaitQueue] = {kind: WaitQueue(config.priority_aging_steps) for kind in SeqKind}
+        self._prompts = [q for kind, q in self.queues.items() if kind.samples]
+        self._scoring = [q for kind, q in self.queues.items() if not kind.samples]
         self.running: list[Sequence] = []
         self.num_steps = 0  # schedule() calls: the clock of priority aging
         self._now = -math.inf  # the clock of deadlines at the step being scheduled (schedule()'s `now`)
@@ -145,14 +149,10 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.waiting_rerank) + len(self.waiting_embed)
+        return sum(len(q) for q in self.queues.values())
 
     def _queue_of(self, seq: Sequence) -> WaitQueue:
-        """Prompts wait in `waiting`, rerank pairs in `waiting_rerank`, embedding rows in `waiting_embed`: the two
-        scoring queues are one priority order (`_scoring_head` takes the more urgent head), kept apart so that each
-        kind of scoring work can be given its own share of a step (admission.LatencyAdmission)."""
-        queues = {TokenKind.PREFILL: self.waiting, TokenKind.EMBED: self.waiting_embed}
-        return queues.get(work_kind(seq), self.waiting_rerank)
+        return self.queues[seq.kind]
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -183,7 +183,8 @@ class Scheduler:
             limit = budget if grant.tokens is None else min(grant.tokens, budget)
             if grant.kind is TokenKind.PREFILL:
                 used = self._continue_prefills(batch, limit)
-                used += self._admit_from(self.waiting, batch, limit - used, grant.seats) if limit > used else 0
+                for queue in self._prompts:
+                    used += self._admit_from(queue, batch, limit - used, grant.seats) if limit > used else 0
             else:
                 used = self._admit_scoring(batch, limit, grant.seats, grant.kind)
             budget -= used
@@ -204,7 +205,7 @@ class Scheduler:
         for seq in self.running:  # part-way through: a prompt's chunks, a pair's chunks, a row's stages
             if seq.num_uncomputed_tokens > (1 if seq.samples else 0) and not _in_batch(seq, batch):
                 offer((seq.priority, *self._lateness(seq), seq.arrival), seq, seq.num_uncomputed_tokens)
-        for queue in (self.waiting, self.waiting_rerank, self.waiting_embed):
+        for queue in self.queues.values():
             key, head = queue.peek_keyed(self.num_steps, self._now)
             if head is not None and not head.blocked:
                 offer(key, head, _tokens_up_to(queue, budget))
@@ -214,7 +215,7 @@ class Scheduler:
             waiting.append(Waiting(kind, key[0], _urgency(kind, key[0], head), key[-1], unit,
                                    1 if head.uses_kv else unit, tokens, head.deadline))
         free = self.max_seqs - len(self.running)
-        joining = min(len(self.waiting), free) + sum(1 for s in self.running if s.samples and not s.num_output_tokens)
+        joining = min(sum(len(q) for q in self._prompts), free) + sum(1 for s in self.running if s.samples and not s.num_output_tokens)
         paces = tuple((s.deadline, s.num_output_tokens) for s in batch.seqs
                       if s.samples and s.deadline is not None and s.num_uncomputed_tokens == 1)
         return StepView(StepShape.of_batch(batch), batch.min_decode_priority, budget, free, tuple(waiting),
@@ -267,7 +268,7 @@ class Scheduler:
         urgent of the running ones not yet in this step (part-way through: a pair's KV so far, a row's stages so far)
         and, while `admitting`, the two scoring queues' heads; at equal priority the running one."""
         waiting, best = None, None
-        for queue in (self.waiting_rerank, self.waiting_embed) if admitting else ():
+        for queue in self._scoring if admitting else ():
             key, head = queue.peek_keyed(self.num_steps, self._now)
             if head is not None and (kind is None or work_kind(head) is kind) and (best is None or key < best):
                 waiting, best = head, key

@@ -1,10 +1,10 @@
 """What a caller asks the engine for: one frozen dataclass per kind of work, and the protocol they share.
 
 A spec is the request as submitted (its id, its inputs, its params), nothing checked or tokenized yet: a plain value.
-`LLMEngine.prepare(spec)` turns it into the engine's `Job` (engine/jobs.py) through the intake's one table of
-builders (engine/intake.py `RequestIntake.job`), the one place that dispatches on the kind, so a caller (the
-service's bridge, the offline `LLM`) handles every kind alike and a new kind of work is a new spec here plus its
-intake method, no new entry point above the engine.
+`LLMEngine.prepare(spec)` turns it into the engine's `Job` (engine/jobs.py) through the builder its kind registers
+(engine/kinds.py `build_job`, the one place that dispatches on the kind; each builder lives with its kind), so a
+caller (the service's bridge, the offline `LLM`) handles every kind alike and a new kind of work is a new spec here
+plus its registered builder, no new entry point above the engine.
 
 The spec also says what a caller's bookkeeping reads before the job exists (its `kind`, how many `completions`
 decode side by side, how many `num_inputs` it scores or embeds): this module is the one table of those per kind.

@@ -41,6 +41,44 @@ class TokenKind(str, enum.Enum):
     CROSS_ENCODER = "cross_encoder_tokens"  # a rerank pair's token in the cross-encoder's own forward
     EMBED = "embed_tokens"  # an embedding input's token in the embedder's own forward
 
+    # Hashed as its value, in C (Enum's own __hash__ is a Python call): the per-kind maps of Batch, StepShape and
+    # StepRecord are read on every row of every step.
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """How the step-time model prices one kind of token: its coefficient is the FEATURE its TokenKind names; it
+    runs in the LLM's forward (with the decodes and prompts: one fixed `llm_forward`, the narrow path's rows) or in
+    an encoder's own forward, whose fixed cost (`forward`, a FEATURE) its first token brings. `request`: the kind of
+    request whose rows these tokens are."""
+    request: SeqKind
+    forward: str = "llm_forward"
+
+    @property
+    def in_llm(self) -> bool:
+        return self.forward == "llm_forward"
+
+
+# The one table of how each kind of token is priced (a new TokenKind is a new FEATURE pair and a row here).
+PRICES: dict[TokenKind, Price] = {
+    TokenKind.PREFILL: Price(SeqKind.GENERATE),
+    TokenKind.LLM_RERANK: Price(SeqKind.RERANK),
+    TokenKind.CROSS_ENCODER: Price(SeqKind.RERANK, "cross_encoder_forward"),
+    TokenKind.EMBED: Price(SeqKind.EMBED, "embed_forward"),
+}
+# The token kinds of a rerank's pairs (the step records' rerank_* counts sum them)
+RERANK_KINDS = tuple(k for k, p in PRICES.items() if p.request == SeqKind.RERANK)
+_LLM_KINDS = tuple(k for k, p in PRICES.items() if p.in_llm)
+# Per token kind, for features(): (its feature's index, its forward's index, whether it runs in the LLM forward)
+_SLOTS = {k: (FEATURES.index(k.value), FEATURES.index(p.forward), p.in_llm) for k, p in PRICES.items()}
+_WIDE = FEATURES.index("wide_forward")
+
 
 def work_kind(seq: Sequence) -> TokenKind:
     """The kind of work a row is, as the planner prices it: its request's kind and how it runs (RowExec)."""
@@ -51,21 +89,54 @@ def work_kind(seq: Sequence) -> TokenKind:
     return TokenKind.LLM_RERANK if seq.execution is RowExec.CAUSAL else TokenKind.CROSS_ENCODER
 
 
-@dataclass(slots=True)
 class StepShape:
-    """What a step computes, as far as its time goes."""
-    decode_rows: int = 0
-    decode_context_tokens: int = 0  # sum over decode rows of the context each attends to
-    prefill_tokens: int = 0
-    llm_rerank_tokens: int = 0  # rerank pair tokens that run in the LLM forward (likelihood, judge)
-    cross_encoder_tokens: int = 0  # rerank pair tokens that run in the cross-encoder's own forward
-    embed_tokens: int = 0  # embedding input tokens (the embedder's own forward)
+    """What a step computes, as far as its time goes: its decode rows, the context they attend to, and per kind of
+    token (TokenKind) how many it computes (`tokens`; a kind may be given by its FEATURE name as a keyword:
+    `StepShape(decode_rows=4, embed_tokens=12)`)."""
+    __slots__ = ("decode_rows", "decode_context_tokens", "tokens")
+
+    def __init__(self, decode_rows: int = 0, decode_context_tokens: int = 0,
+                 tokens: "dict[TokenKind, int] | None" = None, **per_kind: int) -> None:
+        self.decode_rows = decode_rows
+        self.decode_context_tokens = decode_context_tokens  # sum over decode rows of the context each attends to
+        self.tokens: dict[TokenKind, int] = dict(tokens) if tokens else {}
+        for name, n in per_kind.items():
+            if n:
+                kind = TokenKind(name)
+                self.tokens[kind] = self.tokens.get(kind, 0) + n
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepShape):
+            return NotImplemented
+        return (self.decode_rows, self.decode_context_tokens, {k: n for k, n in self.tokens.items() if n}) == \
+            (other.decode_rows, other.decode_context_tokens, {k: n for k, n in other.tokens.items() if n})
+
+    def __repr__(self) -> str:
+        kinds = "".join(f", {k.value}={n}" for k, n in self.tokens.items() if n)
+        return f"StepShape(decode_rows={self.decode_rows}, decode_context_tokens={self.decode_context_tokens}{kinds})"
+
+    def of(self, kind: TokenKind) -> int:
+        """Tokens of `kind` in the step."""
+        return self.tokens.get(kind, 0)
+
+    def add(self, kind: TokenKind, n: int) -> None:
+        self.tokens[kind] = self.tokens.get(kind, 0) + n
+
+    def with_tokens(self, kind: TokenKind, n: int) -> "StepShape":
+        """This shape with `n` more tokens of `kind` (a new shape)."""
+        tokens = dict(self.tokens)
+        tokens[kind] = tokens.get(kind, 0) + n
+        return StepShape(self.decode_rows, self.decode_context_tokens, tokens)
+
+    # The kinds by their FEATURE names, read-only (what the tests and the benchmarks read).
+    prefill_tokens = property(lambda self: self.tokens.get(TokenKind.PREFILL, 0))
+    llm_rerank_tokens = property(lambda self: self.tokens.get(TokenKind.LLM_RERANK, 0))
+    cross_encoder_tokens = property(lambda self: self.tokens.get(TokenKind.CROSS_ENCODER, 0))
+    embed_tokens = property(lambda self: self.tokens.get(TokenKind.EMBED, 0))
 
     @classmethod
     def of_batch(cls, batch) -> "StepShape":
-        return cls(batch.num_decode_tokens, batch.num_decode_context_tokens, batch.num_prefill_tokens,
-                   batch.num_rerank_tokens - batch.num_cross_encoder_tokens, batch.num_cross_encoder_tokens,
-                   batch.num_embed_tokens)
+        return cls(batch.num_decode_tokens, batch.num_decode_context_tokens, batch.tokens)
 
     @classmethod
     def of_rows(cls, rows: "list[Sequence]") -> "StepShape":
@@ -74,42 +145,45 @@ class StepShape:
         shape = cls()
         for seq in rows:
             if seq.fork_of is None:
-                kind = work_kind(seq).value
-                setattr(shape, kind, getattr(shape, kind) + seq.num_tokens)
+                shape.add(work_kind(seq), seq.num_tokens)
         return shape
 
     @classmethod
     def of_record(cls, r) -> "StepShape":
-        return cls(r.decode_tokens, r.decode_context_tokens, r.prefill_tokens,
-                   r.rerank_tokens - r.cross_encoder_tokens, r.cross_encoder_tokens, r.embed_tokens)
+        return cls(r.decode_tokens, r.decode_context_tokens, r.tokens)
 
     @property
     def empty(self) -> bool:
-        return not (self.decode_rows or self.prefill_tokens or self.llm_rerank_tokens or self.cross_encoder_tokens
-                    or self.embed_tokens)
+        return not (self.decode_rows or any(self.tokens.values()))
 
     @property
     def llm_rows(self) -> int:
-        return self.decode_rows + self.prefill_tokens + self.llm_rerank_tokens
+        return self.decode_rows + sum(self.tokens.get(k, 0) for k in _LLM_KINDS)
 
     def features(self, wide_rows: int | None = None) -> tuple[float, ...]:
         """`wide_rows`: above this many LLM rows the forward takes another path with a fixed cost of its own (the
         quantized CPU matmul dequantizes every weight once a step has more than kernels.quant.small_m rows)."""
-        llm = self.decode_rows or self.prefill_tokens or self.llm_rerank_tokens
-        wide = wide_rows is not None and self.llm_rows > wide_rows
-        return (1.0 if llm else 0.0, self.decode_rows, self.decode_context_tokens, self.prefill_tokens,
-                self.llm_rerank_tokens, 1.0 if self.cross_encoder_tokens else 0.0, self.cross_encoder_tokens,
-                1.0 if wide else 0.0, 1.0 if self.embed_tokens else 0.0, self.embed_tokens)
+        x = [0.0] * len(FEATURES)
+        x[1], x[2] = self.decode_rows, self.decode_context_tokens  # decode_rows, decode_context_tokens
+        llm_rows = self.decode_rows
+        if llm_rows:
+            x[0] = 1.0  # llm_forward
+        for kind, n in self.tokens.items():
+            if n:
+                i, forward, in_llm = _SLOTS[kind]
+                x[i] += n
+                x[forward] = 1.0
+                if in_llm:
+                    llm_rows += n
+        if wide_rows is not None and llm_rows > wide_rows:
+            x[_WIDE] = 1.0
+        return tuple(x)
 
 
 # Seconds per unit of each feature: slow on purpose (conservative), replaced by the first real steps.
 PRIOR = dict(llm_forward=0.010, decode_rows=0.002, decode_context_tokens=2e-6, prefill_tokens=0.002,
              llm_rerank_tokens=0.002, cross_encoder_forward=0.010, cross_encoder_tokens=0.001, wide_forward=0.0,
              embed_forward=0.010, embed_tokens=0.001)
-# The fixed cost a kind's first token brings.
-_FORWARD_OF = {TokenKind.PREFILL: 0, TokenKind.LLM_RERANK: 0, TokenKind.CROSS_ENCODER: 5, TokenKind.EMBED: 8}
-# The tokens already in a step that share a kind's forward (its fixed cost is paid once they are there).
-_OWN_FORWARD = {TokenKind.CROSS_ENCODER: "cross_encoder_tokens", TokenKind.EMBED: "embed_tokens"}
 
 
 class LinearStepTime:
@@ -153,9 +227,9 @@ class LinearStepTime:
         """The most tokens of `kind` that `shape` can take with its predicted time still <= limit_s (0 when it is
         over already)."""
         i = FEATURES.index(kind)
-        extra = getattr(shape, _OWN_FORWARD[kind]) if kind in _OWN_FORWARD \
-            else (shape.llm_rerank_tokens or shape.prefill_tokens or shape.decode_rows)
-        fixed = 0.0 if extra else self.coef[_FORWARD_OF[kind]]
+        price = PRICES[kind]
+        running = shape.llm_rows if price.in_llm else shape.of(kind)  # the forward it shares is paid already
+        fixed = 0.0 if running else self.coef[FEATURES.index(price.forward)]
         room = limit_s - self.predict(shape) - fixed
         if room < 0:
             return 0
@@ -171,7 +245,7 @@ class LinearStepTime:
     def narrow_room(self, shape: StepShape, kind: TokenKind) -> int | None:
         """Tokens of `kind` that `shape` can take and stay on the narrow path (None: `kind` does not run in the LLM
         forward, the model knows no threshold, or the step is wide already)."""
-        if self.wide_rows is None or kind in _OWN_FORWARD or shape.llm_rows > self.wide_rows:
+        if self.wide_rows is None or not PRICES[kind].in_llm or shape.llm_rows > self.wide_rows:
             return None
         return self.wide_rows - shape.llm_rows
 

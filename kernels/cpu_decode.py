@@ -101,8 +101,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def attention_from_lists(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          starts_lens: tuple[list[int], list[int]], scale: float, window: int = 0,
-                         softcap: float = 0.0) -> torch.Tensor:
-    """paged_attention with query_start_loc and seq_lens also given as lists (read once per step, not per layer)."""
+                         softcap: float = 0.0, fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> torch.Tensor:
+    """paged_attention with query_start_loc and seq_lens also given as lists (read once per step, not per layer);
+    `fresh_kv` as reference.prefill_attention takes it."""
     from kernels import reference
 
     starts, lens = starts_lens
@@ -115,5 +117,6 @@ def attention_from_lists(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         rows = query_start_loc[idx].long()
         out[rows] = paged_decode_attention(query[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale,
                                            window, softcap)
-    reference.prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, scale, out, window, softcap)
+    reference.prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, scale, out, window, softcap,
+                                fresh_kv)
     return out

@@ -100,12 +100,13 @@ def write_and_attend(p: PagedPlan, qkv: torch.Tensor, num_q_heads: int, k_cache:
     if p.backend == "cpp":
         cpu_decode.write_kv_cache(k, v, k_cache, v_cache, p.slot_mapping)
         return cpu_decode.attention_from_lists(q, k_cache, v_cache, p.block_tables, p.seq_lens, p.query_start_loc,
-                                               _lists(p), scale, window, softcap)
+                                               _lists(p), scale, window, softcap, (k, v))
     if p.kept_rows is not None:
         reference.write_kv_cache(k[p.kept_rows], v[p.kept_rows], k_cache, v_cache, p.kept_slots, checked=True)
     else:
         reference.write_kv_cache(k, v, k_cache, v_cache, p.slot_mapping, checked=True)
-    return reference.attention_from_lists(q, k_cache, v_cache, p.block_tables, _lists(p), scale, window, softcap)
+    return reference.attention_from_lists(q, k_cache, v_cache, p.block_tables, _lists(p), scale, window, softcap,
+                                          (k, v))
 
 
 def _lists(p: PagedPlan) -> tuple[list[int], list[int]]:

@@ -77,7 +77,10 @@ _INT8_KQUANT_M = {"vnni": 64, "avx2": 32}
 # and Gemma 3 270M's 640x2048 Q6_K): bf16 0.85-1.2x the vnni kernel's time at 32 rows, 0.67-0.94x at 48, 0.52-0.77x
 # at 64, 0.38-0.46x at 128, 0.11-0.18x at 512 (kernels/README.md "Quantized matmul").
 _INT8_KQUANT_M_AMX = {"vnni": 32, "avx2": 32}
-TILE_BYTES = 1 << 20
+# The float32 wide path's tiles of dequantized weights (`_dequantize_gemm`), written straight into the output's
+# columns: 4 MiB measured level with or ahead of 1 and 8 MiB at 17-512 rows (2026-12-07, 2-core AMD EPYC, AVX2, one
+# thread, SmolLM2-135M's and SmolLM2-1.7B's shapes; 1 MiB tiles 1.05-1.2x the time at 512 rows).
+TILE_BYTES = 4 << 20
 # The bf16 wide path's tiles of dequantized weights (`_bf16_gemm`): 8 MiB measured best of 1-16 MiB (2026-12-02, AMX,
 # the same shapes: 1 MiB tiles took 1.2-1.7x the time at 512 rows, 16 MiB level with 8).
 BF16_TILE_BYTES = 8 << 20
@@ -379,7 +382,46 @@ def matmul(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None,
         return module.quant_matmul(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], w._scales(), isa)
     if reduced and bf16:
         return _bf16_gemm(module, x, w, isa)
+    if reduced and gemm_int8(isa, w.fmt):
+        return module.quant_gemm_int8(x, w.data, CPP_FORMATS[w.fmt], w.shape[1], int(isa))
     return _dequantize_gemm(x, w, path.isa)
+
+
+GEMM_INT8_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the wide int8 GEMM's (avx2_int8.cpp gemm_int8_avx2)
+
+
+def gemm_int8(isa: CpuIsa, fmt: str) -> bool:
+    """Whether a wide step of `fmt` weights with int8 activations multiplies with the repacked int8 GEMM
+    (avx2_int8.cpp `gemm_int8_avx2`) on vector path `isa`: the avx2 path only (it measured 1.3-1.6x MKL's AVX2
+    float32 GEMM at 512 rows, kernels/README.md "Prefill on CPU"; on the avx512 path MKL's float32 GEMM runs 16 lanes
+    and the bf16 GEMM takes over where the CPU has it, so it was not chosen there), for Q4_0 / Q4_1 / Q5_0 / Q5_1."""
+    module = _module()
+    return (isa is CpuIsa.AVX2 and fmt in GEMM_INT8_FORMATS and module is not None
+            and module.has_gemm_int8(int(isa), CPP_FORMATS[fmt]))
+
+
+def prefill_path(path: CpuPath | None, activations: Activations, formats: list[str]) -> str:
+    """What a wide step (a prefill chunk past the register kernels) multiplies the quantized weights of `formats`
+    with on `path`, for the start-up line: per format "int8 GEMM", "int8 kernel" (the K-quants' int8 kernel at every
+    width), "bf16 GEMM" or "float32 dequantize + BLAS GEMM"; "" when no format is quantized by the C++ kernels."""
+    path = default_cpu_path() if path is None else path
+    if not available():
+        return ""
+    isa, ways = path.isa, {}
+    for fmt in formats:
+        reduced = takes_int8(activations, fmt) and bool(int8_kernel(isa))
+        if fmt not in CPP_FORMATS:
+            way = "float32 dequantize + BLAS GEMM"
+        elif reduced and int8_rows(isa, fmt, _bf16_wide(path, isa), path) is None:
+            way = "int8 kernel"
+        elif reduced and _bf16_wide(path, isa):
+            way = "bf16 GEMM"
+        elif reduced and gemm_int8(isa, fmt):
+            way = "int8 GEMM"
+        else:
+            way = "float32 dequantize + BLAS GEMM"
+        ways.setdefault(way, []).append(fmt)
+    return ", ".join(f"{'+'.join(f)} {way}" for way, f in ways.items()) + f" ({isa.label})" if ways else ""
 
 
 def _bf16_gemm(module, x: torch.Tensor, w: QuantWeight, isa: CpuIsa) -> torch.Tensor:
@@ -401,17 +443,18 @@ def _bf16_gemm(module, x: torch.Tensor, w: QuantWeight, isa: CpuIsa) -> torch.Te
 
 
 def _dequantize_gemm(x: torch.Tensor, w: QuantWeight, isa: CpuIsa | None = None) -> torch.Tensor:
+    """A wide step in float32: tiles of about TILE_BYTES of W's rows dequantized and multiplied by BLAS straight into
+    their columns of the output (`x @ tile.T` into a column slice, whose row stride BLAS takes as its leading
+    dimension: no copy of the output, which the transposed tiles before cost 5-10% of a 512-row step)."""
     n, k = w.shape
     rows = max(64, TILE_BYTES // (4 * k))
     if n <= rows:
         return torch.mm(x, w.dequantize(isa=isa).t())
-    # out^T tile by tile: a row slice of out^T is contiguous, so torch.mm writes it in place.
-    out_t = torch.empty(n, x.shape[0], dtype=torch.float32)
-    x_t = x.t()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
     for start in range(0, n, rows):
         count = min(rows, n - start)
-        torch.mm(w.dequantize(start, count, isa), x_t, out=out_t[start:start + count])
-    return out_t.t().contiguous()
+        torch.mm(x, w.dequantize(start, count, isa).t(), out=out[:, start:start + count])
+    return out
 
 
 # ---- pure torch: the reference and the fallback ------------------------------------------------------------

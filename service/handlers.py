@@ -15,8 +15,10 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from proto import tandem_pb2 as pb
+from service.kinds import pooled
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tandem"].full_name
+_SERVICE = pb.DESCRIPTOR.services_by_name["Tandem"]
+SERVICE_NAME = _SERVICE.full_name
 
 
 class Unparseable:
@@ -57,15 +59,14 @@ def add_tandem_servicer(servicer: Any, server: grpc.aio.Server) -> None:
         "Embed": grpc.unary_unary_rpc_method_handler(
             servicer.Embed, request_deserializer=_lenient(pb.EmbedRequest),
             response_serializer=pb.EmbedResponse.SerializeToString),
-        "Classify": grpc.unary_unary_rpc_method_handler(
-            servicer.Classify, request_deserializer=_lenient(pb.ClassifyRequest),
-            response_serializer=pb.ClassifyResponse.SerializeToString),
-        "EmbedSparse": grpc.unary_unary_rpc_method_handler(
-            servicer.EmbedSparse, request_deserializer=_lenient(pb.EmbedSparseRequest),
-            response_serializer=pb.EmbedSparseResponse.SerializeToString),
         "ModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.ModelInfo, request_deserializer=_lenient(pb.ModelInfoRequest),
             response_serializer=pb.ModelInfoResponse.SerializeToString),
     }
+    for kind in pooled():  # each kind served by an encoder of its own: one unary RPC, its types the service's
+        method = _SERVICE.methods_by_name[kind.grpc_method]
+        handlers[kind.grpc_method] = grpc.unary_unary_rpc_method_handler(
+            servicer.pooled(kind), request_deserializer=_lenient(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

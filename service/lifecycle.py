@@ -21,7 +21,7 @@ CLIENT_GONE = "client_gone"  # a RequestLifecycle.metadata key: set when it was 
 class RequestLifecycle:
     engine_id: str  # unique in the process; what the engine and step records call the request
     client_id: str  # the id the client chose (unique per stream only)
-    kind: str  # "generate" | "rerank" | "embed"
+    kind: str  # its kind's lifecycle label (service/kinds.py Kind.label: "generate", "rerank", "embed")
     arrival: float = field(default_factory=time.monotonic)  # time.monotonic() at admission
     scheduled: float | None = None  # first engine step that served it
     first_token: float | None = None

@@ -19,6 +19,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
 
 from service.http.hosts import host_allowed
+from service import kinds
 from service.lifecycle import Hooks, RequestLifecycle
 
 log = logging.getLogger("tandem.metrics")
@@ -85,7 +86,8 @@ class Metrics(Hooks):
             self.queue.labels(lc.kind).observe(max(0.0, lc.scheduled - lc.arrival))
         self.prompt_tokens.labels(lc.kind).inc(lc.prompt_tokens)
         self.cache_hits.labels(lc.kind).inc(lc.cached_tokens)
-        if lc.kind == "rerank":
+        kind = kinds.by_label(lc.kind)
+        if kind is not None and kind.scores_pairs:
             self.rerank_latency.observe(lc.duration_s)
             self.rerank_pairs.inc(lc.embedder_scored)  # the pairs no step record counted
             return
@@ -107,8 +109,7 @@ class Metrics(Hooks):
         error = record.prediction_error
         if error is not None:
             self.prediction_error.observe(error)
-        for part, n in (("decode", record.decode_tokens), ("prefill", record.prefill_tokens),
-                        ("rerank", record.rerank_tokens), ("embed", record.embed_tokens)):
+        for part, n in (("decode", record.decode_tokens), *record.tokens_by_request().items()):
             if n:
                 self.step_tokens.labels(part).observe(n)
         self.rerank_pairs.inc(getattr(record, "rerank_pairs_scored", record.rerank_pairs))  # a chunked pair once

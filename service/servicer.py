@@ -9,6 +9,7 @@ nothing (CoreAPI.generate(relayed=True)). Rerank, Embed and ModelInfo are unary.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 from typing import Any, AsyncIterator, Callable
@@ -17,11 +18,12 @@ import grpc
 
 from engine.config import EmbedParams, RerankParams, SamplingParams, StructuredOutputsParams
 from engine.outputs import Logprobs, TokenDelta
-from engine.request import FinishReason, SeqKind
+from engine.request import FinishReason
 from proto import tandem_pb2 as pb
 from service.core import CoreAPI, GenerateEvent, GenerateInput, RerankInput, RerankOutcome, Usage, json_schema
-from service.core import EmbedInput, EmbedOutcome
+from service.core import EmbedInput, EmbedOutcome, PooledOutcome
 from service.errors import ErrorKind, ServiceError, invalid
+from service.kinds import Kind, Task
 from service.handlers import Unparseable
 from service.session import StreamSession
 
@@ -99,7 +101,7 @@ class TandemServicer:
     def _start_generate(self, session: StreamSession, req: pb.GenerateRequest, meta: dict) -> None:
         client_id = req.request_id
         try:
-            self._check_new_id(session, client_id, SeqKind.GENERATE, meta)
+            self._check_new_id(session, client_id, Task.GENERATE, meta)
             stream = self.core.generate([generate_input(req)], meta, relayed=True)
         except ServiceError as exc:
             session.send(_generate_error(client_id, exc))
@@ -140,7 +142,7 @@ class TandemServicer:
     def _start_rerank(self, session: StreamSession, req: pb.RerankRequest, meta: dict) -> None:
         client_id = req.request_id
         try:
-            self._check_new_id(session, client_id, SeqKind.RERANK, meta)
+            self._check_new_id(session, client_id, Task.RERANK, meta)
             inp = rerank_input(req)
         except ServiceError as exc:
             session.send(pb.RerankStreamResponse(request_id=client_id, error=_request_error(exc)))
@@ -159,7 +161,7 @@ class TandemServicer:
 
     # ---- streams (Generate, RerankStream) --------------------------------------------------------
 
-    def _check_new_id(self, session: StreamSession, client_id: str, kind: SeqKind, meta: dict) -> None:
+    def _check_new_id(self, session: StreamSession, client_id: str, kind: Task, meta: dict) -> None:
         """Ids are given and unique among a stream's unfinished requests (a stream is this door's own idea); a
         refusal here is told to the core API's hooks, as its own refusals are."""
         error = None
@@ -217,25 +219,23 @@ class TandemServicer:
         req = _parsed(request)
         return embed_response(await self.core.embed(embed_input(req), _metadata(context)))
 
-    @_statuses
-    async def Classify(self, request: Any, context: grpc.aio.ServicerContext) -> pb.ClassifyResponse:
-        req = _parsed(request)
-        inp = _texts_input(req, raw_scores=req.raw_scores)
-        outcome = await self.core.classify(inp, _metadata(context, "Classify"))
-        return pb.ClassifyResponse(
-            results=[pb.Classification(scores=[pb.LabelScore(label=label, score=s)
-                                               for label, s in zip(outcome.labels, scores)], truncated=t)
-                     for scores, t in zip(outcome.scores, outcome.truncated)],
-            model=outcome.model, usage=_usage(outcome.usage))
+    # ---- the kinds served by an encoder of their own (classification, sparse embeddings) ----------------------
 
-    @_statuses
-    async def EmbedSparse(self, request: Any, context: grpc.aio.ServicerContext) -> pb.EmbedSparseResponse:
-        req = _parsed(request)
-        outcome = await self.core.embed_sparse(_texts_input(req), _metadata(context, "EmbedSparse"))
-        return pb.EmbedSparseResponse(
-            embeddings=[pb.SparseEmbedding(indices=[i for i, _ in vec], values=[v for _, v in vec], truncated=t)
-                        for vec, t in zip(outcome.vectors, outcome.truncated)],
-            model=outcome.model, usage=_usage(outcome.usage))
+    def pooled(self, kind: Kind) -> Callable:
+        """The unary handler of pooled kind `kind`'s RPC (handlers.py registers one for each kind in
+        service/kinds.py pooled()): its request's texts (or text pairs) to CoreAPI.pool, its outcome to its response
+        message (POOLED_RESPONSES, by its method)."""
+        respond = POOLED_RESPONSES[kind.grpc_method]
+
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                req = _parsed(request)
+                return respond(await self.core.pool(kind.task, _texts_input(req),
+                                                    _metadata(context, kind.grpc_method)))
+            except ServiceError as exc:
+                await context.abort(status_code(exc.kind), exc.message)
+        handler.__name__ = kind.grpc_method
+        return handler
 
     # ---- ModelInfo -------------------------------------------------------------------------------
 
@@ -312,15 +312,15 @@ def _structured_outputs(msg: pb.SamplingParams) -> StructuredOutputsParams | Non
 
 def rerank_input(req: pb.RerankRequest) -> RerankInput:
     try:
-        params = RerankParams(top_n=req.top_n if req.HasField("top_n") else None,
-                              truncate="none" if req.truncate == pb.TRUNCATE_NONE else "end",
-                              return_documents=req.return_documents,
+        params = RerankParams(truncate="none" if req.truncate == pb.TRUNCATE_NONE else "end",
                               instruction=req.instruction if req.HasField("instruction") else None,
                               priority=req.priority,
                               max_windows=req.max_windows if req.HasField("max_windows") else None)
+        return RerankInput(req.request_id, req.query, list(req.documents), params, model=req.model,
+                           top_n=req.top_n if req.HasField("top_n") else None,
+                           return_documents=req.return_documents)
     except ValueError as exc:
         raise invalid(str(exc)) from None
-    return RerankInput(req.request_id, req.query, list(req.documents), params, model=req.model)
 
 
 def embed_input(req: pb.EmbedRequest) -> EmbedInput:
@@ -337,17 +337,23 @@ def embed_input(req: pb.EmbedRequest) -> EmbedInput:
     return EmbedInput("", inputs, params, model=req.model)
 
 
-def _texts_input(req: Any, **params) -> EmbedInput:
-    """A ClassifyRequest's or EmbedSparseRequest's texts (a ClassifyRequest's text pairs) as the core's EmbedInput
-    (the core sets the task)."""
+def _texts_input(req: Any) -> EmbedInput:
+    """A pooled kind's request (ClassifyRequest, EmbedSparseRequest): its texts (or text pairs, where it has them)
+    as the core's EmbedInput (the core sets the task), with what else it says of EmbedParams (a ClassifyRequest's
+    raw_scores): a field named as an EmbedParams field means that field."""
+    extra = {f.name: getattr(req, f.name) for f in req.DESCRIPTOR.fields if f.name in _EXTRA_PARAMS
+             and (not f.has_presence or req.HasField(f.name))}
     try:
-        p = EmbedParams(truncate=req.truncate != pb.TRUNCATE_NONE, priority=req.priority, **params)
+        p = EmbedParams(truncate=req.truncate != pb.TRUNCATE_NONE, priority=req.priority, **extra)
     except ValueError as exc:
         raise invalid(str(exc)) from None
     pairs = [(x.text, x.text_pair) for x in getattr(req, "pairs", ())]
     if pairs and req.texts:
         raise invalid("give texts or pairs, not both")
     return EmbedInput("", pairs or list(req.texts), p, model=req.model)
+
+
+_EXTRA_PARAMS = {f.name for f in dataclasses.fields(EmbedParams)} - {"truncate", "priority", "task"}
 
 
 # ---- protobuf out ----------------------------------------------------------------------------------
@@ -398,6 +404,26 @@ def rerank_response(outcome: RerankOutcome) -> pb.RerankResponse:
                                truncated=r.truncated, windows=r.windows) for r in outcome.results]
     return pb.RerankResponse(request_id=outcome.request_id, results=results, usage=_usage(outcome.usage),
                              mode=str(outcome.mode), model=outcome.model)
+
+
+def _classify_response(outcome: PooledOutcome) -> pb.ClassifyResponse:
+    return pb.ClassifyResponse(
+        results=[pb.Classification(scores=[pb.LabelScore(label=label, score=s)
+                                           for label, s in zip(outcome.labels, scores)], truncated=t)
+                 for scores, t in zip(outcome.outputs, outcome.truncated)],
+        model=outcome.model, usage=_usage(outcome.usage))
+
+
+def _sparse_response(outcome: PooledOutcome) -> pb.EmbedSparseResponse:
+    return pb.EmbedSparseResponse(
+        embeddings=[pb.SparseEmbedding(indices=[i for i, _ in vec], values=[v for _, v in vec], truncated=t)
+                    for vec, t in zip(outcome.outputs, outcome.truncated)],
+        model=outcome.model, usage=_usage(outcome.usage))
+
+
+# A pooled kind's response message from its outcome, by its gRPC method (service/kinds.py's grpc_method).
+POOLED_RESPONSES: dict[str, Callable[[PooledOutcome], Any]] = {
+    "Classify": _classify_response, "EmbedSparse": _sparse_response}
 
 
 def embed_response(outcome: EmbedOutcome) -> pb.EmbedResponse:

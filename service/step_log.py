@@ -3,7 +3,6 @@ clock, how long it took, what it served, what the latency objective predicted), 
 client-side timings (bench/mixed_serve.py compares a chat's token gaps with the steps between them)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -24,7 +23,7 @@ class StepLog(Hooks):
 
     def on_step(self, record: "StepRecord") -> None:
         if self._file is not None:
-            self._file.write(json.dumps(dataclasses.asdict(record), separators=(",", ":")) + "\n")
+            self._file.write(json.dumps(record.flat(), separators=(",", ":")) + "\n")
 
     def close(self) -> None:
         if self._file is not None:

@@ -20,6 +20,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from engine.outputs import COUNT_NAMES
+from service import kinds
 from service.lifecycle import Hooks, RequestLifecycle
 
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -124,15 +126,14 @@ class TracingHooks(Hooks):
             return
         attrs = {"tandem.prompt_tokens": lc.prompt_tokens, "tandem.cached_tokens": lc.cached_tokens,
                  "tandem.finish_reason": lc.finish_reason or ""}
-        if lc.kind == "generate":
+        kind = kinds.by_label(lc.kind)
+        if kind is not None and kind.decodes:
             attrs["tandem.completion_tokens"] = lc.completion_tokens
             attrs["tandem.n"] = lc.completions
             if lc.first_token is not None:
                 attrs["tandem.ttft_s"] = lc.ttft_s
-        elif lc.kind == "embed":
-            attrs["tandem.embed.inputs"] = lc.documents
-        else:
-            attrs["tandem.rerank.pairs"] = lc.documents
+        else:  # its inputs, as its kind names them
+            attrs[kind.inputs_attribute if kind is not None else "tandem.rerank.pairs"] = lc.documents
         if lc.scheduled is not None:
             attrs["tandem.queue_time_s"] = max(0.0, lc.scheduled - lc.arrival)
         span.set_attributes(attrs)
@@ -147,10 +148,7 @@ class TracingHooks(Hooks):
             "tandem.step", kind=SpanKind.INTERNAL, links=links, start_time=_ns(record.start_time),
             context=trace.set_span_in_context(trace.INVALID_SPAN),  # a root: it serves many traces
             attributes={"tandem.step": record.step, "tandem.step.decode_tokens": record.decode_tokens,
-                        "tandem.step.prefill_tokens": record.prefill_tokens,
                         "tandem.step.cached_tokens": record.cached_tokens,
-                        "tandem.step.rerank_pairs": record.rerank_pairs,
-                        "tandem.step.rerank_tokens": record.rerank_tokens,
                         "tandem.step.num_seqs": record.num_seqs, "tandem.step.budget": record.budget,
                         "tandem.step.budget_used": record.budget_used,
                         "tandem.kv.blocks_used": used, "tandem.kv.blocks_free": record.kv_blocks_free,
@@ -158,9 +156,8 @@ class TracingHooks(Hooks):
                         "tandem.step.preempted": record.preempted,
                         "tandem.step.duration_s": record.duration_s,
                         "tandem.step.decode_context_tokens": record.decode_context_tokens,
-                        "tandem.step.cross_encoder_tokens": record.cross_encoder_tokens,
-                        "tandem.step.embed_rows": record.embed_rows, "tandem.step.embed_tokens": record.embed_tokens,
-                        "tandem.step.embed_rows_done": record.embed_rows_done})
+                        # per kind of work, its counts (engine/outputs.py COUNT_NAMES)
+                        **{f"tandem.step.{name}": getattr(record, name) for name in COUNT_NAMES}})
         if record.cpu_kernels:
             span.set_attribute("tandem.step.cpu_kernels", record.cpu_kernels)
         if record.predicted_s is not None:  # the latency objective's model priced this step

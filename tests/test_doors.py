@@ -1,5 +1,5 @@
-"""The service's shape (DESIGN.md "One core API, two doors"): both doors call only the core API, protobuf lives in the
-gRPC door alone, JSON shapes in the HTTP door alone, and neither door imports the other. Read with `ast` from the
+"""The service's shape (docs/architecture.md, "The service: one core API, two doors"): both doors call only the core
+API, protobuf lives in the gRPC door alone, JSON shapes in the HTTP door alone, and neither door imports the other. Read with `ast` from the
 source, as tests/test_import_cycles.py reads it, so a function-local import counts too."""
 from __future__ import annotations
 

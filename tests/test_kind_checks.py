@@ -1,5 +1,5 @@
-"""One protocol for every kind of work (DESIGN.md "The step"): the engine reads a request's kind only where execution
-truly differs. Read with `ast` from the source, as tests/test_doors.py reads imports: a comparison that names
+"""One protocol for every kind of work (docs/architecture.md, "Kinds of work"): the engine reads a request's kind
+only where execution truly differs, and the service only through the kinds' descriptors (service/kinds.py). Read with `ast` from the source, as tests/test_doors.py reads imports: a comparison that names
 `SeqKind` (`seq.kind is SeqKind.RERANK`, `kind in (SeqKind.A, SeqKind.B)`) may appear only in the files below, and no
 engine module asks which job class a request is (`isinstance(job, RerankJob)`): it calls engine/jobs.py's Job."""
 from __future__ import annotations
@@ -84,3 +84,78 @@ def test_the_bridge_names_no_kind_of_work():
 def test_the_service_walk_finds_what_it_forbids():
     attrs, names = _names("from engine.specs import RerankSpec\nengine.add_rerank('r', 'q', ['d'])\nx = SeqKind.EMBED\n")
     assert "add_rerank" in attrs and {"RerankSpec", "SeqKind"} <= names
+
+
+# The service reads a kind of work through its descriptor (service/kinds.py) alone: no comparison names a kind enum's
+# member (`task is Task.RERANK`, `Task.GENERATE in known`, `kind == SeqKind.EMBED`) or a kind's label as a string
+# (`lc.kind == "rerank"`, `path in ("embed", ...)`) outside the registry.
+KIND_ENUMS = {"SeqKind", "Task", "PoolingTask", "TokenKind"}
+KIND_LABELS = {"generate", "rerank", "embed", "classify", "embed_sparse"}
+SERVICE_ALLOWED = {"kinds.py"}
+
+
+def service_kind_checks(source: str) -> list[tuple[int, str]]:
+    """(line, what) of every comparison in `source` naming a member of a kind enum or a kind's label."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        parts = [n for part in (node.left, *node.comparators) for n in ast.walk(part)]
+        members = any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in KIND_ENUMS
+                      for n in parts)
+        labels = any(isinstance(n, ast.Constant) and n.value in KIND_LABELS for n in parts)
+        if members or labels:
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(SERVICE.rglob("*.py")), ids=lambda p: str(p.relative_to(SERVICE)))
+def test_the_service_branches_on_no_kind_outside_the_descriptors(path):
+    if path.name in SERVICE_ALLOWED and path.parent == SERVICE:
+        return
+    checks = service_kind_checks(path.read_text())
+    assert not checks, f"service/{path.relative_to(SERVICE)} branches on a kind of work: {checks}"
+
+
+def test_the_service_walk_finds_the_branches_it_forbids():
+    source = ("if task is Task.RERANK:\n    pass\n"
+              "x = Task.GENERATE in known\n"
+              "if lc.kind == 'rerank':\n    pass\n"
+              "y = 1 if path in ('embed', '/x') else 2\n"
+              "z = KINDS[Task.RERANK].verb\nif kind.decodes:\n    pass\nw = mode == 'dense'\n")
+    assert sorted(line for line, _ in service_kind_checks(source)) == [1, 3, 4, 6]
+
+
+def test_the_service_and_engine_registries_name_the_same_kinds():
+    """A lifecycle label is the engine spec's kind (the bridge labels a request by it), so every service kind's label
+    is an engine kind, every engine kind is served, and each engine kind registers one spec and builder."""
+    from engine.embed.tasks import POOLING
+    from engine.kinds import KINDS as ENGINE_KINDS
+    from engine.request import SeqKind
+    from service import kinds
+
+    assert set(kinds.LABELS) == {k.value for k in SeqKind} == {k.value for k in ENGINE_KINDS}
+    assert all(k.spec.kind is seq_kind for seq_kind, k in ENGINE_KINDS.items())
+    assert {k.pooling for k in kinds.pooled()} <= set(POOLING)  # each pooled kind's encoder is a pooling task
+
+
+def test_each_pooled_kind_is_served_from_its_rows_alone():
+    """A kind with an encoder of its own is read off its rows (issue #72): its service row names its engine task,
+    whose field and flag it repeats (`tandem serve` adds the flag from the service row, EngineConfig takes the field of
+    the flag's name); its HTTP routes are its door schema's ROUTES, its gRPC method one of the service's, with a
+    response builder in the gRPC door."""
+    from engine.config import EngineConfig, PoolingTask
+    from engine.embed.tasks import POOLING
+    from proto import tandem_pb2 as pb
+    from service import kinds
+    from service.http.kind_routes import kind_routes
+    from service.servicer import POOLED_RESPONSES
+
+    config_fields = set(EngineConfig.__dataclass_fields__)
+    for kind in kinds.pooled():
+        task = POOLING[PoolingTask(kind.pooling)]
+        assert (kind.model_field, kind.flag) == (task.field, task.flag)
+        assert kind.flag == "--" + kind.model_field.replace("_", "-") and kind.model_field in config_fields
+        assert kind.flag_help and set(kind_routes(kind)) == set(kind.routes)
+        assert kind.grpc_method in pb.DESCRIPTOR.services_by_name["Tandem"].methods_by_name
+        assert kind.grpc_method in POOLED_RESPONSES

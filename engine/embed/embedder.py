@@ -13,7 +13,7 @@ import torch
 
 from engine.config import EMBEDDED_EMBEDDER, EmbedParams, PoolingTask
 from engine.embed.encoders import is_decoder, load_token_states
-from engine.embed.heads import load_classifier, load_splade
+from engine.embed.tasks import POOLING, _embedding
 from engine.errors import InputTooLong
 from engine.embed.pooling import Pooling, SentenceConfig, pool
 from engine.models import hub
@@ -43,15 +43,11 @@ def embedded_embedder_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 
-# Each pooling task's loader flag (named where a model is missing or wrong) and head past the embedder's own.
-FLAGS = {PoolingTask.EMBED: "--embedder", PoolingTask.CLASSIFY: "--classifier",
-         PoolingTask.SPARSE: "--sparse-embedder"}
-_HEADS = {PoolingTask.CLASSIFY: load_classifier, PoolingTask.SPARSE: load_splade}
 
 
 class Embedder:
     """A BERT / RoBERTa / XLM-R / ModernBERT encoder or a decoder embedder with its sentence-transformers pooling; or,
-    for another pooling `task`, an encoder with that task's head (engine/embed/heads.py: a classifier's logits, a
+    for another pooling `task`, an encoder with that task's head (engine/embed/heads/: a classifier's logits, a
     SPLADE model's sparse vector), whose rows run exactly as an embedder's."""
 
     def __init__(self, name: str, directory: Path, device: str = "cpu", dtype: str = "float32",
@@ -65,7 +61,7 @@ class Embedder:
 
         cfg_file = directory / "config.json"
         if not cfg_file.is_file():
-            raise FileNotFoundError(f"{FLAGS[task]} path {str(directory)!r} is not a Hugging Face model directory "
+            raise FileNotFoundError(f"{POOLING[task].flag} path {str(directory)!r} is not a Hugging Face model directory "
                                     "(no config.json)")
         cfg = json.loads(cfg_file.read_text())
         self.name = name  # the model id it is served under
@@ -77,13 +73,13 @@ class Embedder:
         self.multi_label = False  # CLASSIFY: sigmoid per label (problem_type multi_label_classification)
         if task is not PoolingTask.EMBED:
             if decoder:
-                raise ValueError(f"{FLAGS[task]} {name!r} is a {cfg.get('model_type')!r}; tandem serves "
+                raise ValueError(f"{POOLING[task].flag} {name!r} is a {cfg.get('model_type')!r}; tandem serves "
                                  f"{task.value} with encoders (BERT / RoBERTa / XLM-R"
                                  f"{' / ModernBERT' if task is PoolingTask.CLASSIFY else ''})")
             self.sentence = SentenceConfig(Pooling.CLS, False, None)  # the head reads the states itself
             settings = settings or Settings()
             self.dtype = resolve_encoder_dtype(encoder_dtype or dtype, dtype, self.device, settings.native_bf16, False)
-            head = _HEADS[task](directory, cfg, self.device, _DTYPES[self.dtype], settings)
+            head = POOLING[task].head(directory, cfg, self.device, _DTYPES[self.dtype], settings)
             self.labels, self.multi_label = head.labels, head.multi_label
             self._forward_in_stages = StagedForward(head.stages, self.device)
             self.dim, positions = head.width, head.max_tokens
@@ -121,9 +117,9 @@ class Embedder:
         with another task's head)."""
         if embedder == EMBEDDED_EMBEDDER and task is PoolingTask.EMBED:
             return cls(EMBEDDED_EMBEDDER, embedded_embedder_dir(), device, dtype, settings, shared, encoder_dtype)
-        path = Path(hub.local_path(embedder, FLAGS[task], revision)).expanduser()
+        path = Path(hub.local_path(embedder, POOLING[task].flag, revision)).expanduser()
         if not path.exists():
-            raise FileNotFoundError(f"{FLAGS[task]} path {str(path)!r} does not exist")
+            raise FileNotFoundError(f"{POOLING[task].flag} path {str(path)!r} does not exist")
         return cls(hub.display_name(embedder), path, device, dtype, settings, shared, encoder_dtype, task)
 
     @property
@@ -251,27 +247,15 @@ class Embedder:
 
     def finish_row(self, vector: torch.Tensor, params: EmbedParams
                    ) -> list[float] | list[list[float]] | list[tuple[int, float]]:
-        """A row's output as its request asks, per this model's task: an embedding (`finish`); a classifier's
-        logits as its labels' probabilities (softmax; sigmoid per label for a multi-label model), or the logits with
-        raw_scores; a sparse vector as its non-zero (vocabulary id, weight) pairs, id order."""
-        if self.task is PoolingTask.CLASSIFY:
-            if params.raw_scores:
-                return vector.tolist()
-            return (torch.sigmoid(vector) if self.multi_label else torch.softmax(vector, dim=-1)).tolist()
-        if self.task is PoolingTask.SPARSE:
-            ids = vector.nonzero().flatten()
-            return list(zip(ids.tolist(), vector[ids].tolist()))
-        return self.finish(vector, params)
+        """A row's output as its request asks, per this model's task (engine/embed/tasks.py: an embedding, a
+        classifier's label probabilities, a sparse vector's non-zero (vocabulary id, weight) pairs)."""
+        return POOLING[self.task].finish(self, vector, params)
 
     @staticmethod
     def finish(vector: torch.Tensor, params: EmbedParams) -> list[float] | list[list[float]]:
         """A pooled vector as the request asks: its first `dimensions` (Matryoshka), then L2-normalised (token
         states, `all_tokens`: each token's state normalised the same way when asked)."""
-        if params.dimensions is not None:
-            vector = vector[:params.dimensions]
-        if params.normalize:
-            vector = torch.nn.functional.normalize(vector, dim=-1)
-        return vector.tolist()
+        return _embedding(None, vector, params)
 
 
 def _specials(tokenizer) -> tuple[list[int], list[int]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EmbedParams
+from engine.embed.embedder import Embedder
 from engine.jobs import JobContext, RowResult, StepEffects, queue_time
 from engine.outputs import EmbedOutput
 from engine.request import FinishReason, Sequence, SequenceStatus
@@ -32,9 +33,9 @@ class EmbedJob:
         if result.vector is None:
             return  # some of the row's stages ran: the rest come in later steps
         effects.finished[row] = SequenceStatus.FINISHED_STOPPED
-        encoder = ctx.poolers.get(self.params.task)  # the encoder of its task (none given: the embedder's vectors)
+        encoder = ctx.poolers.get(self.params.task)  # the encoder of its task (none given: a plain embedding)
         self.vectors[row.index] = (encoder.finish_row(result.vector, self.params) if encoder is not None
-                                   else ctx.embedder.finish(result.vector, self.params))
+                                   else Embedder.finish(result.vector, self.params))
         self.remaining -= 1
         if not self.remaining:
             self.finished = True

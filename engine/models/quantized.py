@@ -115,6 +115,13 @@ def weight_format(model: nn.Module) -> str:
     return "gguf " + " + ".join(sorted(formats)) + f" (+ {dense_name} norms)"
 
 
+def layer_formats(model: nn.Module) -> list[str]:
+    """The formats of the quantized projections inside the model's layers (what a prefill chunk multiplies; the LM
+    head takes one row per sequence), sorted."""
+    layers = getattr(getattr(model, "model", model), "layers", model)
+    return sorted({m.qweight.fmt for m in layers.modules() if isinstance(m, QuantizedLinear)})
+
+
 def int8_activation_formats(model: nn.Module) -> list[str]:
     """The weight formats of the model's quantized linears that multiply int8 activations at small M under their
     setting (`quant.takes_int8`: every block format with "int8", the K-quants with "auto"), sorted."""

@@ -40,10 +40,12 @@ from starlette.routing import Route
 from service.auth import TokenTable
 from service.core import CoreAPI, GenerateEvent, GenerateInput, GenerationStream, RerankInput, RerankOutcome
 from service.core import EmbedInput, EmbedOutcome, ServedModel
+from service import kinds
 from service.errors import ServiceError
-from service.http import classify_schema, embed_schema, openai_schema, openapi, rerank_schema, tokens_schema
+from service.http import embed_schema, openai_schema, openapi, rerank_schema, tokens_schema
 from service.http.errors import HttpError, Shape
 from service.http.hosts import host_allowed
+from service.http.kind_routes import KindRoute, kind_routes
 from service.http.openai_output import Completion
 
 log = logging.getLogger("tandem.http")
@@ -140,7 +142,7 @@ def build_app(door: Door) -> Starlette:
               Route("/healthz", functools.partial(_ready, door), methods=["GET"]),
               Route("/ready", functools.partial(_ready, door), methods=["GET"]),
               Route("/metrics", functools.partial(_metrics, door), methods=["GET"])]
-    routes += [route(path, handler, shape, ["POST"]) for path, handler, shape in EMBED_ROUTES]
+    routes += [route(path, handler, shape, ["POST"]) for path, handler, shape in (*EMBED_ROUTES, *POOLED_ROUTES)]
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         what = "no such route" if exc.status_code == 404 else exc.detail
@@ -152,13 +154,10 @@ def build_app(door: Door) -> Starlette:
 
 
 def _kind(path: str) -> str:
-    """What a route's requests are, for the lifecycle hooks: generate, rerank, embed, or the route itself."""
-    if path in ("/v1/chat/completions", "/v1/completions"):
-        return "generate"
-    if path.endswith("rerank"):
-        return "rerank"
-    return "embed" if path.endswith(("embed", "embeddings", "embed_all", "embed_sparse", "predict", "classify")) \
-        else path
+    """What a route's requests are, for the lifecycle hooks: its kind's label (service/kinds.py), or the route
+    itself."""
+    kind = kinds.by_route(path)
+    return kind.label if kind is not None else path
 
 
 def _check_json(request: Request) -> None:
@@ -493,30 +492,21 @@ async def _tei_embed_all(door: Door, request: Request) -> Response:
     return JSONResponse((await _embed(door, request, body.to_input())).embeddings)
 
 
-# ---- classification and sparse embeddings (the embedding request on the classifier, the sparse embedder) -----
+# ---- the kinds served by an encoder of their own (classification, sparse embeddings) ---------------------------
 
-async def _tei_predict(door: Door, request: Request) -> Response:
-    door.authorize(request, "Classify")
-    body = openai_schema.parse(classify_schema.TeiPredict, await request.body())
-    outcome = await _unary(door, request, door.core.classify, body.to_input())
-    return JSONResponse(classify_schema.tei_predict_response(outcome, body.single))
-
-
-async def _vllm_classify(door: Door, request: Request) -> Response:
-    door.authorize(request, "Classify")
-    body = openai_schema.parse(classify_schema.VllmClassify, await request.body())
-    outcome = await _unary(door, request, door.core.classify, body.to_input())
-    return JSONResponse(classify_schema.vllm_classify_response(outcome, body.model or outcome.model))
-
-
-async def _tei_embed_sparse(door: Door, request: Request) -> Response:
-    door.authorize(request, "EmbedSparse")
-    body = openai_schema.parse(classify_schema.TeiEmbedSparse, await request.body())
-    outcome = await _unary(door, request, door.core.embed_sparse, body.to_input())
-    return JSONResponse(classify_schema.tei_sparse_response(outcome))
+def _pooled_route(kind: kinds.Kind, route: KindRoute) -> Callable[[Door, Request], Awaitable[Response]]:
+    """The handler of one route of a kind served by an encoder of its own: its body (the kind's door schema), the
+    core's pool call for the kind, the outcome in the route's shape."""
+    async def handler(door: Door, request: Request) -> Response:
+        door.authorize(request, kind.grpc_method)
+        body = openai_schema.parse(route.body, await request.body())
+        outcome = await _unary(door, request, functools.partial(door.core.pool, kind.task), body.to_input())
+        return JSONResponse(route.respond(outcome, body))
+    return handler
 
 
 EMBED_ROUTES = (("/v1/embeddings", _openai_embeddings, Shape.OPENAI), ("/embed", _tei_embed, Shape.TEI),
-                ("/embed_all", _tei_embed_all, Shape.TEI), ("/v2/embed", _cohere_embed, Shape.COHERE),
-                ("/predict", _tei_predict, Shape.TEI), ("/classify", _vllm_classify, Shape.OPENAI),
-                ("/embed_sparse", _tei_embed_sparse, Shape.TEI))
+                ("/embed_all", _tei_embed_all, Shape.TEI), ("/v2/embed", _cohere_embed, Shape.COHERE))
+# Each pooled kind's routes, as service/kinds.py names them and its door schema module answers them.
+POOLED_ROUTES = tuple((path, _pooled_route(kind, route), route.shape)
+                      for kind in kinds.pooled() for path, route in kind_routes(kind).items())

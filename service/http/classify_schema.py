@@ -1,13 +1,15 @@
 """Classification and sparse-embedding bodies: TEI's /predict (one text or a batch, `raw_scores`), vLLM's /classify
 and TEI's /embed_sparse, to the core API's EmbedInput (the embedding request, run by the classifier or the sparse
-embedder: CoreAPI.classify / embed_sparse), and the outcomes back to each shape."""
+embedder: CoreAPI.pool), and the outcomes back to each shape. `ROUTES`: each route's body, answer and shape, which
+the HTTP door serves for the routes service/kinds.py gives these kinds (service/http/kind_routes.py)."""
 from __future__ import annotations
 
 from typing import Union
 
 from engine.config import EmbedParams
-from service.core import ClassifyOutcome, EmbedInput, SparseOutcome
-from service.http.errors import HttpError
+from service.core import EmbedInput, PooledOutcome
+from service.http.errors import HttpError, Shape
+from service.http.kind_routes import KindRoute
 from service.http.openai_schema import refuse_extras
 from service.http.rerank_schema import TEI_CUT_HINT
 from service.http.embed_schema import _Model
@@ -68,11 +70,11 @@ def _sequence(value: list[str], where: str) -> str | tuple[str, str]:
                     param="inputs")
 
 
-def tei_predict_response(outcome: ClassifyOutcome, single: bool) -> list:
+def tei_predict_response(outcome: PooledOutcome, single: bool) -> list:
     """Per input, every label with its score, highest first (TEI's order); one input (a string, ["text"] or a pair
     ["text", "text_pair"], not a batch): its one list."""
     ranked = [sorted(({"label": label, "score": s} for label, s in zip(outcome.labels, scores)),
-                     key=lambda x: -x["score"]) for scores in outcome.scores]
+                     key=lambda x: -x["score"]) for scores in outcome.outputs]
     return ranked[0] if single else ranked
 
 
@@ -95,9 +97,9 @@ class VllmClassify(_Model):
                           cut_hint="send truncate_prompt_tokens: -1 to cut it at the classifier's limit")
 
 
-def vllm_classify_response(outcome: ClassifyOutcome, model: str) -> dict:
+def vllm_classify_response(outcome: PooledOutcome, model: str) -> dict:
     data = [{"index": i, "label": outcome.labels[max(range(len(p)), key=p.__getitem__)], "probs": p,
-             "num_classes": len(p)} for i, p in enumerate(outcome.scores)]
+             "num_classes": len(p)} for i, p in enumerate(outcome.outputs)]
     tokens = outcome.usage.prompt_tokens
     return {"id": f"classify-{outcome.id}", "object": "list", "created": 0, "model": model, "data": data,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
@@ -119,6 +121,15 @@ class TeiEmbedSparse(_Model):
         return EmbedInput("", inputs, params, cut_hint=TEI_CUT_HINT)
 
 
-def tei_sparse_response(outcome: SparseOutcome) -> list:
+def tei_sparse_response(outcome: PooledOutcome) -> list:
     """Per input, its non-zero weights as [{index, value}], vocabulary id order (TEI's shape)."""
-    return [[{"index": i, "value": v} for i, v in vec] for vec in outcome.vectors]
+    return [[{"index": i, "value": v} for i, v in vec] for vec in outcome.outputs]
+
+
+ROUTES = {
+    "/predict": KindRoute(TeiPredict, lambda outcome, body: tei_predict_response(outcome, body.single), Shape.TEI),
+    "/classify": KindRoute(VllmClassify, lambda outcome, body: vllm_classify_response(outcome,
+                                                                                      body.model or outcome.model),
+                           Shape.OPENAI),
+    "/embed_sparse": KindRoute(TeiEmbedSparse, lambda outcome, body: tei_sparse_response(outcome), Shape.TEI),
+}

@@ -49,15 +49,15 @@ class CohereRerank(_Model):
         if self.max_chunks_per_doc is not None and self.max_chunks_per_doc < 1:
             raise HttpError(400, f"max_chunks_per_doc must be >= 1, got {self.max_chunks_per_doc}",
                             param="max_chunks_per_doc")
-        params = _params(top_n=None if self.top_n is None else _int32(self.top_n, "top_n"),
-                         truncate="none" if self.truncate is False else "end",
-                         return_documents=default_return_documents if self.return_documents is None
-                         else self.return_documents,
+        params = _params(truncate="none" if self.truncate is False else "end",
                          instruction=self.instruction, priority=_int32(self.priority or 0, "priority"),
                          max_windows=self.max_chunks_per_doc)
-        return RerankInput("", self.query, self.texts(), params, model=self.model,
-                           max_tokens_per_doc=self.max_tokens_per_doc,
-                           cut_hint="send truncate: true (or leave it out) to cut it at its end")
+        return _input("", self.query, self.texts(), params, model=self.model,
+                      max_tokens_per_doc=self.max_tokens_per_doc,
+                      cut_hint="send truncate: true (or leave it out) to cut it at its end",
+                      top_n=None if self.top_n is None else _int32(self.top_n, "top_n"),
+                      return_documents=default_return_documents if self.return_documents is None
+                      else self.return_documents)
 
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
@@ -82,15 +82,22 @@ class TeiRerank(_Model):
         if self.raw_scores:
             raise HttpError(400, f"raw_scores is not supported: {_UNSUPPORTED['raw_scores']}", param="raw_scores")
         refuse_extras(self)
-        return RerankInput("", self.query, list(self.texts),
-                           _params(truncate="end" if self.truncate else "none", return_documents=bool(self.return_text),
-                                   instruction=self.instruction, max_windows=self.max_windows),
-                           cut_hint=TEI_CUT_HINT)
+        return _input("", self.query, list(self.texts),
+                      _params(truncate="end" if self.truncate else "none", instruction=self.instruction,
+                              max_windows=self.max_windows),
+                      cut_hint=TEI_CUT_HINT, return_documents=bool(self.return_text))
 
 
 def _params(**kwargs) -> RerankParams:
     try:
         return RerankParams(**kwargs)
+    except ValueError as exc:
+        raise HttpError(400, str(exc)) from None
+
+
+def _input(*args, **kwargs) -> RerankInput:
+    try:
+        return RerankInput(*args, **kwargs)
     except ValueError as exc:
         raise HttpError(400, str(exc)) from None
 

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine import EngineConfig, GenerateSpec, RerankSpec, SamplingParams
-from engine.request import SequenceStatus
+from engine.request import SeqKind, SequenceStatus
 from tests.engine.conftest import assert_no_leaks, make_llm
 
 LONG = "Tell me everything you know about the history of mathematics, from Babylon to today. " * 6
@@ -30,7 +30,7 @@ def _drain(engine):
 
 def _seq(engine, rid):
     sched = engine.scheduler
-    return next(s for s in [*sched.running, *sched.waiting] if s.request_id == rid)
+    return next(s for s in [*sched.running, *sched.queues[SeqKind.GENERATE]] if s.request_id == rid)
 
 
 def test_aborts_everywhere_free_all_blocks():

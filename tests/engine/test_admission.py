@@ -7,7 +7,6 @@ keep the prediction under the target) or with the OnlineStepTime it would use in
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 
@@ -16,7 +15,7 @@ from engine.cadence import CadenceGuard
 from engine.config import EngineConfig
 from engine.outputs import StepRecord
 from engine.request import SeqKind, SequenceStatus
-from engine.step_time import LinearStepTime, OnlineStepTime, StepShape
+from engine.step_time import TokenKind, LinearStepTime, OnlineStepTime, StepShape
 from tests.engine.test_scheduler import Sim, decode_ids, toks
 
 # Seconds: an LLM forward costs 10 ms, each decode row 1 ms, prompt and LLM-scored pair tokens 0.2 ms, a cross-encoder
@@ -28,13 +27,11 @@ T = 0.0205  # 4 decodes: 14 ms, so 6.5 ms of headroom: 45 cross-encoder tokens a
 
 def record_of(batch, seconds: float, predicted: float | None = None, start: float = 0.0) -> StepRecord:
     return StepRecord(step=0, start_time=start, duration_s=seconds, decode_tokens=batch.num_decode_tokens,
-                      prefill_tokens=batch.num_prefill_tokens, cached_tokens=0, rerank_pairs=batch.num_rerank_pairs,
-                      rerank_tokens=batch.num_rerank_tokens, num_seqs=len(batch), budget=0, kv_blocks_total=1,
+                      cached_tokens=0, tokens=batch.tokens, rows=batch.rows, rows_done=batch.rows_done,
+                      num_seqs=len(batch), budget=0, kv_blocks_total=1,
                       kv_blocks_free=1, kv_blocks_cached=0, preempted=0, num_running=0, num_waiting=0,
-                      request_ids=[], decode_context_tokens=batch.num_decode_context_tokens,
-                      cross_encoder_tokens=batch.num_cross_encoder_tokens, predicted_s=predicted,
-                      target_s=batch.target_s, limit_s=batch.limit_s, planned=batch.planned, owed=batch.owed,
-                      embed_tokens=batch.num_embed_tokens, embed_rows=batch.num_embed_rows)
+                      request_ids=[], decode_context_tokens=batch.num_decode_context_tokens, predicted_s=predicted,
+                      target_s=batch.target_s, limit_s=batch.limit_s, planned=batch.planned, owed=batch.owed)
 
 
 class ClockSim(Sim):
@@ -145,7 +142,7 @@ def share_of(sim: Sim, kind: str, steps: range) -> float:
         shape = StepShape.of_batch(sim.batches[i])
         decodes = StepShape(shape.decode_rows, shape.decode_context_tokens)
         if getattr(shape, kind):  # its part of the step's true price, of the step's time (a slowed step's too)
-            part = true.predict(replace(decodes, **{kind: getattr(shape, kind)})) - true.predict(decodes)
+            part = true.predict(decodes.with_tokens(TokenKind(kind), getattr(shape, kind))) - true.predict(decodes)
             spent += part / true.predict(shape) * sim.seconds[i]
         total += sim.seconds[i]
     return spent / total
@@ -233,7 +230,7 @@ def test_with_a_share_set_the_scoring_rows_get_that_share_of_a_long_run(decode_s
     assert not all(r.status.finished for r in rows)  # still a flood: the share, not the whole step
 
 
-def test_under_the_automatic_target_a_chats_prompt_comes_on_top_of_the_scoring_share():
+def test_under_the_automatic_target_a_chats_prompt_comes_on_top_of_the_rerank_share():
     """Under the automatic target a chat's prompt is the chats' own time (the chat waiting to join is already a decode
     row of T): while a late chat's 400-token prompt is chunked beside 4 decodes, the embedding flood still gets all
     the time T leaves beside the decodes, as with no prompt waiting (not half of it, as two kinds of equal weight),
@@ -259,7 +256,7 @@ def test_under_the_automatic_target_a_chats_prompt_comes_on_top_of_the_scoring_s
         shape = StepShape.of_batch(batch)
         decodes = StepShape(shape.decode_rows, shape.decode_context_tokens)
         assert shape.decode_rows == 4
-        embed_s += true.predict(replace(decodes, embed_tokens=shape.embed_tokens)) - true.predict(decodes)
+        embed_s += true.predict(decodes.with_tokens(TokenKind.EMBED, shape.embed_tokens)) - true.predict(decodes)
         free_s += batch.target_s - true.predict(decodes)
         assert sim.predicted[i] > batch.target_s  # the prompt rode on top of T
     assert embed_s / free_s == pytest.approx(1.0, rel=0.1)
@@ -326,7 +323,7 @@ def test_a_flood_that_aged_past_the_decodes_priority_is_still_held_to_the_object
         sim.step()
     during = [i for i, b in enumerate(sim.batches) if i > 1 and b.num_decode_tokens == 4]
     assert len(during) >= 130
-    assert sim.sched.waiting_rerank.peek_keyed(sim.sched.num_steps)[0][0] < 0  # the flood did age past the chats
+    assert sim.sched.queues[SeqKind.RERANK].peek_keyed(sim.sched.num_steps)[0][0] < 0  # the flood did age past the chats
     assert all(sim.seconds[i] <= T and pairs_in(sim.batches[i]) == most_pairs(4, 10) for i in during)
     assert not all(p.status.finished for p in pairs)
     sim.run()
@@ -660,9 +657,9 @@ def test_a_bad_guard_is_refused(kw):
 
 
 def test_tpot_target_ms_selects_the_objective():
-    policy = policy_for(EngineConfig(num_kv_blocks=16, block_size=4, tpot_target_ms=40, rerank_share=0.3))
+    policy = policy_for(EngineConfig(num_kv_blocks=16, block_size=4, tpot_target_ms=40, scoring_share=0.3))
     assert isinstance(policy, LatencyAdmission)
-    assert policy.tpot_target_s == pytest.approx(0.040) and policy.rerank_share == 0.3
+    assert policy.tpot_target_s == pytest.approx(0.040) and policy.scoring_share == 0.3
     assert isinstance(policy.model, OnlineStepTime)
     assert isinstance(policy.cadence, CadenceGuard)
     auto = policy_for(EngineConfig(num_kv_blocks=16, block_size=4))  # on by default, the automatic target

@@ -104,10 +104,10 @@ def test_sampling_params_rejects_non_integer_seed(value):
     ("max_embed_inputs", 0),
     ("max_embed_inputs", -1),
     ("priority_aging_steps", 0),
-    ("rerank_share", 0.0),
-    ("rerank_share", 1.5),
-    ("rerank_share", -0.5),
-    ("rerank_share", math.nan),
+    ("scoring_share", 0.0),
+    ("scoring_share", 1.5),
+    ("scoring_share", -0.5),
+    ("scoring_share", math.nan),
     ("dtype", "float8"),
     ("dtype", "fp32"),
     ("dtype", "int8"),
@@ -137,7 +137,7 @@ def test_engine_config_defaults_and_boundaries_are_valid():
     assert cfg.dtype == "float32" and cfg.device == "cpu" and cfg.enable_prefix_caching
     for dtype in ("float32", "float16", "bfloat16"):
         assert EngineConfig(dtype=dtype).dtype == dtype
-    assert EngineConfig(rerank_share=1.0).rerank_share == 1.0
+    assert EngineConfig(scoring_share=1.0).scoring_share == 1.0
     assert EngineConfig(num_kv_blocks=1).num_kv_blocks == 1
     assert EngineConfig(scheduling="static").scheduling == "static"
     assert EngineConfig(max_num_batched_tokens=1, max_num_seqs=1, block_size=1).block_size == 1
@@ -162,9 +162,6 @@ def test_engine_config_rejects_non_positive_max_model_len(value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("top_n", 0),
-    ("top_n", -1),
-    ("top_n", 1.5),
     ("truncate", "start"),
     ("truncate", ""),
 ])
@@ -174,5 +171,10 @@ def test_rerank_params_rejects(field, value):
 
 
 def test_rerank_params_valid():
-    assert RerankParams().top_n is None
-    assert RerankParams(top_n=1, truncate="none").truncate == "none"
+    assert RerankParams(truncate="none").truncate == "none"
+
+
+def test_rerank_share_is_the_deprecated_name_of_scoring_share():
+    with pytest.warns(DeprecationWarning, match="scoring_share"):
+        cfg = EngineConfig(rerank_share=0.25)
+    assert cfg.scoring_share == 0.25

@@ -218,7 +218,7 @@ def test_the_engine_gives_every_row_of_a_request_its_deadline_from_its_price_alo
     engine = llm.engine
     engine.add_embed("emb", ["bees make honey", "stocks fell on Monday", "honey bees live in colonies"])
     engine.add_request("chat", "The capital of France is", SamplingParams(max_tokens=2))
-    queued = [*engine.scheduler.waiting_embed, *engine.scheduler.waiting]
+    queued = [*engine.scheduler.queues[SeqKind.EMBED], *engine.scheduler.queues[SeqKind.GENERATE]]
     rows = [s for s in queued if s.kind is SeqKind.EMBED]
     chat = next(s for s in queued if s.kind is SeqKind.GENERATE)
     assert len(rows) == 3 and len({r.deadline for r in rows}) == 1

@@ -80,7 +80,7 @@ def test_dense_is_the_embedders_cosine_ranking_with_no_llm_pair(dense_llm, st_co
 def test_dense_reports_the_embedders_tokens_and_truncate_none_refuses_a_cut_document(dense_llm):
     eng = dense_llm.engine
     long_doc = "honey " * 400
-    top = dense_llm.rerank(QUERY, [DOCS[0], long_doc], RerankParams(return_documents=True), ranked=True)
+    top = dense_llm.rerank(QUERY, [DOCS[0], long_doc], ranked=True, return_documents=True)
     by_index = {r.index: r for r in top}
     own = len(eng.embedder.tokenizer(DOCS[0], add_special_tokens=False).input_ids)
     assert by_index[0].document_tokens == own and not by_index[0].truncated
@@ -188,7 +188,7 @@ def test_each_text_is_tokenized_once_per_tokenizer(mode, dense_llm, cascade_llm)
 
 
 def test_max_document_tokens_cuts_each_document_in_the_tokens_of_the_model_reading_it(dense_llm, cascade_llm):
-    params = RerankParams(max_document_tokens=3, return_documents=True)
+    params = RerankParams(max_document_tokens=3)
     dense = dense_llm.rerank(QUERY, DOCS, params, ranked=True)
     assert {r.document_tokens for r in dense} == {3} and not any(r.truncated for r in dense)
     emb = dense_llm.engine.embedder.tokenizer

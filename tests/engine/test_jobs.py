@@ -9,7 +9,7 @@ import torch
 
 from engine.config import EmbedParams, RerankParams, SamplingParams
 from engine.detokenizer import TextStream
-from engine.embed import EmbedJob, Embedder
+from engine.embed import EmbedJob
 from engine.generation import Generation
 from engine.jobs import Job, JobContext, RowResult, StepEffects
 from engine.outputs import EmbedOutput, RerankOutput, TokenDelta
@@ -46,7 +46,7 @@ def _row(rid, tokens, kind=SeqKind.GENERATE, **kw) -> Sequence:
 
 def _ctx(tokenizer=None, scorer=None) -> JobContext:
     eos = {tokenizer.eos_token_id} if tokenizer is not None else set()
-    return JobContext(scorer or FakeScorer(), Embedder, eos, 2048)
+    return JobContext(scorer or FakeScorer(), eos, 2048)
 
 
 def _step(job: Job, results: list[tuple[Sequence, RowResult]], ctx: JobContext) -> StepEffects:

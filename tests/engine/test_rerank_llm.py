@@ -7,6 +7,7 @@ import torch
 
 from engine import RerankParams, SamplingParams
 from engine.admission import AdmissionPolicy, Grant, Quota
+from engine.outputs import check_top_n
 from engine.step_time import TokenKind
 from tests.engine.conftest import assert_no_leaks, make_llm, record_steps
 
@@ -111,8 +112,8 @@ def test_likelihood_query_span_is_never_taken_from_the_prefix_cache(llm):
 
 @pytest.mark.parametrize("mode", ["likelihood", "judge"])
 def test_pair_score_does_not_depend_on_batch_composition(mode):
-    # rerank_share 1.0: the whole remaining budget, so many pairs ride in one step beside the decodes
-    llm = make_llm(rerank_mode=mode, rerank_share=1.0, tpot_target_ms=None)
+    # scoring_share 1.0: the whole remaining budget, so many pairs ride in one step beside the decodes
+    llm = make_llm(rerank_mode=mode, scoring_share=1.0, tpot_target_ms=None)
     alone = llm.rerank(QUERY, [DOCS[2]])[0]
     eng = llm.engine
     for i in range(3):
@@ -150,21 +151,21 @@ def test_default_mode_ranks_the_obvious_document_first(llm):
 
 def test_ranked_results_honour_top_n_and_return_documents(llm):
     scores = llm.rerank(QUERY, DOCS)
-    ranked = llm.rerank(QUERY, DOCS, RerankParams(top_n=2, return_documents=True), ranked=True)
+    ranked = llm.rerank(QUERY, DOCS, ranked=True, top_n=2, return_documents=True)
     order = sorted(range(len(DOCS)), key=lambda i: -scores[i])[:2]
     assert [r.index for r in ranked] == order
     assert [r.document for r in ranked] == [DOCS[i] for i in order]
     assert [r.score for r in ranked] == pytest.approx([scores[i] for i in order], abs=1e-6)
     assert all(r.document is None for r in llm.rerank(QUERY, DOCS, ranked=True))
     with pytest.raises(ValueError, match="ranked=True"):
-        llm.rerank(QUERY, DOCS, RerankParams(top_n=2))
+        llm.rerank(QUERY, DOCS, top_n=2)
     assert_no_leaks(llm)
 
 
 def test_rerank_job_shares_steps_with_running_decodes(llm):
     """A job of many pairs is spread over many steps beside four decoding generations: none of their steps is skipped
     while it runs, their tokens are the ones they get alone, and no step passes the budget. Sized so the whole job runs
-    while the generations decode (24 pairs of ~30 tokens at rerank_share 0.5 of a 128-token step: ~12 steps, against
+    while the generations decode (24 pairs of ~30 tokens at scoring_share 0.5 of a 128-token step: ~12 steps, against
     their 32 tokens), so every step the job rides in is one where a skipped decode would show; 200 pairs (the old
     size) spent ~50 more steps scoring alone after the decodes ended, which tested nothing more."""
     prompts = [f"List facts about planet number {i}:" for i in range(4)]
@@ -221,9 +222,11 @@ def test_bad_rerank_input_names_the_field(llm, query, docs, params, field):
     assert_no_leaks(llm)
 
 
-def test_top_n_below_one_is_rejected():
+@pytest.mark.parametrize("top_n", [0, -1, 1.5])
+def test_top_n_below_one_is_rejected(top_n):
+    """top_n shapes the answer, not the engine's work: checked where the answer is ranked (rank_scores' callers)."""
     with pytest.raises(ValueError, match="top_n"):
-        RerankParams(top_n=0)
+        check_top_n(top_n)
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +239,7 @@ def test_long_document_is_truncated_by_default_and_the_result_says_so(short_llm)
     eng = short_llm.engine
     assert eng.model_info()["rerank_max_pair_tokens"] == 256
     assert "--max-model-len" in eng.model_info()["rerank_limit_by"]
-    ranked = short_llm.rerank(QUERY, ["honey " * 600, DOCS[0]], RerankParams(top_n=2), ranked=True)
+    ranked = short_llm.rerank(QUERY, ["honey " * 600, DOCS[0]], ranked=True, top_n=2)
     by_index = {r.index: r for r in ranked}
     pair = _pair_ids(eng, QUERY, ["honey " * 600])[0]
     fixed = len(pair.token_ids) - pair.document_tokens

@@ -33,11 +33,11 @@ def fake_token(rid: str, index: int) -> int:
 
 class Sim:
     def __init__(self, *, num_blocks=64, block_size=4, budget=32, max_seqs=16, aging=10**6,
-                 prefix_caching=True, scheduling="continuous", rerank_share=0.5, admission=None):
+                 prefix_caching=True, scheduling="continuous", scoring_share=0.5, admission=None):
         self.cfg = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
                                 max_num_seqs=max_seqs, priority_aging_steps=aging,
                                 enable_prefix_caching=prefix_caching, scheduling=scheduling,
-                                rerank_share=rerank_share, tpot_target_ms=None)
+                                scoring_share=scoring_share, tpot_target_ms=None)
         self.bs = block_size
         self.pool = BlockPool(num_blocks)
         self.kv = KVCacheManager(self.pool, block_size, prefix_caching)
@@ -204,7 +204,7 @@ class Sim:
             for i, h in enumerate(seq.block_hashes):
                 content = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 assert self.hash_content.setdefault(h, content) == content
-        for q in (sched.waiting, sched.waiting_rerank):
+        for q in (sched.queues[SeqKind.GENERATE], sched.queues[SeqKind.RERANK]):
             for seq in q:
                 assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
                 assert seq.block_table == [] and seq.block_hashes == [] and seq.num_computed_tokens == 0
@@ -390,7 +390,7 @@ def test_preemption_picks_lowest_priority_then_newest_and_victims_resume():
     assert [s.request_id for s in first.preempted] == ["a"]
     assert a.status is SequenceStatus.PREEMPTED and a.num_preemptions == 1
     assert a.block_table == [] and a.num_computed_tokens == 0
-    assert a in list(sim.sched.waiting)
+    assert a in list(sim.sched.queues[SeqKind.GENERATE])
     assert {"b", "c"} <= decode_ids(first)  # the survivors decoded in the same step
     batch = step_until(sim, lambda: len(sim.preempted) >= 2)
     assert sim.preempted == ["a", "c"]  # equal priority: the newer one goes
@@ -562,10 +562,10 @@ def test_rerank_pairs_are_atomic_and_leave_no_blocks(uses_kv):
     assert sim.finished_order.index("gen") > sim.finished_order.index("job/0")  # shared the steps
 
 
-def test_rerank_share_bounds_rerank_tokens_in_steps_with_decodes():
-    """While decodes run, rerank pairs get at most rerank_share of the remaining budget (or one whole pair),
+def test_scoring_share_bounds_rerank_tokens_in_steps_with_decodes():
+    """While decodes run, rerank pairs get at most scoring_share of the remaining budget (or one whole pair),
     so a rerank flood slows decodes by a bounded amount; steps without decodes take all the rerank they can."""
-    sim = Sim(num_blocks=256, budget=40, block_size=4, max_seqs=64, rerank_share=0.25)
+    sim = Sim(num_blocks=256, budget=40, block_size=4, max_seqs=64, scoring_share=0.25)
     for i in range(4):
         sim.add(f"gen{i}", toks(3, 10 * i), max_tokens=30)
     sim.add_rerank_job("flood", [], [toks(3, 300 + 5 * i) for i in range(60)], uses_kv=False)
@@ -652,10 +652,10 @@ def test_rerank_alone_uses_every_seat():
 
 
 @pytest.mark.parametrize("share,seats", [(0.1, 1), (0.25, 2), (0.5, 4), (0.75, 6), (1.0, 8)])
-def test_rerank_seats_while_generation_waits_follow_rerank_share(share, seats):
-    """While a generation waits, rerank pairs get max(1, int(rerank_share * free seats)); generation the rest.
-    rerank_share=1.0 gives rerank everything, as it does with the token budget."""
-    sim = Sim(num_blocks=512, budget=256, block_size=4, max_seqs=8, rerank_share=share)
+def test_rerank_seats_while_generation_waits_follow_scoring_share(share, seats):
+    """While a generation waits, rerank pairs get max(1, int(scoring_share * free seats)); generation the rest.
+    scoring_share=1.0 gives rerank everything, as it does with the token budget."""
+    sim = Sim(num_blocks=512, budget=256, block_size=4, max_seqs=8, scoring_share=share)
     _flood(sim, uses_kv=False)
     chats = [sim.add(f"chat{i}", toks(3, 9000 + 10 * i), max_tokens=50) for i in range(8)]
     batch = sim.step()
@@ -664,7 +664,7 @@ def test_rerank_seats_while_generation_waits_follow_rerank_share(share, seats):
     sim.run()
 
 
-def test_rerank_share_of_seats_counts_only_free_seats():
+def test_scoring_share_of_seats_counts_only_free_seats():
     """Running generations hold 6 of 8 seats: of the 2 free ones rerank gets one (never zero, so it cannot
     starve) and the waiting chat the other, instead of rerank taking both."""
     sim = Sim(num_blocks=512, budget=256, block_size=4, max_seqs=8)

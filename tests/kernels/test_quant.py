@@ -579,3 +579,60 @@ def test_the_walker_refuses_what_does_not_fit() -> None:
 
     with pytest.raises(RuntimeError, match="must be a tandem.paged_decode_qkv capsule"):
         quant._module().DecodeLayers(2, 1, 16, 1e-6, False, datetime.datetime_CAPI)
+
+
+# ---- the wide int8 GEMM (prefill chunks with int8 activations; avx2_int8.cpp gemm_int8_avx2) ---------------------
+
+
+@pytest.mark.skipif(quant.best_isa() < quant.CpuIsa.AVX2, reason="this CPU has no AVX2 + FMA + F16C")
+@pytest.mark.parametrize("fmt", quant.GEMM_INT8_FORMATS)
+def test_the_wide_int8_gemm_stays_within_the_bound_and_agrees_with_the_row_kernel(fmt: str) -> None:
+    isa = quant.CpuIsa.AVX2
+    assert quant.gemm_int8(isa, fmt)
+    module = quant._module()
+    for k, n in ((96, 37), (64, 16)):  # rows of W not a multiple of the 8-row groups, and a multiple
+        w = make(fmt, n, k, seed=k)
+        dense = reference_dense(w)
+        for m in (17, 70, 300):  # past small_m; a tile of 1-3 rows left over; several 64-row chunks of x
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * torch.linspace(0.01, 3, k)
+            x[0, :32] = 0.0  # an all-zero block (dx = 0)
+            got = quant.matmul(x, w, isa=isa, activations=quant.Activations.INT8)
+            assert torch.equal(got, module.quant_gemm_int8(x, w.data, quant.CPP_FORMATS[fmt], k, int(isa)))
+            assert bool(((got - x @ dense.T).abs() <= int8_bound(x, dense)).all())
+            xq = quantize_x_like_the_kernels(x)
+            err = (got - xq @ dense.T).abs()
+            bound = int8_roundoff_bound(xq, w)
+            assert bool((err <= bound).all()), float((err / bound).max())
+            # the same integers as the small-M int8 kernel: the two differ by float32 round-off only
+            rows = module.quant_matmul_int8(x, w.data, quant.CPP_FORMATS[fmt], k, int(isa))
+            assert bool(((got - rows).abs() <= 2 * bound).all())
+            # one row's result does not depend on the rows beside it
+            assert torch.equal(quant.matmul(x[:20], w, isa=isa, activations=quant.Activations.INT8), got[:20])
+
+
+def test_the_wide_int8_gemm_is_taken_on_the_avx2_path_only_and_not_for_other_formats() -> None:
+    for fmt in quant.GEMM_INT8_FORMATS:
+        assert not quant.gemm_int8(quant.CpuIsa.PORTABLE, fmt)
+        assert not quant.gemm_int8(quant.CpuIsa.AVX512, fmt)  # MKL's 16-lane GEMM or the bf16 one there
+    for fmt in ("Q8_0", "Q4_K", "Q6_K", "I8", "F16"):
+        assert not quant.gemm_int8(quant.CpuIsa.AVX2, fmt)
+    if quant.best_isa() >= quant.CpuIsa.AVX2:  # float32 activations keep the float32 GEMM at every width
+        w = make("Q4_1", 24, 64)
+        x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
+        got = quant.matmul(x, w, isa=quant.CpuIsa.AVX2)
+        assert_within_roundoff(got, x, reference_dense(w))
+        assert not torch.equal(got, quant.matmul(x, w, isa=quant.CpuIsa.AVX2, activations=quant.Activations.INT8))
+
+
+def test_the_prefill_path_names_how_each_format_is_multiplied_in_a_wide_step() -> None:
+    if not quant.available():
+        assert quant.prefill_path(None, quant.Activations.AUTO, ["Q4_1"]) == ""
+        return
+    for isa in [i for i in quant.CpuIsa if i <= quant.best_isa()]:
+        path = quant.CpuPath(isa)
+        assert quant.prefill_path(path, quant.Activations.FLOAT32, ["Q4_1"]) == (
+            f"Q4_1 float32 dequantize + BLAS GEMM ({isa.label})")
+        named = quant.prefill_path(path, quant.Activations.INT8, ["Q4_1", "Q8_0"])
+        if isa is quant.CpuIsa.AVX2:
+            assert named == "Q4_1 int8 GEMM, Q8_0 float32 dequantize + BLAS GEMM (avx2)"
+        assert quant.prefill_path(path, quant.Activations.AUTO, []) == ""

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from engine import RerankParams, SamplingParams
 from engine.outputs import TokenDelta
-from engine.request import SequenceStatus
+from engine.request import SeqKind, SequenceStatus
 from tests.reliability.tiny import ScriptedRunner, scripted_token, shared_tokenizer, tiny_engine
 
 # Words the tokenizer maps to a handful of tokens each: prompts of a chosen rough length.
@@ -109,7 +109,7 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(where=st.sampled_from(["running", "waiting", "any"]), data=st.data())
     def abort_live(self, where, data):
         sched = self.engine.scheduler
-        queued = {s.request_id for s in (*sched.waiting, *sched.waiting_rerank)}
+        queued = {s.request_id for s in (*sched.queues[SeqKind.GENERATE], *sched.queues[SeqKind.RERANK])}
         running = {s.request_id for s in sched.running}
         pick = {"running": running - queued, "waiting": queued - running}.get(where, set())
         choices = sorted(set(self._abortable()) & pick) or self._abortable()
@@ -197,7 +197,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _seqs_in_scheduler(self):
         sched = self.engine.scheduler
-        return [*sched.running, *sched.waiting, *sched.waiting_rerank]
+        return [*sched.running, *sched.queues[SeqKind.GENERATE], *sched.queues[SeqKind.RERANK]]
 
     # ---- invariants after every rule --------------------------------------------------------------------
 
@@ -212,7 +212,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert seq.status is SequenceStatus.RUNNING
             assert len(set(seq.block_table)) == len(seq.block_table)
             holders.update(seq.block_table)
-        for queue in (sched.waiting, sched.waiting_rerank):
+        for queue in (sched.queues[SeqKind.GENERATE], sched.queues[SeqKind.RERANK]):
             for seq in queue:
                 assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
                 assert seq.block_table == [] and seq.num_computed_tokens == 0

@@ -53,7 +53,7 @@ def test_serve_help_groups_the_flags_and_shows_their_defaults(capsys):
                         ("--block-size", str(default.block_size)), ("--max-model-len", "the model's own context")):
         help_text = text[text.index(flag + " " + flag[2:].replace("-", "_").upper(), text.index("options:")):]
         assert f"(default: {shown}" in help_text[:400], flag
-    assert default.kv_cache_bytes == 2**30 and default.device == "cpu" and default.rerank_share == 0.5
+    assert default.kv_cache_bytes == 2**30 and default.device == "cpu" and default.scoring_share == 0.5
 
 
 def test_unset_flags_keep_the_server_config_defaults():
@@ -252,6 +252,15 @@ def test_the_reranker_help_says_what_scores_by_default():
     assert "the LLM scores pairs" not in text
     assert default_mode(EngineConfig(embedder=EMBEDDED_EMBEDDER)) is RerankMode.DENSE
     assert "default: none; reranks are then scored by the embedder's cosine" in text
+
+
+def test_rerank_share_is_the_deprecated_spelling_of_scoring_share(monkeypatch):
+    """--scoring-share was --rerank-share (the share predates embeddings): the old flag and its variable still work."""
+    parse = build_parser().parse_args
+    assert build_engine_config(parse(["serve", "--rerank-share", "0.25"])).scoring_share == 0.25
+    assert build_engine_config(parse(["serve", "--scoring-share", "0.3"])).scoring_share == 0.3
+    monkeypatch.setenv("TANDEM_RERANK_SHARE", "0.2")
+    assert build_engine_config(build_parser().parse_args(["serve"])).scoring_share == 0.2
 
 
 def test_every_flag_of_every_command_is_documented():

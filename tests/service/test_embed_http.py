@@ -195,7 +195,7 @@ def test_the_openapi_description_has_the_embedding_routes(http_url):
 
 def test_a_server_without_an_embedder_says_so_through_each_door(served, http_url, monkeypatch):
     monkeypatch.setattr(served.core, "info", dataclasses.replace(served.core.info, embedder=""))
-    monkeypatch.setattr(served.bridge.engine.intake, "embedder", None)  # the engine's intake is what refuses
+    monkeypatch.setattr(served.bridge.engine.intake, "poolers", {})  # the engine's intake is what refuses
     monkeypatch.setattr(served.bridge.engine.intake, "poolers", {})  # ... by the task's encoder, the embedder's none
     with httpx.Client(base_url=http_url, timeout=GUARD_S) as h:
         openai_ = h.post("/v1/embeddings", json={"input": "a"})

@@ -190,10 +190,13 @@ class socket_closed_port:
 def _record(**overrides):
     from engine.outputs import StepRecord
 
-    fields = dict(step=3, start_time=time.monotonic(), duration_s=0.05, decode_tokens=4, prefill_tokens=0,
-                  cached_tokens=0, rerank_pairs=2, rerank_tokens=60, num_seqs=6, budget=512, kv_blocks_total=10,
+    from engine.step_time import TokenKind
+
+    fields = dict(step=3, start_time=time.monotonic(), duration_s=0.05, decode_tokens=4,
+                  cached_tokens=0, tokens={TokenKind.CROSS_ENCODER: 60}, rows={TokenKind.CROSS_ENCODER: 2},
+                  num_seqs=6, budget=512, kv_blocks_total=10,
                   kv_blocks_free=5, kv_blocks_cached=1, preempted=0, num_running=4, num_waiting=9, request_ids=[],
-                  decode_context_tokens=400, cross_encoder_tokens=60)
+                  decode_context_tokens=400)
     return StepRecord(**(fields | overrides))
 
 
@@ -223,10 +226,12 @@ def test_a_step_sized_by_the_latency_objective_shows_predicted_vs_actual_in_its_
 def test_a_step_span_and_the_step_tokens_metric_count_embedding_rows_and_tokens():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+    from engine.step_time import TokenKind
+
     exporter = InMemorySpanExporter()
     tracing, metrics = TracingHooks(tracer_provider_from_env(exporter)), Metrics()
-    tracing.on_step(_record(embed_rows=3, embed_tokens=90))
-    metrics.on_step(_record(embed_rows=3, embed_tokens=90))
+    tracing.on_step(_record(tokens={TokenKind.CROSS_ENCODER: 60, TokenKind.EMBED: 90}, rows={TokenKind.CROSS_ENCODER: 2, TokenKind.EMBED: 3}))
+    metrics.on_step(_record(tokens={TokenKind.CROSS_ENCODER: 60, TokenKind.EMBED: 90}, rows={TokenKind.CROSS_ENCODER: 2, TokenKind.EMBED: 3}))
     tracing.shutdown()
     (span,) = exporter.get_finished_spans()
     assert (span.attributes["tandem.step.embed_rows"], span.attributes["tandem.step.embed_tokens"]) == (3, 90)

@@ -11,6 +11,9 @@
 // every format as unsigned bytes and its offset from the block sums) by float32 round-off only.
 #include "paths.h"
 
+#include <algorithm>
+#include <cstring>
+
 #ifdef TANDEM_AVX2
 
 namespace tandem {
@@ -243,6 +246,165 @@ void row_int8_avx2(int64_t fmt, const uint8_t* row, const Int8Rows& xq, int64_t 
     case Q5_0: return tiles(std::integral_constant<int64_t, Q5_0>{});
     case Q5_1: return tiles(std::integral_constant<int64_t, Q5_1>{});
     default: return tiles(std::integral_constant<int64_t, Q8_0>{});
+  }
+}
+
+// ---- the wide int8 GEMM (prefill chunks): Q4_0, Q4_1, Q5_0, Q5_1 ----------------------------------------------
+//
+// The small-M kernel above takes one output row at a time and pays, per block and row, a maddubs + madd, a
+// conversion and a scale: at 8 rows it is slower than float32. Past small_m the weights are first repacked, once
+// per call, for a register-blocked GEMM as llama.cpp's repacked q4_0x8 AVX2 GEMM lays them out: per group of 8
+// output rows (columns of y) and block of 32, 8 chunks of 32 bytes, chunk c holding elements 4c..4c+3 of each of
+// the 8 weight rows as unsigned bytes u (Q4: 0-15, Q5: 0-31), plus the 8 rows' d and b = m - c d (the weight is
+// d (u - c) + m = d u + b, c = 8 / 16 for Q4_0 / Q5_0, c = 0 with the min m for Q4_1 / Q5_1). A row of x's block
+// is then 8 broadcasts of 4 int8 values, each multiplied by one chunk with maddubs: lane j of the int32 sums is
+// weight row j's dot product, so 256 products cost 8 maddubs, their int16 sums (exact: at most 8 * 2 * 15 * 127 =
+// 30,480 for Q4, 4 chunks for Q5, 31,496) and one madd, and the block adds d dx sum(u qx) + b dx sum(qx) to 8
+// float lanes with two fma. The integer sums are those of the small-M kernel (the same quantize_block32 rows), so
+// the two kernels differ by float32 round-off only.
+
+namespace {
+
+constexpr int64_t G8_BYTES = 256;  // a group's block: 8 chunks x 8 rows x 4 bytes
+
+// The group of rows n0..n0+7 (rows past N zero), blocks [0, nb): bytes [nb][8 chunks][8 rows][4], d and b [nb][8].
+template <int64_t FMT>
+void repack_group8(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t n0, int64_t nb, uint8_t* out, float* dv,
+                   float* bv) {
+  constexpr int64_t BB = block_bytes(FMT);
+  constexpr int c = FMT == Q4_0 ? 8 : FMT == Q5_0 ? 16 : 0;
+  alignas(32) uint8_t u[8][32];
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int j = 0; j < 8; ++j) {
+      const int64_t n = n0 + j;
+      if (n >= N) {
+        std::memset(u[j], 0, 32);
+        dv[b * 8 + j] = 0.f;
+        bv[b * 8 + j] = 0.f;
+        continue;
+      }
+      const uint8_t* blk = w + n * row_bytes + b * BB;
+      __m256i q = block_bytes32<FMT>(blk);
+      if constexpr (c != 0) q = _mm256_add_epi8(q, _mm256_set1_epi8(c));  // signed q - c back to unsigned q
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u[j]), q);
+      const float d = fp16_to_fp32(blk);
+      dv[b * 8 + j] = d;
+      bv[b * 8 + j] = (FMT == Q4_1 || FMT == Q5_1) ? fp16_to_fp32(blk + 2) : -static_cast<float>(c) * d;
+    }
+    uint8_t* o = out + b * G8_BYTES;
+    for (int ch = 0; ch < 8; ++ch)
+      for (int j = 0; j < 8; ++j) std::memcpy(o + ch * 32 + j * 4, u[j] + ch * 4, 4);
+  }
+}
+
+// acc[r] for rows m0..m0+MR-1 of x over every block of one group; SUM chunks' int16 products are added before madd.
+template <int MR, int SUM>
+TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const float* bv, const int8_t* qx,
+                                     const float* dx, const float* sx, int64_t nb, float* y, int64_t ldy, int ncols) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i* w = reinterpret_cast<const __m256i*>(wq + b * G8_BYTES);
+    // each chunk of weights loaded once and multiplied into every row of the tile
+    __m256i s32[MR];
+    for (int c0 = 0; c0 < 8; c0 += SUM) {
+      __m256i s16[MR];
+      for (int c = c0; c < c0 + SUM; ++c) {
+        const __m256i wv = _mm256_load_si256(w + c);
+        for (int r = 0; r < MR; ++r) {
+          const uint8_t* xr = reinterpret_cast<const uint8_t*>(qx + (r * nb + b) * 32);
+          const __m256i p = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(static_cast<int>(load_u32(xr + 4 * c))));
+          s16[r] = c == c0 ? p : _mm256_add_epi16(s16[r], p);
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m256i s = _mm256_madd_epi16(s16[r], ones);
+        s32[r] = c0 == 0 ? s : _mm256_add_epi32(s32[r], s);
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(dv + b * 8);
+    const __m256 m = _mm256_loadu_ps(bv + b * 8);
+    for (int r = 0; r < MR; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    if (ncols == 8) {
+      _mm256_storeu_ps(y + r * ldy, acc[r]);
+    } else {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, acc[r]);
+      for (int j = 0; j < ncols; ++j) y[r * ldy + j] = t[j];
+    }
+  }
+}
+
+template <int64_t FMT>
+void gemm8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* y,
+           int threads) {
+  constexpr int SUM = (FMT == Q4_0 || FMT == Q4_1) ? 8 : 4;
+  const int64_t nb = K / 32, groups = (N + 7) / 8;
+  // x per block of 32 (quantize_block32: the small-M kernel's integers), dx and dx * sum(qx); rows in parallel
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dx(M * nb), sx(M * nb);
+  // the weights repacked per group of 8 rows (32 bytes of u per weight row and block, 1.6x the Q4 blocks)
+  std::vector<uint8_t> wq(groups * nb * G8_BYTES + 32);
+  uint8_t* wq_base = wq.data() + ((32 - reinterpret_cast<uintptr_t>(wq.data()) % 32) % 32);
+  std::vector<float> dv(groups * nb * 8), bv(groups * nb * 8);
+  // Rows of x in chunks that stay in L2 beside a group's weights while every group passes over them.
+  constexpr int64_t MC = 64;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < M * nb; ++i) {
+      float d;
+      const int s = quantize_block32(x + i * 32, qx.data() + i * 32, d);
+      dx[i] = d;
+      sx[i] = d * static_cast<float>(s);
+    }
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g)
+      repack_group8<FMT>(w, row_bytes, N, g * 8, nb, wq_base + g * nb * G8_BYTES, dv.data() + g * nb * 8,
+                         bv.data() + g * nb * 8);
+    for (int64_t mc = 0; mc < M; mc += MC) {
+      const int64_t mend = std::min(M, mc + MC);
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* wg = wq_base + g * nb * G8_BYTES;
+        const float* dg = dv.data() + g * nb * 8;
+        const float* bg = bv.data() + g * nb * 8;
+        const int ncols = static_cast<int>(std::min<int64_t>(8, N - g * 8));
+        int64_t m = mc;
+        for (; m + 4 <= mend; m += 4)
+          gemm8_tile<4, SUM>(wg, dg, bg, qx.data() + m * K, dx.data() + m * nb, sx.data() + m * nb, nb,
+                             y + m * N + g * 8, N, ncols);
+        switch (mend - m) {
+          case 3: gemm8_tile<3, SUM>(wg, dg, bg, qx.data() + m * K, dx.data() + m * nb, sx.data() + m * nb, nb,
+                                     y + m * N + g * 8, N, ncols); break;
+          case 2: gemm8_tile<2, SUM>(wg, dg, bg, qx.data() + m * K, dx.data() + m * nb, sx.data() + m * nb, nb,
+                                     y + m * N + g * 8, N, ncols); break;
+          case 1: gemm8_tile<1, SUM>(wg, dg, bg, qx.data() + m * K, dx.data() + m * nb, sx.data() + m * nb, nb,
+                                     y + m * N + g * 8, N, ncols); break;
+          default: break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool gemm_int8_format(int64_t fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1; }
+
+void gemm_int8_avx2(int64_t fmt, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N,
+                    float* y, int threads) {
+  switch (fmt) {
+    case Q4_0: return gemm8<Q4_0>(x, M, K, w, row_bytes, N, y, threads);
+    case Q4_1: return gemm8<Q4_1>(x, M, K, w, row_bytes, N, y, threads);
+    case Q5_0: return gemm8<Q5_0>(x, M, K, w, row_bytes, N, y, threads);
+    default: return gemm8<Q5_1>(x, M, K, w, row_bytes, N, y, threads);
   }
 }
 

@@ -30,6 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate-half RoPE of q and k in place");
   m.def("best_isa", &best_isa, "the widest CPU path in this build: 0 portable, 1 AVX2, 2 AVX-512");
   m.def("quant_matmul_int8", &quant_matmul_int8, "x @ dequantize(w).T with x quantized to int8 per block of 32");
+  m.def("quant_gemm_int8", &quant_gemm_int8, "the wide int8 GEMM: x @ dequantize(w).T, x per block of 32, w repacked");
+  m.def("has_gemm_int8", &has_gemm_int8, "whether CPU path isa has the wide int8 GEMM for format fmt");
   m.def("int8_kernel", &int8_kernel, "the int8-activation kernel of a CPU path: vnni, avx2 or '' (none)");
   m.def("quant_matmul", &quant_matmul, "x @ dequantize(w).T for small M (CPU, float32)");
   m.def("dequantize", &dequantize, "rows [start, start + count) as float32");

@@ -240,6 +240,35 @@ torch::Tensor quant_matmul_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, i
   return y;
 }
 
+// The wide int8 GEMM (avx2_int8.cpp gemm_int8_avx2): x [M, K] float32 quantized per block of 32, w: Q4_0 / Q4_1 /
+// Q5_0 / Q5_1 blocks, repacked per group of 8 rows; on the avx2 path and the avx512 path (AVX2 instructions).
+torch::Tensor quant_gemm_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, int64_t isa) {
+#ifdef TANDEM_AVX2
+  TORCH_CHECK(isa >= AVX2, "quant_gemm_int8: the int8 GEMM needs the avx2 or avx512 path");
+  check_isa(isa, "quant_gemm_int8");
+  TORCH_CHECK(gemm_int8_format(fmt), "quant_gemm_int8: Q4_0, Q4_1, Q5_0 or Q5_1 blocks, not format ", fmt);
+  check(w, fmt, K, torch::Tensor(), PORTABLE);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K,
+              "quant_gemm_int8: x must be float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  gemm_int8_avx2(fmt, x.data_ptr<float>(), M, K, static_cast<const uint8_t*>(w.data_ptr()), w.size(1), N,
+                 y.data_ptr<float>(), num_threads_for(N / 8));
+  return y;
+#else
+  TORCH_CHECK(false, "quant_gemm_int8: this build has no AVX2 path");
+#endif
+}
+
+bool has_gemm_int8(int64_t isa, int64_t fmt) {
+#ifdef TANDEM_AVX2
+  return isa >= AVX2 && isa <= best_isa() && gemm_int8_format(fmt);
+#else
+  return false;
+#endif
+}
+
 // Rows [start, start + count) of the weights as float32 [count, K].
 torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, int64_t start,
                          int64_t count, int64_t isa) {

@@ -52,6 +52,8 @@ torch::Tensor quant_matmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_
                            int64_t isa);
 torch::Tensor quant_matmul_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, int64_t isa);
 std::string int8_kernel(int64_t isa);
+torch::Tensor quant_gemm_int8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, int64_t isa);
+bool has_gemm_int8(int64_t isa, int64_t fmt);
 torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, int64_t start, int64_t count,
                          int64_t isa);
 torch::Tensor dequantize_bf16(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor scales, int64_t start,

@@ -69,6 +69,12 @@ struct Int8KRows {  // x [M, K] per super-block of 256 (quantize_block256, llama
   std::vector<int8_t> q_k4;  // q again, per 128 in the order of Q4_K's nibbles (order_rows_k4; avx512 path only)
 };
 Int8KRows quantize_rows_k(const float* x, int64_t M, int64_t K);
+// The wide int8 GEMM of prefill chunks (avx2_int8.cpp): y [M, N] = x [M, K] (quantized per block of 32 as the
+// small-M kernel quantizes it) @ dequantize(w).T for Q4_0, Q4_1, Q5_0, Q5_1 (`gemm_int8_format`), the weights
+// repacked per group of 8 rows first; `threads` OpenMP threads.
+bool gemm_int8_format(int64_t fmt);
+void gemm_int8_avx2(int64_t fmt, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N,
+                    float* y, int threads);
 // y[m * ldy] for every row of xq, integer dot products (maddubs + madd by the sub-block scales) with one row of a
 // K-quant's super-blocks (Q4_K, Q5_K, Q6_K); the avx2 path's (the avx512 path takes row_int8k_avx512).
 void row_int8k_avx2(int64_t fmt, const uint8_t* row, const Int8KRows& xq, int64_t M, int64_t K, float* y,

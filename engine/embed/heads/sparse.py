@@ -1,47 +1,22 @@
-"""The heads of the pooling tasks past plain embeddings (engine.config.PoolingTask): each loads an encoder as `Stages`
-(one per layer, as the embedder's) whose `end` turns a packed batch's final states into one row per input, so an
-Embedder runs them unchanged, in the same steps and stages as its own rows.
-
-* CLASSIFY: a sequence classifier (BERT / RoBERTa / XLM-R / ModernBERT, engine/models/encoder_loader.py, the
-  cross-encoder's loader) ending in its logits [B, num_labels]; its labels are config.json's id2label, sigmoid for
-  problem_type multi_label_classification, else softmax (as transformers' and TEI's pipelines).
-* SPARSE: a SPLADE masked-LM (BERT / RoBERTa / XLM-R with its MLM head) ending in one weight per vocabulary id
-  [B, vocab]: max over the row's tokens of log(1 + relu(logits)) (a packed row has no padding, so every token counts,
-  as the attention mask would have it).
+"""Sparse embeddings (PoolingTask.SPARSE; EngineConfig.sparse_embedder, `tandem serve --sparse-embedder`): a SPLADE
+masked-LM (BERT / RoBERTa / XLM-R with its MLM head) ending in one weight per vocabulary id [B, vocab]: max over the
+row's tokens of log(1 + relu(logits)) (a packed row has no padding, so every token counts, as the attention mask
+would have it); a row's output is its non-zero (vocabulary id, weight) pairs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from engine.config import EmbedParams, PoolingTask
 from engine.embed.encoders import _bert
+from engine.embed.heads import Encoder, Head, PoolingKind
 from engine.models.bert import FAMILIES
-from engine.models.encoder_loader import classifier_stages, load_encoder
 from engine.models.loader import load_state_dict
 from engine.models.stages import Stages
 from engine.settings import Settings
-
-
-@dataclass(frozen=True, slots=True)
-class Head:
-    """An encoder with a task head, as an Embedder runs it: its stages, its output width (labels or vocabulary), the
-    longest row its positions take, and a classifier's labels (id order) and activation."""
-    stages: Stages
-    width: int
-    max_tokens: int
-    labels: tuple[str, ...] = ()
-    multi_label: bool = False
-
-
-def load_classifier(path: Path, cfg: dict, device: torch.device, dtype: torch.dtype, settings: Settings) -> Head:
-    model, args, cfg = load_encoder(path, device, dtype, settings.kernels)
-    id2label = {int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
-    labels = tuple(id2label.get(i, f"LABEL_{i}") for i in range(args.num_labels))
-    return Head(classifier_stages(model, args), args.num_labels, args.max_tokens, labels,
-                cfg.get("problem_type") == "multi_label_classification")
 
 
 class _MaskedLMHead(nn.Module):
@@ -95,3 +70,13 @@ def load_splade(path: Path, cfg: dict, device: torch.device, dtype: torch.dtype,
         return torch.stack([torch.log1p(torch.relu(head(x[s:e]).float())).amax(0)
                             for s, e in zip(bounds[:-1], bounds[1:])])
     return Head(Stages(body.count, body.begin, body.run, end), decoder.shape[0], max_tokens)
+
+
+def _sparse(encoder: "Encoder", vector: torch.Tensor, params: EmbedParams) -> list[tuple[int, float]]:
+    """A sparse vector as its non-zero (vocabulary id, weight) pairs, id order."""
+    ids = vector.nonzero().flatten()
+    return list(zip(ids.tolist(), vector[ids].tolist()))
+
+
+KIND = PoolingKind(PoolingTask.SPARSE, "sparse_embedder", "--sparse-embedder", "sparse embedder (SPLADE)", _sparse,
+                   load_splade)
