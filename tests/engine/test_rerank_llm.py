@@ -119,13 +119,15 @@ def test_pair_score_does_not_depend_on_batch_composition(mode):
     for i in range(3):
         eng.add_request(f"g{i}", f"Write a poem about number {i}", SamplingParams(max_tokens=8, temperature=0.0))
     eng.step()  # generations are now decoding
-    others = [f"Filler document number {i} about {'bees ' * (i % 9)}honey." for i in range(63)]
+    # 24 pairs of ~15 tokens, the one under test in the middle: after the first pair (alone: it fills the query's
+    # prefix) the other 23 ride one step beside the decodes (64 pairs before: four such steps of 17, no more tested)
+    others = [f"Filler document number {i} about {'bees ' * (i % 9)}honey." for i in range(23)]
     records = record_steps(llm)
-    eng.add_rerank("crowded", QUERY, others[:31] + [DOCS[2]] + others[31:])
+    eng.add_rerank("crowded", QUERY, others[:11] + [DOCS[2]] + others[11:])
     outs = []
     while eng.has_unfinished():
         outs.extend(eng.step())
-    crowded = next(o for o in outs if o.request_id == "crowded").scores[31]
+    crowded = next(o for o in outs if o.request_id == "crowded").scores[11]
     assert abs(crowded - alone) <= 1e-5
     assert max(r.rerank_pairs for r in records) >= 12 and any(r.decode_tokens for r in records if r.rerank_pairs)
     assert_no_leaks(llm)
