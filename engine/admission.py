@@ -350,9 +350,14 @@ class LatencyAdmission(AdmissionPolicy):
     def quantum(self, view: StepView) -> float:
         """The time a step with no decodes is held to: the largest fixed cost of the waiting kinds' forwards over
         `overhead_share`."""
-        fixed = max(self.model.predict(_plus(StepShape(), w.kind, 1)) - self.model.token_cost_s(w.kind)
-                    for w in view.waiting)
-        return max(self.min_target_s, fixed) / self.overhead_share
+        return max(self.min_target_s, max(self._fixed_s(w, view.budget) for w in view.waiting)) / self.overhead_share
+
+    def _fixed_s(self, w: Waiting, budget: int) -> float:
+        """The fixed part of a step of `w`'s kind at the size it would run (what it waits with, up to the budget): the
+        kind's forward, and the wide path's jump where that many LLM rows cross the model's narrow path (a prompt's
+        chunk on a CPU pays it once a step, so chopping the chunk finer costs it again each time)."""
+        n = max(1, min(w.tokens, budget))
+        return self.model.predict(_plus(StepShape(), w.kind, n)) - n * self.model.token_cost_s(w.kind)
 
     def _quantum_plan(self, view: StepView) -> Quota:
         """No decodes to protect, deadlines on: the waiting work, most urgent priority first and earliest deadline

@@ -271,3 +271,18 @@ def test_with_no_decodes_a_step_is_held_to_a_quantum_so_a_question_waits_one_qua
         assert all(p <= quantum + 1e-9 for p in sim.predicted[1:])  # every step after the first held to it
     else:
         assert waited > 4 * quantum  # behind a whole 512-token chunk (1 s) or the wide steps (0.41 s each)
+
+
+def test_the_quantum_counts_the_wide_paths_jump_so_a_prompt_alone_keeps_its_whole_chunk():
+    """On a CPU a prompt's chunk past the narrow path's rows pays the wide path's jump (here 80 ms) once a step:
+    chopping it into quantum-sized pieces would pay it again each time. The quantum is the fixed part of a step at the
+    size the kind would run, so a 2,000-token prompt alone still prefills in whole 512-token chunks."""
+    wide = {**SLOW_PREFILL, "wide_forward": 0.080}
+    sim = DeadlineSim(LatencyAdmission(model=LinearStepTime(wide, wide_rows=16)), max_seqs=256)
+    sim.true = LinearStepTime(wide, wide_rows=16)
+    answer = sim.chat("answer", toks(2000, 50000), max_tokens=2)
+    for _ in range(3):
+        sim.step()
+    assert [b.num_prefill_tokens for b in sim.batches[:3]] == [512, 512, 512]
+    assert all(p > 1.0 for p in sim.predicted[:3])  # 10 + 80 ms + 512 x 2 ms each: within (10 + 80) / 0.05 = 1.8 s
+    sim.run_until([answer])
