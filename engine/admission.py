@@ -162,10 +162,13 @@ class LatencyAdmission(AdmissionPolicy):
     # at most one pace.
     stretch: float | None = 4.0  # None: no deadlines
     max_lend: float = 1.5  # the automatic pace: this many times the decodes' own step
-    # With deadlines and no decodes in the step, the step is held to a quantum: its forwards' fixed cost over this
-    # share (so the fixed costs stay that share of the step), the waiting work taken earliest deadline first; work
-    # that arrives meanwhile waits one quantum, not a whole prompt chunk or a wide batch of embedding rows.
-    overhead_share: float = 0.05
+    # With deadlines and no decodes in the step, the step may be held to a quantum: its forwards' fixed cost over
+    # this share (so the fixed costs stay that share of the step), the waiting work taken earliest deadline first;
+    # work that arrives meanwhile waits one quantum, not a whole prompt chunk or a wide batch of embedding rows.
+    # None (the default): off. Measured in bench.rag at 0.05 it made a lone RAG request's rerank 15-25% slower (a wide
+    # batch of embedding rows cut into 0.1 s steps costs more per row than the linear model says) and its idle TTFT
+    # 1.99 s against 1.64 s, with no gain under load (docs/latency-objective.md).
+    overhead_share: float | None = None
     scoring_share: float = 0.5  # the fallback's (no decodes in the step)
     fallback: AdmissionPolicy | None = None
     cadence: CadenceGuard | None = None
@@ -184,6 +187,8 @@ class LatencyAdmission(AdmissionPolicy):
         if not 0.0 < self.decode_share < 1.0 or not self.min_target_s > 0:
             raise ValueError(f"decode_share must be in (0, 1) and min_target_s > 0, got {self.decode_share!r}, "
                              f"{self.min_target_s!r}")
+        if self.overhead_share is not None and not 0.0 < self.overhead_share < 1.0:
+            raise ValueError(f"overhead_share must be in (0, 1) or None, got {self.overhead_share!r}")
         if (self.stretch is not None and not self.stretch >= 1.0) or not self.max_lend >= 1.0:
             raise ValueError(f"stretch and max_lend must be >= 1, got {self.stretch!r}, {self.max_lend!r}")
         unknown = set(self.weights) - set(TokenKind)
@@ -272,7 +277,8 @@ class LatencyAdmission(AdmissionPolicy):
         self.credit = credit
 
     def plan(self, view: StepView) -> Quota:
-        if view.decode_priority is None and self.model.ready and self.stretch is not None and view.waiting:
+        if (view.decode_priority is None and self.model.ready and self.stretch is not None and view.waiting
+                and self.overhead_share is not None):
             return self._quantum_plan(view)
         if view.decode_priority is None or not self.model.ready:
             # nothing to protect, or no prices yet (an engine not calibrated, in its first steps): plain budget

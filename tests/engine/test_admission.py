@@ -122,7 +122,8 @@ def test_llm_scored_pairs_are_costed_as_llm_tokens():
 
 
 def test_with_no_decodes_and_no_deadlines_rerank_takes_the_whole_budget_as_without_an_objective():
-    """(With deadlines, a step with no decodes is held to a quantum instead: tests/engine/test_deadlines.py.)"""
+    """(With deadlines and a quantum, overhead_share, a step with no decodes is held to it instead:
+    tests/engine/test_deadlines.py.)"""
     def batches(admission):
         sim = Sim(num_blocks=512, budget=256, block_size=4, max_seqs=8, admission=admission)
         sim.add_rerank_job("flood", toks(8, 500), [toks(4, 1000 + 4 * i) for i in range(100)])

@@ -186,7 +186,7 @@ def test_work_that_cannot_meet_its_deadline_is_served_late_never_starved():
     assert sum(b.num_embed_rows > 0 for b in after) > len(after) // 2  # the on-time flood kept going beside it
 
 
-@pytest.mark.parametrize("kw", [dict(stretch=0.5), dict(max_lend=0.9)])
+@pytest.mark.parametrize("kw", [dict(stretch=0.5), dict(max_lend=0.9), dict(overhead_share=1.0)])
 def test_a_bad_stretch_or_lend_is_refused(kw):
     with pytest.raises(ValueError):
         policy(**kw)
@@ -251,7 +251,8 @@ def test_with_no_decodes_a_step_is_held_to_a_quantum_so_a_question_waits_one_qua
     16,384 embedding tokens runs (wide steps of 4,096). A question's text that arrives after the first step is embedded
     within one quantum (the largest fixed forward cost over `overhead_share`: 10 ms / 0.05 = 0.2 s) plus its own
     price; without deadlines (stretch None) it waits out the whole chunk or wide step."""
-    sim = DeadlineSim(LatencyAdmission(model=LinearStepTime(SLOW_PREFILL), stretch=4.0 if deadlines else None),
+    sim = DeadlineSim(LatencyAdmission(model=LinearStepTime(SLOW_PREFILL), stretch=4.0 if deadlines else None,
+                                       overhead_share=0.05),
                       max_seqs=256)
     sim.true = LinearStepTime(SLOW_PREFILL)  # steps take what the policy's model says (the wide budget: 4,096)
     if ahead == "prompt":
@@ -278,7 +279,7 @@ def test_the_quantum_counts_the_wide_paths_jump_so_a_prompt_alone_keeps_its_whol
     chopping it into quantum-sized pieces would pay it again each time. The quantum is the fixed part of a step at the
     size the kind would run, so a 2,000-token prompt alone still prefills in whole 512-token chunks."""
     wide = {**SLOW_PREFILL, "wide_forward": 0.080}
-    sim = DeadlineSim(LatencyAdmission(model=LinearStepTime(wide, wide_rows=16)), max_seqs=256)
+    sim = DeadlineSim(LatencyAdmission(model=LinearStepTime(wide, wide_rows=16), overhead_share=0.05), max_seqs=256)
     sim.true = LinearStepTime(wide, wide_rows=16)
     answer = sim.chat("answer", toks(2000, 50000), max_tokens=2)
     for _ in range(3):
