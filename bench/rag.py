@@ -67,7 +67,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from bench.host import cpu_identity
-from bench.rag_steps import Stage, Stamps, explain, read_steps, summary_line
+from bench.rag_steps import Stage, Stamps, explain, read_steps, summary_line, within
 from bench.report import RESULTS, percentile, rotated, rounded
 
 DEFAULT_RATES = (0.05, 0.1, 0.2, 0.3)
@@ -576,14 +576,15 @@ def judge_session(got: dict, slo: Slo, attainment: float) -> dict:
     idle = got["idle"]
     idle_stages = {s: statistics.median(getattr(r, s.value) for r in idle if getattr(r, s.value) is not None)
                    for s in Stage if any(getattr(r, s.value) is not None for r in idle)}
+    step_log = read_steps(Path(got["step_log"])) if got.get("step_log") else None  # tandem: read once a session
     for rate, phase in got["rates"].items():
         v = judge(rate, phase["records"], slo, attainment)
         verdicts.append(v)
         summaries = [r.summary() for r in phase["records"]]
         rates[f"{rate:g}"] = {"summary": rate_summary(phase["records"], v), "background": phase["background"],
                               "records": summaries}
-        if got.get("step_log"):  # tandem: the step log's reasons for each miss
-            steps = read_steps(Path(got["step_log"]), *phase["window"])
+        if step_log is not None:  # tandem: the step log's reasons for each miss
+            steps = within(step_log, *phase["window"])
             stamps = [r.stamps or Stamps(float("nan")) for r in phase["records"]]
             rates[f"{rate:g}"]["why"] = explain(summaries, stamps, steps, slo.ttft_s, slo.tpot_s, idle_stages)
     idle_ttfts = [r.ttft_s for r in idle if r.started]

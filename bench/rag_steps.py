@@ -62,9 +62,8 @@ def read_steps(path: Path, since: float = float("-inf"), until: float = float("i
             r = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if since <= r["start_time"] <= until:
-            out.append(r)
-    return sorted(out, key=lambda r: r["start_time"])
+        out.append(r)
+    return within(sorted(out, key=lambda r: r["start_time"]), since, until)
 
 
 def _end(r: dict) -> float:
@@ -73,6 +72,16 @@ def _end(r: dict) -> float:
 
 def _overlapping(steps: list[dict], t0: float, t1: float) -> list[dict]:
     return [r for r in steps if r["start_time"] < t1 and _end(r) > t0]
+
+
+def _busy(steps: list[dict], t0: float, t1: float) -> float:
+    """Seconds of (t0, t1) the given steps ran."""
+    return sum(min(_end(r), t1) - max(r["start_time"], t0) for r in steps)
+
+
+def within(steps: list[dict], since: float, until: float) -> list[dict]:
+    """The records of `steps` (in order) that started in [since, until]."""
+    return [r for r in steps if since <= r["start_time"] <= until]
 
 
 def _shape(r: dict) -> dict:
@@ -95,8 +104,7 @@ def gap_reason(steps: list[dict], t0: float, t1: float, slo_s: float) -> tuple[G
         over = predicted is not None and predicted > slo_s
         return (GapReason.ADMITTED_OVER if over else GapReason.OVERRAN), shape
     ended = [r for r in inside if t0 < _end(r) <= t1]
-    busy = sum(min(_end(r), t1) - max(r["start_time"], t0) for r in inside)
-    if len(ended) >= 2 and busy > slo_s:
+    if len(ended) >= 2 and _busy(inside, t0, t1) > slo_s:
         return GapReason.SKIPPED, shape
     return GapReason.BETWEEN_STEPS, shape
 
@@ -105,8 +113,7 @@ def stage_mix(steps: list[dict], window: tuple[float, float]) -> dict:
     """What the engine did in `window`: the share of it spent in steps, and each kind's tokens in those steps."""
     t0, t1 = window
     inside = _overlapping(steps, t0, t1)
-    busy = sum(min(_end(r), t1) - max(r["start_time"], t0) for r in inside)
-    return {"steps": len(inside), "busy_share": busy / (t1 - t0) if t1 > t0 else None,
+    return {"steps": len(inside), "busy_share": _busy(inside, t0, t1) / (t1 - t0) if t1 > t0 else None,
             **{k: sum(r.get(k, 0) for r in inside) for k in KINDS},
             "waiting_max": max((r.get("num_waiting", 0) for r in inside), default=0)}
 
