@@ -44,6 +44,12 @@ def _lenient(cls: type[Message]) -> Callable[[bytes], Any]:
     return parse
 
 
+def rpc_types(method: str) -> tuple[type[Message], type[Message]]:
+    """RPC `method`'s request and response message classes, read off the service descriptor."""
+    rpc = _SERVICE.methods_by_name[method]
+    return getattr(pb, rpc.input_type.name), getattr(pb, rpc.output_type.name)
+
+
 def add_tandem_servicer(servicer: Any, server: grpc.aio.Server) -> None:
     """Like the generated add_TandemServicer_to_server, with lenient request parsing."""
     handlers = {
@@ -64,9 +70,9 @@ def add_tandem_servicer(servicer: Any, server: grpc.aio.Server) -> None:
             response_serializer=pb.ModelInfoResponse.SerializeToString),
     }
     for kind in pooled():  # each kind served by an encoder of its own: one unary RPC, its types the service's
-        method = _SERVICE.methods_by_name[kind.grpc_method]
+        request, response = rpc_types(kind.grpc_method)
         handlers[kind.grpc_method] = grpc.unary_unary_rpc_method_handler(
-            servicer.pooled(kind), request_deserializer=_lenient(getattr(pb, method.input_type.name)),
-            response_serializer=getattr(pb, method.output_type.name).SerializeToString)
+            servicer.pooled(kind), request_deserializer=_lenient(request),
+            response_serializer=response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
