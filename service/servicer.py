@@ -15,6 +15,8 @@ import itertools
 from typing import Any, AsyncIterator, Callable
 
 import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
 
 from engine.config import EmbedParams, RerankParams, SamplingParams, StructuredOutputsParams
 from engine.outputs import Logprobs, TokenDelta
@@ -24,7 +26,7 @@ from service.core import CoreAPI, GenerateEvent, GenerateInput, RerankInput, Rer
 from service.core import EmbedInput, EmbedOutcome, PooledOutcome
 from service.errors import ErrorKind, ServiceError, invalid
 from service.kinds import Kind, Task
-from service.handlers import Unparseable
+from service.handlers import Unparseable, rpc_types
 from service.session import StreamSession
 
 _FORWARDED_METADATA = ("traceparent", "tracestate", "x-tandem-prefix")
@@ -224,8 +226,8 @@ class TandemServicer:
     def pooled(self, kind: Kind) -> Callable:
         """The unary handler of pooled kind `kind`'s RPC (handlers.py registers one for each kind in
         service/kinds.py pooled()): its request's texts (or text pairs) to CoreAPI.pool, its outcome to its response
-        message (POOLED_RESPONSES, by its method)."""
-        respond = POOLED_RESPONSES[kind.grpc_method]
+        message (pooled_response, one builder for every pooled kind)."""
+        respond = pooled_response(kind)
 
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
@@ -406,24 +408,35 @@ def rerank_response(outcome: RerankOutcome) -> pb.RerankResponse:
                              mode=str(outcome.mode), model=outcome.model)
 
 
-def _classify_response(outcome: PooledOutcome) -> pb.ClassifyResponse:
-    return pb.ClassifyResponse(
-        results=[pb.Classification(scores=[pb.LabelScore(label=label, score=s)
-                                           for label, s in zip(outcome.labels, scores)], truncated=t)
-                 for scores, t in zip(outcome.outputs, outcome.truncated)],
-        model=outcome.model, usage=_usage(outcome.usage))
+def items_field(response: Descriptor) -> FieldDescriptor:
+    """A pooled kind's response's one repeated message field: its items, one per input, input order."""
+    found = [f for f in response.fields if f.is_repeated and f.message_type is not None
+             and not f.message_type.GetOptions().map_entry]
+    if len(found) != 1:
+        raise TypeError(f"{response.full_name} has {len(found)} repeated message fields: a pooled kind's response "
+                        "repeats one item message, one per input")
+    return found[0]
 
 
-def _sparse_response(outcome: PooledOutcome) -> pb.EmbedSparseResponse:
-    return pb.EmbedSparseResponse(
-        embeddings=[pb.SparseEmbedding(indices=[i for i, _ in vec], values=[v for _, v in vec], truncated=t)
-                    for vec, t in zip(outcome.outputs, outcome.truncated)],
-        model=outcome.model, usage=_usage(outcome.usage))
+def pooled_response(kind: Kind) -> Callable[[PooledOutcome], Message]:
+    """Pooled kind `kind`'s response message from its outcome, built the same way for every such kind: its type is
+    its RPC's (read off the service descriptor, as handlers.py registers it); the one repeated message field in it
+    (items_field) gets one item per input, input order, filled from the kind's plain data (service/kinds.py
+    `grpc_item`: the output's fields) and `truncated`; then `model` and `usage`. The message's constructor fills
+    nested messages from dicts, and refuses a field the message has not (ValueError) or a value of the wrong type
+    (TypeError)."""
+    _, response = rpc_types(kind.grpc_method)
+    field, item = items_field(response.DESCRIPTOR), kind.grpc_item
+    if item is None or "truncated" not in field.message_type.fields_by_name:
+        raise TypeError(f"{kind.grpc_method}'s response cannot be built: it needs its kind's grpc_item "
+                        f"(service/kinds.py) and a `truncated` field in {field.message_type.full_name}")
+    items = field.name
 
-
-# A pooled kind's response message from its outcome, by its gRPC method (service/kinds.py's grpc_method).
-POOLED_RESPONSES: dict[str, Callable[[PooledOutcome], Any]] = {
-    "Classify": _classify_response, "EmbedSparse": _sparse_response}
+    def build(outcome: PooledOutcome) -> Message:
+        return response(**{items: [{**item(output, outcome.labels), "truncated": truncated}
+                                   for output, truncated in zip(outcome.outputs, outcome.truncated)]},
+                        model=outcome.model, usage=_usage(outcome.usage))
+    return build
 
 
 def embed_response(outcome: EmbedOutcome) -> pb.EmbedResponse:

@@ -142,14 +142,13 @@ def test_the_service_and_engine_registries_name_the_same_kinds():
 def test_each_pooled_kind_is_served_from_its_rows_alone():
     """A kind with an encoder of its own is read off its rows (issue #72): its service row names its engine task,
     whose field and flag it repeats (`tandem serve` adds the flag from the service row, EngineConfig takes the field of
-    the flag's name); its HTTP routes are its door schema's ROUTES, its gRPC method one of the service's, with a
-    response builder in the gRPC door."""
+    the flag's name); its HTTP routes are its door schema's ROUTES, its gRPC method one of the service's, whose
+    response the gRPC door builds from the row's grpc_item (test_each_pooled_kind_s_output_fills_its_grpc_response)."""
     from engine.config import EngineConfig, PoolingTask
     from engine.embed.tasks import POOLING
     from proto import tandem_pb2 as pb
     from service import kinds
     from service.http.kind_routes import kind_routes
-    from service.servicer import POOLED_RESPONSES
 
     config_fields = set(EngineConfig.__dataclass_fields__)
     for kind in kinds.pooled():
@@ -158,4 +157,90 @@ def test_each_pooled_kind_is_served_from_its_rows_alone():
         assert kind.flag == "--" + kind.model_field.replace("_", "-") and kind.model_field in config_fields
         assert kind.flag_help and set(kind_routes(kind)) == set(kind.routes)
         assert kind.grpc_method in pb.DESCRIPTOR.services_by_name["Tandem"].methods_by_name
-        assert kind.grpc_method in POOLED_RESPONSES
+        assert kind.grpc_item is not None
+
+
+class _Encoder:
+    """What a pooling kind's `finish` reads of its encoder (engine/embed/heads Encoder)."""
+    name = "m"
+    labels = ("negative", "neutral", "positive")
+    multi_label = False
+    max_length = 8
+
+
+def _outcome(kind, truncated=(False, True)):
+    """A PooledOutcome of `kind` as the engine makes one: each input's output is the kind's own `finish` (its module
+    in engine/embed/heads/) run on a small vector, one weight a label or vocabulary id, some zero."""
+    import torch
+
+    from engine.config import EmbedParams, PoolingTask
+    from engine.embed.tasks import POOLING
+    from service.core_types import PooledOutcome, Usage
+
+    finish = POOLING[PoolingTask(kind.pooling)].finish
+    outputs = [finish(_Encoder(), torch.tensor(v), EmbedParams(task=kind.pooling))
+               for v in ([0.0, 1.5, 0.25], [2.0, 0.0, 0.0])[:len(truncated)]]
+    return PooledOutcome("r", outputs, _Encoder.labels, list(truncated), Usage(prompt_tokens=7), "m")
+
+
+def test_each_pooled_kind_s_output_fills_its_grpc_response():
+    """The gRPC door builds every pooled kind's response one way (service/servicer.py pooled_response, no code of the
+    kind's): the response is its RPC's type, its one repeated message field one item per input, input order, each
+    filled from the kind's row (service/kinds.py grpc_item: plain data) and `truncated`, then `model` and `usage`. A
+    kind whose grpc_item is missing, or names a field its item message has not, fails here (and at registration)."""
+    from service import kinds
+    from service.handlers import rpc_types
+    from service.servicer import items_field, pooled_response
+
+    for kind in kinds.pooled():
+        _, response = rpc_types(kind.grpc_method)
+        message = pooled_response(kind)(_outcome(kind))
+        items = getattr(message, items_field(response.DESCRIPTOR).name)
+        assert type(message) is response and [i.truncated for i in items] == [False, True], kind.task
+        assert (message.model, message.usage.prompt_tokens) == ("m", 7), kind.task
+        assert all({f.name for f, _ in item.ListFields()} - {"truncated"} for item in items), \
+            f"{kind.grpc_method}: grpc_item filled no field of {items[0].DESCRIPTOR.name}"
+
+
+def test_the_generic_grpc_builder_refuses_what_it_cannot_build():
+    import dataclasses
+
+    from service import kinds
+    from service.servicer import pooled_response
+
+    kind = kinds.pooled()[0]
+    with pytest.raises(TypeError, match="grpc_item"):
+        pooled_response(dataclasses.replace(kind, grpc_item=None))
+    wrong = pooled_response(dataclasses.replace(kind, grpc_item=lambda output, labels: {"no_such_field": output}))
+    with pytest.raises(ValueError, match="no_such_field"):
+        wrong(_outcome(kind))
+
+
+def _messages(descriptor, seen=None) -> set[str]:
+    """The message types `descriptor` is made of, itself included (names)."""
+    seen = set() if seen is None else seen
+    if descriptor.full_name not in seen:
+        seen.add(descriptor.full_name)
+        for field in descriptor.fields:
+            if field.message_type is not None:
+                _messages(field.message_type, seen)
+    return seen
+
+
+def test_the_grpc_door_names_no_pooled_kind_s_messages():
+    """service/servicer.py holds no protobuf code of a pooled kind's: it names no message type that only pooled
+    kinds' RPCs carry (ClassifyResponse, Classification, LabelScore, SparseEmbedding, ...), so a new kind adds none."""
+    from proto import tandem_pb2 as pb
+    from service import kinds
+
+    methods = pb.DESCRIPTOR.services_by_name["Tandem"].methods
+    pooled = {k.grpc_method for k in kinds.pooled()}
+    others: set[str] = set()
+    theirs: set[str] = set()
+    for method in methods:
+        for t in (method.input_type, method.output_type):
+            _messages(t, theirs if method.name in pooled else others)
+    only_pooled = {name.rsplit(".", 1)[-1] for name in theirs - others}
+    assert {"ClassifyResponse", "LabelScore", "SparseEmbedding"} <= only_pooled
+    attrs, names = _names((SERVICE / "servicer.py").read_text())
+    assert not (attrs | names) & only_pooled, f"service/servicer.py names {sorted((attrs | names) & only_pooled)}"
