@@ -14,7 +14,9 @@ import html
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from service import kinds
 from service.http import embed_schema, openai_schema, rerank_schema, tokens_schema
+from service.http.kind_routes import kind_routes
 
 _REF = "#/components/schemas/{model}"
 _OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -40,6 +42,10 @@ _POSTS: list[tuple[str, type[BaseModel], str, str]] = [
     ("/tokenize", tokens_schema.TokenizeRequest, "openai", "vLLM: a prompt's or chat's token ids"),
     ("/detokenize", tokens_schema.DetokenizeRequest, "openai", "vLLM: token ids to text"),
 ]
+# Each pooled kind's routes (classification, sparse embeddings), read from service/kinds.py and its door schema's
+# ROUTES, as the door registers them: answered on every server (a 400 naming the flag when its model is not loaded).
+_POSTS += [(path, route.body, route.shape.value, f"{kind.task.value}: {kind.flag} serves it")
+           for kind in kinds.pooled() for path, route in kind_routes(kind).items()]
 _GETS: list[tuple[str, str, str]] = [
     ("/v1/models", "openai", "OpenAI: the served models"),
     ("/version", "openai", "tandem's version"),

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from service.http.app import VERSION
 from service.http.openapi import openapi_document
 from service.server import ServerConfig
+from tests.engine.test_classify_sparse import tiny_classifier, tiny_splade
 from tests.reliability.grammars import GRAMMARS
 from tests.reliability.tiny import make_tiny_model_dir, tiny_engine
 from tests.service.harness import ServerThread, assert_all_blocks_free
@@ -28,9 +29,9 @@ SHAPES = {"openai": lambda b: set(b) == {"error"} and {"message", "type"} <= set
 
 
 def _shape(path: str) -> str:
-    if path in ("/rerank", "/embed", "/embed_all", "/info"):
-        return "tei"
-    return "cohere" if path in ("/v1/rerank", "/v2/rerank", "/v2/embed") else "openai"
+    """The error shape the description gives the route (its 400's schema: `#/components/schemas/<shape>_error`)."""
+    operation = next(iter(DOCUMENT["paths"][path].values()))
+    return operation["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1][:-6]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +39,14 @@ def live(tmp_path_factory):
     # Its own tiny model and server (not the shared SmolLM2 one): thousands of generated requests, cheaply. It lives
     # here rather than in tests/reliability so the soak there measures its resident memory before this module's
     # hypothesis and schemathesis state is in the process (it left a one-time step of 10-18 MiB in the soak's RSS).
-    engine = tiny_engine(make_tiny_model_dir(tmp_path_factory.mktemp("tiny-fuzz")), num_kv_blocks=256, block_size=16, max_num_batched_tokens=256,
-                         max_num_seqs=32, max_model_len=96, max_rerank_documents=16)
+    # With a tiny classifier and a tiny SPLADE model, so /predict, /classify and /embed_sparse are fuzzed down to
+    # their encoders, not only to the refusal a server without them answers.
+    base = tmp_path_factory.mktemp("tiny-fuzz")
+    tiny_classifier(base / "clf")
+    tiny_splade(base / "sp")
+    engine = tiny_engine(make_tiny_model_dir(base / "llm"), num_kv_blocks=256, block_size=16,
+                         max_num_batched_tokens=256, max_num_seqs=32, max_model_len=96, max_rerank_documents=16,
+                         classifier=str(base / "clf"), sparse_embedder=str(base / "sp"))
     config = ServerConfig(host="127.0.0.1", port=0, max_message_bytes=64 * 1024,
                           served_model_names=("tiny",), strict_model_names=True)
     server = ServerThread(engine, config, max_waiting=512)
