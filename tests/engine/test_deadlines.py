@@ -328,3 +328,19 @@ def test_a_prompt_beside_8_decodes_is_paced_to_its_deadline_not_lifted_into_one_
     reranks = [s for s in sim.seqs.values() if s.request_id.startswith("rag")]
     assert sum(not s.status.finished for s in reranks) <= 16  # at most the last two reranks' pairs still wait
 
+
+def test_a_prompt_waiting_for_another_is_not_lifted_by_aging_while_it_is_on_time():
+    """Two 1,024-token prompts (~2 s each alone, due ~8 s later) sent together beside 8 decoding chats: the second
+    waits in the queue while the first takes the prompts' tokens, for longer than the 64 steps aging takes to make it
+    more urgent than the decodes. While it is on time its deadline paces it, not aging: both prompts are spread over
+    the steps (no stream waits more than two paces), and both first tokens come by their deadlines. Lifted by aging
+    (before issue #70's fix) the waiting one took a whole 504-token chunk in one ~1 s step, 63 steps in."""
+    sim, pace = paced_sim()
+    answers = [sim.chat(f"answer{i}", toks(1024, 50000 + 2000 * i), max_tokens=4) for i in range(2)]
+    steps = prompt_steps(sim, answers)
+    assert len(steps) > 64
+    assert all(b.num_decode_tokens >= 8 for b in steps)  # the 8 streams (and the first answer's tokens) every step
+    assert max(b.num_prefill_tokens for b in steps) <= 16
+    assert max(sim.seconds[-len(steps):]) <= 2 * pace
+    for a in answers:
+        assert sim.token_times[a.request_id][0] <= a.deadline, a.request_id
