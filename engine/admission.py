@@ -21,9 +21,11 @@ Two policies:
   others left (work-conserving). The ledger keeps, per waiting kind, the time it was owed and could not use, up to
   the price of its least unit: a unit bigger than a step's share (a cross-encoder pair, an encoder stage) rides once
   its share has saved for it, and a chunk's leftover is carried, so over a run every kind gets its share. Under a
-  fixed T a step stays under its limit except for such a saved-for unit. Work more urgent than every decode is not
-  held to the objective. Until the model is ready (calibrated at start-up, or after its first few steps), and with no
-  decodes in the step (nothing to protect), `fallback` (a ShareAdmission) decides.
+  fixed T a step stays under its limit except for such a saved-for unit. With deadlines, late work takes its share
+  first; work still on time then takes, earliest deadline first, what keeps it on time at this cadence (`pace_s`),
+  then the rest of the step up to what the decodes' slack lends (`lend_limit`). Work more urgent than every decode is
+  not held to the objective. Until the model is ready (calibrated at start-up, or after its first few steps), and
+  with no decodes in the step (nothing to protect), `fallback` (a ShareAdmission) decides.
 * `ShareAdmission` (`tpot_target_ms` off): plain budget filling; while generation needs the step too, scoring work
   gets `scoring_share` of the budget and seats first.
 """
@@ -251,6 +253,14 @@ class LatencyAdmission(AdmissionPolicy):
         due = min(first + n * pace for first, n in view.paces)
         return max(limit, min(due - view.now, pace))
 
+    def pace_s(self, w: Waiting, now: float, base: float, cadence: float) -> float:
+        """Seconds of this step that `w` (still on time) needs to be done by its deadline: its waiting work's price
+        alone over the steps left before the deadline, a step being `cadence` or the step this need makes beside
+        `base` (the step so far), whichever is longer: with a = that price / the time left, a x max(cadence,
+        base / (1 - a)). 0 for work that could not make it even alone (a >= 1): it is served as late work is."""
+        a = self.model.predict(_plus(StepShape(), w.kind, w.tokens)) / max(w.deadline - now, 1e-9)
+        return a * max(cadence, base / (1.0 - a)) if a < 1.0 else 0.0
+
     def observe(self, record: "StepRecord") -> None:
         if record.target_s is not None:
             self.step_s = record.target_s
@@ -323,30 +333,44 @@ class LatencyAdmission(AdmissionPolicy):
         if chats_own and TokenKind.PREFILL in owed_of:
             limit += owed_of[TokenKind.PREFILL].seconds
         got: dict[TokenKind, int] = {}  # tokens granted per kind, in the order the scheduler fills them
+
+        def take(w: Waiting, cap: float) -> None:
+            nonlocal shape
+            n = min(self._fit(shape, w, cap, left - sum(got.values())), w.tokens - got.get(w.kind, 0))
+            if n > 0:
+                shape, got[w.kind] = _plus(shape, w.kind, n), got.get(w.kind, 0) + n
+
         # Work past its deadline (or with none) first takes its share, those with the most saved first (a unit saved
         # for rides before the others' shares fill the step): late work is served, never starved, but no longer goes
-        # before work that can still make it. Then the work still on time, earliest deadline first, takes the rest of
-        # the step, up to `lend` (the limit, or more on the decodes' slack).
+        # before work that can still make it. Then the work still on time, earliest deadline first, takes what keeps
+        # it on time at this cadence (`pace_s`), so that none of it has to take a whole chunk at once near its deadline
+        # (a user's T bounds that as it bounds the lend; under the automatic target a stream waits at most one pace
+        # more than the lend for it); then the rest of the step, up to `lend` (the limit, or more on the decodes'
+        # slack).
         lend = self.lend_limit(view, limit)
         on_time = sorted((w for w in held if w.deadline is not None and w.deadline >= view.now),
                          key=lambda w: w.deadline)
         rest = sorted((w for w in held if w not in on_time), key=lambda w: -self.credit.get(w.kind, 0.0))
         base = self.model.predict(shape)
-        for w in rest + on_time:
+
+        def share_cap(w: Waiting) -> float:
             o = owed_of[w.kind]
             saved = o.seconds + self.credit.get(w.kind, 0.0)
             cap = min(self.model.predict(shape) + saved, max(limit, base + saved))
             if feasible and self.tpot_target_s is not None and o.unit_s <= free:
                 cap = min(cap, limit)  # a user's T: held, unless the ledger saved for a unit that never fits under it
-            if w in on_time:
-                cap = max(cap, lend)
-            n = self._fit(shape, w, cap, left - sum(got.values()))
-            if n:
-                shape, got[w.kind] = _plus(shape, w.kind, n), n
+            return cap
+
+        for w in rest:
+            take(w, share_cap(w))
+        paced = lend if self.tpot_target_s is not None else lend + self.pace(view.shape)
+        for w in on_time:
+            step = self.model.predict(shape)
+            take(w, min(step + self.pace_s(w, view.now, step, lend), paced))
+        for w in on_time:
+            take(w, max(share_cap(w), lend))
         for w in held:  # work-conserving: what the others left, most urgent first
-            n = min(self._fit(shape, w, limit, left - sum(got.values())), w.tokens - got.get(w.kind, 0))
-            if n > 0:
-                shape, got[w.kind] = _plus(shape, w.kind, n), got.get(w.kind, 0) + n
+            take(w, limit)
         seats = _seats(view.free_seats, len(held)) if len(held) > 1 else None
         grants += [Grant(kind, n, seats) for kind, n in got.items()]
         # planned: work sized under the target beside the decodes (what the cadence guard judges)

@@ -212,7 +212,7 @@ class Scheduler:
         waiting = []
         for kind, (key, head, tokens) in sorted(heads.items(), key=lambda kv: kv[1][0]):
             unit = self._unit(head)
-            waiting.append(Waiting(kind, key[0], _urgency(kind, key[0], head), key[-1], unit,
+            waiting.append(Waiting(kind, key[0], _urgency(kind, key, head), key[-1], unit,
                                    1 if head.uses_kv else unit, tokens, head.deadline))
         free = self.max_seqs - len(self.running)
         joining = min(sum(len(q) for q in self._prompts), free) + sum(1 for s in self.running if s.samples and not s.num_output_tokens)
@@ -400,13 +400,16 @@ class Scheduler:
             self.finish(seq, status)
 
 
-def _urgency(kind: TokenKind, aged: int, head: Sequence) -> int:
+def _urgency(kind: TokenKind, key: tuple, head: Sequence) -> int:
     """The priority a waiting kind is weighed against the running decodes at (below theirs: not held to the
-    objective). A chat's aged one: a chat that waited long enough is as urgent as those already decoding (what
-    bounds a burst's time to first token, as in a server without an objective). Scoring work's own, before aging:
-    aging orders it among waiting work but never lifts a flood over the chats (its share keeps it moving;
-    lifted, a flood that waited 64 steps took whole steps of rows at 2-5x T)."""
-    return aged if kind is TokenKind.PREFILL else head.priority
+    objective). A chat's aged one (`key[0]`) while it has no deadline or is late (`key[1]`): a chat that waited long
+    enough is as urgent as those already decoding (what bounds a burst's time to first token, as in a server without
+    an objective). A chat still on time is paced by its deadline instead (the policy gives it what it needs each step
+    to make it): lifted by aging, it took a whole 512-token chunk in one step, a gap of ~1 s in every stream beside it.
+    Scoring work's own, before aging: aging orders it among waiting work but never lifts a flood over the chats (its
+    share keeps it moving; lifted, a flood that waited 64 steps took whole steps of rows at 2-5x T)."""
+    aged = kind is TokenKind.PREFILL and (head.deadline is None or key[1])
+    return key[0] if aged else head.priority
 
 
 def _tokens_up_to(queue: WaitQueue, budget: int) -> int:

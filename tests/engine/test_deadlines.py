@@ -287,3 +287,60 @@ def test_the_quantum_counts_the_wide_paths_jump_so_a_prompt_alone_keeps_its_whol
     assert [b.num_prefill_tokens for b in sim.batches[:3]] == [512, 512, 512]
     assert all(p > 1.0 for p in sim.predicted[:3])  # 10 + 80 ms + 512 x 2 ms each: within (10 + 80) / 0.05 = 1.8 s
     sim.run_until([answer])
+
+
+def prompt_steps(sim: DeadlineSim, answers: list[Sequence], rag_every: int | None = None) -> list:
+    """Steps until every one of `answers` has its first token; `rag_every`: another user's rerank of 8 pairs (each
+    due 4x its price alone, so before a prompt) arrives before every such step. Returns those steps' batches."""
+    start = len(sim.batches)
+    for k in range(2000):
+        if all(sim.token_times.get(a.request_id) for a in answers):
+            return sim.batches[start:]
+        if rag_every is not None and k % rag_every == 0:
+            sim.rerank(f"rag{k}", docs(8, 10, 100000 + 100 * k))
+        sim.step()
+    raise AssertionError("no first token in 2000 steps")
+
+
+def paced_sim() -> tuple[DeadlineSim, float]:
+    """8 chats decoding, prompt tokens at 2 ms each (a small LLM on two CPU cores), priorities aging one level per 64
+    steps as in the engine (EngineConfig.priority_aging_steps); returns the sim and the chats' pace."""
+    sim = DeadlineSim(LatencyAdmission(model=LinearStepTime(SLOW_PREFILL)), aging=64)
+    sim.true = LinearStepTime(SLOW_PREFILL)
+    decoding(sim, chats(sim, 8, max_tokens=1000))
+    return sim, sim.policy.pace(StepShape(decode_rows=8))
+
+
+def test_a_prompt_beside_8_decodes_is_paced_to_its_deadline_not_lifted_into_one_chunk():
+    """A RAG answer's 512-token prompt (~1 s alone, due ~4 s later) beside 8 decoding chats, while other users'
+    reranks keep coming (one a step, each due before the prompt). Each step it gets what it needs to be done by its
+    deadline at the steps' cadence: never more than a few of its tokens in a step, no stream waits more than two paces
+    for a token, and its first token comes by its deadline; the reranks are still served. Before (issue #70) the
+    reranks, due sooner, took the step ahead of it until aging made it more urgent than the decodes (63 steps); then
+    it took 504 tokens in one ~1 s step, and its first token was late all the same."""
+    sim, pace = paced_sim()
+    answer = sim.chat("answer", toks(512, 50000), max_tokens=4)
+    steps = prompt_steps(sim, [answer], rag_every=1)
+    assert all(b.num_decode_tokens == 8 for b in steps)  # every stream's gap is a step
+    assert max(b.num_prefill_tokens for b in steps) <= 16
+    assert max(sim.seconds[-len(steps):]) <= 2 * pace
+    assert sim.token_times["answer"][0] <= answer.deadline
+    reranks = [s for s in sim.seqs.values() if s.request_id.startswith("rag")]
+    assert sum(not s.status.finished for s in reranks) <= 16  # at most the last two reranks' pairs still wait
+
+
+def test_a_prompt_waiting_for_another_is_not_lifted_by_aging_while_it_is_on_time():
+    """Two 1,024-token prompts (~2 s each alone, due ~8 s later) sent together beside 8 decoding chats: the second
+    waits in the queue while the first takes the prompts' tokens, for longer than the 64 steps aging takes to make it
+    more urgent than the decodes. While it is on time its deadline paces it, not aging: both prompts are spread over
+    the steps (no stream waits more than two paces), and both first tokens come by their deadlines. Lifted by aging
+    (before issue #70's fix) the waiting one took a whole 504-token chunk in one ~1 s step, 63 steps in."""
+    sim, pace = paced_sim()
+    answers = [sim.chat(f"answer{i}", toks(1024, 50000 + 2000 * i), max_tokens=4) for i in range(2)]
+    steps = prompt_steps(sim, answers)
+    assert len(steps) > 64
+    assert all(b.num_decode_tokens >= 8 for b in steps)  # the 8 streams (and the first answer's tokens) every step
+    assert max(b.num_prefill_tokens for b in steps) <= 16
+    assert max(sim.seconds[-len(steps):]) <= 2 * pace
+    for a in answers:
+        assert sim.token_times[a.request_id][0] <= a.deadline, a.request_id
