@@ -255,11 +255,17 @@ class LatencyAdmission(AdmissionPolicy):
 
     def pace_s(self, w: Waiting, now: float, base: float, cadence: float) -> float:
         """Seconds of this step that `w` (still on time) needs to be done by its deadline: its waiting work's price
-        alone over the steps left before the deadline, a step being `cadence` or the step this need makes beside
-        `base` (the step so far), whichever is longer: with a = that price / the time left, a x max(cadence,
-        base / (1 - a)). 0 for work that could not make it even alone (a >= 1): it is served as late work is."""
-        a = self.model.predict(_plus(StepShape(), w.kind, w.tokens)) / max(w.deadline - now, 1e-9)
-        return a * max(cadence, base / (1.0 - a)) if a < 1.0 else 0.0
+        alone over the steps left before one step (`cadence`) ahead of the deadline, a step being `cadence` or the step
+        this need makes beside `base` (the step so far), whichever is longer: with a = that price / that time left,
+        a x max(cadence, base / (1 - a)); inf (all the caller allows) within that last step. 0 for work that could not
+        make it even alone (its price over the time left): it is served as late work is."""
+        price, left = self.model.predict(_plus(StepShape(), w.kind, w.tokens)), w.deadline - now
+        if price >= left:
+            return 0.0
+        # Aimed one step early (`cadence`), so the model's error does not put the first result just past its
+        # deadline; within that last step, all of the step the caller allows.
+        a = price / max(left - cadence, 1e-9)
+        return a * max(cadence, base / (1.0 - a)) if a < 1.0 else math.inf
 
     def observe(self, record: "StepRecord") -> None:
         if record.target_s is not None:
@@ -333,12 +339,14 @@ class LatencyAdmission(AdmissionPolicy):
         if chats_own and TokenKind.PREFILL in owed_of:
             limit += owed_of[TokenKind.PREFILL].seconds
         got: dict[TokenKind, int] = {}  # tokens granted per kind, in the order the scheduler fills them
+        paced_to = 0.0  # the widest cap pacing granted tokens under (reported in the step's limit)
 
-        def take(w: Waiting, cap: float) -> None:
+        def take(w: Waiting, cap: float) -> int:
             nonlocal shape
             n = min(self._fit(shape, w, cap, left - sum(got.values())), w.tokens - got.get(w.kind, 0))
             if n > 0:
                 shape, got[w.kind] = _plus(shape, w.kind, n), got.get(w.kind, 0) + n
+            return n
 
         # Work past its deadline (or with none) first takes its share, those with the most saved first (a unit saved
         # for rides before the others' shares fill the step): late work is served, never starved, but no longer goes
@@ -366,7 +374,9 @@ class LatencyAdmission(AdmissionPolicy):
         paced = lend if self.tpot_target_s is not None else lend + self.pace(view.shape)
         for w in on_time:
             step = self.model.predict(shape)
-            take(w, min(step + self.pace_s(w, view.now, step, lend), paced))
+            cap = min(step + self.pace_s(w, view.now, step, lend), paced)
+            if take(w, cap):
+                paced_to = max(paced_to, cap)
         for w in on_time:
             take(w, max(share_cap(w), lend))
         for w in held:  # work-conserving: what the others left, most urgent first
@@ -375,7 +385,7 @@ class LatencyAdmission(AdmissionPolicy):
         grants += [Grant(kind, n, seats) for kind, n in got.items()]
         # planned: work sized under the target beside the decodes (what the cadence guard judges)
         planned = bool(got) and feasible and self.model.predict(shape) <= limit * (1 + 1e-9)
-        return Quota(tuple(grants), target_s=target, limit_s=max(limit, lend), planned=planned, owed=owed)
+        return Quota(tuple(grants), target_s=target, limit_s=max(limit, lend, paced_to), planned=planned, owed=owed)
 
     def quantum(self, view: StepView) -> float:
         """The time a step with no decodes is held to: the largest fixed cost of the waiting kinds' forwards over
