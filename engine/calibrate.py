@@ -119,6 +119,9 @@ def calibrate(engine: "LLMEngine", cache_dir: Path, time_budget_s: float = 20.0,
         return Calibration(cached["coefficients"], cached["spread"], 0, 0.0, True, path, cached["load"])
     started = time.monotonic()
     steps, complete = _sweep(engine, started + time_budget_s)
+    # The load the sweep ran under: the larger of before and after (the 1-minute average lags, so a job that starts
+    # beside the sweep shows only at its end; a fit measured so is recorded as loaded and measured again later).
+    now = max(now, load())
     coefficients, spread = model.coefficients(), model.spread()
     model.seed(coefficients, spread)
     result = Calibration(coefficients, spread, steps, time.monotonic() - started, False, path, now)

@@ -65,6 +65,16 @@ def test_a_fit_cached_under_load_is_measured_again_on_a_quieter_host(tmp_path):
     assert not forced.cached
 
 
+def test_a_load_that_rose_during_the_sweep_is_the_load_its_fit_is_cached_with(tmp_path):
+    """A job that starts beside the sweep shows in the 1-minute load average only at the sweep's end: the fit is
+    cached with that load, so a later start on a quiet host measures it again."""
+    loads = iter([0.2, 1.6])
+    rose = calibrate(make_llm(tpot_target_ms="auto").engine, tmp_path, time_budget_s=0.0, load=lambda: next(loads))
+    assert not rose.cached and json.loads(rose.path.read_text())["load"] == 1.6
+    quiet = calibrate(make_llm(tpot_target_ms="auto").engine, tmp_path, time_budget_s=0.0, load=lambda: 0.2)
+    assert not quiet.cached
+
+
 def test_a_cached_fit_far_off_the_first_real_steps_is_replaced_by_the_online_fit(tmp_path):
     """A cached fit that prices every step 20x too high (as one measured on a loaded host does) is checked against
     the first real steps: its median error is over the margin, so the online fit those steps refined replaces it in
