@@ -99,8 +99,24 @@ def _smollm2_compute() -> dict:
     return {"greedy_32": hf_greedy_one_at_a_time(model, tokenizer, _prompts(tokenizer), 32)}
 
 
+def _smollm2_prefix_compute() -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.models.loader import default_model_dir
+    from engine.settings import Settings
+    from tests.engine.conftest import hf_greedy_one_at_a_time
+    from tests.engine.test_hf_parity import SHARED_PREFIX_PROMPTS
+
+    model_dir = default_model_dir(Settings.from_env().cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return {"greedy_16": hf_greedy_one_at_a_time(model, tokenizer, SHARED_PREFIX_PROMPTS, 16)}
+
+
 SPECS = {s.name: s for s in (Spec("gemma", _gemma_file, _gemma_compute),
-                             Spec("smollm2", _smollm2_file, _smollm2_compute))}
+                             Spec("smollm2", _smollm2_file, _smollm2_compute),
+                             Spec("smollm2_prefix", _smollm2_file, _smollm2_prefix_compute))}
 
 
 def checked_in_path(name: str) -> Path:

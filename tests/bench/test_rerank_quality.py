@@ -152,7 +152,14 @@ def test_looks_english():
 
 # ---- the quick run ------------------------------------------------------------------------------------------------
 
-def test_quick_run_writes_every_ranker_and_corpus(tmp_path):
+def _one_query(monkeypatch):
+    """The quick run on one query a corpus instead of two: every ranker, corpus, K and check still runs and is
+    written (what these tests assert); a second query only doubles the LLM modes' scoring (about half of each test)."""
+    monkeypatch.setitem(rq.QUICK, "queries", 1)
+
+
+def test_quick_run_writes_every_ranker_and_corpus(tmp_path, monkeypatch):
+    _one_query(monkeypatch)
     out = tmp_path / "rerank_quality.json"
     rq.main(["--quick", "--out", str(out)])
     result = json.loads(out.read_text())
@@ -189,11 +196,12 @@ def test_quick_run_writes_every_ranker_and_corpus(tmp_path):
     assert isinstance(t["default_vs_fusion_stderrs"], float)  # the default (dense) against fusion, worst case
 
 
-def test_scores_from_a_pair_file_stand_in_for_the_mode_and_are_tied_to_their_texts(tmp_path):
+def test_scores_from_a_pair_file_stand_in_for_the_mode_and_are_tied_to_their_texts(tmp_path, monkeypatch):
     """--pairs-out, then bench.score_pairs (as on a GPU), then --scores-in: the likelihood scores come from the file,
     the fusion computed from them matches the engine's own fusion mode, and a run on other texts refuses them."""
     from bench import score_pairs
 
+    _one_query(monkeypatch)
     pairs, scores, out = tmp_path / "pairs.json.gz", tmp_path / "scores.json.gz", tmp_path / "rq.json"
     assert rq.main(["--quick", "--pairs-out", str(pairs)]) == {}
     written = score_pairs.read_json(pairs)
@@ -206,7 +214,7 @@ def test_scores_from_a_pair_file_stand_in_for_the_mode_and_are_tied_to_their_tex
                       "--out", str(out)])
     for name, c in result["corpora"].items():
         sp = c["speed"]["likelihood"]
-        assert sp["scored_by"] == "bench.score_pairs" and sp["device"] == "cpu" and sp["pairs"] == 2 * 4
+        assert sp["scored_by"] == "bench.score_pairs" and sp["device"] == "cpu" and sp["pairs"] == rq.QUICK["queries"] * 4
         assert "fusion" in c["k4"] and "rrf" in c["k4"]
         check = result["fusion_check"][name]
         assert check["same_order"] == check["queries"] == 1 and check["max_abs_diff"] < 1e-4

@@ -5,17 +5,30 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from engine.calibrate import calibrate, cache_key
 from engine.step_time import FEATURES, OnlineStepTime, StepShape
 from tests.engine.conftest import make_llm, record_steps
 
 
-def test_a_sweep_fits_the_model_caches_it_and_a_later_engine_is_seeded_from_the_cache(tmp_path):
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """One whole sweep on a fresh engine (however busy the host), its steps and its result: the sweep's own test
+    checks it, and the cached-fit test takes its coefficients as a real fit instead of sweeping again (the whole
+    sweep is most of each of those tests)."""
+    cache_dir = tmp_path_factory.mktemp("calibrate")
     first = make_llm(tpot_target_ms="auto")
-    model = first.engine.admission.model
-    assert not model.ready
+    was_ready = first.engine.admission.model.ready
     records = record_steps(first)
-    measured = calibrate(first.engine, tmp_path, time_budget_s=1e9)  # the whole sweep, however busy the host
+    measured = calibrate(first.engine, cache_dir, time_budget_s=1e9)
+    return first, was_ready, records, measured, cache_dir
+
+
+def test_a_sweep_fits_the_model_caches_it_and_a_later_engine_is_seeded_from_the_cache(swept):
+    first, was_ready, records, measured, tmp_path = swept
+    model = first.engine.admission.model
+    assert not was_ready
     assert measured is not None and not measured.cached and measured.steps >= 20
     # decode steps at short and long contexts, so that the fit can tell a context token's price from a row's
     per_row = [r.decode_context_tokens / r.decode_tokens for r in records if r.decode_tokens]
@@ -75,7 +88,7 @@ def test_a_load_that_rose_during_the_sweep_is_the_load_its_fit_is_cached_with(tm
     assert not quiet.cached
 
 
-def test_a_cached_fit_far_off_the_first_real_steps_is_replaced_by_the_online_fit(tmp_path):
+def test_a_cached_fit_far_off_the_first_real_steps_is_replaced_by_the_online_fit(swept, tmp_path):
     """A cached fit that prices every step 20x too high (as one measured on a loaded host does) is checked against
     the first real steps: its median error is over the margin, so the online fit those steps refined replaces it in
     the cache; a cached fit close to the real steps stays."""
@@ -83,11 +96,12 @@ def test_a_cached_fit_far_off_the_first_real_steps_is_replaced_by_the_online_fit
     from tests.engine.conftest import run_to_end
     from engine import SamplingParams
 
-    llm = make_llm(tpot_target_ms="auto")
-    measured = calibrate(llm.engine, tmp_path, time_budget_s=1e9, load=lambda: 0.0)
+    measured = swept[3]  # a whole sweep's fit of this engine (its own cache folder is the fixture's)
     inflated = {k: 20 * v for k, v in measured.coefficients.items()}
-    measured.path.write_text(json.dumps({"coefficients": inflated, "spread": 0.0, "steps": 1, "load": 0.0}))
     second = make_llm(tpot_target_ms="auto")
+    path = tmp_path / "steptime" / f"{cache_key(second.engine)}.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"coefficients": inflated, "spread": 0.0, "steps": 1, "load": 0.0}))
     seeded = calibrate(second.engine, tmp_path, load=lambda: 0.0)
     assert seeded.cached and seeded.coefficients == inflated
     check = next(fn for fn in second.engine._observers if isinstance(fn, FitCheck))

@@ -23,7 +23,8 @@ TEXTS = ["A lighthouse keeper trims the wick and winds the clockwork that turns 
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, max_num_batched_tokens=256))
+    # num_kv_blocks: a small KV pool for short prompts; the default 1 GiB is zero-filled at every build (~0.6 s of a core)
+    return LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, max_num_batched_tokens=256, num_kv_blocks=64))
 
 
 def _cos(a, b) -> torch.Tensor:
@@ -251,7 +252,8 @@ def test_a_bidirectional_decoder_embedder_is_refused_by_name(tmp_path) -> None:
 
 
 def test_a_step_of_embeddings_alone_takes_up_to_the_embedding_budget_and_one_beside_a_chat_does_not() -> None:
-    llm = LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, max_num_batched_tokens=128, max_embed_batch_tokens=600))
+    llm = LLM(EngineConfig(embedder=EMBEDDED_EMBEDDER, max_num_batched_tokens=128, max_embed_batch_tokens=600,
+                           num_kv_blocks=64))
     engine = llm.engine
     records = record_steps(llm)
     texts = [f"{t} (copy {i})" for i in range(8) for t in TEXTS]  # 32 rows of 10-30 tokens: ~600 tokens in all

@@ -4,7 +4,7 @@ import torch
 from engine.request import Sequence
 from engine.scheduler import Batch
 from engine import SamplingParams
-from tests.engine.conftest import GREEDY_32, assert_no_leaks, hf_greedy_one_at_a_time, make_llm, record_steps
+from tests.engine.conftest import GREEDY_32, assert_no_leaks, make_llm, record_steps
 
 
 def _ragged_logits(llm, token_lists):
@@ -70,12 +70,19 @@ def test_preemption_is_token_identical(prompts, hf_greedy):
     assert_no_leaks(llm)
 
 
-def test_prefix_caching_reuses_shared_prefix(tokenizer, hf_model):
-    system = ("You are a meticulous assistant for a library. Answer questions about books, authors and "
-              "opening hours politely. The library opens at nine and closes at six on weekdays. ") * 3
-    questions = ["When do you open?", "Who wrote Hamlet?", "Do you have maps?", "Can I bring my dog?"]
-    prompts = [system + q for q in questions]
-    refs = hf_greedy_one_at_a_time(hf_model, tokenizer, prompts, 16)
+_SYSTEM = ("You are a meticulous assistant for a library. Answer questions about books, authors and "
+           "opening hours politely. The library opens at nine and closes at six on weekdays. ") * 3
+SHARED_PREFIX_PROMPTS = [_SYSTEM + q for q in
+                         ["When do you open?", "Who wrote Hamlet?", "Do you have maps?", "Can I bring my dog?"]]
+
+
+def test_prefix_caching_reuses_shared_prefix():
+    from tests.references import load
+
+    prompts = SHARED_PREFIX_PROMPTS
+    # hf_greedy_one_at_a_time(hf_model, tokenizer, prompts, 16), as a golden file (tests/references.py): computed
+    # here it was ~6 s of a core in every run
+    refs = load("smollm2_prefix")["greedy_16"]
     params = SamplingParams(max_tokens=16, temperature=0.0)
 
     def run(caching: bool):

@@ -30,14 +30,14 @@ class CountingModel(LinearStepTime):
         self.observed.append((shape, seconds))
 
 
-def _run(llm, kind_tokens: str):
+def _run(llm, kind_tokens: str, docs: list[str] = DOCS):
     model = llm.engine.scheduler.policy.model
     records = record_steps(llm)
     engine = llm.engine
     for i in range(4):
         engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", GEN)
     engine.step()  # the prompts, alone
-    engine.add_rerank("job", "how do bees make honey", DOCS)
+    engine.add_rerank("job", "how do bees make honey", docs)
     while engine.has_unfinished():
         engine.step()
     assert_no_leaks(llm)
@@ -50,7 +50,9 @@ def test_engine_steps_keep_the_predicted_time_under_the_target(mode, minilm_dir)
     policy = LatencyAdmission(target, model=CountingModel())
     extra = dict(reranker=str(minilm_dir)) if mode == "cross-encoder" else {}
     llm = make_llm(admission=policy, max_num_batched_tokens=512, num_kv_blocks=512, **extra)
-    model, records = _run(llm, mode)
+    # 20 documents for the cross-encoder (8 pairs a step); the LLM mode takes 2 pairs a step, so 10 documents span
+    # 5 steps with decodes (3 asserted): each is a wide step of the model, and 10 more only added steps
+    model, records = _run(llm, mode, DOCS if mode == "cross-encoder" else DOCS[:10])
     mixed = [r for r in records if r.decode_tokens == 4 and r.rerank_pairs]
     assert len(mixed) >= 3
     for r in records:
@@ -105,12 +107,14 @@ def test_decode_steps_stay_within_the_target_while_llm_pairs_progress_in_chunks(
     llm = make_llm(admission=policy, max_num_batched_tokens=512, num_kv_blocks=512)
     engine = llm.engine
     records = record_steps(llm)
-    gen = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    # 3 pairs of ~170 tokens at 40 a step: 13 or more steps with decodes (10 asserted), the decodes' 20 tokens
+    # outlast them (4 pairs and 40 tokens before: more wide steps, the same assertions)
+    gen = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for i in range(4):
         engine.add_request(f"chat{i}", f"Tell me about bees, part {i}.", gen)
     engine.step()  # the prompts, alone
     docs = [f"Document {i}: " + "worker bees carry nectar to the hive and fan it with their wings, " * 10
-            for i in range(4)]
+            for i in range(3)]
     engine.add_rerank("job", "how do bees make honey", docs)
     scores = None
     while engine.has_unfinished():

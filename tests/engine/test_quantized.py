@@ -16,6 +16,10 @@ from tests.engine.conftest import GREEDY_32, assert_no_leaks, make_llm
 from tests.engine.test_hf_parity import _ragged_logits
 
 
+# The fresh engines' KV pool: their prompts are short, and the default 1 GiB (1,456 blocks) is zero-filled at every
+# build (~0.6 s of a core); the shared ones keep the default, so that other files' asks still find them
+FRESH_BLOCKS = 64
+
 def test_the_embedded_model_serves_its_gguf_blocks_in_under_150_mb(llm) -> None:
     eng = llm.engine
     assert eng.quantization == "gguf"
@@ -44,7 +48,7 @@ def test_dense_float32_path_is_still_token_identical(prompts, hf_greedy) -> None
 
 def test_without_the_kernel_the_engine_serves_dense_float32(monkeypatch, caplog, prompts, hf_greedy) -> None:
     monkeypatch.setattr(quant, "_module", lambda: None)  # as if the C++ build had failed
-    llm = make_llm(fresh=True)  # built under the patch: never shared
+    llm = make_llm(fresh=True, num_kv_blocks=FRESH_BLOCKS)  # built under the patch: never shared
     assert llm.engine.quantization == "none"
     assert "serving dense float32 weights instead" in caplog.text
     outs = llm.generate(prompts[:4], GREEDY_32)
@@ -159,10 +163,11 @@ def test_two_engines_in_one_process_each_compute_on_their_own_cpu_path(monkeypat
     to 16), names its own path in ModelInfo and walks decode steps up to its own width."""
     monkeypatch.setenv("TANDEM_CPU_ISA", "portable")
     monkeypatch.setenv("TANDEM_QUANT_SMALL_M", "3")
-    forced = make_llm(fresh=True)
+    forced = make_llm(fresh=True, num_kv_blocks=FRESH_BLOCKS)
     monkeypatch.delenv("TANDEM_CPU_ISA")
     monkeypatch.delenv("TANDEM_QUANT_SMALL_M")
-    auto = make_llm(fresh=True)  # built last (not the shared one): a process-wide path would now be this one for both
+    # built last (not the shared one): a process-wide path would now be this one for both
+    auto = make_llm(fresh=True, num_kv_blocks=FRESH_BLOCKS)
     narrow, wide = forced.engine.model, auto.engine.model
     assert narrow.cpu_path == quant.CpuPath(quant.CpuIsa.PORTABLE, 3)
     assert wide.cpu_path.isa == quant.best_isa() and wide.cpu_path.small_m is None
@@ -232,9 +237,9 @@ def test_int8_decode_steps_walk_the_layers_with_the_loops_values(path: str, prom
     monkeypatch.setenv("TANDEM_CPU_ISA", path)
     # Fresh engines: built for this test's path and walker setting, and the walked one's walker is replaced for good
     # below.
-    walked = make_llm(cpu_activations="int8", fresh=True)
+    walked = make_llm(cpu_activations="int8", fresh=True, num_kv_blocks=FRESH_BLOCKS)
     monkeypatch.setenv("TANDEM_LAYER_WALKER", "0")
-    looped = make_llm(cpu_activations="int8", fresh=True)
+    looped = make_llm(cpu_activations="int8", fresh=True, num_kv_blocks=FRESH_BLOCKS)
     isa = quant.best_isa() if path == "auto" else quant.CpuIsa.AVX2
     assert walked.engine.model.cpu_path.isa == looped.engine.model.cpu_path.isa == isa
     assert walked.engine.model_info()["cpu_kernels"] == f"{isa.label} int8-activations"
@@ -251,7 +256,7 @@ def test_int8_decode_steps_walk_the_layers_with_the_loops_values(path: str, prom
     assert counter.calls >= 2 * 5  # every decode step after the prefill
     # and the int8 rounding is real: float32 activations through the walker give other log-probabilities
     monkeypatch.delenv("TANDEM_LAYER_WALKER")
-    f32 = make_llm(fresh=True).generate(prompts[3:4], params)[0]
+    f32 = make_llm(fresh=True, num_kv_blocks=FRESH_BLOCKS).generate(prompts[3:4], params)[0]
     assert [lp[t] for lp, t in zip(f32.logprobs, f32.token_ids)] != [
         lp[t] for lp, t in zip(int8.logprobs, int8.token_ids)]
     assert_no_leaks(walked)

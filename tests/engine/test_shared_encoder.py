@@ -27,6 +27,12 @@ DOCS = ["A lighthouse keeper trims the wick and winds the clockwork that turns t
 TEXTS = ["The lens turns all night.", "A storm hides the coast.", "Keepers kept logbooks of every ship they saw."]
 
 
+
+def _llm(**kw) -> LLM:
+    """An engine with a small KV pool: these tests run short chats beside their encoder work, and the default 1 GiB
+    pool (1,456 blocks, zero-filled at every build: ~0.6 s of a core) held none of it."""
+    return LLM(EngineConfig(num_kv_blocks=64, **kw))
+
 def _as_embedder(directory: Path, pooling: str = "mean") -> Path:
     """Give a cross-encoder directory a sentence-transformers pooling config: it is also an embedding model."""
     (directory / "modules.json").write_text(json.dumps([
@@ -53,7 +59,7 @@ def both_dir(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def alone(both_dir: Path) -> tuple[list[float], torch.Tensor]:
     """Each model loaded on its own (two copies, two forwards): the reference scores and normalised vectors."""
-    llm = LLM(EngineConfig(reranker=str(both_dir)))
+    llm = _llm(reranker=str(both_dir))
     assert not llm.engine.runner.shared_encoder
     scores = llm.rerank(QUERY, DOCS)
     emb = Embedder.load(str(both_dir))
@@ -72,7 +78,7 @@ def _embedding_calls(llm: LLM) -> list[int]:
 
 def test_one_encoder_serves_both_in_one_forward_with_the_results_of_each_alone(both_dir: Path, alone) -> None:
     want_scores, want = alone
-    llm = LLM(EngineConfig(reranker=str(both_dir), embedder=str(both_dir), max_num_batched_tokens=512))
+    llm = _llm(reranker=str(both_dir), embedder=str(both_dir), max_num_batched_tokens=512)
     engine = llm.engine
     assert engine.runner.shared_encoder and engine.embedder.staged is engine.scorer.staged  # one forward
     calls = _embedding_calls(llm)
@@ -100,7 +106,7 @@ def test_pairs_and_rows_in_stages_beside_a_chat_share_each_stage(both_dir: Path,
     """A small budget: rows and pairs run a few layers a step beside a decode; their kept states live in the
     engine's one StagedStates, and an abort part-way drops them."""
     want_scores, want = alone
-    llm = LLM(EngineConfig(reranker=str(both_dir), embedder=str(both_dir), max_num_batched_tokens=48))
+    llm = _llm(reranker=str(both_dir), embedder=str(both_dir), max_num_batched_tokens=48)
     engine = llm.engine
     engine.add_request("chat", "The capital of France is", SamplingParams(max_tokens=64, temperature=0.0,
                                                                        ignore_eos=True))
@@ -128,9 +134,9 @@ def test_a_classifier_on_the_embedders_own_weights_is_the_same_encoder(minilm_di
     """The MiniLM cross-encoder of the benchmarks is all-MiniLM-L6-v2's encoder under a new head: beside the embedded
     embedder it is one encoder. Change one weight and it is not."""
     assert same_encoder(minilm_dir, embedded_embedder_dir())
-    llm = LLM(EngineConfig(reranker=str(minilm_dir), embedder=EMBEDDED_EMBEDDER))
+    llm = _llm(reranker=str(minilm_dir), embedder=EMBEDDED_EMBEDDER)
     assert llm.engine.runner.shared_encoder
-    want = LLM(EngineConfig(reranker=str(minilm_dir))).rerank(QUERY, DOCS)
+    want = _llm(reranker=str(minilm_dir)).rerank(QUERY, DOCS)
     assert llm.rerank(QUERY, DOCS) == pytest.approx(want, abs=1e-5)
     ref = Embedder.load(EMBEDDED_EMBEDDER)
     rows = [r.token_ids for r in ref.rows(TEXTS, None, EmbedParams())]
@@ -144,4 +150,4 @@ def test_a_classifier_on_the_embedders_own_weights_is_the_same_encoder(minilm_di
     state[name][0, 0] += 1e-3
     save_file(state, other / "model.safetensors")
     assert not same_encoder(other, embedded_embedder_dir())
-    assert not LLM(EngineConfig(reranker=str(other), embedder=EMBEDDED_EMBEDDER)).engine.runner.shared_encoder
+    assert not _llm(reranker=str(other), embedder=EMBEDDED_EMBEDDER).engine.runner.shared_encoder

@@ -48,13 +48,15 @@ def online_cache(fake_hub, tmp_path_factory):
     cache = tmp_path_factory.mktemp("hf-cache")
     with pytest.MonkeyPatch.context() as mp:
         _use(mp, fake_hub, cache)
-        by_id = LLM(EngineConfig(model=TINY_LLAMA, reranker=TINY_BERT, embedder=MINILM, tpot_target_ms=None))
+        # num_kv_blocks: a small KV pool for short prompts; the default 1 GiB is zero-filled at every build (~0.6 s of a core)
+        by_id = LLM(EngineConfig(model=TINY_LLAMA, reranker=TINY_BERT, embedder=MINILM, tpot_target_ms=None,
+                                 num_kv_blocks=64))
         got = (by_id.generate(["Hello there"], GREEDY)[0].token_ids, by_id.rerank(QUERY, DOCS),
                by_id.engine.model_info())
         del by_id
     local = {r: str(fake_hub.repos[r].folder) for r in (TINY_LLAMA, TINY_BERT, MINILM)}
     by_path = LLM(EngineConfig(model=local[TINY_LLAMA], reranker=local[TINY_BERT], embedder=local[MINILM],
-                               tpot_target_ms=None))
+                               tpot_target_ms=None, num_kv_blocks=64))
     want = (by_path.generate(["Hello there"], GREEDY)[0].token_ids, by_path.rerank(QUERY, DOCS))
     return cache, got, want
 
@@ -75,7 +77,7 @@ def test_offline_the_cache_serves_and_nothing_is_asked(online_cache, fake_hub, m
     cache, (tokens, _, _), _ = online_cache
     _use(monkeypatch, fake_hub, cache, offline=True)
     asked = len(fake_hub.requests)
-    llm = LLM(EngineConfig(model=TINY_LLAMA, tpot_target_ms=None))
+    llm = LLM(EngineConfig(model=TINY_LLAMA, tpot_target_ms=None, num_kv_blocks=64))
     assert llm.generate(["Hello there"], GREEDY)[0].token_ids == tokens
     assert len(fake_hub.requests) == asked
     with pytest.raises(HubError) as caught:  # cached nowhere: one line, what to run, and the local alternative
@@ -93,7 +95,8 @@ def test_offline_the_cache_serves_and_nothing_is_asked(online_cache, fake_hub, m
 
 def test_a_gguf_repository_by_quant_fetches_that_file_only(fake_hub, tmp_path, monkeypatch) -> None:
     _use(monkeypatch, fake_hub, tmp_path / "cache")
-    llm = LLM(EngineConfig(model=GGUF_REPO + ":q4_1", tpot_target_ms=None))  # the quant's case does not matter
+    # the quant's case does not matter
+    llm = LLM(EngineConfig(model=GGUF_REPO + ":q4_1", tpot_target_ms=None, num_kv_blocks=64))
     assert llm.engine.quantization == "gguf"  # its blocks, as a local .gguf file is served
     assert llm.generate(["Hello"], GREEDY)[0].token_ids
     fetched = fake_hub.fetched()
@@ -133,7 +136,7 @@ def test_the_embedded_defaults_fetch_nothing_and_convert_nothing(fake_hub, tmp_p
     _use(monkeypatch, fake_hub, tmp_path / "hf")
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "tandem"))
     asked = len(fake_hub.requests)
-    llm = LLM(EngineConfig(embedder="all-MiniLM-L6-v2", tpot_target_ms=None))
+    llm = LLM(EngineConfig(embedder="all-MiniLM-L6-v2", tpot_target_ms=None, num_kv_blocks=64))
     assert llm.generate(["Hello"], GREEDY)[0].token_ids
     assert len(fake_hub.requests) == asked and not (tmp_path / "hf").exists()
     written = sorted(p.name for p in (tmp_path / "tandem").iterdir())

@@ -31,12 +31,16 @@ def gemma_server(gemma_gguf):
 
 
 async def test_greedy_through_grpc_matches_transformers(gemma_server, gemma_prompts, gemma_reference) -> None:
+    # Six of the sixteen, batched together: three short ones, a middle one and the two past the 512-token window.
+    # The engine's parity on all sixteen is tests/models/test_gemma3_gguf.py's; this one checks the served path
+    # (tokenizing, the gRPC door, concurrent streams), which ten more prompts of the same kinds only made longer.
+    chosen = [0, 1, 2, 8, 14, 15]
     async with AsyncClient(gemma_server.address) as client:
         info = await client.model_info()
         assert info.architecture == "Gemma3ForCausalLM"
-        outs = await asyncio.gather(*(client.complete(p, max_tokens=MAX_TOKENS, temperature=0.0)
-                                      for p in gemma_prompts))
-    check_greedy([o.token_ids for o in outs], gemma_reference.greedy)
+        outs = await asyncio.gather(*(client.complete(gemma_prompts[i], max_tokens=MAX_TOKENS, temperature=0.0)
+                                      for i in chosen))
+    check_greedy([o.token_ids for o in outs], [gemma_reference.greedy[i] for i in chosen])
 
 
 async def test_aliases_from_the_openai_and_cohere_sdks(gemma_server) -> None:
