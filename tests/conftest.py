@@ -21,11 +21,15 @@ import uvloop  # noqa: E402
 # keep the collection order. --max-worker-restart=0: xdist 3.8.0's scope schedulers (loadfile's too) hang for ever
 # when they replace a crashed worker (pytest-xdist issues #1323 and #1327, fixed after that release); without a
 # restart a crash fails the run at once, naming the test.
-_LONGEST_FIRST = ["tests/engine/test_rerank_llm.py", "tests/models/test_gemma3_gguf.py",
-                  "tests/reliability/test_fuzz_process.py", "tests/reliability/test_soak.py",
-                  "tests/service/test_cli_output.py", "tests/service/test_operator.py",
-                  "tests/service/test_gemma_serve.py", "tests/bench/test_rerank_serve.py",
-                  "tests/cluster/test_cluster.py"]
+_LONGEST_FIRST = [  # the files' own times in an idle run at df96c1b (junit), longest first
+    "tests/cluster/test_cluster.py", "tests/engine/test_rerank_llm.py", "tests/models/test_gemma3_gguf.py",
+    "tests/reliability/test_soak.py", "tests/engine/test_structured.py", "tests/engine/test_calibrate.py",
+    "tests/bench/test_big_model.py", "tests/service/test_doc_snippets.py", "tests/engine/test_quantized.py",
+    "tests/service/test_gemma_serve.py", "tests/bench/test_rerank_quality.py", "tests/engine/test_hf_parity.py",
+    "tests/models/test_hub_models.py", "tests/service/test_http_schema_fuzz.py",
+    "tests/reliability/test_fuzz_process.py", "tests/models/test_wide_walker.py", "tests/models/test_tiny_decoders.py",
+    "tests/bench/test_rerank_serve.py", "tests/engine/test_embed_stages.py", "tests/engine/test_generation_api.py",
+    "tests/service/test_operator.py", "tests/engine/test_cuda_graphs.py", "tests/service/test_cli_output.py"]
 
 
 def _unit(item: pytest.Item) -> str:
