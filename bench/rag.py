@@ -510,6 +510,17 @@ def _infinity_embedder(scorer) -> str | None:
     return str(embedded_embedder_dir())
 
 
+def _flag_value(flags: list[str], name: str) -> Path | None:
+    """The value `flags` give option `name` (`--name VALUE` or `--name=VALUE`, the last one), or None."""
+    value = None
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif flag.startswith(name + "="):
+            value = flag.split("=", 1)[1]
+    return None if value is None else Path(value)
+
+
 def start_system(system: System, args) -> tuple[list, Endpoints, dict]:
     """The system's server processes (started; the caller stops them), its endpoints, and what they are."""
     from bench.pipeline import _embed_server
@@ -517,8 +528,15 @@ def start_system(system: System, args) -> tuple[list, Endpoints, dict]:
 
     if system is System.TANDEM:
         flags = [*(["--reranker", args.reranker] if args.reranker else []), *args.tandem_flags]
-        step_log = Path(tempfile.mkdtemp(prefix="rag_steps_")) / "steps.jsonl"
-        proc = tandem_proc([*flags, "--step-log", str(step_log)])
+        # The step log the why-lines read: the user's own where --tandem-flags names one (kept after the run), else a
+        # temporary file (two --step-log flags would leave the user's file unwritten: the last one wins)
+        step_log = _flag_value(flags, "--step-log")
+        if step_log is None:
+            step_log = Path(tempfile.mkdtemp(prefix="rag_steps_")) / "steps.jsonl"
+            flags_run = [*flags, "--step-log", str(step_log)]
+        else:
+            flags_run = flags
+        proc = tandem_proc(flags_run)
         ep = Endpoints(proc.url, proc.url, "/v1/embeddings", RerankApi.COHERE_V2, priority=True)
         return [proc], ep, {"servers": f"tandem serve {' '.join(flags)}".strip(), "step_log": str(step_log)}
     cores = os.cpu_count() or 2

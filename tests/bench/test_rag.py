@@ -167,3 +167,14 @@ def test_a_tiny_run_through_tandem_serve_records_every_stage_and_writes_the_tabl
     assert [(row["system"], row["rate"], row["n"], row["failed"]) for row in result["table"]] == [("tandem", 4.0, 3, 0)]
     assert result["goodput"]["tandem"]["per_run"] == [session["goodput_req_s"]]
     assert "goodput tandem:" in result["table_text"]
+
+
+def test_a_step_log_named_in_the_tandem_flags_is_the_one_read_in_either_spelling():
+    from pathlib import Path
+
+    from bench.rag import _flag_value  # the step log start_system reads the why-lines from: the user's, if named
+
+    assert _flag_value(["--reranker", "x", "--step-log", "/tmp/a.jsonl"], "--step-log") == Path("/tmp/a.jsonl")
+    assert _flag_value(["--step-log=/tmp/b.jsonl", "--max-waiting", "8"], "--step-log") == Path("/tmp/b.jsonl")
+    assert _flag_value(["--step-log", "/tmp/a", "--step-log=/tmp/c"], "--step-log") == Path("/tmp/c")  # the last
+    assert _flag_value(["--deadline-stretch=0"], "--step-log") is None
