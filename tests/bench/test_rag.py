@@ -178,3 +178,37 @@ def test_a_step_log_named_in_the_tandem_flags_is_the_one_read_in_either_spelling
     assert _flag_value(["--step-log=/tmp/b.jsonl", "--max-waiting", "8"], "--step-log") == Path("/tmp/b.jsonl")
     assert _flag_value(["--step-log", "/tmp/a", "--step-log=/tmp/c"], "--step-log") == Path("/tmp/c")  # the last
     assert _flag_value(["--deadline-stretch=0"], "--step-log") is None
+
+
+def test_a_token_with_held_back_text_ends_a_gap_but_role_finish_and_usage_chunks_do_not():
+    from bench.rag import token_chunk
+
+    def delta(**d) -> dict:
+        return {"choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+
+    assert not token_chunk(delta(role="assistant"), started=False)  # a role-only first chunk: no token yet
+    assert not token_chunk(delta(role="assistant", content=""), started=False)  # nothing the user sees yet
+    assert token_chunk(delta(role="assistant", content="The"), started=False)
+    assert token_chunk(delta(content=""), started=True)  # a skipped special token: generated, text held back
+    assert token_chunk(delta(content=" cat"), started=True)
+    assert not token_chunk(delta(), started=True)  # a finish-only chunk (llama-server's last)
+    assert not token_chunk(delta(content=None, tool_calls=[{"index": 0}]), started=True)
+    assert not token_chunk({"choices": [], "usage": {"completion_tokens": 3}}, started=True)
+
+
+def test_vllms_tpot_reading_averages_an_answer_so_one_long_gap_misses_only_the_p99_reading():
+    one_stall = RequestRecord(0, 0.0, ttft_s=1.0, e2e_s=1.0 + 0.02 * 62 + 0.2, gaps_s=[0.02] * 62 + [0.2], tokens=64,
+                              completion_tokens=64)
+    assert one_stall.tpot_mean_s == pytest.approx((0.02 * 62 + 0.2) / 63)
+    v = judge(0.1, [one_stall] * 10, SLO, 0.9)
+    assert not v.tpot_met and not v.met  # its p99 gap (0.2 s) is over 0.05
+    assert v.tpot_mean_met and v.met_mean  # its mean (~0.023 s) is within
+    slow = RequestRecord(0, 0.0, ttft_s=1.0, e2e_s=1.0 + 0.06 * 63, gaps_s=[0.06] * 63, tokens=64, completion_tokens=64)
+    assert not judge(0.1, [one_stall] * 9 + [slow], SLO, 0.9).met_mean  # every answer, not most
+    assert goodput([v], mean_tpot=True) == 0.1 and goodput([v]) == 0.0
+    session = judge_session(_session({"0.1": [one_stall] * 10}), SLO, 0.9)
+    assert (session["goodput_req_s"], session["goodput_mean_tpot_req_s"]) == (0.0, 0.1)
+    rows = table_rows({"tandem": [session]})
+    text = table_text(rows, goodputs({"tandem": [session]}), SLO,
+                      goodputs({"tandem": [session]}, "goodput_mean_tpot_req_s"))
+    assert "goodput tandem: 0 req/s" in text and "goodput, vLLM's TPOT tandem: 0.1 req/s" in text
