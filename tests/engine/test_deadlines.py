@@ -344,3 +344,79 @@ def test_a_prompt_waiting_for_another_is_not_lifted_by_aging_while_it_is_on_time
     assert max(sim.seconds[-len(steps):]) <= 2 * pace
     for a in answers:
         assert sim.token_times[a.request_id][0] <= a.deadline, a.request_id
+
+
+# A 2-core CPU's prices (the embedded SmolLM2 beside MiniLM): a decode step ~15 ms, an encoder forward 10 ms of fixed
+# cost a step on top of its rows' tokens.
+HOST = {**PRICES, "llm_forward": 0.012, "decode_rows": 0.003, "prefill_tokens": 0.0019, "embed_forward": 0.01,
+        "embed_tokens": 0.00011}
+
+
+def dense_reranks(n_chats: int, reranks: int, texts: int = 21, stages: int = 6
+                  ) -> tuple[DeadlineSim, list[list[Sequence]]]:
+    """`n_chats` decoding chats, then `reranks` dense reranks one step apart (each the question and its documents,
+    `texts` of 323 tokens in all, embedded in `stages` stages, one per encoder layer, all its rows due together 4x
+    their price alone), run until every rerank is done."""
+    sim = DeadlineSim(LatencyAdmission(model=LinearStepTime(HOST)))
+    sim.true = LinearStepTime(HOST)
+    decoding(sim, chats(sim, n_chats))
+    jobs = []
+    for k in range(reranks):
+        rows = docs(texts, 323, 5000 + 10000 * k)
+        due = sim.due(rows, "embed_tokens")
+        jobs.append([sim.add_embed(f"rr{k}/{i}", t, deadline=due, stages=stages) for i, t in enumerate(rows)])
+        sim.step()
+    sim.run_until([r for job in jobs for r in job], limit=5000)
+    return sim, jobs
+
+
+@pytest.mark.parametrize("n_chats", [1, 4])
+def test_a_dense_rerank_in_stages_beside_decodes_is_done_by_its_deadline(n_chats):
+    """A RAG request's dense rerank (21 texts, ~0.76 s alone) beside one or four decoding chats: paced, it is done by
+    its deadline, no step longer than the pace allows. Before (issue #70), the pace was priced on what one step could
+    take (two rows of the 21) and without the encoder's forward, which every paced step pays again: the rerank ran
+    a stage or none a step and finished at 2.4x its deadline's span (7.7 s against 3.0 s) beside one chat, as
+    bench.rag's late reranks did."""
+    sim, (job,) = dense_reranks(n_chats, 1)
+    assert max(sim.done_at[r.request_id] for r in job) <= job[0].deadline
+    decodes = StepShape(decode_rows=n_chats)
+    assert max(sim.seconds) <= sim.policy.target_for(decodes) + 2 * sim.policy.pace(decodes) + 1e-9
+
+
+def test_two_reranks_of_one_kind_are_paced_for_both_deadlines():
+    """Two dense reranks of 6 texts a step apart beside four decoding chats: the embedding kind's pace counts the
+    second's rows too (due by its own deadline, behind the first's), so both are done by their deadlines (before,
+    priced on two rows against the head's deadline, at 1.8x and 3.9x their deadlines' spans)."""
+    sim, jobs = dense_reranks(4, 2, texts=6)
+    for job in jobs:
+        assert max(sim.done_at[r.request_id] for r in job) <= job[0].deadline, job[0].request_id
+
+
+def test_when_two_reranks_need_more_than_the_pace_bound_leaves_the_first_keeps_its_deadline():
+    """Two dense reranks of 21 texts a step apart beside one chat need ~1.5 s of embedding in ~3 s, more of each step
+    than the chat's pace leaves (at most ~45%): the earlier deadline is still met (the second's rows do not take its
+    place), the second is late and served as late work is, not starved."""
+    sim, (first, second) = dense_reranks(1, 2)
+    assert max(sim.done_at[r.request_id] for r in first) <= first[0].deadline
+    assert max(sim.done_at[r.request_id] for r in second) > second[0].deadline
+
+
+def test_the_queue_counts_the_tokens_due_by_each_deadline_and_takes_back_what_leaves():
+    from engine.scheduler import WaitQueue
+    from engine.step_time import TokenKind
+    from tests.engine.test_scheduler import Sim
+
+    sim = Sim()
+    q = WaitQueue(aging_steps=10**6)
+    a = [sim.add_embed(f"a{i}", toks(10, 100 * i), deadline=2.0) for i in range(3)]
+    b = sim.add_embed("b", toks(7, 900), deadline=5.0)
+    none = sim.add_embed("c", toks(9, 990))  # no deadline: not counted
+    for seq in [*a, b, none]:
+        sim.sched.queues[seq.kind].remove(seq)
+        q.push(seq, 0)
+    assert dict(q.due()) == {(TokenKind.EMBED, 2.0): 30, (TokenKind.EMBED, 5.0): 7}
+    q.pop(q.peek(0))
+    assert dict(q.due()) == {(TokenKind.EMBED, 2.0): 20, (TokenKind.EMBED, 5.0): 7}
+    assert q.remove(b) and dict(q.due()) == {(TokenKind.EMBED, 2.0): 20}
+    q.remove(a[1]), q.remove(a[2])
+    assert dict(q.due()) == {}
