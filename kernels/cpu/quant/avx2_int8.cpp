@@ -337,58 +337,385 @@ TANDEM_ALWAYS_INLINE int32_t load_i32(const int8_t* p) {
   return v;
 }
 
-// acc[r] for rows m0..m0+MR-1 of x over every block of one group; SUM chunks' int16 products are added before madd.
-// Written so that every value stays in one of the 16 ymm registers (MR = 4: 4 int16 sums, 4 float accumulators, the
-// chunk of weights, a broadcast and ones): per block and row it costs 8 maddubs, 7 adds, one madd and four float
-// operations, against which the weights' one load serves MR rows.
-template <int MR, int SUM>
-TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const float* bv, const int8_t* qx,
-                                     const float* dx, const float* sx, int64_t nb, float* y, int64_t ldy, int ncols) {
+// acc[r][g] for rows r of x (MR of them, nb * 32 bytes apart) and groups g of 8 weight rows (NG of them, gstride
+// blocks of the repacked weights apart) over every block; SUM chunks' int16 products are added before madd. Each
+// chunk of weights is loaded once for the MR rows and each broadcast of 4 bytes of x serves the NG groups: per
+// block, row and group 8 maddubs, 7 adds, one madd (two and an add for Q5) and four float operations. The main
+// tile, MR = 3 and NG = 2, has its integer part written in assembly (6 int16 sums, Q5's 6 int32 sums, 2 chunks of
+// weights, a broadcast and a product: all 16 ymm registers); on Zen 3 its adds, not its maddubs, set the pace
+// (3 vector integer pipes for 90 operations a block against 2 for the 48 maddubs).
+template <int MR, int NG, int SUM>
+TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const float* bv, int64_t gstride,
+                                     const int8_t* qx, const float* dx, const float* sx, int64_t nb, float* y,
+                                     int64_t ldy, const int* ncols) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-  const int8_t* xr[MR];
-  for (int r = 0; r < MR; ++r) xr[r] = qx + r * nb * 32;
+  __m256 acc[MR][NG];
+  for (int r = 0; r < MR; ++r)
+    for (int g = 0; g < NG; ++g) acc[r][g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i* w = reinterpret_cast<const __m256i*>(wq + b * G8_BYTES);
-    __m256i s32[MR];
-    for (int c0 = 0; c0 < 8; c0 += SUM) {
-      __m256i s16[MR];
-      {
-        const __m256i wv = _mm256_load_si256(w + c0);
-        for (int r = 0; r < MR; ++r)
-          s16[r] = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(load_i32(xr[r] + b * 32 + 4 * c0)));
-      }
-      // a rolled loop: unrolled, gcc hoists every load and product ahead of the sums and spills them to the stack
-#pragma GCC unroll 1
-      for (int c = c0 + 1; c < c0 + SUM; ++c) {
-        const __m256i wv = _mm256_load_si256(w + c);
-        for (int r = 0; r < MR; ++r)
-          s16[r] = _mm256_add_epi16(s16[r],
-                                    _mm256_maddubs_epi16(wv, _mm256_set1_epi32(load_i32(xr[r] + b * 32 + 4 * c))));
-      }
-      for (int r = 0; r < MR; ++r) {
-        const __m256i s = _mm256_madd_epi16(s16[r], ones);
-        s32[r] = c0 == 0 ? s : _mm256_add_epi32(s32[r], s);
-      }
-    }
-    const __m256 d = _mm256_loadu_ps(dv + b * 8);
-    const __m256 m = _mm256_loadu_ps(bv + b * 8);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 ddx = _mm256_mul_ps(d, _mm256_broadcast_ss(dx + r * nb + b));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), ddx, acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(sx + r * nb + b), acc[r]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    if (ncols == 8) {
-      _mm256_storeu_ps(y + r * ldy, acc[r]);
+    const __m256i* w[NG];
+    for (int g = 0; g < NG; ++g) w[g] = reinterpret_cast<const __m256i*>(wq + (g * gstride + b) * G8_BYTES);
+    const int8_t* xb = qx + b * 32;
+    __m256i s32[MR][NG];
+    if constexpr (MR == 3 && NG == 2 && SUM == 8) {
+      __m256i s00, s01, s10, s11, s20, s21, wa, wb, xv, p;
+      // The 48 products of a block, written out: from intrinsics gcc either hoists the products of every chunk
+      // ahead of their sums and spills them (unrolled) or copies each sum once a chunk (rolled), either way a
+      // third to a half more instructions than the 2 loads, 3 broadcasts, 6 maddubs and 6 adds a chunk needs.
+      __asm__(
+      "vmovdqa 0(%[w0]), %[wa]\n\t"
+      "vmovdqa 0(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 0(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s01]\n\t"
+      "vpbroadcastd 0(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s11]\n\t"
+      "vpbroadcastd 0(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s21]\n\t"
+      "vmovdqa 32(%[w0]), %[wa]\n\t"
+      "vmovdqa 32(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 4(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 4(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 4(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 64(%[w0]), %[wa]\n\t"
+      "vmovdqa 64(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 8(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 8(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 8(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 96(%[w0]), %[wa]\n\t"
+      "vmovdqa 96(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 12(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 12(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 12(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 128(%[w0]), %[wa]\n\t"
+      "vmovdqa 128(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 16(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 16(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 16(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 160(%[w0]), %[wa]\n\t"
+      "vmovdqa 160(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 20(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 20(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 20(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 192(%[w0]), %[wa]\n\t"
+      "vmovdqa 192(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 24(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 24(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 24(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 224(%[w0]), %[wa]\n\t"
+      "vmovdqa 224(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 28(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 28(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 28(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      : [s00] "=&x"(s00), [s01] "=&x"(s01), [s10] "=&x"(s10), [s11] "=&x"(s11), [s20] "=&x"(s20),
+        [s21] "=&x"(s21), [wa] "=&x"(wa), [wb] "=&x"(wb), [xv] "=&x"(xv), [p] "=&x"(p)
+      : [w0] "r"(w[0]), [w1] "r"(w[1]), [x0] "r"(xb), [x1] "r"(xb + nb * 32), [x2] "r"(xb + 2 * nb * 32)
+      : "memory");
+      s32[0][0] = _mm256_madd_epi16(s00, ones), s32[0][1] = _mm256_madd_epi16(s01, ones);
+      s32[1][0] = _mm256_madd_epi16(s10, ones), s32[1][1] = _mm256_madd_epi16(s11, ones);
+      s32[2][0] = _mm256_madd_epi16(s20, ones), s32[2][1] = _mm256_madd_epi16(s21, ones);
+    } else if constexpr (MR == 3 && NG == 2 && SUM == 4) {
+      // Q5: the int16 sums of chunks 0-3 and 4-7 each widened by madd (with ones from memory: the int32 sums take
+      // the last six registers)
+      __m256i s00, s01, s10, s11, s20, s21, wa, wb, xv, p;
+      __asm__(
+      "vmovdqa 0(%[w0]), %[wa]\n\t"
+      "vmovdqa 0(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 0(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s01]\n\t"
+      "vpbroadcastd 0(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s11]\n\t"
+      "vpbroadcastd 0(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s21]\n\t"
+      "vmovdqa 32(%[w0]), %[wa]\n\t"
+      "vmovdqa 32(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 4(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 4(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 4(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 64(%[w0]), %[wa]\n\t"
+      "vmovdqa 64(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 8(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 8(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 8(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 96(%[w0]), %[wa]\n\t"
+      "vmovdqa 96(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 12(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 12(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 12(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpmaddwd %[ones], %[s00], %[t00]\n\t"
+      "vpmaddwd %[ones], %[s01], %[t01]\n\t"
+      "vpmaddwd %[ones], %[s10], %[t10]\n\t"
+      "vpmaddwd %[ones], %[s11], %[t11]\n\t"
+      "vpmaddwd %[ones], %[s20], %[t20]\n\t"
+      "vpmaddwd %[ones], %[s21], %[t21]\n\t"
+      "vmovdqa 128(%[w0]), %[wa]\n\t"
+      "vmovdqa 128(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 16(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s01]\n\t"
+      "vpbroadcastd 16(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s11]\n\t"
+      "vpbroadcastd 16(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s21]\n\t"
+      "vmovdqa 160(%[w0]), %[wa]\n\t"
+      "vmovdqa 160(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 20(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 20(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 20(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 192(%[w0]), %[wa]\n\t"
+      "vmovdqa 192(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 24(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 24(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 24(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 224(%[w0]), %[wa]\n\t"
+      "vmovdqa 224(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 28(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 28(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 28(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpmaddwd %[ones], %[s00], %[s00]\n\t"
+      "vpaddd %[s00], %[t00], %[t00]\n\t"
+      "vpmaddwd %[ones], %[s01], %[s01]\n\t"
+      "vpaddd %[s01], %[t01], %[t01]\n\t"
+      "vpmaddwd %[ones], %[s10], %[s10]\n\t"
+      "vpaddd %[s10], %[t10], %[t10]\n\t"
+      "vpmaddwd %[ones], %[s11], %[s11]\n\t"
+      "vpaddd %[s11], %[t11], %[t11]\n\t"
+      "vpmaddwd %[ones], %[s20], %[s20]\n\t"
+      "vpaddd %[s20], %[t20], %[t20]\n\t"
+      "vpmaddwd %[ones], %[s21], %[s21]\n\t"
+      "vpaddd %[s21], %[t21], %[t21]\n\t"
+      : [s00] "=&x"(s00), [s01] "=&x"(s01), [s10] "=&x"(s10), [s11] "=&x"(s11), [s20] "=&x"(s20),
+        [s21] "=&x"(s21), [wa] "=&x"(wa), [wb] "=&x"(wb), [xv] "=&x"(xv), [p] "=&x"(p), [t00] "=&x"(s32[0][0]),
+        [t01] "=&x"(s32[0][1]), [t10] "=&x"(s32[1][0]), [t11] "=&x"(s32[1][1]), [t20] "=&x"(s32[2][0]),
+        [t21] "=&x"(s32[2][1])
+      : [w0] "r"(w[0]), [w1] "r"(w[1]), [x0] "r"(xb), [x1] "r"(xb + nb * 32), [x2] "r"(xb + 2 * nb * 32),
+        [ones] "m"(ones)
+      : "memory");
     } else {
-      alignas(32) float t[8];
-      _mm256_store_ps(t, acc[r]);
-      for (int j = 0; j < ncols; ++j) y[r * ldy + j] = t[j];
+      for (int c0 = 0; c0 < 8; c0 += SUM) {
+        __m256i s16[MR][NG];
+        {
+          __m256i wv[NG];
+          for (int g = 0; g < NG; ++g) wv[g] = _mm256_load_si256(w[g] + c0);
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xv = _mm256_set1_epi32(load_i32(xb + r * nb * 32 + 4 * c0));
+            for (int g = 0; g < NG; ++g) s16[r][g] = _mm256_maddubs_epi16(wv[g], xv);
+          }
+        }
+        // a rolled loop: unrolled, gcc hoists every load and product ahead of the sums and spills them
+#pragma GCC unroll 1
+        for (int c = c0 + 1; c < c0 + SUM; ++c) {
+          __m256i wv[NG];
+          for (int g = 0; g < NG; ++g) wv[g] = _mm256_load_si256(w[g] + c);
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xv = _mm256_set1_epi32(load_i32(xb + r * nb * 32 + 4 * c));
+            for (int g = 0; g < NG; ++g) s16[r][g] = _mm256_add_epi16(s16[r][g], _mm256_maddubs_epi16(wv[g], xv));
+          }
+        }
+        for (int r = 0; r < MR; ++r)
+          for (int g = 0; g < NG; ++g) {
+            const __m256i t = _mm256_madd_epi16(s16[r][g], ones);
+            s32[r][g] = c0 == 0 ? t : _mm256_add_epi32(s32[r][g], t);
+          }
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256 dxr = _mm256_broadcast_ss(dx + r * nb + b), sxr = _mm256_broadcast_ss(sx + r * nb + b);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 ddx = _mm256_mul_ps(_mm256_loadu_ps(dv + (g * gstride + b) * 8), dxr);
+        acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r][g]), ddx, acc[r][g]);
+        acc[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(bv + (g * gstride + b) * 8), sxr, acc[r][g]);
+      }
     }
   }
+  for (int r = 0; r < MR; ++r)
+    for (int g = 0; g < NG; ++g) {
+      float* yr = y + r * ldy + 8 * g;
+      if (ncols[g] == 8) {
+        _mm256_storeu_ps(yr, acc[r][g]);
+      } else {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, acc[r][g]);
+        for (int j = 0; j < ncols[g]; ++j) yr[j] = t[j];
+      }
+    }
+}
+
+// Rows [m, mend) of x against NG groups of weights: tiles of MR rows, then one tile of the 1 to MR - 1 left over.
+// Not inlined: inside gemm8's OpenMP body gcc runs out of registers for the tile and spills its sums.
+template <int MR, int NG, int SUM>
+__attribute__((noinline)) void gemm8_rows(const uint8_t* wq, const float* dv, const float* bv, int64_t gstride, const int8_t* qx,
+                const float* dx, const float* sx, int64_t nb, int64_t m, int64_t mend, float* y, int64_t ldy,
+                const int* ncols) {
+  auto tile = [&](auto mr, int64_t m0) {
+    gemm8_tile<decltype(mr)::value, NG, SUM>(wq, dv, bv, gstride, qx + m0 * nb * 32, dx + m0 * nb, sx + m0 * nb,
+                                             nb, y + m0 * ldy, ldy, ncols);
+  };
+  for (; m + MR <= mend; m += MR) tile(std::integral_constant<int, MR>{}, m);
+  tile_of_rest<MR - 1>(mend - m, m, tile);
 }
 
 template <int64_t FMT>
@@ -403,8 +730,11 @@ void gemm8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_b
   std::vector<uint8_t> wq(groups * nb * G8_BYTES + 32);
   uint8_t* wq_base = wq.data() + ((32 - reinterpret_cast<uintptr_t>(wq.data()) % 32) % 32);
   std::vector<float> dv(groups * nb * 8), bv(groups * nb * 8);
-  // Rows of x in chunks that stay in L2 beside a group's weights while every group passes over them.
-  constexpr int64_t MC = 64;
+  // Rows of x in chunks (of whole 3-row tiles) that stay in L2 beside a pair of groups' weights while every pair
+  // passes over them; tiles of 3 rows x 2 groups (16 columns of y), the last group of an odd count 4 rows x 1.
+  constexpr int NG = 2, MR = 3;
+  constexpr int64_t MC = 66;
+  const int64_t units = (groups + NG - 1) / NG, gstride = nb;
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static) nowait
@@ -421,24 +751,19 @@ void gemm8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_b
     for (int64_t mc = 0; mc < M; mc += MC) {
       const int64_t mend = std::min(M, mc + MC);
 #pragma omp for schedule(static)
-      for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t g = u * NG;
         const uint8_t* wg = wq_base + g * nb * G8_BYTES;
         const float* dg = dv.data() + g * nb * 8;
         const float* bg = bv.data() + g * nb * 8;
-        const int ncols = static_cast<int>(std::min<int64_t>(8, N - g * 8));
-        int64_t m = mc;
-        for (; m + 4 <= mend; m += 4)
-          gemm8_tile<4, SUM>(wg, dg, bg, qx.data() + m * K, dx.data() + m * nb, sx.data() + m * nb, nb,
-                             y + m * N + g * 8, N, ncols);
-        switch (mend - m) {
-          case 3: gemm8_tile<3, SUM>(wg, dg, bg, qx.data() + m * K, dx.data() + m * nb, sx.data() + m * nb, nb,
-                                     y + m * N + g * 8, N, ncols); break;
-          case 2: gemm8_tile<2, SUM>(wg, dg, bg, qx.data() + m * K, dx.data() + m * nb, sx.data() + m * nb, nb,
-                                     y + m * N + g * 8, N, ncols); break;
-          case 1: gemm8_tile<1, SUM>(wg, dg, bg, qx.data() + m * K, dx.data() + m * nb, sx.data() + m * nb, nb,
-                                     y + m * N + g * 8, N, ncols); break;
-          default: break;
-        }
+        const int ncols[2] = {static_cast<int>(std::min<int64_t>(8, N - g * 8)),
+                              static_cast<int>(std::clamp<int64_t>(N - g * 8 - 8, 0, 8))};
+        if (NG == 2 && g + 1 < groups)
+          gemm8_rows<MR, NG, SUM>(wg, dg, bg, gstride, qx.data(), dx.data(), sx.data(), nb, mc, mend, y + g * 8, N,
+                                  ncols);
+        else  // the last group of an odd count
+          gemm8_rows<4, 1, SUM>(wg, dg, bg, gstride, qx.data(), dx.data(), sx.data(), nb, mc, mend, y + g * 8, N,
+                                ncols);
       }
     }
   }
