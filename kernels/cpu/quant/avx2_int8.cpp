@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
 #ifdef TANDEM_AVX2
 
@@ -718,18 +719,25 @@ __attribute__((noinline)) void gemm8_rows(const uint8_t* wq, const float* dv, co
   tile_of_rest<MR - 1>(mend - m, m, tile);
 }
 
+// Scratch for one call, left uninitialized: every element is written before it is read (std::vector's zeroing of
+// x's bytes and the repacked weights was 2% of a call).
+template <class T>
+std::unique_ptr<T[]> scratch(int64_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
+}
+
 template <int64_t FMT>
 void gemm8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, int64_t N, float* y,
            int threads) {
   constexpr int SUM = (FMT == Q4_0 || FMT == Q4_1) ? 8 : 4;
   const int64_t nb = K / 32, groups = (N + 7) / 8;
   // x per block of 32 (quantize_block32: the small-M kernel's integers), dx and dx * sum(qx); rows in parallel
-  std::vector<int8_t> qx(M * K);
-  std::vector<float> dx(M * nb), sx(M * nb);
+  const auto qx = scratch<int8_t>(M * K);
+  const auto dx = scratch<float>(M * nb), sx = scratch<float>(M * nb);
   // the weights repacked per group of 8 rows (32 bytes of u per weight row and block, 1.6x the Q4 blocks)
-  std::vector<uint8_t> wq(groups * nb * G8_BYTES + 32);
-  uint8_t* wq_base = wq.data() + ((32 - reinterpret_cast<uintptr_t>(wq.data()) % 32) % 32);
-  std::vector<float> dv(groups * nb * 8), bv(groups * nb * 8);
+  const auto wq = scratch<uint8_t>(groups * nb * G8_BYTES + 32);
+  uint8_t* wq_base = wq.get() + ((32 - reinterpret_cast<uintptr_t>(wq.get()) % 32) % 32);
+  const auto dv = scratch<float>(groups * nb * 8), bv = scratch<float>(groups * nb * 8);
   // Rows of x in chunks (of whole 3-row tiles) that stay in L2 beside a pair of groups' weights while every pair
   // passes over them; tiles of 3 rows x 2 groups (16 columns of y), the last group of an odd count 4 rows x 1.
   constexpr int NG = 2, MR = 3;
@@ -740,29 +748,29 @@ void gemm8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_b
 #pragma omp for schedule(static) nowait
     for (int64_t i = 0; i < M * nb; ++i) {
       float d;
-      const int s = quantize_block32_avx2(x + i * 32, qx.data() + i * 32, d);
+      const int s = quantize_block32_avx2(x + i * 32, qx.get() + i * 32, d);
       dx[i] = d;
       sx[i] = d * static_cast<float>(s);
     }
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; ++g)
-      repack_group8<FMT>(w, row_bytes, N, g * 8, nb, wq_base + g * nb * G8_BYTES, dv.data() + g * nb * 8,
-                         bv.data() + g * nb * 8);
+      repack_group8<FMT>(w, row_bytes, N, g * 8, nb, wq_base + g * nb * G8_BYTES, dv.get() + g * nb * 8,
+                         bv.get() + g * nb * 8);
     for (int64_t mc = 0; mc < M; mc += MC) {
       const int64_t mend = std::min(M, mc + MC);
 #pragma omp for schedule(static)
       for (int64_t u = 0; u < units; ++u) {
         const int64_t g = u * NG;
         const uint8_t* wg = wq_base + g * nb * G8_BYTES;
-        const float* dg = dv.data() + g * nb * 8;
-        const float* bg = bv.data() + g * nb * 8;
+        const float* dg = dv.get() + g * nb * 8;
+        const float* bg = bv.get() + g * nb * 8;
         const int ncols[2] = {static_cast<int>(std::min<int64_t>(8, N - g * 8)),
                               static_cast<int>(std::clamp<int64_t>(N - g * 8 - 8, 0, 8))};
         if (NG == 2 && g + 1 < groups)
-          gemm8_rows<MR, NG, SUM>(wg, dg, bg, gstride, qx.data(), dx.data(), sx.data(), nb, mc, mend, y + g * 8, N,
+          gemm8_rows<MR, NG, SUM>(wg, dg, bg, gstride, qx.get(), dx.get(), sx.get(), nb, mc, mend, y + g * 8, N,
                                   ncols);
         else  // the last group of an odd count
-          gemm8_rows<4, 1, SUM>(wg, dg, bg, gstride, qx.data(), dx.data(), sx.data(), nb, mc, mend, y + g * 8, N,
+          gemm8_rows<4, 1, SUM>(wg, dg, bg, gstride, qx.get(), dx.get(), sx.get(), nb, mc, mend, y + g * 8, N,
                                 ncols);
       }
     }
