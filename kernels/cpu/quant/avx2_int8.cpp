@@ -342,9 +342,11 @@ TANDEM_ALWAYS_INLINE int32_t load_i32(const int8_t* p) {
 // blocks of the repacked weights apart) over every block; SUM chunks' int16 products are added before madd. Each
 // chunk of weights is loaded once for the MR rows and each broadcast of 4 bytes of x serves the NG groups: per
 // block, row and group 8 maddubs, 7 adds, one madd (two and an add for Q5) and four float operations. The main
-// tile, MR = 3 and NG = 2, has its integer part written in assembly (6 int16 sums, Q5's 6 int32 sums, 2 chunks of
-// weights, a broadcast and a product: all 16 ymm registers); on Zen 3 its adds, not its maddubs, set the pace
-// (3 vector integer pipes for 90 operations a block against 2 for the 48 maddubs).
+// tiles have their integer part written in assembly: Q4's 5 rows x 2 groups (10 int16 sums, 2 chunks of weights, a
+// broadcast and a product in 14 ymm registers; the float accumulators live in L1), Q5's 3 x 2 (6 int16 sums and 6
+// int32 sums: all 16). On Zen 3 the adds, not the maddubs, set the pace (3 vector integer pipes for the adds and
+// maddubs, 2 of them for maddubs); per block the 5-row tile measured 8% faster than 4 rows and 13% than 3 (one
+// thread, SmolLM2's shapes, 512 rows), 6 rows slower again.
 template <int MR, int NG, int SUM>
 TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const float* bv, int64_t gstride,
                                      const int8_t* qx, const float* dx, const float* sx, int64_t nb, float* y,
@@ -358,11 +360,11 @@ TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const f
     for (int g = 0; g < NG; ++g) w[g] = reinterpret_cast<const __m256i*>(wq + (g * gstride + b) * G8_BYTES);
     const int8_t* xb = qx + b * 32;
     __m256i s32[MR][NG];
-    if constexpr (MR == 3 && NG == 2 && SUM == 8) {
-      __m256i s00, s01, s10, s11, s20, s21, wa, wb, xv, p;
-      // The 48 products of a block, written out: from intrinsics gcc either hoists the products of every chunk
+    if constexpr (MR == 5 && NG == 2 && SUM == 8) {
+      __m256i s00, s01, s10, s11, s20, s21, s30, s31, s40, s41, wa, wb, xv, p;
+      // The 80 products of a block, written out: from intrinsics gcc either hoists the products of every chunk
       // ahead of their sums and spills them (unrolled) or copies each sum once a chunk (rolled), either way a
-      // third to a half more instructions than the 2 loads, 3 broadcasts, 6 maddubs and 6 adds a chunk needs.
+      // third to a half more instructions than the 2 loads, 5 broadcasts, 10 maddubs and 10 adds a chunk needs.
       __asm__(
       "vmovdqa 0(%[w0]), %[wa]\n\t"
       "vmovdqa 0(%[w1]), %[wb]\n\t"
@@ -375,6 +377,12 @@ TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const f
       "vpbroadcastd 0(%[x2]), %[xv]\n\t"
       "vpmaddubsw %[xv], %[wa], %[s20]\n\t"
       "vpmaddubsw %[xv], %[wb], %[s21]\n\t"
+      "vpbroadcastd 0(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s31]\n\t"
+      "vpbroadcastd 0(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s41]\n\t"
       "vmovdqa 32(%[w0]), %[wa]\n\t"
       "vmovdqa 32(%[w1]), %[wb]\n\t"
       "vpbroadcastd 4(%[x0]), %[xv]\n\t"
@@ -392,6 +400,16 @@ TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const f
       "vpaddw %[p], %[s20], %[s20]\n\t"
       "vpmaddubsw %[xv], %[wb], %[p]\n\t"
       "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpbroadcastd 4(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 4(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
       "vmovdqa 64(%[w0]), %[wa]\n\t"
       "vmovdqa 64(%[w1]), %[wb]\n\t"
       "vpbroadcastd 8(%[x0]), %[xv]\n\t"
@@ -409,6 +427,16 @@ TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const f
       "vpaddw %[p], %[s20], %[s20]\n\t"
       "vpmaddubsw %[xv], %[wb], %[p]\n\t"
       "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpbroadcastd 8(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 8(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
       "vmovdqa 96(%[w0]), %[wa]\n\t"
       "vmovdqa 96(%[w1]), %[wb]\n\t"
       "vpbroadcastd 12(%[x0]), %[xv]\n\t"
@@ -426,6 +454,16 @@ TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const f
       "vpaddw %[p], %[s20], %[s20]\n\t"
       "vpmaddubsw %[xv], %[wb], %[p]\n\t"
       "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpbroadcastd 12(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 12(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
       "vmovdqa 128(%[w0]), %[wa]\n\t"
       "vmovdqa 128(%[w1]), %[wb]\n\t"
       "vpbroadcastd 16(%[x0]), %[xv]\n\t"
@@ -443,6 +481,16 @@ TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const f
       "vpaddw %[p], %[s20], %[s20]\n\t"
       "vpmaddubsw %[xv], %[wb], %[p]\n\t"
       "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpbroadcastd 16(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 16(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
       "vmovdqa 160(%[w0]), %[wa]\n\t"
       "vmovdqa 160(%[w1]), %[wb]\n\t"
       "vpbroadcastd 20(%[x0]), %[xv]\n\t"
@@ -460,6 +508,16 @@ TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const f
       "vpaddw %[p], %[s20], %[s20]\n\t"
       "vpmaddubsw %[xv], %[wb], %[p]\n\t"
       "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpbroadcastd 20(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 20(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
       "vmovdqa 192(%[w0]), %[wa]\n\t"
       "vmovdqa 192(%[w1]), %[wb]\n\t"
       "vpbroadcastd 24(%[x0]), %[xv]\n\t"
@@ -477,6 +535,16 @@ TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const f
       "vpaddw %[p], %[s20], %[s20]\n\t"
       "vpmaddubsw %[xv], %[wb], %[p]\n\t"
       "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpbroadcastd 24(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 24(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
       "vmovdqa 224(%[w0]), %[wa]\n\t"
       "vmovdqa 224(%[w1]), %[wb]\n\t"
       "vpbroadcastd 28(%[x0]), %[xv]\n\t"
@@ -494,13 +562,30 @@ TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const f
       "vpaddw %[p], %[s20], %[s20]\n\t"
       "vpmaddubsw %[xv], %[wb], %[p]\n\t"
       "vpaddw %[p], %[s21], %[s21]\n\t"
-      : [s00] "=&x"(s00), [s01] "=&x"(s01), [s10] "=&x"(s10), [s11] "=&x"(s11), [s20] "=&x"(s20),
-        [s21] "=&x"(s21), [wa] "=&x"(wa), [wb] "=&x"(wb), [xv] "=&x"(xv), [p] "=&x"(p)
-      : [w0] "r"(w[0]), [w1] "r"(w[1]), [x0] "r"(xb), [x1] "r"(xb + nb * 32), [x2] "r"(xb + 2 * nb * 32)
+      "vpbroadcastd 28(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 28(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
+      : [s00] "=&x"(s00), [s01] "=&x"(s01),
+        [s10] "=&x"(s10), [s11] "=&x"(s11),
+        [s20] "=&x"(s20), [s21] "=&x"(s21),
+        [s30] "=&x"(s30), [s31] "=&x"(s31),
+        [s40] "=&x"(s40), [s41] "=&x"(s41),
+        [wa] "=&x"(wa), [wb] "=&x"(wb), [xv] "=&x"(xv), [p] "=&x"(p)
+      : [w0] "r"(w[0]), [w1] "r"(w[1]), [x0] "r"(xb), [x1] "r"(xb + nb * 32), [x2] "r"(xb + 2 * nb * 32),
+        [x3] "r"(xb + 3 * nb * 32), [x4] "r"(xb + 4 * nb * 32)
       : "memory");
       s32[0][0] = _mm256_madd_epi16(s00, ones), s32[0][1] = _mm256_madd_epi16(s01, ones);
       s32[1][0] = _mm256_madd_epi16(s10, ones), s32[1][1] = _mm256_madd_epi16(s11, ones);
       s32[2][0] = _mm256_madd_epi16(s20, ones), s32[2][1] = _mm256_madd_epi16(s21, ones);
+      s32[3][0] = _mm256_madd_epi16(s30, ones), s32[3][1] = _mm256_madd_epi16(s31, ones);
+      s32[4][0] = _mm256_madd_epi16(s40, ones), s32[4][1] = _mm256_madd_epi16(s41, ones);
     } else if constexpr (MR == 3 && NG == 2 && SUM == 4) {
       // Q5: the int16 sums of chunks 0-3 and 4-7 each widened by madd (with ones from memory: the int32 sums take
       // the last six registers)
@@ -738,10 +823,10 @@ void gemm8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_b
   const auto wq = scratch<uint8_t>(groups * nb * G8_BYTES + 32);
   uint8_t* wq_base = wq.get() + ((32 - reinterpret_cast<uintptr_t>(wq.get()) % 32) % 32);
   const auto dv = scratch<float>(groups * nb * 8), bv = scratch<float>(groups * nb * 8);
-  // Rows of x in chunks (of whole 3-row tiles) that stay in L2 beside a pair of groups' weights while every pair
-  // passes over them; tiles of 3 rows x 2 groups (16 columns of y), the last group of an odd count 4 rows x 1.
-  constexpr int NG = 2, MR = 3;
-  constexpr int64_t MC = 66;
+  // Rows of x in chunks (of whole tiles) that stay in L2 beside a pair of groups' weights while every pair passes
+  // over them; tiles of MR rows x 2 groups (16 columns of y), the last group of an odd count 4 rows x 1.
+  constexpr int NG = 2, MR = SUM == 8 ? 5 : 3;  // the assembly tiles' (gemm8_tile)
+  constexpr int64_t MC = 16 * MR;
   const int64_t units = (groups + NG - 1) / NG, gstride = nb;
 #pragma omp parallel num_threads(threads)
   {
