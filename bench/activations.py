@@ -12,7 +12,9 @@ file's float32 expansion as the reference nobody here wrote:
   each position's log-probability of the text's next token, mean |tandem - transformers| and perplexity. The int8
   path lives in the small-M kernel that decode steps use; a prompt is wide, so this pass raises the CPU path's
   small M (what TANDEM_QUANT_SMALL_M sets) above the chunk length, putting every matmul of the text through the
-  small-M kernel (the arithmetic a decode step does, position by position).
+  small-M kernel (the arithmetic a decode step does, position by position); `--prefill-path` leaves it, so the
+  text takes the engine's prefill path (on the avx2 path with int8 activations the wide int8 GEMM: what an int8
+  prefill would cost in prompt logprobs).
 
 `--paired ROUNDS` is the speed figure to quote on a shared host: both settings' engines in one process, each
 decoding one batch-1 request per round (ROUNDS rounds, `--paired-steps` decode steps after a 64-token prompt), their
@@ -47,7 +49,7 @@ SETTINGS = ("float32", "int8")
 
 
 def tandem_pass(model: Path | None, activations: str, threads: int, prompts: list[list[int]], n: int,
-                chunks: list[list[int]]) -> dict:
+                chunks: list[list[int]], prefill_path: bool = False) -> dict:
     from engine import LLM, EngineConfig, SamplingParams
 
     llm = LLM(EngineConfig(model=str(model) if model else None, num_threads=threads, cpu_activations=activations))
@@ -64,7 +66,8 @@ def tandem_pass(model: Path | None, activations: str, threads: int, prompts: lis
                 times += [time.perf_counter()] * len(step.new_token_ids)
         tokens.append(out)
         rates.append((len(times) - 1) / (times[-1] - times[0]))
-    with _small_m(eng.model, 10**9):  # every row through the small-M kernel (see the docstring)
+    # every row through the small-M kernel (see the docstring), or with prefill_path the engine's own wide path
+    with contextlib.nullcontext() if prefill_path else _small_m(eng.model, 10**9):
         logprobs = []
         for chunk in chunks:
             res = llm.generate(chunk, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))[0]
@@ -186,6 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1)")
     ap.add_argument("--text-tokens", type=int, default=2000)
     ap.add_argument("--chunk", type=int, default=250, help="tokens per prompt of the logprob pass")
+    ap.add_argument("--prefill-path", action="store_true",
+                    help="score the text through the engine's own prefill path (wide steps: with int8 activations "
+                         "on the avx2 path, the wide int8 GEMM) instead of the small-M kernel")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--isa", choices=("auto", "avx512", "avx2"), default="auto",
@@ -229,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     ref_lp = hf_logprobs(Path(path), chunks)
     result: dict = {"benchmark": "activations", "model": Path(path).name, "threads": args.threads,
                     "new_tokens": args.new_tokens, "text_tokens": len(ref_lp), "chunk": args.chunk,
+                    "logprob_path": "prefill" if args.prefill_path else "small-M kernel",
                     "loadavg": list(os.getloadavg()), "cpu": cpu_identity(),
                     "transformers": {"perplexity": round(math.exp(-statistics.fmean(ref_lp)), 4)}, "settings": {}}
     from kernels import quant
@@ -239,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
     if len(settings) < len(SETTINGS):
         result["skipped"] = {"int8": f"the CPU path ({quant.kernel_path(path)}) has no int8 kernel"}
     for setting in settings:
-        run = tandem_pass(args.model, setting, args.threads, prompts, args.new_tokens, chunks)
+        run = tandem_pass(args.model, setting, args.threads, prompts, args.new_tokens, chunks, args.prefill_path)
         lp = run.pop("logprobs")
         run["vs_transformers"] = agreement(run.pop("tokens"), reference)
         run["mean_abs_logprob_diff"] = round(statistics.fmean(abs(a - b) for a, b in zip(lp, ref_lp)), 6)

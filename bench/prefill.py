@@ -22,11 +22,12 @@ Systems, same model (the embedded SmolLM2, fp32) and torch threads (--threads):
   is a lower bound on `generate`'s time to first token, so it favours the baseline.
 
 Per repetition (--reps per length) every system runs the same prompt, the order rotating from one repetition to
-the next. Seconds per system are the minimum over repetitions (the median is recorded too); ratio =
-transformers_s / tandem_s (above 1: tandem is faster). Correctness beside speed: tandem's first token must equal
-transformers' argmax of the last position (or be within --logit-tol of its logit, a near tie); the run fails after
-writing its JSON if not. The JSON records the 1-minute load average and `contended` (above --threads + 1), the
-CPU's model and vector flags, and each engine's CPU path and prefill path (what its start-up line names).
+the next. Seconds per system (wall, or with --clock cpu this process's CPU time) are the minimum over repetitions
+(the median is recorded too); ratio = transformers_s / tandem_s (above 1: tandem is faster). Correctness beside
+speed: tandem's first token must equal transformers' argmax of the last position (or be within --logit-tol of its
+logit, a near tie); the run fails after writing its JSON if not. The JSON records the 1-minute load average and
+`contended` (above --threads + 1), the CPU's model and vector flags, and each engine's CPU path and prefill path
+(what its start-up line names).
 Prints one JSON line and writes bench/results/prefill.json (or --out).
 """
 from __future__ import annotations
@@ -47,6 +48,9 @@ from engine import LLM, EngineConfig, SamplingParams
 QUICK = dict(lengths=[32, 128], reps=2)
 BASELINE = "transformers"
 INT8 = "tandem_int8"  # a precision choice: its first token is compared, a mismatch recorded but not failed
+# --clock: wall seconds, or the CPU seconds of this process, which a loaded host disturbs far less with --threads 1
+# (docs/benchmarks.md "Prefill on the AVX2 path": other sessions' load halved the wall-clock rates)
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def prompt_ids(length: int, rep: int, seed: int, vocab: int, exclude: frozenset[int] = frozenset()) -> list[int]:
@@ -85,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--reps", type=int, default=3, help="repetitions per length (distinct prompts)")
     ap.add_argument("--logit-tol", type=float, default=1e-3)
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="what a system's seconds are: wall clock, or this process's CPU time (with --threads 1, "
+                         "one core's time: usable on a shared host)")
     return parse_bench_args(ap, argv, "prefill", QUICK)
 
 
@@ -143,6 +150,7 @@ def time_lengths(args: argparse.Namespace, systems: Systems, load: list[float]) 
     """Every system on the same prompts, --reps per length in rotating order: per length the summary of seconds,
     every tandem first token checked against the baseline's logits, and the most prompt tokens the cache served."""
     names = list(systems.run)
+    clock = CLOCKS[args.clock]
     lengths, checks, cached, rep_index = {}, [], 0, 0
     for length in args.lengths:
         seconds: dict[str, list[float]] = {n: [] for n in names}
@@ -150,9 +158,9 @@ def time_lengths(args: argparse.Namespace, systems: Systems, load: list[float]) 
             ids = prompt_ids(length, rep, args.seed, systems.vocab, systems.exclude)
             outs = {}
             for name in rotated(names, rep_index):
-                t = time.perf_counter()
+                t = clock()
                 outs[name] = systems.run[name](ids)
-                seconds[name].append(time.perf_counter() - t)
+                seconds[name].append(clock() - t)
             rep_index += 1
             reference = outs[BASELINE][1]
             for name in names:
@@ -193,7 +201,8 @@ def report(args: argparse.Namespace, systems: Systems, lengths: dict, checks: li
                     BASELINE: {"attn_implementation": attn, "logits_to_keep": 1}},
         "transformers_attn_implementation": attn,
         "threads": args.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "seed": args.seed,
-        "quick": args.quick, "statistic": "min over repetitions", "lengths": lengths, "ratios": ratios,
+        "quick": args.quick, "clock": args.clock, "statistic": "min over repetitions", "lengths": lengths,
+        "ratios": ratios,
         "first_token": {"all_ok": all(c["ok"] for c in checks), "matches": sum(c["match"] for c in checks),
                         "compared": len(checks), "checks": checks},
         "load_avg_1min": load, "contended": max(load) > args.threads + 1,

@@ -3,6 +3,9 @@
 Prompt generation and run order, min/median ratios, the first-token check, the case table, the allowed-set
 reference against transformers' own warpers, and both samplers' draws staying inside it.
 """
+import time
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -51,6 +54,19 @@ def test_first_token_check_allows_only_near_ties():
     assert not tie["match"] and tie["ok"] and tie["logit_gap"] == pytest.approx(5e-4, abs=1e-6)
     wrong = prefill.first_token_check(logits, 3, tol=1e-3)
     assert not wrong["match"] and not wrong["ok"] and wrong["logit_gap"] == pytest.approx(4.0)
+
+
+def test_time_lengths_reads_the_clock_chosen_by_clock(monkeypatch):
+    ticks = iter(range(1000))
+    monkeypatch.setitem(prefill.CLOCKS, "cpu", lambda: float(next(ticks)))  # each reading one second later
+    logits = torch.tensor([0.0, 1.0, 0.5])
+    systems = prefill.Systems({"tandem": lambda ids: (1, 0), prefill.BASELINE: lambda ids: (1, logits)}, {},
+                              SimpleNamespace(config=SimpleNamespace(vocab_size=50)), frozenset())
+    args = SimpleNamespace(lengths=[8], reps=2, seed=0, logit_tol=1e-3, clock="cpu")
+    lengths, checks, cached = prefill.time_lengths(args, systems, [])
+    assert lengths["8"]["seconds"] == {"tandem": [1.0, 1.0], "transformers": [1.0, 1.0]}
+    assert all(c["ok"] for c in checks) and cached == 0
+    assert prefill.CLOCKS["wall"] is time.perf_counter and "cpu" in prefill.CLOCKS
 
 
 # ---- sampling --------------------------------------------------------------------------------------------------

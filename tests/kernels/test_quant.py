@@ -610,6 +610,26 @@ def test_the_wide_int8_gemm_stays_within_the_bound_and_agrees_with_the_row_kerne
             assert torch.equal(quant.matmul(x[:20], w, isa=isa, activations=quant.Activations.INT8), got[:20])
 
 
+@pytest.mark.skipif(quant.best_isa() < quant.CpuIsa.AVX2, reason="this CPU has no AVX2 + FMA + F16C")
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q5_0"])  # the two assembly tiles: one int32 sum per block, and two
+def test_the_wide_int8_gemm_tiles_of_16_columns_fill_a_partial_second_group_and_rows_left_over(fmt: str) -> None:
+    # the tiles take two 8-row groups of W at once: N = 12 and 28 end in a pair whose second group has 4 rows,
+    # N = 8 is one group alone; M = 137, 81, 83, 84 leave 2, 1, 3, 4 rows past Q4's whole 5-row tiles (80-row chunks)
+    # and 2, 0, 2, 0 past Q5's 3-row ones (48-row chunks)
+    isa = quant.CpuIsa.AVX2
+    module = quant._module()
+    for m in (137, 81, 83, 84):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+        xq = quantize_x_like_the_kernels(x)
+        for n in (12, 28, 8):
+            w = make(fmt, n, 64, seed=n)
+            got = module.quant_gemm_int8(x, w.data, quant.CPP_FORMATS[fmt], 64, int(isa))
+            bound = int8_roundoff_bound(xq, w)
+            assert bool(((got - xq @ reference_dense(w).T).abs() <= bound).all())
+            rows = module.quant_matmul_int8(x, w.data, quant.CPP_FORMATS[fmt], 64, int(isa))
+            assert bool(((got - rows).abs() <= 2 * bound).all())
+
+
 def test_the_wide_int8_gemm_is_taken_on_the_avx2_path_only_and_not_for_other_formats() -> None:
     for fmt in quant.GEMM_INT8_FORMATS:
         assert not quant.gemm_int8(quant.CpuIsa.PORTABLE, fmt)

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 
 #ifdef TANDEM_AVX2
 
@@ -297,48 +298,517 @@ void repack_group8(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t n0, i
   }
 }
 
-// acc[r] for rows m0..m0+MR-1 of x over every block of one group; SUM chunks' int16 products are added before madd.
-template <int MR, int SUM>
-TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const float* bv, const int8_t* qx,
-                                     const float* dx, const float* sx, int64_t nb, float* y, int64_t ldy, int ncols) {
+// 32 activations rounded as quantize_block32 rounds them, 8 lanes at a time: the same max, the same products x * inv
+// and the same round-to-nearest-even (vroundps in the default rounding mode is nearbyint), so the same bytes and
+// dx bit for bit; the scalar loop called libm's fmaxf per element and took 10% of a 512-row GEMM.
+TANDEM_ALWAYS_INLINE int quantize_block32_avx2(const float* xb, int8_t* qb, float& dx) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+               v3 = _mm256_loadu_ps(xb + 24);
+  // max_ps(a, b) is b where a is NaN: a NaN element is skipped, as std::fmax skips it
+  __m256 mx = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_setzero_ps());
+  mx = _mm256_max_ps(_mm256_andnot_ps(sign, v1), mx);
+  mx = _mm256_max_ps(_mm256_andnot_ps(sign, v2), mx);
+  mx = _mm256_max_ps(_mm256_andnot_ps(sign, v3), mx);
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  dx = amax / 127.f;
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, inv), R));
+  const __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, inv), R));
+  const __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, inv), R));
+  const __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, inv), R));
+  // |values| <= 127: the saturating packs are exact; they interleave 128-bit lanes, which the permute undoes
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  return _mm_cvtsi128_si32(s4);
+}
+
+TANDEM_ALWAYS_INLINE int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// acc[r][g] for rows r of x (MR of them, nb * 32 bytes apart) and groups g of 8 weight rows (NG of them, gstride
+// blocks of the repacked weights apart) over every block; SUM chunks' int16 products are added before madd. Each
+// chunk of weights is loaded once for the MR rows and each broadcast of 4 bytes of x serves the NG groups: per
+// block, row and group 8 maddubs, 7 adds, one madd (two and an add for Q5) and four float operations. The main
+// tiles have their integer part written in assembly: Q4's 5 rows x 2 groups (10 int16 sums, 2 chunks of weights, a
+// broadcast and a product in 14 ymm registers; the float accumulators live in L1), Q5's 3 x 2 (6 int16 sums and 6
+// int32 sums: all 16). On Zen 3 the adds, not the maddubs, set the pace (3 vector integer pipes for the adds and
+// maddubs, 2 of them for maddubs); per block the 5-row tile measured 8% faster than 4 rows and 13% than 3 (one
+// thread, SmolLM2's shapes, 512 rows), 6 rows slower again.
+template <int MR, int NG, int SUM>
+TANDEM_ALWAYS_INLINE void gemm8_tile(const uint8_t* wq, const float* dv, const float* bv, int64_t gstride,
+                                     const int8_t* qx, const float* dx, const float* sx, int64_t nb, float* y,
+                                     int64_t ldy, const int* ncols) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[MR][NG];
+  for (int r = 0; r < MR; ++r)
+    for (int g = 0; g < NG; ++g) acc[r][g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i* w = reinterpret_cast<const __m256i*>(wq + b * G8_BYTES);
-    // each chunk of weights loaded once and multiplied into every row of the tile
-    __m256i s32[MR];
-    for (int c0 = 0; c0 < 8; c0 += SUM) {
-      __m256i s16[MR];
-      for (int c = c0; c < c0 + SUM; ++c) {
-        const __m256i wv = _mm256_load_si256(w + c);
-        for (int r = 0; r < MR; ++r) {
-          const uint8_t* xr = reinterpret_cast<const uint8_t*>(qx + (r * nb + b) * 32);
-          const __m256i p = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(static_cast<int>(load_u32(xr + 4 * c))));
-          s16[r] = c == c0 ? p : _mm256_add_epi16(s16[r], p);
-        }
-      }
-      for (int r = 0; r < MR; ++r) {
-        const __m256i s = _mm256_madd_epi16(s16[r], ones);
-        s32[r] = c0 == 0 ? s : _mm256_add_epi32(s32[r], s);
-      }
-    }
-    const __m256 d = _mm256_loadu_ps(dv + b * 8);
-    const __m256 m = _mm256_loadu_ps(bv + b * 8);
-    for (int r = 0; r < MR; ++r) {
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    if (ncols == 8) {
-      _mm256_storeu_ps(y + r * ldy, acc[r]);
+    const __m256i* w[NG];
+    for (int g = 0; g < NG; ++g) w[g] = reinterpret_cast<const __m256i*>(wq + (g * gstride + b) * G8_BYTES);
+    const int8_t* xb = qx + b * 32;
+    __m256i s32[MR][NG];
+    if constexpr (MR == 5 && NG == 2 && SUM == 8) {
+      __m256i s00, s01, s10, s11, s20, s21, s30, s31, s40, s41, wa, wb, xv, p;
+      // The 80 products of a block, written out: from intrinsics gcc either hoists the products of every chunk
+      // ahead of their sums and spills them (unrolled) or copies each sum once a chunk (rolled), either way a
+      // third to a half more instructions than the 2 loads, 5 broadcasts, 10 maddubs and 10 adds a chunk needs.
+      __asm__(
+      "vmovdqa 0(%[w0]), %[wa]\n\t"
+      "vmovdqa 0(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 0(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s01]\n\t"
+      "vpbroadcastd 0(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s11]\n\t"
+      "vpbroadcastd 0(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s21]\n\t"
+      "vpbroadcastd 0(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s31]\n\t"
+      "vpbroadcastd 0(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s41]\n\t"
+      "vmovdqa 32(%[w0]), %[wa]\n\t"
+      "vmovdqa 32(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 4(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 4(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 4(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpbroadcastd 4(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 4(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
+      "vmovdqa 64(%[w0]), %[wa]\n\t"
+      "vmovdqa 64(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 8(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 8(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 8(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpbroadcastd 8(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 8(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
+      "vmovdqa 96(%[w0]), %[wa]\n\t"
+      "vmovdqa 96(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 12(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 12(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 12(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpbroadcastd 12(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 12(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
+      "vmovdqa 128(%[w0]), %[wa]\n\t"
+      "vmovdqa 128(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 16(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 16(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 16(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpbroadcastd 16(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 16(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
+      "vmovdqa 160(%[w0]), %[wa]\n\t"
+      "vmovdqa 160(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 20(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 20(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 20(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpbroadcastd 20(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 20(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
+      "vmovdqa 192(%[w0]), %[wa]\n\t"
+      "vmovdqa 192(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 24(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 24(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 24(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpbroadcastd 24(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 24(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
+      "vmovdqa 224(%[w0]), %[wa]\n\t"
+      "vmovdqa 224(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 28(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 28(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 28(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpbroadcastd 28(%[x3]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s30], %[s30]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s31], %[s31]\n\t"
+      "vpbroadcastd 28(%[x4]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s40], %[s40]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s41], %[s41]\n\t"
+      : [s00] "=&x"(s00), [s01] "=&x"(s01),
+        [s10] "=&x"(s10), [s11] "=&x"(s11),
+        [s20] "=&x"(s20), [s21] "=&x"(s21),
+        [s30] "=&x"(s30), [s31] "=&x"(s31),
+        [s40] "=&x"(s40), [s41] "=&x"(s41),
+        [wa] "=&x"(wa), [wb] "=&x"(wb), [xv] "=&x"(xv), [p] "=&x"(p)
+      : [w0] "r"(w[0]), [w1] "r"(w[1]), [x0] "r"(xb), [x1] "r"(xb + nb * 32), [x2] "r"(xb + 2 * nb * 32),
+        [x3] "r"(xb + 3 * nb * 32), [x4] "r"(xb + 4 * nb * 32)
+      : "memory");
+      s32[0][0] = _mm256_madd_epi16(s00, ones), s32[0][1] = _mm256_madd_epi16(s01, ones);
+      s32[1][0] = _mm256_madd_epi16(s10, ones), s32[1][1] = _mm256_madd_epi16(s11, ones);
+      s32[2][0] = _mm256_madd_epi16(s20, ones), s32[2][1] = _mm256_madd_epi16(s21, ones);
+      s32[3][0] = _mm256_madd_epi16(s30, ones), s32[3][1] = _mm256_madd_epi16(s31, ones);
+      s32[4][0] = _mm256_madd_epi16(s40, ones), s32[4][1] = _mm256_madd_epi16(s41, ones);
+    } else if constexpr (MR == 3 && NG == 2 && SUM == 4) {
+      // Q5: the int16 sums of chunks 0-3 and 4-7 each widened by madd (with ones from memory: the int32 sums take
+      // the last six registers)
+      __m256i s00, s01, s10, s11, s20, s21, wa, wb, xv, p;
+      __asm__(
+      "vmovdqa 0(%[w0]), %[wa]\n\t"
+      "vmovdqa 0(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 0(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s01]\n\t"
+      "vpbroadcastd 0(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s11]\n\t"
+      "vpbroadcastd 0(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s21]\n\t"
+      "vmovdqa 32(%[w0]), %[wa]\n\t"
+      "vmovdqa 32(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 4(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 4(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 4(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 64(%[w0]), %[wa]\n\t"
+      "vmovdqa 64(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 8(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 8(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 8(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 96(%[w0]), %[wa]\n\t"
+      "vmovdqa 96(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 12(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 12(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 12(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpmaddwd %[ones], %[s00], %[t00]\n\t"
+      "vpmaddwd %[ones], %[s01], %[t01]\n\t"
+      "vpmaddwd %[ones], %[s10], %[t10]\n\t"
+      "vpmaddwd %[ones], %[s11], %[t11]\n\t"
+      "vpmaddwd %[ones], %[s20], %[t20]\n\t"
+      "vpmaddwd %[ones], %[s21], %[t21]\n\t"
+      "vmovdqa 128(%[w0]), %[wa]\n\t"
+      "vmovdqa 128(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 16(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s01]\n\t"
+      "vpbroadcastd 16(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s11]\n\t"
+      "vpbroadcastd 16(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[s21]\n\t"
+      "vmovdqa 160(%[w0]), %[wa]\n\t"
+      "vmovdqa 160(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 20(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 20(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 20(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 192(%[w0]), %[wa]\n\t"
+      "vmovdqa 192(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 24(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 24(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 24(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vmovdqa 224(%[w0]), %[wa]\n\t"
+      "vmovdqa 224(%[w1]), %[wb]\n\t"
+      "vpbroadcastd 28(%[x0]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s00], %[s00]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s01], %[s01]\n\t"
+      "vpbroadcastd 28(%[x1]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s10], %[s10]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s11], %[s11]\n\t"
+      "vpbroadcastd 28(%[x2]), %[xv]\n\t"
+      "vpmaddubsw %[xv], %[wa], %[p]\n\t"
+      "vpaddw %[p], %[s20], %[s20]\n\t"
+      "vpmaddubsw %[xv], %[wb], %[p]\n\t"
+      "vpaddw %[p], %[s21], %[s21]\n\t"
+      "vpmaddwd %[ones], %[s00], %[s00]\n\t"
+      "vpaddd %[s00], %[t00], %[t00]\n\t"
+      "vpmaddwd %[ones], %[s01], %[s01]\n\t"
+      "vpaddd %[s01], %[t01], %[t01]\n\t"
+      "vpmaddwd %[ones], %[s10], %[s10]\n\t"
+      "vpaddd %[s10], %[t10], %[t10]\n\t"
+      "vpmaddwd %[ones], %[s11], %[s11]\n\t"
+      "vpaddd %[s11], %[t11], %[t11]\n\t"
+      "vpmaddwd %[ones], %[s20], %[s20]\n\t"
+      "vpaddd %[s20], %[t20], %[t20]\n\t"
+      "vpmaddwd %[ones], %[s21], %[s21]\n\t"
+      "vpaddd %[s21], %[t21], %[t21]\n\t"
+      : [s00] "=&x"(s00), [s01] "=&x"(s01), [s10] "=&x"(s10), [s11] "=&x"(s11), [s20] "=&x"(s20),
+        [s21] "=&x"(s21), [wa] "=&x"(wa), [wb] "=&x"(wb), [xv] "=&x"(xv), [p] "=&x"(p), [t00] "=&x"(s32[0][0]),
+        [t01] "=&x"(s32[0][1]), [t10] "=&x"(s32[1][0]), [t11] "=&x"(s32[1][1]), [t20] "=&x"(s32[2][0]),
+        [t21] "=&x"(s32[2][1])
+      : [w0] "r"(w[0]), [w1] "r"(w[1]), [x0] "r"(xb), [x1] "r"(xb + nb * 32), [x2] "r"(xb + 2 * nb * 32),
+        [ones] "m"(ones)
+      : "memory");
     } else {
-      alignas(32) float t[8];
-      _mm256_store_ps(t, acc[r]);
-      for (int j = 0; j < ncols; ++j) y[r * ldy + j] = t[j];
+      for (int c0 = 0; c0 < 8; c0 += SUM) {
+        __m256i s16[MR][NG];
+        {
+          __m256i wv[NG];
+          for (int g = 0; g < NG; ++g) wv[g] = _mm256_load_si256(w[g] + c0);
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xv = _mm256_set1_epi32(load_i32(xb + r * nb * 32 + 4 * c0));
+            for (int g = 0; g < NG; ++g) s16[r][g] = _mm256_maddubs_epi16(wv[g], xv);
+          }
+        }
+        // a rolled loop: unrolled, gcc hoists every load and product ahead of the sums and spills them
+#pragma GCC unroll 1
+        for (int c = c0 + 1; c < c0 + SUM; ++c) {
+          __m256i wv[NG];
+          for (int g = 0; g < NG; ++g) wv[g] = _mm256_load_si256(w[g] + c);
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xv = _mm256_set1_epi32(load_i32(xb + r * nb * 32 + 4 * c));
+            for (int g = 0; g < NG; ++g) s16[r][g] = _mm256_add_epi16(s16[r][g], _mm256_maddubs_epi16(wv[g], xv));
+          }
+        }
+        for (int r = 0; r < MR; ++r)
+          for (int g = 0; g < NG; ++g) {
+            const __m256i t = _mm256_madd_epi16(s16[r][g], ones);
+            s32[r][g] = c0 == 0 ? t : _mm256_add_epi32(s32[r][g], t);
+          }
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256 dxr = _mm256_broadcast_ss(dx + r * nb + b), sxr = _mm256_broadcast_ss(sx + r * nb + b);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 ddx = _mm256_mul_ps(_mm256_loadu_ps(dv + (g * gstride + b) * 8), dxr);
+        acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r][g]), ddx, acc[r][g]);
+        acc[r][g] = _mm256_fmadd_ps(_mm256_loadu_ps(bv + (g * gstride + b) * 8), sxr, acc[r][g]);
+      }
     }
   }
+  for (int r = 0; r < MR; ++r)
+    for (int g = 0; g < NG; ++g) {
+      float* yr = y + r * ldy + 8 * g;
+      if (ncols[g] == 8) {
+        _mm256_storeu_ps(yr, acc[r][g]);
+      } else {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, acc[r][g]);
+        for (int j = 0; j < ncols[g]; ++j) yr[j] = t[j];
+      }
+    }
+}
+
+// Rows [m, mend) of x against NG groups of weights: tiles of MR rows, then one tile of the 1 to MR - 1 left over.
+// Not inlined: inside gemm8's OpenMP body gcc runs out of registers for the tile and spills its sums.
+template <int MR, int NG, int SUM>
+__attribute__((noinline)) void gemm8_rows(const uint8_t* wq, const float* dv, const float* bv, int64_t gstride, const int8_t* qx,
+                const float* dx, const float* sx, int64_t nb, int64_t m, int64_t mend, float* y, int64_t ldy,
+                const int* ncols) {
+  auto tile = [&](auto mr, int64_t m0) {
+    gemm8_tile<decltype(mr)::value, NG, SUM>(wq, dv, bv, gstride, qx + m0 * nb * 32, dx + m0 * nb, sx + m0 * nb,
+                                             nb, y + m0 * ldy, ldy, ncols);
+  };
+  for (; m + MR <= mend; m += MR) tile(std::integral_constant<int, MR>{}, m);
+  tile_of_rest<MR - 1>(mend - m, m, tile);
+}
+
+// Scratch for one call, left uninitialized: every element is written before it is read (std::vector's zeroing of
+// x's bytes and the repacked weights was 2% of a call).
+template <class T>
+std::unique_ptr<T[]> scratch(int64_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
 }
 
 template <int64_t FMT>
@@ -347,48 +817,46 @@ void gemm8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_b
   constexpr int SUM = (FMT == Q4_0 || FMT == Q4_1) ? 8 : 4;
   const int64_t nb = K / 32, groups = (N + 7) / 8;
   // x per block of 32 (quantize_block32: the small-M kernel's integers), dx and dx * sum(qx); rows in parallel
-  std::vector<int8_t> qx(M * K);
-  std::vector<float> dx(M * nb), sx(M * nb);
+  const auto qx = scratch<int8_t>(M * K);
+  const auto dx = scratch<float>(M * nb), sx = scratch<float>(M * nb);
   // the weights repacked per group of 8 rows (32 bytes of u per weight row and block, 1.6x the Q4 blocks)
-  std::vector<uint8_t> wq(groups * nb * G8_BYTES + 32);
-  uint8_t* wq_base = wq.data() + ((32 - reinterpret_cast<uintptr_t>(wq.data()) % 32) % 32);
-  std::vector<float> dv(groups * nb * 8), bv(groups * nb * 8);
-  // Rows of x in chunks that stay in L2 beside a group's weights while every group passes over them.
-  constexpr int64_t MC = 64;
+  const auto wq = scratch<uint8_t>(groups * nb * G8_BYTES + 32);
+  uint8_t* wq_base = wq.get() + ((32 - reinterpret_cast<uintptr_t>(wq.get()) % 32) % 32);
+  const auto dv = scratch<float>(groups * nb * 8), bv = scratch<float>(groups * nb * 8);
+  // Rows of x in chunks (of whole tiles) that stay in L2 beside a pair of groups' weights while every pair passes
+  // over them; tiles of MR rows x 2 groups (16 columns of y), the last group of an odd count 4 rows x 1.
+  constexpr int NG = 2, MR = SUM == 8 ? 5 : 3;  // the assembly tiles' (gemm8_tile)
+  constexpr int64_t MC = 16 * MR;
+  const int64_t units = (groups + NG - 1) / NG, gstride = nb;
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static) nowait
     for (int64_t i = 0; i < M * nb; ++i) {
       float d;
-      const int s = quantize_block32(x + i * 32, qx.data() + i * 32, d);
+      const int s = quantize_block32_avx2(x + i * 32, qx.get() + i * 32, d);
       dx[i] = d;
       sx[i] = d * static_cast<float>(s);
     }
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; ++g)
-      repack_group8<FMT>(w, row_bytes, N, g * 8, nb, wq_base + g * nb * G8_BYTES, dv.data() + g * nb * 8,
-                         bv.data() + g * nb * 8);
+      repack_group8<FMT>(w, row_bytes, N, g * 8, nb, wq_base + g * nb * G8_BYTES, dv.get() + g * nb * 8,
+                         bv.get() + g * nb * 8);
     for (int64_t mc = 0; mc < M; mc += MC) {
       const int64_t mend = std::min(M, mc + MC);
 #pragma omp for schedule(static)
-      for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t u = 0; u < units; ++u) {
+        const int64_t g = u * NG;
         const uint8_t* wg = wq_base + g * nb * G8_BYTES;
-        const float* dg = dv.data() + g * nb * 8;
-        const float* bg = bv.data() + g * nb * 8;
-        const int ncols = static_cast<int>(std::min<int64_t>(8, N - g * 8));
-        int64_t m = mc;
-        for (; m + 4 <= mend; m += 4)
-          gemm8_tile<4, SUM>(wg, dg, bg, qx.data() + m * K, dx.data() + m * nb, sx.data() + m * nb, nb,
-                             y + m * N + g * 8, N, ncols);
-        switch (mend - m) {
-          case 3: gemm8_tile<3, SUM>(wg, dg, bg, qx.data() + m * K, dx.data() + m * nb, sx.data() + m * nb, nb,
-                                     y + m * N + g * 8, N, ncols); break;
-          case 2: gemm8_tile<2, SUM>(wg, dg, bg, qx.data() + m * K, dx.data() + m * nb, sx.data() + m * nb, nb,
-                                     y + m * N + g * 8, N, ncols); break;
-          case 1: gemm8_tile<1, SUM>(wg, dg, bg, qx.data() + m * K, dx.data() + m * nb, sx.data() + m * nb, nb,
-                                     y + m * N + g * 8, N, ncols); break;
-          default: break;
-        }
+        const float* dg = dv.get() + g * nb * 8;
+        const float* bg = bv.get() + g * nb * 8;
+        const int ncols[2] = {static_cast<int>(std::min<int64_t>(8, N - g * 8)),
+                              static_cast<int>(std::clamp<int64_t>(N - g * 8 - 8, 0, 8))};
+        if (NG == 2 && g + 1 < groups)
+          gemm8_rows<MR, NG, SUM>(wg, dg, bg, gstride, qx.get(), dx.get(), sx.get(), nb, mc, mend, y + g * 8, N,
+                                  ncols);
+        else  // the last group of an odd count
+          gemm8_rows<4, 1, SUM>(wg, dg, bg, gstride, qx.get(), dx.get(), sx.get(), nb, mc, mend, y + g * 8, N,
+                                ncols);
       }
     }
   }
