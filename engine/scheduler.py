@@ -250,7 +250,7 @@ class Scheduler:
     def _due_by_deadline(self, batch: Batch, now: float) -> dict[TokenKind, tuple[tuple[float, int], ...]]:
         """Per kind of work, its work still on time as (deadline, tokens due by then, all of that kind's rows due
         no later counted), earliest first: the queued rows (WaitQueue.due) and the running ones part-way through that
-        are not in this step yet (an encoder row: its stages still to run)."""
+        are not in this step yet."""
         by_kind: dict[TokenKind, dict[float, int]] = {}
         for queue in self.queues.values():
             for (kind, deadline), n in queue.due().items():
@@ -261,8 +261,7 @@ class Scheduler:
             if (seq.deadline is not None and seq.deadline >= now and math.isfinite(seq.deadline)
                     and seq.num_uncomputed_tokens > (1 if seq.samples else 0) and not _in_batch(seq, batch)):
                 per = by_kind.setdefault(work_kind(seq), {})
-                left = seq.stage_tokens(seq.stages - seq.stages_done) if seq.staged else seq.num_uncomputed_tokens
-                per[seq.deadline] = per.get(seq.deadline, 0) + left
+                per[seq.deadline] = per.get(seq.deadline, 0) + seq.num_uncomputed_tokens
         out = {}
         for kind, per in by_kind.items():
             total, points = 0, []
