@@ -22,8 +22,7 @@ Two policies:
   the price of its least unit: a unit bigger than a step's share (a cross-encoder pair, an encoder stage) rides once
   its share has saved for it, and a chunk's leftover is carried, so over a run every kind gets its share. Under a
   fixed T a step stays under its limit except for such a saved-for unit. With deadlines, late work takes its share
-  first; work still on time then takes, earliest deadline first, what keeps it on time at this cadence (`pace_s`:
-  all of the kind's tokens due by each of its deadlines, `Waiting.due`, plus the forward each step pays again),
+  first; work still on time then takes, earliest deadline first, what keeps it on time at this cadence (`pace_s`),
   then the rest of the step up to what the decodes' slack lends (`lend_limit`). Work more urgent than every decode is
   not held to the objective. Until the model is ready (calibrated at start-up, or after its first few steps), and
   with no decodes in the step (nothing to protect), `fallback` (a ShareAdmission) decides.
@@ -60,10 +59,6 @@ class Waiting:
     least: int  # the fewest tokens of that head a step can take (a token of a chunked kind, else `unit`)
     tokens: int  # tokens of this kind that could run (what any grant can use at most)
     deadline: float | None = None  # when that head's request's first result is due (None: it has no deadline)
-    # All of this kind's work still on time, not only what one step could take: (deadline, tokens due by then),
-    # earliest first, each counting every row due no later (a rerank's 21 rows, the next request's behind them). The
-    # pace is priced against each (`LatencyAdmission.pace_s`); () when none has a deadline.
-    due: tuple[tuple[float, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,35 +253,19 @@ class LatencyAdmission(AdmissionPolicy):
         due = min(first + n * pace for first, n in view.paces)
         return max(limit, min(due - view.now, pace))
 
-    def pace_s(self, w: Waiting, now: float, shape: StepShape, cadence: float) -> float:
-        """Seconds of this step that `w` (still on time) needs so that its work is done by its deadlines: the most any
-        of its deadlines asks (`Waiting.due`: the tokens due by each; without it, the head's deadline and `w.tokens`),
-        each by `_need_s`."""
-        points = w.due or ((w.deadline, w.tokens),)
-        return max((self._need_s(w.kind, tokens, deadline - now, shape, cadence) for deadline, tokens in points),
-                   default=0.0)
-
-    def _need_s(self, kind: TokenKind, tokens: int, left: float, shape: StepShape, cadence: float) -> float:
-        """Seconds of this step that `tokens` of `kind` due in `left` seconds need, beside the step so far (`shape`):
-        their token price over the steps left before one step (`cadence`) ahead of the deadline, plus what every step
-        that carries the kind pays to run it at all (`fixed`: an encoder's forward, the wide path's jump; none for a
-        prompt riding the decodes' forward), a step being `cadence` or the step this need makes beside the step so far
-        (`base`), whichever is longer: with a = the token price / that time left, max(fixed + a x cadence,
-        (fixed + a x base) / (1 - a)); inf (all the caller allows) within that last step; 0 when their price alone is
-        over the time left (they could not make it: served as late work is, not in one long step that would make the
-        work due after them late too). Without `fixed`, work paced over many steps (an embedding's rows in stages
-        beside one decode) paid its forward in each and was late."""
-        price = self.model.predict(_plus(StepShape(), kind, tokens))
+    def pace_s(self, w: Waiting, now: float, base: float, cadence: float) -> float:
+        """Seconds of this step that `w` (still on time) needs to be done by its deadline: its waiting work's price
+        alone over the steps left before one step (`cadence`) ahead of the deadline, a step being `cadence` or the step
+        this need makes beside `base` (the step so far), whichever is longer: with a = that price / that time left,
+        a x max(cadence, base / (1 - a)); inf (all the caller allows) within that last step. 0 for work that could not
+        make it even alone (its price over the time left): it is served as late work is."""
+        price, left = self.model.predict(_plus(StepShape(), w.kind, w.tokens)), w.deadline - now
         if price >= left:
             return 0.0
-        base = self.model.predict(shape)
-        fixed = max(0.0, self.model.predict(_plus(shape, kind, 1)) - base - self.model.token_cost_s(kind))
         # Aimed one step early (`cadence`), so the model's error does not put the first result just past its
         # deadline; within that last step, all of the step the caller allows.
-        a = max(0.0, price - fixed) / max(left - cadence, 1e-9)
-        if a >= 1.0:
-            return math.inf
-        return max(fixed + a * cadence, (fixed + a * base) / (1.0 - a))
+        a = price / max(left - cadence, 1e-9)
+        return a * max(cadence, base / (1.0 - a)) if a < 1.0 else math.inf
 
     def observe(self, record: "StepRecord") -> None:
         if record.target_s is not None:
@@ -362,15 +341,9 @@ class LatencyAdmission(AdmissionPolicy):
         got: dict[TokenKind, int] = {}  # tokens granted per kind, in the order the scheduler fills them
         paced_to = 0.0  # the widest cap pacing granted tokens under (reported in the step's limit)
 
-        def take(w: Waiting, cap: float, bound: float | None = None) -> int:
-            """Grant `w` what fits under `cap`. `bound`: `cap` is a need, rounded up to `w`'s whole units as far as
-            `bound` allows (the scheduler takes a staged row's stages whole, so a need of 1.4 stages granted as 1 fell
-            behind each step)."""
+        def take(w: Waiting, cap: float) -> int:
             nonlocal shape
-            room, most = left - sum(got.values()), w.tokens - got.get(w.kind, 0)
-            n = min(self._fit(shape, w, cap, room), most)
-            if bound is not None and n > 0 and w.least > 1 and n % w.least:
-                n = min(-(-n // w.least) * w.least, most, self._fit(shape, w, bound, room))
+            n = min(self._fit(shape, w, cap, left - sum(got.values())), w.tokens - got.get(w.kind, 0))
             if n > 0:
                 shape, got[w.kind] = _plus(shape, w.kind, n), got.get(w.kind, 0) + n
             return n
@@ -401,8 +374,8 @@ class LatencyAdmission(AdmissionPolicy):
         paced = lend if self.tpot_target_s is not None else lend + self.pace(view.shape)
         for w in on_time:
             step = self.model.predict(shape)
-            cap = min(step + self.pace_s(w, view.now, shape, lend), paced)
-            if take(w, cap, paced):
+            cap = min(step + self.pace_s(w, view.now, step, lend), paced)
+            if take(w, cap):
                 paced_to = max(paced_to, cap)
         for w in on_time:
             take(w, max(share_cap(w), lend))

@@ -42,10 +42,6 @@ class WaitQueue:
         # per class: (on-time heap, late heap), both of (deadline, arrival, seq); a row moves to late once, for good
         self._classes: dict[int, tuple[list[tuple[float, int, Sequence]], list[tuple[float, int, Sequence]]]] = {}
         self._len = 0
-        # Tokens waiting per (kind of work, deadline), rows with a finite deadline only (`due`); what each row added,
-        # so that taking it out takes back exactly that.
-        self._due: dict[tuple[TokenKind, float], int] = {}
-        self._counted: dict[int, tuple[tuple[TokenKind, float], int]] = {}
 
     def __len__(self) -> int:
         return self._len
@@ -60,25 +56,6 @@ class WaitQueue:
         seq.waiting_since_step = step
         heapq.heappush(self._classes.setdefault(seq.priority, ([], []))[0], (seq.deadline_key, seq.arrival, seq))
         self._len += 1
-        if seq.deadline is not None and math.isfinite(seq.deadline):
-            key, n = (work_kind(seq), seq.deadline), seq.num_tokens - seq.num_computed_tokens
-            self._due[key] = self._due.get(key, 0) + n
-            self._counted[id(seq)] = (key, n)
-
-    def _uncount(self, seq: Sequence) -> None:
-        counted = self._counted.pop(id(seq), None)
-        if counted is not None:
-            key, n = counted
-            left = self._due[key] - n
-            if left:
-                self._due[key] = left
-            else:
-                del self._due[key]
-
-    def due(self) -> Mapping[tuple[TokenKind, float], int]:
-        """Tokens waiting here per (kind of work, deadline), for rows with a deadline: what the policy paces against
-        each deadline (StepView's Waiting.due)."""
-        return self._due
 
     def peek(self, step: int, now: float = -math.inf) -> Sequence | None:
         return self.peek_keyed(step, now)[1]
@@ -106,7 +83,6 @@ class WaitQueue:
         on_time, late = self._classes[seq.priority]
         heapq.heappop(on_time if on_time and on_time[0][-1] is seq else late)
         self._len -= 1
-        self._uncount(seq)
 
     def remove(self, seq: Sequence) -> bool:
         for heap in self._classes.get(seq.priority, ()):
@@ -116,7 +92,6 @@ class WaitQueue:
                     heap.pop()
                     heapq.heapify(heap)
                     self._len -= 1
-                    self._uncount(seq)
                     return True
         return False
 
@@ -234,42 +209,17 @@ class Scheduler:
             key, head = queue.peek_keyed(self.num_steps, self._now)
             if head is not None and not head.blocked:
                 offer(key, head, _tokens_up_to(queue, budget))
-        due = self._due_by_deadline(batch, now) if heads else {}
         waiting = []
         for kind, (key, head, tokens) in sorted(heads.items(), key=lambda kv: kv[1][0]):
             unit = self._unit(head)
             waiting.append(Waiting(kind, key[0], _urgency(kind, key, head), key[-1], unit,
-                                   1 if head.uses_kv else unit, tokens, head.deadline, due.get(kind, ())))
+                                   1 if head.uses_kv else unit, tokens, head.deadline))
         free = self.max_seqs - len(self.running)
         joining = min(sum(len(q) for q in self._prompts), free) + sum(1 for s in self.running if s.samples and not s.num_output_tokens)
         paces = tuple((s.deadline, s.num_output_tokens) for s in batch.seqs
                       if s.samples and s.deadline is not None and s.num_uncomputed_tokens == 1)
         return StepView(StepShape.of_batch(batch), batch.min_decode_priority, budget, free, tuple(waiting),
                         self.embed_budget, joining, now, paces)
-
-    def _due_by_deadline(self, batch: Batch, now: float) -> dict[TokenKind, tuple[tuple[float, int], ...]]:
-        """Per kind of work, its work still on time as (deadline, tokens due by then, all of that kind's rows due
-        no later counted), earliest first: the queued rows (WaitQueue.due) and the running ones part-way through that
-        are not in this step yet."""
-        by_kind: dict[TokenKind, dict[float, int]] = {}
-        for queue in self.queues.values():
-            for (kind, deadline), n in queue.due().items():
-                if deadline >= now:
-                    per = by_kind.setdefault(kind, {})
-                    per[deadline] = per.get(deadline, 0) + n
-        for seq in self.running:
-            if (seq.deadline is not None and seq.deadline >= now and math.isfinite(seq.deadline)
-                    and seq.num_uncomputed_tokens > (1 if seq.samples else 0) and not _in_batch(seq, batch)):
-                per = by_kind.setdefault(work_kind(seq), {})
-                per[seq.deadline] = per.get(seq.deadline, 0) + seq.num_uncomputed_tokens
-        out = {}
-        for kind, per in by_kind.items():
-            total, points = 0, []
-            for deadline in sorted(per):
-                total += per[deadline]
-                points.append((deadline, total))
-            out[kind] = tuple(points)
-        return out
 
     def _unit(self, seq: Sequence) -> int:
         """The smallest unit of `seq`'s work a step can take: a chunk of a prompt or an LLM-scored pair, one stage of
