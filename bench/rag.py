@@ -668,7 +668,7 @@ def table_rows(runs: dict[str, list[dict]]) -> list[dict]:
                          "ttft_p90_spread_s": _spread([s["ttft_p90_s"] for s in ss]),
                          "stages_p50": stage, "ttft_attainment": _median([s["ttft_attainment"] for s in ss]),
                          "tpot_met_runs": sum(s["tpot_met"] for s in ss), "met_runs": sum(s["met"] for s in ss),
-                         "met_mean_runs": sum(s.get("met_mean", False) for s in ss)})
+                         "met_mean_runs": sum(s["met_mean"] for s in ss)})
     return rows
 
 
@@ -677,7 +677,7 @@ def goodputs(runs: dict[str, list[dict]], key: str = "goodput_req_s") -> dict:
     their median and range."""
     out = {}
     for system, sessions in runs.items():
-        vals = [s.get(key, 0.0) for s in sessions]
+        vals = [s[key] for s in sessions]
         out[system] = {"per_run": vals, "median": _median(vals), "min": min(vals), "max": max(vals)}
     return out
 
@@ -720,7 +720,7 @@ def table_text(rows: list[dict], good: dict, slo: Slo, good_mean: dict | None = 
                      f"{_fmt(r['ttft_p90_s']):>10}{r['ttft_p90_spread_s']:>14}{_fmt(st['embed_s']):>8}"
                      f"{_fmt(st['rerank_s']):>8}{_fmt(st['answer_ttft_s']):>9}{_fmt(st['tpot_p50_s'], 1e3, '.1f'):>9}"
                      f"{_fmt(r['ttft_attainment'], 100, '.0f') + '%':>8}{r['met_runs']:>4}/{r['runs']}"
-                     f"{r.get('met_mean_runs', 0):>4}/{r['runs']}")
+                     f"{r['met_mean_runs']:>4}/{r['runs']}")
     for label, g_all in (("goodput", good), ("goodput, vLLM's TPOT", good_mean or {})):
         for system, g in g_all.items():
             spread = f" (runs: {', '.join(f'{v:g}' for v in g['per_run'])})" if len(g["per_run"]) > 1 else ""
